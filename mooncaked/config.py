@@ -1,0 +1,321 @@
+"""The one frozen configuration of a process.
+
+1. `load_config(path, overrides)` reads YAML, applies `--set key.path=value` overrides to the raw data, then
+   builds the frozen dataclasses below, collecting every error (`ConfigError` lists them all).
+2. `Config.instance_for(role, name, host, port)` finds this process's entry in the shared cluster list.
+3. `Config.role_section(instance)` gives that role's section with the instance's own overrides applied.
+
+Every option is documented in config.example.yaml; tests/test_config.py checks that the file loads and names
+every key. Derived facts (KV block counts, EOS ids) are not config: they live with the components.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+from mooncaked.config_schema import ConfigIssue, bounded, build, suggest
+
+ROLES = ("conductor", "prefill", "decode", "store")
+Role = Literal["conductor", "prefill", "decode", "store"]
+
+
+class ConfigError(Exception):
+    """Every problem found in a configuration, one per line."""
+
+    def __init__(self, issues: list[ConfigIssue]) -> None:
+        self.issues = issues
+        super().__init__("\n".join(str(i) for i in issues))
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    source: str = bounded("embedded:smollm2", doc="embedded:smollm2 | HF dir | .gguf | random:<preset>")
+    name: str = "smollm2-135m"
+    dtype: str = bounded("float32", choices=("float32", "float16", "bfloat16"))
+    device: str = "cpu"
+    kernel_backend: str = bounded("auto", choices=("auto", "triton", "torch"))
+    max_model_len: int = bounded(2048, min=16)
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class RuntimeSection:
+    num_threads: int = bounded(1, min=1, max=1024)
+    log_level: str = bounded("info", choices=("debug", "info", "warning", "error"))
+    log_format: str = bounded("text", choices=("text", "json"))
+    drain_timeout_s: float = bounded(10.0, min=0.0)
+    state_dir: str = "/tmp/mooncaked"
+
+
+@dataclass(frozen=True)
+class RpcSection:
+    max_frame_bytes: int = bounded(16 * 1024 * 1024, min=1024)
+    max_inflight_calls: int = bounded(1024, min=1)
+    pool_size: int = bounded(2, min=1, max=64)
+    connect_timeout_s: float = bounded(3.0, min=0.01)
+    call_timeout_s: float = bounded(30.0, min=0.01)
+
+
+@dataclass(frozen=True)
+class KvSection:
+    block_size: int = bounded(64, min=1, max=4096)
+
+
+@dataclass(frozen=True)
+class TransferSection:
+    transports: list[str] = bounded(["local", "tcp"])
+    slice_bytes: int = bounded(64 * 1024, min=4096)
+    num_connections_per_peer: int = bounded(4, min=1, max=64)
+    max_retries: int = bounded(3, min=0, max=100)
+    path_cooldown_s: float = bounded(5.0, min=0.0)
+    timeout_s: float = bounded(30.0, min=0.01)
+
+
+@dataclass(frozen=True)
+class StoreSection:
+    dram_bytes: int = bounded(1 << 30, min=1 << 20)
+    shm_dir: str = "/dev/shm"
+    ssd_dir: Optional[str] = None
+    ssd_bytes: int = bounded(8 << 30, min=0)
+    eviction_policy: str = bounded("lru", choices=("lru", "lfu", "length_aware"))
+    high_watermark: float = bounded(0.95, min=0.0, max=1.0)
+    low_watermark: float = bounded(0.85, min=0.0, max=1.0)
+    default_lease_ms: int = bounded(30_000, min=1)
+    max_lease_ms: int = bounded(600_000, min=1)
+    maintenance_interval_s: float = bounded(0.5, min=0.01)
+    max_events_buffered: int = bounded(100_000, min=16)
+
+
+@dataclass(frozen=True)
+class SchedulerSection:
+    policy: str = bounded("kvcache_centric",
+                          choices=("kvcache_centric", "cache_aware", "load_balancing", "random"))
+    admission: str = bounded("early_rejection_predicted",
+                             choices=("none", "baseline", "early_rejection", "early_rejection_predicted"))
+    kvcache_balancing_threshold: float = bounded(2.0, min=1.0)
+    ttft_slo_ms: float = bounded(30_000.0, min=1.0)
+    tbt_slo_ms: float = bounded(1_000.0, min=1.0)
+    link_gbps: float = bounded(10.0, min=0.001)
+    prefill_profile: Optional[str] = None
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ConductorSection:
+    api_keys_file: Optional[str] = None
+    max_body_bytes: int = bounded(8 << 20, min=1024)
+    request_timeout_s: float = bounded(600.0, min=0.1)
+    prefill_timeout_s: float = bounded(120.0, min=0.1)
+    first_token_timeout_s: float = bounded(120.0, min=0.1)
+    token_timeout_s: float = bounded(30.0, min=0.1)
+    retry_after_s: int = bounded(1, min=0)
+    default_max_tokens: int = bounded(256, min=1)
+
+
+@dataclass(frozen=True)
+class WorkerSection:
+    """Settings shared by prefill and decode instances (a model replica with paged KV)."""
+
+    num_kv_pages: int = bounded(512, min=1)
+    max_batch_size: int = bounded(32, min=1)
+    max_batch_tokens: int = bounded(4096, min=16)
+    prefill_chunk: int = bounded(1024, min=16)
+    inline_prefill_max_tokens: int = bounded(256, min=0)
+    kv_load_timeout_s: float = bounded(60.0, min=0.01)
+
+
+@dataclass(frozen=True)
+class InstanceConfig:
+    name: str
+    role: Role
+    host: str = "127.0.0.1"
+    port: int = bounded(0, min=0, max=65535, doc="RPC port (conductor: HTTP port)")
+    rpc_port: int = bounded(0, min=0, max=65535, doc="conductor only: RPC port (0: none)")
+    data_port: int = bounded(0, min=0, max=65535, doc="store only: transfer engine data port")
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ClusterSection:
+    id: str = "mooncaked"
+    secret_file: Optional[str] = None
+    instances: list[InstanceConfig] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Config:
+    cluster: ClusterSection = field(default_factory=ClusterSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    runtime: RuntimeSection = field(default_factory=RuntimeSection)
+    rpc: RpcSection = field(default_factory=RpcSection)
+    kv: KvSection = field(default_factory=KvSection)
+    transfer: TransferSection = field(default_factory=TransferSection)
+    store: StoreSection = field(default_factory=StoreSection)
+    scheduler: SchedulerSection = field(default_factory=SchedulerSection)
+    conductor: ConductorSection = field(default_factory=ConductorSection)
+    worker: WorkerSection = field(default_factory=WorkerSection)
+
+    def instances_of(self, role: str) -> list[InstanceConfig]:
+        return [i for i in self.cluster.instances if i.role == role]
+
+    def instance_named(self, name: str) -> InstanceConfig:
+        for instance in self.cluster.instances:
+            if instance.name == name:
+                return instance
+        names = [i.name for i in self.cluster.instances]
+        raise ConfigError([ConfigIssue("cluster.instances", f"no instance named {name!r}" + suggest(name, names))])
+
+    def store_for_host(self, host: str) -> InstanceConfig | None:
+        return next((i for i in self.instances_of("store") if i.host == host), None)
+
+    def instance_for(self, role: str, name: str | None = None, host: str | None = None,
+                     port: int | None = None) -> InstanceConfig:
+        """This process's entry: by name, else the single one of `role` matching host/port."""
+        if name is not None:
+            instance = self.instance_named(name)
+            if instance.role != role:
+                raise ConfigError([ConfigIssue("cluster.instances", f"instance {name!r} has role "
+                                               f"{instance.role!r}, not {role!r}")])
+            return instance
+        matches = [i for i in self.instances_of(role)
+                   if (host is None or i.host == host) and (port is None or i.port == port)]
+        if len(matches) != 1:
+            what = "no" if not matches else f"{len(matches)}"
+            raise ConfigError([ConfigIssue("cluster.instances", f"{what} {role} instances match; "
+                                           "pass --instance NAME to choose one")])
+        return matches[0]
+
+    def role_section(self, instance: InstanceConfig) -> Any:
+        """The instance's role section with its `settings` applied (validated at load time)."""
+        base = _role_base_section(self, instance.role)
+        if not instance.settings:
+            return base
+        return dataclasses.replace(base, **instance.settings)
+
+
+_ROLE_SECTION = {"conductor": "conductor", "prefill": "worker", "decode": "worker", "store": "store"}
+
+
+def _role_base_section(config: Config, role: str) -> Any:
+    return getattr(config, _ROLE_SECTION[role])
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """YAML file (or defaults when None), then `key.path=value` overrides; raises ConfigError."""
+    issues: list[ConfigIssue] = []
+    data: Any = {}
+    if path is not None:
+        data = _read_yaml(Path(path), issues)
+    for override in overrides or []:
+        data = apply_override(data, override, issues)
+    config = build(Config, data, "", issues) if not issues else None
+    if config is not None:
+        issues.extend(validate(config))
+    if issues or config is None:
+        raise ConfigError(issues or [ConfigIssue("", "invalid configuration")])
+    return config
+
+
+def _read_yaml(path: Path, issues: list[ConfigIssue]) -> Any:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        issues.append(ConfigIssue("", f"config file {path} does not exist"))
+        return {}
+    except yaml.YAMLError as exc:
+        issues.append(ConfigIssue("", f"{path} is not valid YAML: {exc}"))
+        return {}
+    return {} if data is None else data
+
+
+def apply_override(data: Any, override: str, issues: list[ConfigIssue]) -> Any:
+    """Apply one `a.b.c=value` (value parsed as YAML; list items by index: `cluster.instances.0.port=1`)."""
+    key_path, sep, raw = override.partition("=")
+    if not sep or not key_path:
+        issues.append(ConfigIssue("", f"override {override!r} is not key.path=value"))
+        return data
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        value = raw
+    if not isinstance(data, dict):
+        data = {}
+    node: Any = data
+    parts = key_path.split(".")
+    for depth, part in enumerate(parts):
+        is_last = depth == len(parts) - 1
+        node = _descend(node, part, value if is_last else None, is_last, ".".join(parts[: depth + 1]), issues)
+        if node is None:
+            break
+    return data
+
+
+def _descend(node: Any, part: str, value: Any, is_last: bool, where: str, issues: list[ConfigIssue]) -> Any:
+    if isinstance(node, list):
+        if not part.isdigit() or int(part) >= len(node):
+            issues.append(ConfigIssue(where, f"no list item {part!r} (have {len(node)})"))
+            return None
+        if is_last:
+            node[int(part)] = value
+            return None
+        return node[int(part)]
+    if not isinstance(node, dict):
+        issues.append(ConfigIssue(where, "cannot set a key below a non-mapping value"))
+        return None
+    if is_last:
+        node[part] = value
+        return None
+    child = node.get(part)
+    if child is None:
+        child = node[part] = {}
+    return child
+
+
+def validate(config: Config) -> list[ConfigIssue]:
+    """Cross-field checks that a single field's bounds cannot express."""
+    issues: list[ConfigIssue] = []
+    if config.store.low_watermark > config.store.high_watermark:
+        issues.append(ConfigIssue("store.low_watermark", "must not exceed store.high_watermark"))
+    for transport in config.transfer.transports:
+        if transport not in ("local", "tcp", "rdma"):
+            issues.append(ConfigIssue("transfer.transports", f"unknown transport {transport!r}"
+                                      + suggest(transport, ["local", "tcp", "rdma"])))
+    issues.extend(_validate_instances(config))
+    return issues
+
+
+def _validate_instances(config: Config) -> list[ConfigIssue]:
+    issues: list[ConfigIssue] = []
+    seen_names: set[str] = set()
+    seen_ports: set[tuple[str, int]] = set()
+    for index, instance in enumerate(config.cluster.instances):
+        where = f"cluster.instances[{index}]"
+        if instance.name in seen_names:
+            issues.append(ConfigIssue(f"{where}.name", f"duplicate instance name {instance.name!r}"))
+        seen_names.add(instance.name)
+        for port in (instance.port, instance.rpc_port, instance.data_port):
+            if port and (instance.host, port) in seen_ports:
+                issues.append(ConfigIssue(where, f"port {port} on {instance.host} is used twice"))
+            seen_ports.add((instance.host, port))
+        issues.extend(_validate_settings(config, instance, f"{where}.settings"))
+    return issues
+
+
+def _validate_settings(config: Config, instance: InstanceConfig, where: str) -> list[ConfigIssue]:
+    if not instance.settings:
+        return []
+    base = _role_base_section(config, instance.role)
+    issues: list[ConfigIssue] = []
+    merged = {**dataclasses.asdict(base), **instance.settings}
+    build(type(base), merged, where, issues)
+    return issues
+
+
+def config_as_dict(config: Config) -> dict[str, Any]:
+    """Plain data for printing (`check-config`) and for handing to child processes."""
+    return dataclasses.asdict(config)

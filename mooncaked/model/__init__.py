@@ -1,0 +1,1 @@
+"""mooncaked.model"""

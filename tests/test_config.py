@@ -1,0 +1,167 @@
+"""Config: every validation path, overrides, instance lookup, the example file."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mooncaked.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "config.example.yaml"
+
+
+def write(tmp_path: Path, data: object) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def errors_of(tmp_path: Path, data: object, overrides: list[str] | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, data), overrides)
+    return str(info.value)
+
+
+def test_example_file_loads_and_has_four_roles() -> None:
+    config = load_config(EXAMPLE)
+    assert sorted(i.role for i in config.cluster.instances) == ["conductor", "decode", "prefill", "store"]
+    assert config.model.source == "embedded:smollm2"
+
+
+def test_example_file_documents_every_option() -> None:
+    """Every leaf key of the dataclasses appears, with a comment, in config.example.yaml."""
+    from mooncaked.config import Config
+    import dataclasses
+
+    text = EXAMPLE.read_text()
+    for section in dataclasses.fields(Config):
+        if section.name == "cluster":
+            continue
+        section_type = type(getattr(Config(), section.name))
+        assert re.search(rf"^{section.name}:", text, re.M), section.name
+        for option in dataclasses.fields(section_type):
+            assert re.search(rf"^\s+{option.name}:.*#", text, re.M), f"{section.name}.{option.name} undocumented"
+
+
+def test_defaults_without_file() -> None:
+    config = load_config(None)
+    assert config.kv.block_size == 64 and config.cluster.instances == []
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_invalid_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("a: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(path)
+
+
+def test_typo_suggests_nearest_key(tmp_path: Path) -> None:
+    message = errors_of(tmp_path, {"kv": {"blok_size": 16}})
+    assert "kv.blok_size: unknown key (did you mean 'block_size'?)" in message
+
+
+def test_unknown_section_suggests(tmp_path: Path) -> None:
+    assert "did you mean 'store'" in errors_of(tmp_path, {"stor": {}})
+
+
+def test_type_and_range_errors_are_all_collected(tmp_path: Path) -> None:
+    message = errors_of(tmp_path, {"kv": {"block_size": "big"}, "rpc": {"pool_size": 0},
+                                   "store": {"high_watermark": 1.5}, "runtime": {"log_level": "loud"}})
+    assert "kv.block_size: expected int, got 'big'" in message
+    assert "rpc.pool_size: must be >= 1" in message
+    assert "store.high_watermark: must be <= 1.0" in message
+    assert "runtime.log_level: must be one of" in message
+    assert len(message.splitlines()) == 4
+
+
+def test_bool_is_not_an_int(tmp_path: Path) -> None:
+    assert "expected int" in errors_of(tmp_path, {"kv": {"block_size": True}})
+
+
+def test_int_accepted_for_float(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, {"runtime": {"drain_timeout_s": 3}}))
+    assert config.runtime.drain_timeout_s == 3.0
+
+
+def test_cross_field_watermarks(tmp_path: Path) -> None:
+    message = errors_of(tmp_path, {"store": {"high_watermark": 0.5, "low_watermark": 0.6}})
+    assert "store.low_watermark: must not exceed store.high_watermark" in message
+
+
+def test_unknown_transport(tmp_path: Path) -> None:
+    assert "unknown transport 'tpc' (did you mean 'tcp'?)" in errors_of(tmp_path, {"transfer": {"transports": ["tpc"]}})
+
+
+def test_instance_errors(tmp_path: Path) -> None:
+    data = {"cluster": {"instances": [
+        {"name": "a", "role": "store", "port": 1},
+        {"name": "a", "role": "prefil", "port": 1},
+        {"role": "decode"},
+    ]}}
+    message = errors_of(tmp_path, data)
+    assert "cluster.instances[1].role: must be one of" in message and "did you mean 'prefill'" in message
+    assert "cluster.instances[2].name: required key is missing" in message
+
+
+def test_duplicate_names_and_ports(tmp_path: Path) -> None:
+    data = {"cluster": {"instances": [{"name": "a", "role": "store", "port": 5},
+                                      {"name": "a", "role": "decode", "port": 5}]}}
+    message = errors_of(tmp_path, data)
+    assert "duplicate instance name 'a'" in message and "port 5 on 127.0.0.1 is used twice" in message
+
+
+def test_instance_settings_validated_and_applied(tmp_path: Path) -> None:
+    bad = {"cluster": {"instances": [{"name": "p", "role": "prefill", "settings": {"num_kv_pagez": 4}}]}}
+    assert "cluster.instances[0].settings.num_kv_pagez: unknown key" in errors_of(tmp_path, bad)
+    good = {"cluster": {"instances": [{"name": "p", "role": "prefill", "settings": {"num_kv_pages": 4}}]}}
+    config = load_config(write(tmp_path, good))
+    assert config.role_section(config.instance_named("p")).num_kv_pages == 4
+
+
+def test_overrides(tmp_path: Path) -> None:
+    config = load_config(EXAMPLE, ["kv.block_size=16", "cluster.instances.0.port=9000", "store.ssd_dir=/x"])
+    assert config.kv.block_size == 16
+    assert config.cluster.instances[0].port == 9000
+    assert config.store.ssd_dir == "/x"
+
+
+def test_bad_overrides(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(EXAMPLE, ["kv.block_size", "cluster.instances.9.port=1", "kv.block_size.x=1", "kv.blocksize=2"])
+    message = str(info.value)
+    assert "is not key.path=value" in message
+    assert "no list item '9'" in message
+    assert "cannot set a key below a non-mapping value" in message
+
+
+def test_override_typo_is_reported() -> None:
+    with pytest.raises(ConfigError, match="kv.blocksize: unknown key .did you mean 'block_size'"):
+        load_config(EXAMPLE, ["kv.blocksize=2"])
+
+
+def test_instance_lookup() -> None:
+    config = load_config(EXAMPLE)
+    assert config.instance_for("store").name == "store0"
+    assert config.instance_for("decode", name="decode0").port == 7104
+    with pytest.raises(ConfigError, match="has role 'decode', not 'prefill'"):
+        config.instance_for("prefill", name="decode0")
+    with pytest.raises(ConfigError, match="did you mean 'decode0'"):
+        config.instance_named("decod0")
+    assert config.store_for_host("127.0.0.1") is not None
+
+
+def test_ambiguous_instance(tmp_path: Path) -> None:
+    data = {"cluster": {"instances": [{"name": "p1", "role": "prefill", "port": 1},
+                                      {"name": "p2", "role": "prefill", "port": 2}]}}
+    config = load_config(write(tmp_path, data))
+    with pytest.raises(ConfigError, match="pass --instance NAME"):
+        config.instance_for("prefill")
