@@ -1,0 +1,45 @@
+"""Block keys: chained, namespaced, full blocks only, deterministic."""
+
+from __future__ import annotations
+
+import pytest
+
+from mooncaked.kv.keys import KEY_BYTES, block_keys, model_namespace
+
+NS = model_namespace("smollm2-135m", "float32", 4)
+
+
+def test_only_full_blocks_get_keys() -> None:
+    assert len(block_keys(list(range(11)), 4, NS)) == 2
+    assert block_keys([1, 2, 3], 4, NS) == []
+    assert all(len(k) == KEY_BYTES for k in block_keys(list(range(8)), 4, NS))
+
+
+def test_keys_chain_on_the_prefix() -> None:
+    a = block_keys([1, 2, 3, 4, 5, 6, 7, 8], 4, NS)
+    b = block_keys([9, 2, 3, 4, 5, 6, 7, 8], 4, NS)
+    assert a[0] != b[0] and a[1] != b[1]  # same second block, different prefix
+    c = block_keys([1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 9, 9], 4, NS)
+    assert c[:2] == a  # a shared prefix gives shared keys
+
+
+def test_namespace_separates_models_dtypes_block_sizes() -> None:
+    tokens = list(range(8))
+    namespaces = [model_namespace("m1", "float32", 4), model_namespace("m2", "float32", 4),
+                  model_namespace("m1", "bfloat16", 4)]
+    keys = {block_keys(tokens, 4, ns)[0] for ns in namespaces}
+    assert len(keys) == 3
+    assert model_namespace("m1", "float32", 4) != model_namespace("m1", "float32", 8)
+
+
+def test_deterministic_known_value() -> None:
+    key = block_keys(list(range(64)), 64, model_namespace("m", "float32", 64))[0]
+    assert key == block_keys(list(range(64)), 64, model_namespace("m", "float32", 64))[0]
+    assert key.hex() == "a4f941252f99387d0e24ed29b0dd2e37"
+
+
+def test_bad_input() -> None:
+    with pytest.raises(ValueError, match="block_size must be positive"):
+        block_keys([1], 0, NS)
+    with pytest.raises(OverflowError):
+        block_keys([-1, 2, 3, 4], 4, NS)
