@@ -48,6 +48,7 @@ def store_kv(
     if resolve_backend(backend, k) == "torch":
         reference.store_kv(k, v, k_pages, v_pages, slot_mapping)
         return
+    _check_triton_device(k)
     from mooncaked.kernels import triton_kv
 
     triton_kv.store_kv(k, v, k_pages, v_pages, slot_mapping)
@@ -73,6 +74,7 @@ def prefill_attention(
         raise ValueError(f"cu_seqlens_q must be [S+1={seq_lens.shape[0] + 1}], got {tuple(cu_seqlens_q.shape)}")
     if resolve_backend(backend, q) == "torch":
         return reference.prefill_attention(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, scale)
+    _check_triton_device(q)
     from mooncaked.kernels import triton_prefill
 
     return triton_prefill.prefill_attention(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, scale)
@@ -93,6 +95,7 @@ def decode_attention(
         raise ValueError(f"decode q must have one row per sequence: q has {q.shape[0]}, seq_lens {seq_lens.shape[0]}")
     if resolve_backend(backend, q) == "torch":
         return reference.decode_attention(q, k_pages, v_pages, block_tables, seq_lens, scale)
+    _check_triton_device(q)
     from mooncaked.kernels import triton_decode
 
     return triton_decode.decode_attention(q, k_pages, v_pages, block_tables, seq_lens, scale)
@@ -103,6 +106,7 @@ def gather_blocks(pages: torch.Tensor, page_ids: torch.Tensor, backend: str = "a
     _check_page_ids(pages, page_ids)
     if resolve_backend(backend, pages) == "torch":
         return reference.gather_blocks(pages, page_ids)
+    _check_triton_device(pages)
     from mooncaked.kernels import triton_kv
 
     return triton_kv.gather_blocks(pages, page_ids)
@@ -117,9 +121,20 @@ def scatter_blocks(src: torch.Tensor, pages: torch.Tensor, page_ids: torch.Tenso
     if resolve_backend(backend, pages) == "torch":
         reference.scatter_blocks(src, pages, page_ids)
         return
+    _check_triton_device(pages)
     from mooncaked.kernels import triton_kv
 
     triton_kv.scatter_blocks(src, pages, page_ids)
+
+
+def _check_triton_device(tensor: torch.Tensor) -> None:
+    if tensor.is_cuda:
+        return
+    import triton
+
+    if not triton.knobs.runtime.interpret:
+        raise ValueError("kernel backend 'triton' needs CUDA tensors; on CPU it runs only in Triton's interpreter "
+                         "(TRITON_INTERPRET=1 set before triton is imported, as the tests do); use 'torch' or 'auto'")
 
 
 def _check_pages(k_pages: torch.Tensor, v_pages: torch.Tensor) -> None:
@@ -140,6 +155,8 @@ def _check_attention(
     _check_pages(k_pages, v_pages)
     if q.dim() != 3 or q.shape[2] != k_pages.shape[3]:
         raise ValueError(f"q must be [T, H, D={k_pages.shape[3]}], got {tuple(q.shape)}")
+    if q.dtype != k_pages.dtype:
+        raise ValueError(f"q dtype {q.dtype} must match the KV pages' dtype {k_pages.dtype}")
     if q.shape[1] % k_pages.shape[2] != 0:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k_pages.shape[2]})")
     if block_tables.dim() != 2 or seq_lens.shape != (block_tables.shape[0],):

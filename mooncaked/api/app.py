@@ -1,0 +1,154 @@
+"""The OpenAI-compatible aiohttp application in front of a `GenerationBackend`.
+
+1. `create_app` builds the application; the caller owns its runner (start/stop) and the backend.
+2. Per request, middlewares in order: take the `X-Request-Id` header (or make one) and log the outcome;
+   turn `ApiError` and aiohttp's HTTP errors into OpenAI error JSON; check the Bearer key on /v1 routes
+   when keys are configured (/health and /metrics stay open for probes and scrapers).
+3. Routes: POST /v1/completions, POST /v1/chat/completions (see `generation`), GET /v1/models,
+   GET /health, GET /metrics, GET /v1/cluster.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+
+from mooncaked.api.backend import GenerationBackend
+from mooncaked.api.errors import ApiError, error_response, internal_error, unauthorized
+from mooncaked.api.generation import request_log, serve_generation
+from mooncaked.api.requests import decode_json_body, parse_chat_request, parse_completion_request
+
+logger = logging.getLogger(__name__)
+
+REQUEST_ID_KEY = web.RequestKey("request_id", str)
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def create_app(
+    backend: GenerationBackend, *, api_keys: frozenset[str], max_body_bytes: int, request_timeout_s: float
+) -> web.Application:
+    """`request_timeout_s` bounds every wait without progress: admission, then each next chunk."""
+    if max_body_bytes <= 0 or request_timeout_s <= 0:
+        raise ValueError("max_body_bytes and request_timeout_s must be positive")
+    app = web.Application(
+        client_max_size=max_body_bytes,
+        middlewares=[_request_id_middleware, _error_middleware, _auth_middleware(api_keys)],
+    )
+    routes = _Routes(backend, max_body_bytes=max_body_bytes, request_timeout_s=request_timeout_s)
+    app.router.add_post("/v1/completions", routes.completions)
+    app.router.add_post("/v1/chat/completions", routes.chat_completions)
+    app.router.add_get("/v1/models", routes.models)
+    app.router.add_get("/v1/cluster", routes.cluster)
+    app.router.add_get("/health", routes.health)
+    app.router.add_get("/metrics", routes.metrics)
+    return app
+
+
+@web.middleware
+async def _request_id_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    given = request.headers.get("X-Request-Id", "")
+    request_id = given if _REQUEST_ID_PATTERN.match(given) else uuid.uuid4().hex
+    request[REQUEST_ID_KEY] = request_id
+    log = request_log(request_id, logger)
+    started = time.monotonic()
+    log.debug("%s %s from %s", request.method, request.path, request.remote)
+    response = await handler(request)
+    log.info("%s %s -> %d in %.1f ms", request.method, request.path, response.status,
+             (time.monotonic() - started) * 1e3)
+    if not response.prepared:
+        response.headers["X-Request-Id"] = request_id
+    return response
+
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    request_id = request[REQUEST_ID_KEY]
+    try:
+        return await handler(request)
+    except ApiError as error:
+        request_log(request_id, logger).info("rejected: %r", error)
+        return error_response(error, request_id=request_id)
+    except web.HTTPRequestEntityTooLarge as exc:
+        too_large = ApiError(413, f"The request body is too large: {exc.text}", code="request_too_large")
+        return error_response(too_large, request_id=request_id)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(ApiError(exc.status, exc.reason), request_id=request_id)
+    except Exception:
+        request_log(request_id, logger).exception("unhandled error")
+        return error_response(internal_error("Internal server error."), request_id=request_id)
+
+
+def _auth_middleware(api_keys: frozenset[str]) -> Middleware:
+    encoded_keys = tuple(key.encode("utf-8") for key in api_keys)
+
+    @web.middleware
+    async def check_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if encoded_keys and request.path.startswith("/v1"):
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            given = token.strip().encode("utf-8")
+            # compare_digest against every key so timing does not reveal which prefix matched
+            is_valid = [hmac.compare_digest(given, key) for key in encoded_keys]
+            if scheme.lower() != "bearer" or not any(is_valid):
+                raise unauthorized()
+        return await handler(request)
+
+    return check_api_key
+
+
+class _Routes:
+    """Request handlers; holds no per-request state."""
+
+    def __init__(self, backend: GenerationBackend, *, max_body_bytes: int, request_timeout_s: float) -> None:
+        self.backend = backend
+        self.max_body_bytes = max_body_bytes
+        self.request_timeout_s = request_timeout_s
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = decode_json_body(await self._read_body(request))
+        api_request = parse_completion_request(
+            body, request_id=request[REQUEST_ID_KEY], model_ids=self.backend.model_ids()
+        )
+        return await serve_generation(request, api_request, self.backend, timeout_s=self.request_timeout_s)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = decode_json_body(await self._read_body(request))
+        api_request = parse_chat_request(body, request_id=request[REQUEST_ID_KEY], model_ids=self.backend.model_ids())
+        return await serve_generation(request, api_request, self.backend, timeout_s=self.request_timeout_s)
+
+    async def models(self, request: web.Request) -> web.Response:
+        created = int(time.time())
+        data = [
+            {"id": model_id, "object": "model", "created": created, "owned_by": "mooncaked"}
+            for model_id in self.backend.model_ids()
+        ]
+        return web.json_response({"object": "list", "data": data})
+
+    async def cluster(self, request: web.Request) -> web.Response:
+        return web.json_response(await self.backend.cluster_info())
+
+    async def health(self, request: web.Request) -> web.Response:
+        health = await self.backend.health()
+        return web.json_response(health, status=200 if health.get("status") == "ok" else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.backend.metrics_text(), headers={"Content-Type": PROMETHEUS_CONTENT_TYPE})
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        if request.content_length is not None and request.content_length > self.max_body_bytes:
+            raise ApiError(
+                413, f"The request body is {request.content_length} bytes; the limit is {self.max_body_bytes}.",
+                code="request_too_large",
+            )
+        return await request.read()

@@ -1,0 +1,105 @@
+"""Typed readers for JSON request fields: each returns the value or raises a 400 naming the field.
+
+JSON has one number type; Python's `bool` is an `int`. These readers keep them apart: `true` is never a
+count, `1.5` is never a token id, and a float field accepts `1`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from mooncaked.api.errors import invalid_field
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def read_str(body: Mapping[str, Any], name: str, default: str | None = None) -> str | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise invalid_field(name, f"expected a string, got {json_type(value)}")
+    return value
+
+
+def read_bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise invalid_field(name, f"expected true or false, got {json_type(value)}")
+    return value
+
+
+def read_int(
+    body: Mapping[str, Any], name: str, default: int | None, *, lo: int | None = None, hi: int | None = None,
+    param: str | None = None,
+) -> int | None:
+    value = body.get(name)
+    field = param or name
+    if value is None:
+        return default
+    if not is_int(value):
+        raise invalid_field(field, f"expected an integer, got {json_type(value)}")
+    if lo is not None and value < lo:
+        raise invalid_field(field, f"must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise invalid_field(field, f"must be <= {hi}, got {value}")
+    return int(value)
+
+
+def read_float(
+    body: Mapping[str, Any], name: str, default: float, *, lo: float, hi: float, is_lo_open: bool = False
+) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise invalid_field(name, f"expected a number, got {json_type(value)}")
+    number = float(value)
+    if number != number or (number <= lo if is_lo_open else number < lo) or number > hi:
+        bound = f"> {lo}" if is_lo_open else f">= {lo}"
+        raise invalid_field(name, f"must be {bound} and <= {hi}, got {value}")
+    return number
+
+
+def read_stop(body: Mapping[str, Any], max_stop: int) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list):
+        raise invalid_field("stop", f"expected a string or a list of strings, got {json_type(value)}")
+    if len(items) > max_stop:
+        raise invalid_field("stop", f"at most {max_stop} stop sequences, got {len(items)}")
+    for item in items:
+        if not isinstance(item, str) or not item:
+            raise invalid_field("stop", "every stop sequence must be a non-empty string")
+    return tuple(items)
+
+
+def read_token_ids(value: list[Any], param: str) -> tuple[int, ...]:
+    if not value:
+        raise invalid_field(param, "the prompt is empty")
+    for token_id in value:
+        if not is_int(token_id) or token_id < 0:
+            raise invalid_field(param, f"token ids must be non-negative integers, got {token_id!r}")
+    return tuple(value)
+
+
+def json_type(value: object) -> str:
+    """The JSON type name of a parsed value, for error messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object"

@@ -1,0 +1,167 @@
+"""Serving one completion or chat-completion request from a backend, streamed or aggregated.
+
+1. `serve_generation` runs the request in its own task and watches the connection; a client that goes away
+   cancels that task, which closes the backend's iterator at once (the backend then frees the request).
+2. The task calls `backend.prepare`, then reads `backend.generate` chunk by chunk; each wait has the
+   no-progress deadline `timeout_s` (504 past it).
+3. Streaming: the first chunk is awaited before the 200 headers go out, so an error up to then is a plain
+   HTTP error; later errors become a final `data: {"error": ...}` event, then `data: [DONE]`.
+   Not streaming: chunks are aggregated into one JSON response.
+4. The backend's iterator is always closed (`aclose`) when reading stops, whatever the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, MutableMapping
+from typing import Any
+
+from aiohttp import web
+
+from mooncaked.api.backend import GenerationBackend, GenerationChunk
+from mooncaked.api.errors import ApiError, deadline_exceeded, internal_error
+from mooncaked.api.requests import ChatRequest, CompletionRequest
+from mooncaked.api.responses import ResponseBuilder
+from mooncaked.api.sse import DONE_EVENT, encode_event, start_event_stream
+
+logger = logging.getLogger(__name__)
+
+# Connection loss is seen by polling the transport: aiohttp has no public hook for it when handler
+# cancellation is off (its default); 0.1 s keeps cancellation prompt at a negligible cost per request.
+DISCONNECT_POLL_S = 0.1
+CLIENT_CLOSED_STATUS = 499
+
+
+class RequestLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """Prefixes every line with the request id."""
+
+    def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, MutableMapping[str, Any]]:
+        assert self.extra is not None
+        return f"[{self.extra['request_id']}] {msg}", kwargs
+
+
+def request_log(request_id: str, base: logging.Logger = logger) -> RequestLog:
+    return RequestLog(base, {"request_id": request_id})
+
+
+async def serve_generation(
+    http_request: web.Request,
+    api_request: CompletionRequest | ChatRequest,
+    backend: GenerationBackend,
+    *,
+    timeout_s: float,
+) -> web.StreamResponse:
+    log = request_log(api_request.request_id)
+    work = asyncio.ensure_future(_generate(http_request, api_request, backend, timeout_s, log))
+    gone = asyncio.ensure_future(_wait_disconnect(http_request))
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            log.info("client disconnected: cancelling the request")
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+    if work.cancelled():
+        return web.Response(status=CLIENT_CLOSED_STATUS)
+    return work.result()
+
+
+async def _wait_disconnect(http_request: web.Request) -> None:
+    while http_request.transport is not None and not http_request.transport.is_closing():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+async def _generate(
+    http_request: web.Request,
+    api_request: CompletionRequest | ChatRequest,
+    backend: GenerationBackend,
+    timeout_s: float,
+    log: RequestLog,
+) -> web.StreamResponse:
+    try:
+        async with asyncio.timeout(timeout_s):
+            prepared = await backend.prepare(api_request)
+    except TimeoutError:
+        raise deadline_exceeded(f"The request was not admitted within {timeout_s:g} s; retry later.") from None
+    log.debug("prepared: %d prompt tokens, max_tokens %d", prepared.num_prompt_tokens, prepared.max_tokens)
+    chunks = backend.generate(prepared)
+    builder = ResponseBuilder(api_request)
+    try:
+        if api_request.stream:
+            return await _stream(http_request, chunks, builder, timeout_s, log)
+        return await _aggregate(chunks, builder, timeout_s)
+    finally:
+        await _close(chunks)
+
+
+async def _next_chunk(chunks: AsyncIterator[GenerationChunk], timeout_s: float) -> GenerationChunk:
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await anext(chunks)
+    except TimeoutError:
+        raise deadline_exceeded(f"No output for {timeout_s:g} s; the request was abandoned.") from None
+    except StopAsyncIteration:
+        raise internal_error("The backend ended the output without a finish reason.") from None
+
+
+async def _aggregate(
+    chunks: AsyncIterator[GenerationChunk], builder: ResponseBuilder, timeout_s: float
+) -> web.Response:
+    while builder.finish_reason is None:
+        builder.add(await _next_chunk(chunks, timeout_s))
+    return web.json_response(builder.final_response(), headers={"X-Request-Id": builder.request.request_id})
+
+
+async def _stream(
+    http_request: web.Request,
+    chunks: AsyncIterator[GenerationChunk],
+    builder: ResponseBuilder,
+    timeout_s: float,
+    log: RequestLog,
+) -> web.StreamResponse:
+    chunk = await _next_chunk(chunks, timeout_s)
+    response = await start_event_stream(http_request, request_id=builder.request.request_id)
+    try:
+        await _relay(response, chunk, chunks, builder, timeout_s)
+        await response.write(DONE_EVENT)
+        await response.write_eof()
+    except ConnectionError:
+        log.info("client disconnected mid-stream after %d tokens", builder.num_completion_tokens)
+    return response
+
+
+async def _relay(
+    response: web.StreamResponse,
+    chunk: GenerationChunk,
+    chunks: AsyncIterator[GenerationChunk],
+    builder: ResponseBuilder,
+    timeout_s: float,
+) -> None:
+    log = request_log(builder.request.request_id)
+    try:
+        while True:
+            await response.write(encode_event(builder.add(chunk)))
+            if chunk.finish_reason is not None:
+                break
+            chunk = await _next_chunk(chunks, timeout_s)
+    except ApiError as error:
+        log.warning("error after %d streamed tokens: %r", builder.num_completion_tokens, error)
+        await response.write(encode_event(error.to_json()))
+        return
+    except ConnectionError:
+        raise
+    except Exception:
+        log.exception("backend failed mid-stream")
+        await response.write(encode_event(internal_error("The backend failed mid-stream.").to_json()))
+        return
+    log.info("finished: %s, %d tokens", builder.finish_reason, builder.num_completion_tokens)
+    if builder.request.include_usage:
+        await response.write(encode_event(builder.usage_chunk()))
+
+
+async def _close(chunks: AsyncIterator[GenerationChunk]) -> None:
+    aclose = getattr(chunks, "aclose", None)
+    if aclose is not None:
+        await aclose()

@@ -1,0 +1,121 @@
+"""Torch reference implementations of the paged-KV kernels (what CPU inference runs).
+
+Lifecycle of one forward, per layer:
+  1. `store_kv` writes the new tokens' K/V into their page slots (slot = page_id * B + offset).
+  2. `prefill_attention` (several new tokens per sequence, causal, over a cached prefix) or
+     `decode_attention` (one new token per sequence) reads K/V back through the block tables.
+  3. `gather_blocks` / `scatter_blocks` move whole pages to and from staging buffers (KV store I/O).
+
+These functions read lengths on the host (`.tolist()`), which is free on CPU; the Triton versions never do.
+Shapes: pages [P, B, Hkv, D]; q [T, H, D]; block_tables int32 [S, max_blocks]; H % Hkv == 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write k, v [T, Hkv, D] into k_pages, v_pages [P, B, Hkv, D] at flat slots slot_mapping [T]."""
+    num_kv_heads, head_dim = k_pages.shape[2], k_pages.shape[3]
+    slots = slot_mapping.to(torch.int64)
+    # view (not reshape): pages are contiguous, so the write lands in the pages themselves.
+    k_pages.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_pages.dtype))
+    v_pages.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(v_pages.dtype))
+
+
+def gather_pages(pages: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first seq_len tokens of one sequence: [seq_len, Hkv, D]."""
+    block_size = pages.shape[1]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    page_ids = block_table_row[:num_blocks].to(torch.int64)
+    return pages.index_select(0, page_ids).flatten(0, 1)[:seq_len]
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of q [T, H, D] over each sequence's paged K/V (prefix + new tokens) -> [T, H, D]."""
+    out = torch.empty_like(q)
+    starts = cu_seqlens_q.tolist()
+    lengths = seq_lens.tolist()
+    for s, seq_len in enumerate(lengths):
+        q_start, q_end = starts[s], starts[s + 1]
+        num_new = q_end - q_start
+        if num_new == 0:
+            continue
+        k = gather_pages(k_pages, block_tables[s], seq_len)  # [L, Hkv, D]
+        v = gather_pages(v_pages, block_tables[s], seq_len)
+        out[q_start:q_end] = _attend(q[q_start:q_end], k, v, scale, num_cached=seq_len - num_new)
+    return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, num_cached: int) -> torch.Tensor:
+    """q [n, H, D] at positions num_cached.. over k, v [L, Hkv, D], causal -> [n, H, D]."""
+    num_new, seq_len = q.shape[0], k.shape[0]
+    q4 = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+    k4 = k.transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, Hkv, L, D]
+    v4 = v.transpose(0, 1).unsqueeze(0).to(q.dtype)
+    if num_cached == 0:
+        o = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        # bottom-right aligned causal mask: query i sees keys 0 .. num_cached + i.
+        mask = torch.ones(num_new, seq_len, dtype=torch.bool, device=q.device).tril(num_cached)
+        o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.squeeze(0).transpose(0, 1)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence, q [S, H, D], over its first seq_lens[s] paged tokens -> [S, H, D]."""
+    num_seqs, num_heads, head_dim = q.shape
+    if num_seqs == 0:
+        return torch.empty_like(q)
+    block_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
+    max_len = int(seq_lens.max().item())
+    num_blocks = (max_len + block_size - 1) // block_size
+    # Pad every sequence to max_len so the whole batch is one SDPA call (one gather per pool).
+    page_ids = block_tables[:, :num_blocks].to(torch.int64).clamp(min=0)  # [S, nb]
+    k = k_pages[page_ids].flatten(1, 2)[:, :max_len]  # [S, Lmax, Hkv, D]
+    v = v_pages[page_ids].flatten(1, 2)[:, :max_len]
+    positions = torch.arange(max_len, device=q.device)
+    mask = positions[None, :] < seq_lens.to(q.device)[:, None]  # [S, Lmax]
+    # The GROUP query heads of one kv head act as GROUP query rows: no K/V expansion, and SDPA on CPU runs
+    # this faster than with enable_gqa.
+    o = F.scaled_dot_product_attention(
+        q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim),
+        k.transpose(1, 2).to(q.dtype),  # [S, Hkv, Lmax, D]
+        v.transpose(1, 2).to(q.dtype),
+        attn_mask=mask[:, None, None, :],
+        scale=scale,
+    )
+    return o.reshape(num_seqs, num_heads, head_dim)
+
+
+def gather_blocks(pages: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
+    """Copy pages [P, B, Hkv, D] at page_ids [N] into a new [N, B, Hkv, D] tensor."""
+    return pages.index_select(0, page_ids.to(torch.int64))
+
+
+def scatter_blocks(src: torch.Tensor, pages: torch.Tensor, page_ids: torch.Tensor) -> None:
+    """Copy src [N, B, Hkv, D] into pages at page_ids [N], in place."""
+    pages.index_copy_(0, page_ids.to(torch.int64), src.to(pages.dtype))

@@ -1,0 +1,81 @@
+"""Request parsing as pure functions: accepted shapes, defaults, and the field each error names."""
+
+from __future__ import annotations
+
+import pytest
+
+from mooncaked.api.errors import ApiError
+from mooncaked.api.requests import (
+    ChatMessage, decode_json_body, parse_chat_request, parse_completion_request,
+)
+
+MODELS = ["m1", "m2"]
+
+
+@pytest.mark.parametrize(("prompt", "expected"), [
+    ("hi", "hi"), (["hi"], "hi"), ([1, 2, 3], (1, 2, 3)), ([[4, 5]], (4, 5)),
+])
+def test_prompt_shapes(prompt: object, expected: object) -> None:
+    request = parse_completion_request({"prompt": prompt}, request_id="r", model_ids=MODELS)
+    assert request.prompt == expected
+
+
+def test_completion_defaults_follow_openai() -> None:
+    request = parse_completion_request({"prompt": "x"}, request_id="r1", model_ids=MODELS)
+    assert request.model == "m1" and request.request_id == "r1"
+    assert request.sampling.max_tokens == 16
+    assert (request.sampling.temperature, request.sampling.top_p, request.sampling.top_k) == (1.0, 1.0, 0)
+    assert request.sampling.stop == () and request.sampling.seed is None and not request.sampling.ignore_eos
+    assert not request.stream and not request.include_usage and request.num_logprobs is None
+
+
+def test_completion_fields_read() -> None:
+    request = parse_completion_request({
+        "model": "m2", "prompt": "x", "max_tokens": 7, "temperature": 0, "top_p": 0.5, "top_k": -1, "seed": 3,
+        "stop": "END", "stream": True, "stream_options": {"include_usage": True}, "logprobs": 0,
+        "ignore_eos": True, "user": "someone", "unknown_field": 1,
+    }, request_id="r", model_ids=MODELS)
+    assert request.model == "m2"
+    sampling = request.sampling
+    assert (sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.top_k) == (7, 0.0, 0.5, 0)
+    assert sampling.seed == 3 and sampling.stop == ("END",) and sampling.ignore_eos
+    assert request.stream and request.include_usage and request.num_logprobs == 0
+
+
+def test_chat_fields_read() -> None:
+    request = parse_chat_request({
+        "messages": [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": None},
+        ],
+        "max_tokens": 5, "max_completion_tokens": 9, "logprobs": True, "top_logprobs": 3, "stop": ["x", "y"],
+    }, request_id="r", model_ids=MODELS)
+    assert request.messages == (ChatMessage("system", "s"), ChatMessage("user", "a\nb"), ChatMessage("assistant", ""))
+    assert request.sampling.max_tokens == 9 and request.sampling.stop == ("x", "y")
+    assert request.num_logprobs == 3
+    default = parse_chat_request({"messages": [{"role": "user", "content": "q"}]}, request_id="r", model_ids=MODELS)
+    assert default.sampling.max_tokens is None and default.num_logprobs is None
+
+
+@pytest.mark.parametrize(("body", "status", "param"), [
+    ({"prompt": "x", "model": "nope"}, 404, "model"),
+    ({"prompt": "x", "best_of": 2}, 400, "best_of"),
+    ({"prompt": "x", "echo": True}, 400, "echo"),
+    ({"prompt": "x", "top_k": -2}, 400, "top_k"),
+    ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "x", "stream": True, "stream_options": {"include_usage": "y"}}, 400, "stream_options.include_usage"),
+    ({"prompt": "x", "user": 5}, 400, "user"),
+])
+def test_completion_errors(body: dict[str, object], status: int, param: str) -> None:
+    with pytest.raises(ApiError) as info:
+        parse_completion_request(body, request_id="r", model_ids=MODELS)
+    assert info.value.status == status and info.value.param == param
+
+
+def test_decode_json_body() -> None:
+    assert decode_json_body(b'{"a": 1}') == {"a": 1}
+    for raw in (b"", b"nul", b'"text"'):
+        with pytest.raises(ApiError) as info:
+            decode_json_body(raw)
+        assert info.value.status == 400

@@ -1,0 +1,54 @@
+"""`mooncaked bench kernels`: refuses cleanly without a GPU; its measurements run on CPU in the interpreter."""
+
+import argparse
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from mooncaked.bench import kernels as bench
+from mooncaked.kernels import reference
+
+
+def _once_ms(fn: Callable[[], torch.Tensor]) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+SETUP = bench.Setup(
+    device=torch.device("cpu"), dtype=torch.float32, heads=4, kv_heads=2, head_dim=16, block_size=16,
+    time_ms=_once_ms,
+)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_without_cuda_exits_2_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert bench.run(parser.parse_args(["--prefill-tokens", "64"])) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_bad_int_list_is_rejected() -> None:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--decode-batches", "1,x"])
+
+
+def test_paged_kv_lays_out_every_sequence() -> None:
+    k, v = torch.randn(2, 45, 2, 16), torch.randn(2, 45, 2, 16)
+    k_pages, v_pages, block_tables = bench.paged_kv(k, v, block_size=16)
+    assert k_pages.shape == (6, 16, 2, 16) and block_tables.shape == (2, 3)
+    for s in range(2):
+        assert torch.equal(reference.gather_pages(k_pages, block_tables[s], 45), k[s])
+        assert torch.equal(reference.gather_pages(v_pages, block_tables[s], 45), v[s])
+
+
+def test_prefill_and_decode_measurements_agree_with_baselines() -> None:
+    row = bench.bench_prefill(SETUP, seq_len=40, prefix_fraction=0.5)
+    assert row["num_cached"] == 20 and row["max_abs_err_vs_sdpa"] < 1e-4 and row["ratio"] > 0
+    row = bench.bench_decode(SETUP, batch=2, context=40)
+    assert row["max_abs_err_vs_reference"] < 1e-4 and row["bandwidth_gb_s"] > 0
