@@ -88,7 +88,7 @@ def convert(hint: Any, value: Any, path: str, errors: list[ConfigIssue],
     if origin is dict:
         return _convert_dict(args, value, path, errors)
     if dataclasses.is_dataclass(hint):
-        built = build(hint, value, path, errors)  # type: ignore[type-var]
+        built = build(hint, value, path, errors)  # type: ignore[arg-type,type-var]
         return _MISSING if built is None else built
     return _convert_scalar(hint, value, path, errors, metadata or {})
 
