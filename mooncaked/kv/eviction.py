@@ -1,0 +1,334 @@
+"""Eviction policies and a capacity-bounded block cache (pure: standard library only, time is a parameter).
+
+Lifecycle of a key inside a policy:
+1. `on_insert(key, now, position)` when the block becomes resident (`position` = its index within its request).
+2. `on_access(key, now, position)` on every hit.
+3. `victims(is_evictable)` yields candidates in eviction order; the caller evicts some of them and calls
+   `on_remove(key)` for each one it drops (also for removals of its own, e.g. an explicit delete).
+
+Policies (the paper's Table 1): `lru` (least recently used first), `lfu` (least frequently used first, ties by
+recency) and `length_aware` (blocks later in their request first, ties by recency: a prefix's tail is the
+part least likely to be shared). Keys are any hashables (16-byte block keys in the store, trace hash ids in
+the simulator). Every operation is O(1) (LRU) or O(log n) amortised (heap-based policies).
+
+Non-evictable keys met by `victims` get a second chance: they are requeued as if used at the latest `now`
+seen, so that a front of leased or pinned blocks is not rescanned by every later call (CLOCK-style; amortised
+O(1) per skip). A caller that stops consuming `victims` early should `close()` the iterator (dropping it does
+the same in CPython): the heap-based policies hold the entries they offered until then.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Generator, Hashable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+POLICY_NAMES = ("lru", "lfu", "length_aware")
+
+
+class EvictionPolicy(Protocol):
+    name: str
+
+    def on_insert(self, key: Hashable, now: float, position: int) -> None: ...
+
+    def on_access(self, key: Hashable, now: float, position: int) -> None: ...
+
+    def on_remove(self, key: Hashable) -> None: ...
+
+    def victims(self, is_evictable: Callable[[Hashable], bool]) -> Iterator[Hashable]: ...
+
+    def __len__(self) -> int: ...
+
+    def __contains__(self, key: object) -> bool: ...
+
+
+class LruPolicy:
+    """Least recently used first. Owns only its recency order (an OrderedDict used as a linked list)."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[Hashable, None] = OrderedDict()
+
+    def on_insert(self, key: Hashable, now: float, position: int) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def on_access(self, key: Hashable, now: float, position: int) -> None:
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    def on_remove(self, key: Hashable) -> None:
+        self._order.pop(key, None)
+
+    def victims(self, is_evictable: Callable[[Hashable], bool]) -> Iterator[Hashable]:
+        num_left = len(self._order)  # each key is offered at most once per call: no endless loop
+        while num_left > 0 and self._order:
+            num_left -= 1
+            key = next(iter(self._order))
+            if is_evictable(key):
+                yield key
+            if key in self._order:  # skipped, or offered and kept by the caller: second chance
+                self._order.move_to_end(key)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
+
+
+class _HeapPolicy:
+    """Shared machinery: a min-heap of (priority, seq, key) with lazy deletion.
+
+    `_rank` maps a key to its live (priority, seq); heap entries whose pair differs are stale. The heap is rebuilt
+    when stale entries outnumber live ones, so memory stays O(live keys) and operations O(log n) amortised.
+    """
+
+    name = "heap"
+
+    def __init__(self) -> None:
+        self._rank: dict[Hashable, tuple[tuple[float, ...], int]] = {}
+        self._heap: list[tuple[tuple[float, ...], int, Hashable]] = []
+        self._seq = 0
+        self._latest_now = -math.inf
+        self._positions: dict[Hashable, int] = {}
+        self._counts: dict[Hashable, int] = {}
+        self._used_at: dict[Hashable, float] = {}
+
+    def _priority(self, key: Hashable) -> tuple[float, ...]:
+        raise NotImplementedError
+
+    def _push(self, key: Hashable) -> None:
+        self._seq += 1
+        priority = self._priority(key)
+        self._rank[key] = (priority, self._seq)
+        heapq.heappush(self._heap, (priority, self._seq, key))
+        if len(self._heap) > 2 * len(self._rank) + 1024:
+            self._heap = [(p, s, k) for k, (p, s) in self._rank.items()]
+            heapq.heapify(self._heap)
+
+    def on_insert(self, key: Hashable, now: float, position: int) -> None:
+        self._latest_now = max(self._latest_now, now)
+        self._positions[key] = position
+        self._counts[key] = 1
+        self._used_at[key] = now
+        self._push(key)
+
+    def on_access(self, key: Hashable, now: float, position: int) -> None:
+        if key not in self._rank:
+            return
+        self._latest_now = max(self._latest_now, now)
+        self._counts[key] += 1
+        self._used_at[key] = now
+        self._push(key)
+
+    def on_remove(self, key: Hashable) -> None:
+        if self._rank.pop(key, None) is not None:
+            del self._positions[key]
+            del self._counts[key]
+            del self._used_at[key]
+
+    def victims(self, is_evictable: Callable[[Hashable], bool]) -> Iterator[Hashable]:
+        offered: list[tuple[tuple[float, ...], int, Hashable]] = []  # restored unchanged unless removed
+        skipped: list[Hashable] = []  # requeued as used at the latest `now` once this call ends
+        try:
+            while self._heap:
+                entry = heapq.heappop(self._heap)
+                priority, seq, key = entry
+                if self._rank.get(key) != (priority, seq):
+                    continue  # stale entry
+                if is_evictable(key):
+                    offered.append(entry)
+                    yield key
+                else:
+                    skipped.append(key)
+        finally:
+            for priority, seq, key in offered:
+                if self._rank.get(key) == (priority, seq):
+                    heapq.heappush(self._heap, (priority, seq, key))
+            for key in skipped:
+                if key in self._rank:
+                    self._used_at[key] = max(self._used_at[key], self._latest_now)
+                    self._push(key)
+
+    def __len__(self) -> int:
+        return len(self._rank)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._rank
+
+
+class LfuPolicy(_HeapPolicy):
+    """Least frequently used first (inserts + hits while resident), ties least recently used first."""
+
+    name = "lfu"
+
+    def _priority(self, key: Hashable) -> tuple[float, ...]:
+        return (float(self._counts[key]), self._used_at[key])
+
+
+class LengthAwarePolicy(_HeapPolicy):
+    """Least recently used first; among blocks used at the same `now`, later positions in the request first.
+
+    Callers pass one `now` for all blocks of one request, so a cold prefix is evicted from its tail inwards and
+    what stays resident is still a usable prefix (plain LRU over in-order touches evicts the head first, which
+    strands the tail: it can never be matched again).
+    """
+
+    name = "length_aware"
+
+    def _priority(self, key: Hashable) -> tuple[float, ...]:
+        return (self._used_at[key], -float(self._positions[key]))
+
+
+def make_eviction_policy(name: str) -> EvictionPolicy:
+    """A fresh policy by name: "lru" | "lfu" | "length_aware"."""
+    if name == "lru":
+        return LruPolicy()
+    if name == "lfu":
+        return LfuPolicy()
+    if name == "length_aware":
+        return LengthAwarePolicy()
+    raise ValueError(f"unknown eviction policy {name!r}; valid names: {', '.join(POLICY_NAMES)}")
+
+
+def blocks_to_free(num_used: int, capacity: int, high_watermark: float, low_watermark: float) -> int:
+    """Blocks to evict now: none below `high_watermark * capacity`, else down to `low_watermark * capacity`."""
+    if not 0.0 < low_watermark <= high_watermark <= 1.0:
+        raise ValueError(
+            f"watermarks must satisfy 0 < low <= high <= 1, got low={low_watermark}, high={high_watermark}"
+        )
+    if capacity <= 0:
+        raise ValueError(f"capacity must be positive, got {capacity}")
+    if num_used < high_watermark * capacity:
+        return 0
+    return max(0, num_used - math.floor(low_watermark * capacity))
+
+
+@dataclass
+class InsertResult:
+    """What one `BlockCache.insert` changed: keys made resident and keys evicted to make room."""
+
+    inserted: list[Hashable] = field(default_factory=list)
+    evicted: list[Hashable] = field(default_factory=list)
+
+
+class BlockCache:
+    """A capacity-bounded set of block keys under one eviction policy, with prefix lookups and hit accounting.
+
+    Owns the resident key set, the lock counts and the hit counters; the policy owns only the eviction order.
+    Keys locked with `lock` (blocks in use) and the keys of the insert in progress are never evicted.
+    """
+
+    def __init__(self, policy: EvictionPolicy, capacity: int | None) -> None:
+        if capacity is not None and capacity < 0:
+            raise ValueError(f"capacity must be >= 0 or None (unbounded), got {capacity}")
+        self.policy = policy
+        self.capacity = capacity
+        self._locks: dict[Hashable, int] = {}
+        self.num_lookups = 0
+        self.num_hits = 0
+
+    def __len__(self) -> int:
+        return len(self.policy)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.policy
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hits / self.num_lookups if self.num_lookups else 0.0
+
+    def match_prefix(self, keys: Sequence[Hashable]) -> int:
+        """Number of leading keys resident; changes nothing."""
+        num_matched = 0
+        for key in keys:
+            if key not in self.policy:
+                break
+            num_matched += 1
+        return num_matched
+
+    def lookup(self, keys: Sequence[Hashable], now: float) -> int:
+        """Prefix hit length; counts `len(keys)` lookups and the hits, and marks the hit blocks used."""
+        num_matched = self.match_prefix(keys)
+        for position in range(num_matched):
+            self.policy.on_access(keys[position], now, position)
+        self.num_lookups += len(keys)
+        self.num_hits += num_matched
+        return num_matched
+
+    def insert(self, keys: Sequence[Hashable], now: float, start: int = 0) -> InsertResult:
+        """Make keys[start:] resident in order, evicting others; stops at the first key that cannot fit."""
+        result = InsertResult()
+        num_missing = sum(1 for key in keys[start:] if key not in self.policy)
+        num_room = self._make_room(num_missing, set(keys), result.evicted)
+        for position in range(start, len(keys)):
+            key = keys[position]
+            if key in self.policy:
+                self.policy.on_access(key, now, position)
+                continue
+            if num_room == 0:
+                break
+            num_room -= 1
+            self.policy.on_insert(key, now, position)
+            result.inserted.append(key)
+        return result
+
+    def access(self, keys: Sequence[Hashable], now: float) -> int:
+        """A request in trace order: prefix lookup, then insert of the rest. Returns the prefix hit length."""
+        num_matched = self.lookup(keys, now)
+        self.insert(keys, now, start=num_matched)
+        return num_matched
+
+    def touch(self, keys: Iterable[Hashable], now: float, start: int = 0) -> None:
+        """Marks resident keys used (no hit accounting); `start` is the position of the first key."""
+        for position, key in enumerate(keys, start):
+            if key in self.policy:
+                self.policy.on_access(key, now, position)
+
+    def remove(self, key: Hashable) -> bool:
+        """Drop a resident, unlocked key; False when absent or locked."""
+        if key not in self.policy or key in self._locks:
+            return False
+        self.policy.on_remove(key)
+        return True
+
+    def lock(self, keys: Iterable[Hashable]) -> None:
+        for key in keys:
+            self._locks[key] = self._locks.get(key, 0) + 1
+
+    def unlock(self, keys: Iterable[Hashable]) -> None:
+        for key in keys:
+            count = self._locks[key] - 1
+            if count:
+                self._locks[key] = count
+            else:
+                del self._locks[key]
+
+    def _make_room(self, num_needed: int, protected: set[Hashable], evicted: list[Hashable]) -> int:
+        """Evict until `num_needed` keys fit (or nothing more can go); returns how many fit now."""
+        if self.capacity is None:
+            return num_needed
+        num_free = self.capacity - len(self.policy)
+        if num_free >= num_needed:
+            return num_needed
+
+        def is_evictable(key: Hashable) -> bool:
+            return key not in protected and key not in self._locks
+
+        candidates = self.policy.victims(is_evictable)
+        try:
+            for victim in candidates:
+                self.policy.on_remove(victim)
+                evicted.append(victim)
+                num_free += 1
+                if num_free >= num_needed:
+                    break
+        finally:
+            if isinstance(candidates, Generator):
+                candidates.close()  # heap policies requeue what they held back on close
+        return max(0, min(num_free, num_needed))

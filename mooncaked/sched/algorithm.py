@@ -1,0 +1,184 @@
+"""Request placement: Algorithm 1 of the Mooncake journal paper (KVCache-centric scheduling) and its baselines.
+
+Entry point, called once per request by the conductor and by the simulator:
+
+    schedule(request: RequestInfo, prefill_views: Sequence[PrefillInstanceView],
+             decode_views: Sequence[DecodeInstanceView], index: ShadowIndex,
+             policy: SchedulerPolicy, now: float) -> Placement | Rejection
+
+1. Prefix match: `index.prefix_lengths(request.block_keys)` gives every store's reusable prefix (line 3).
+2. Prefill choice by `policy.config.scheduler`:
+   - `kvcache_centric` (lines 4-16): per instance, reuse the best prefix anywhere when it is more than
+     `kvcache_balancing_threshold` times the local one (paying T_transfer for the missing blocks), else the local
+     prefix; TTFT = T_transfer + T_queue + T_prefill; the smallest wins (first on ties);
+   - `cache_aware`: the same with local prefixes only (no transfer);
+   - `load_balancing`: the smallest T_queue; `random`: a hash of the request id and seed.
+3. Decode choice (line 17) and admission (lines 18-19), see `mooncaked.sched.admission`.
+4. If the chosen instance reuses a remote prefix, the Placement names the source store (lines 20-21): the
+   prefill instance pulls those blocks into its own store, which replicates hot blocks (section 4.2).
+
+Pure: no I/O, no clock, no randomness beyond the request id; same inputs give the same answer.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mooncaked.sched.admission import rejects_at_arrival, select_decode
+from mooncaked.sched.predictors import Predictors, queue_time_s
+from mooncaked.sched.shadow_index import ShadowIndex
+from mooncaked.sched.types import (
+    REASON_DECODE_FULL,
+    REASON_NO_DECODE,
+    REASON_NO_PREFILL,
+    REASON_TBT_SLO,
+    REASON_TTFT_SLO,
+    DecodeInstanceView,
+    Placement,
+    PolicyConfig,
+    PrefillInstanceView,
+    Rejection,
+    RequestInfo,
+)
+
+
+@dataclass(frozen=True)
+class SchedulerPolicy:
+    """Everything a decision depends on besides the live views: the knobs and the predictors."""
+
+    config: PolicyConfig
+    predictors: Predictors
+
+
+@dataclass(frozen=True)
+class PrefillChoice:
+    view: PrefillInstanceView
+    num_prefix_blocks: int
+    num_local_prefix_blocks: int
+    fetch_from_store: str | None
+    transfer_s: float
+    queue_s: float
+    prefill_s: float
+
+    @property
+    def ttft_s(self) -> float:
+        return self.transfer_s + self.queue_s + self.prefill_s
+
+
+def schedule(
+    request: RequestInfo,
+    prefill_views: Sequence[PrefillInstanceView],
+    decode_views: Sequence[DecodeInstanceView],
+    index: ShadowIndex,
+    policy: SchedulerPolicy,
+    now: float,
+) -> Placement | Rejection:
+    """Algorithm 1 with the configured prefill scheduler and admission policy; see the module docstring."""
+    candidates = [view for view in prefill_views if view.is_available]
+    if not candidates:
+        return Rejection(request.request_id, REASON_NO_PREFILL)
+    prefix_lengths = index.prefix_lengths(request.block_keys)
+    prefill = choose_prefill(request, candidates, prefix_lengths, policy, now)
+    config = policy.config
+    ttft = prefill.ttft_s
+    decode = select_decode(
+        request.num_prompt_tokens, decode_views, config, policy.predictors.decode, now, now + ttft
+    )
+    if decode.view is None:
+        return Rejection(request.request_id, REASON_NO_DECODE, ttft, 0.0)
+    if config.admission != "none":
+        if ttft > config.ttft_slo_s:
+            return Rejection(request.request_id, REASON_TTFT_SLO, ttft, decode.predicted_tbt_s)
+        if rejects_at_arrival(config):
+            if not decode.has_room:
+                return Rejection(request.request_id, REASON_DECODE_FULL, ttft, decode.predicted_tbt_s)
+            if decode.predicted_tbt_s > config.tbt_slo_s * config.decode_load_threshold:
+                return Rejection(request.request_id, REASON_TBT_SLO, ttft, decode.predicted_tbt_s)
+    return Placement(
+        request_id=request.request_id,
+        prefill_instance=prefill.view.instance_id,
+        decode_instance=decode.view.instance_id,
+        num_prefix_blocks=prefill.num_prefix_blocks,
+        num_local_prefix_blocks=prefill.num_local_prefix_blocks,
+        fetch_from_store=prefill.fetch_from_store,
+        num_fetch_blocks=prefill.num_prefix_blocks - prefill.num_local_prefix_blocks,
+        predicted_transfer_s=prefill.transfer_s,
+        predicted_queue_s=prefill.queue_s,
+        predicted_prefill_s=prefill.prefill_s,
+        predicted_ttft_s=ttft,
+        predicted_tbt_s=decode.predicted_tbt_s,
+    )
+
+
+def choose_prefill(
+    request: RequestInfo,
+    candidates: Sequence[PrefillInstanceView],
+    prefix_lengths: dict[str, int],
+    policy: SchedulerPolicy,
+    now: float,
+) -> PrefillChoice:
+    """The prefill instance under `policy.config.scheduler` (candidates must be non-empty and available)."""
+    scheduler = policy.config.scheduler
+    if scheduler == "kvcache_centric":
+        return _best_ttft(request, candidates, prefix_lengths, policy, now, allow_fetch=True)
+    if scheduler == "cache_aware":
+        return _best_ttft(request, candidates, prefix_lengths, policy, now, allow_fetch=False)
+    if scheduler == "load_balancing":
+        view = min(candidates, key=lambda v: queue_time_s(v, now))
+    else:
+        seed = f"{policy.config.seed}:{request.request_id}".encode()
+        view = candidates[zlib.crc32(seed) % len(candidates)]
+    return _local_choice(request, view, prefix_lengths.get(view.store_id, 0), policy, now)
+
+
+def _best_ttft(
+    request: RequestInfo,
+    candidates: Sequence[PrefillInstanceView],
+    prefix_lengths: dict[str, int],
+    policy: SchedulerPolicy,
+    now: float,
+    allow_fetch: bool,
+) -> PrefillChoice:
+    best_store, best_len = _best_prefix(prefix_lengths) if allow_fetch else (None, 0)
+    threshold = policy.config.kvcache_balancing_threshold
+    predictors = policy.predictors
+    prefill_s_by_blocks: dict[int, float] = {}  # many instances share a prefix length: predict once each
+    best: PrefillChoice | None = None
+    for view in candidates:
+        local_len = prefix_lengths.get(view.store_id, 0)
+        if best_len > threshold * local_len:  # Algorithm 1 line 5, written without dividing by zero
+            prefix_len, transfer_s, source = best_len, predictors.transfer.predict(best_len - local_len), best_store
+        else:
+            prefix_len, transfer_s, source = local_len, 0.0, None
+        prefill_s = prefill_s_by_blocks.get(prefix_len)
+        if prefill_s is None:
+            prefill_s = predictors.prefill.predict(request.num_prompt_tokens, _prefix_tokens(request, prefix_len, policy))
+            prefill_s_by_blocks[prefix_len] = prefill_s
+        queue_s = queue_time_s(view, now)
+        if best is None or transfer_s + queue_s + prefill_s < best.ttft_s:
+            best = PrefillChoice(view, prefix_len, local_len, source, transfer_s, queue_s, prefill_s)
+    assert best is not None
+    return best
+
+
+def _local_choice(
+    request: RequestInfo, view: PrefillInstanceView, local_len: int, policy: SchedulerPolicy, now: float
+) -> PrefillChoice:
+    prefill_s = policy.predictors.prefill.predict(request.num_prompt_tokens, _prefix_tokens(request, local_len, policy))
+    return PrefillChoice(view, local_len, local_len, None, 0.0, queue_time_s(view, now), prefill_s)
+
+
+def _best_prefix(prefix_lengths: dict[str, int]) -> tuple[str | None, int]:
+    best_store: str | None = None
+    best_len = 0
+    for store, length in prefix_lengths.items():
+        if length > best_len:
+            best_store, best_len = store, length
+    return best_store, best_len
+
+
+def _prefix_tokens(request: RequestInfo, num_blocks: int, policy: SchedulerPolicy) -> int:
+    """Reused tokens: whole blocks, at most all but the last prompt token (that one is always computed)."""
+    return min(num_blocks * policy.config.block_size, max(request.num_prompt_tokens - 1, 0))

@@ -1,0 +1,137 @@
+"""Plain data the scheduling policy reads and returns (no behaviour, no I/O).
+
+1. The owner of the live state (the conductor, or the simulator) builds one `PrefillInstanceView` per prefill
+   instance and one `DecodeInstanceView` per decode instance, and a `RequestInfo` per request.
+2. `mooncaked.sched.algorithm.schedule` returns a `Placement` or a `Rejection` with a reason.
+3. The owner acts on it (reserve, prefill, fetch the remote prefix) and updates its own state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+# Rejection reasons.
+REASON_TTFT_SLO = "ttft_slo"
+REASON_TBT_SLO = "tbt_slo"
+REASON_DECODE_FULL = "decode_full"
+REASON_NO_PREFILL = "no_prefill_instance"
+REASON_NO_DECODE = "no_decode_instance"
+REASON_DECODE_REFUSED = "decode_refused_after_prefill"  # admission "baseline": prefill work wasted
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    """One request as the scheduler sees it. `block_keys` are the prompt's full-block prefix keys, in order."""
+
+    request_id: str
+    num_prompt_tokens: int
+    block_keys: tuple[Hashable, ...]
+    arrival_time: float = 0.0
+
+
+@dataclass(frozen=True)
+class PrefillInstanceView:
+    """A prefill instance's load. `store_id` names the store on its host (the shadow index answers per store).
+
+    `busy_until` is when its current prefill finishes (<= now when idle); `queued_prefill_s` is the sum of the
+    predicted prefill times of the requests waiting behind it (the owner adds a request's prediction when it
+    queues it and subtracts it when it starts).
+    """
+
+    instance_id: str
+    store_id: str
+    busy_until: float = 0.0
+    queued_prefill_s: float = 0.0
+    num_queued: int = 0
+    is_available: bool = True
+
+
+@dataclass(frozen=True)
+class DecodeInstanceView:
+    """A decode instance's batch. Totals cover the running batch only (what a load probe sees now).
+
+    `running_started_at[i]` / `running_tokens[i]`: decode start time and current context of running request i
+    (used by prediction-based early rejection). `incoming`: (predicted decode start, context tokens) of requests
+    already placed here whose prefill is still in progress.
+    """
+
+    instance_id: str
+    store_id: str
+    num_running: int
+    num_context_tokens: int
+    max_num_running: int
+    max_context_tokens: int
+    running_started_at: tuple[float, ...] = ()
+    running_tokens: tuple[int, ...] = ()
+    incoming: tuple[tuple[float, int], ...] = ()
+    is_available: bool = True
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a request runs. When `fetch_from_store` is set, the prefill instance first pulls
+    `num_fetch_blocks` blocks (block indices `num_local_prefix_blocks` .. `num_prefix_blocks - 1`) from that store
+    into its own: this is the transfer of Algorithm 1 line 21 and the hot-spot replication of section 4.2."""
+
+    request_id: str
+    prefill_instance: str
+    decode_instance: str
+    num_prefix_blocks: int
+    num_local_prefix_blocks: int
+    fetch_from_store: str | None
+    num_fetch_blocks: int
+    predicted_transfer_s: float
+    predicted_queue_s: float
+    predicted_prefill_s: float
+    predicted_ttft_s: float
+    predicted_tbt_s: float
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A refused request (HTTP 429). `reason` is one of the REASON_* constants."""
+
+    request_id: str
+    reason: str
+    predicted_ttft_s: float = 0.0
+    predicted_tbt_s: float = 0.0
+
+
+SCHEDULERS = ("kvcache_centric", "cache_aware", "load_balancing", "random")
+ADMISSION_POLICIES = ("none", "baseline", "early_rejection", "early_rejection_predicted")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Knobs of the scheduling policy (the conductor's `scheduler:` config section and the simulator's).
+
+    scheduler: prefill placement, one of SCHEDULERS. admission: one of ADMISSION_POLICIES.
+    kvcache_balancing_threshold: fetch the best remote prefix when it is more than this many times longer than
+    the instance's local one (Algorithm 1 lines 5 and 20). decode_time_s: the uniform decode time t_d of
+    prediction-based early rejection. decode_load_threshold: accepted predicted TBT / TBT SLO.
+    """
+
+    scheduler: str = "kvcache_centric"
+    admission: str = "early_rejection"
+    kvcache_balancing_threshold: float = 1.2
+    ttft_slo_s: float = 30.0
+    tbt_slo_s: float = 0.1
+    block_size: int = 512
+    decode_time_s: float = 5.0
+    decode_load_threshold: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}")
+        if self.admission not in ADMISSION_POLICIES:
+            raise ValueError(f"admission must be one of {', '.join(ADMISSION_POLICIES)}, got {self.admission!r}")
+        if self.kvcache_balancing_threshold < 1.0:
+            raise ValueError(f"kvcache_balancing_threshold must be >= 1, got {self.kvcache_balancing_threshold}")
+        if self.ttft_slo_s <= 0 or self.tbt_slo_s <= 0:
+            raise ValueError("ttft_slo_s and tbt_slo_s must be positive")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.decode_time_s <= 0 or self.decode_load_threshold <= 0:
+            raise ValueError("decode_time_s and decode_load_threshold must be positive")

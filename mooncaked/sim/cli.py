@@ -1,0 +1,135 @@
+"""`mooncaked sim`: trace replay on virtual time, the cache study, and the documented experiments.
+
+    mooncaked sim [run] --trace FILE [--config sim.yaml] [--json FILE] [--plots DIR] [--speed X]
+                  [--scheduler NAME] [--admission NAME] [--set section.key=value ...]
+    mooncaked sim cache --trace FILE [--capacities 1000,10000,...,inf] [--policies lru,lfu,length_aware] [--json FILE]
+    mooncaked sim experiments --trace FILE [--config sim.yaml] [--json FILE] [--plots DIR]
+
+The main CLI calls `add_arguments(parser)` on its `sim` subparser and `run(args)` for the exit code. The first
+positional word picks the mode (`run` when omitted). Progress goes to stderr, tables to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mooncaked.kv.eviction import POLICY_NAMES
+from mooncaked.sched.types import ADMISSION_POLICIES, SCHEDULERS
+from mooncaked.sim.cache_study import DEFAULT_CAPACITIES, format_table, run_cache_study
+from mooncaked.sim.config import SimConfig, SimConfigError, load_sim_config, with_overrides
+from mooncaked.sim.engine import Simulator
+from mooncaked.sim.results import format_summary, summarize, to_json
+from mooncaked.sim.trace import TraceError, load_trace
+
+MODES = ("run", "cache", "experiments")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("mode", nargs="?", default="run", choices=MODES, help="what to do (default: run)")
+    parser.add_argument("--trace", required=True, help="Mooncake JSONL trace")
+    parser.add_argument("--config", help="sim YAML (see sim.example.yaml); built-in defaults when omitted")
+    parser.add_argument("--json", help="write the JSON result here")
+    parser.add_argument("--plots", help="directory for PNG plots")
+    parser.add_argument("--speed", type=float, help="replay speed-up (2.0 = twice as fast)")
+    parser.add_argument("--scheduler", choices=SCHEDULERS, help="prefill scheduler")
+    parser.add_argument("--admission", choices=ADMISSION_POLICIES, help="admission policy")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="config override")
+    parser.add_argument("--capacities", default="1000,10000,30000,50000,100000,inf", help="cache mode: blocks")
+    parser.add_argument("--policies", default=",".join(POLICY_NAMES), help="cache mode: eviction policies")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = _config_from_args(args)
+        requests = load_trace(args.trace, config.run.speed, config.run.max_requests)
+    except (SimConfigError, TraceError, OSError, ValueError) as exc:
+        print(f"mooncaked sim: {exc}", file=sys.stderr)
+        return 2
+    progress = None if args.no_progress else _progress_bar(args.mode)
+    if args.mode == "cache":
+        return _run_cache(args, requests, progress)
+    if args.mode == "experiments":
+        from mooncaked.sim.experiments import run_experiments
+
+        result = run_experiments(args.trace, config, Path(args.plots) if args.plots else None, progress)
+        _write_json(args.json, result)
+        return 0
+    simulator = Simulator(config, requests)
+    sim_result = simulator.run(progress)
+    sim_result.config = _config_dict(config)
+    print(format_summary(summarize(sim_result)))
+    _write_json(args.json, to_json(sim_result))
+    if args.plots:
+        from mooncaked.sim.plots import plot_latency_cdfs, plot_loads
+
+        directory = Path(args.plots)
+        directory.mkdir(parents=True, exist_ok=True)
+        label = f"{config.scheduler.scheduler}/{config.scheduler.admission}"
+        slo = config.scheduler
+        plot_latency_cdfs({label: sim_result}, directory / "latency_cdf.png", slo.ttft_slo_s, slo.tbt_slo_s)
+        plot_loads({label: sim_result}, directory / "load.png")
+    return 0
+
+
+def _run_cache(args: argparse.Namespace, requests: list[Any], progress: Any) -> int:
+    try:
+        capacities = [None if c.strip() in ("inf", "none") else int(c) for c in args.capacities.split(",")]
+    except ValueError:
+        print(f"mooncaked sim cache: --capacities must be integers or inf, got {args.capacities!r}", file=sys.stderr)
+        return 2
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICY_NAMES]
+    if unknown or any(c is not None and c < 0 for c in capacities):
+        print(f"mooncaked sim cache: policies must be in {POLICY_NAMES} and capacities >= 0", file=sys.stderr)
+        return 2
+    result = run_cache_study(requests, policies, capacities or list(DEFAULT_CAPACITIES), progress)
+    print(format_table(result))
+    _write_json(args.json, result)
+    return 0
+
+
+def _config_from_args(args: argparse.Namespace) -> SimConfig:
+    config = load_sim_config(args.config) if args.config else SimConfig()
+    if args.speed is not None:
+        config = with_overrides(config, "run", speed=args.speed)
+    if args.scheduler:
+        config = with_overrides(config, "scheduler", scheduler=args.scheduler)
+    if args.admission:
+        config = with_overrides(config, "scheduler", admission=args.admission)
+    for item in args.set:
+        key, sep, raw = item.partition("=")
+        section, dot, name = key.partition(".")
+        if not sep or not dot:
+            raise SimConfigError(f"--set {item!r}: expected SECTION.KEY=VALUE, e.g. cluster.num_prefill=8")
+        if section not in ("cluster", "model", "gpu", "scheduler", "run"):
+            raise SimConfigError(f"--set {item!r}: unknown section {section!r}")
+        config = with_overrides(config, section, **{name: yaml.safe_load(raw)})
+    return config
+
+
+def _config_dict(config: SimConfig) -> dict[str, Any]:
+    import dataclasses
+
+    return dataclasses.asdict(config)
+
+
+def _write_json(path: str | None, data: Any) -> None:
+    if path:
+        Path(path).write_text(json.dumps(data, indent=1, default=str) + "\n")
+
+
+def _progress_bar(label: str) -> Any:
+    def show(done: int, total: int) -> None:
+        width = 30
+        filled = width * done // max(total, 1)
+        end = "\n" if done >= total else ""
+        print(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end=end, file=sys.stderr, flush=True)
+
+    return show

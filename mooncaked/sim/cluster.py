@@ -1,0 +1,119 @@
+"""Simulated cluster state: host stores, prefill instances, decode instances (each owns its own fields).
+
+The engine (`mooncaked.sim.engine`) is the only writer; these classes keep the bookkeeping that makes the
+scheduler's views cheap to build (running sums instead of rescans).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+from mooncaked.kv.eviction import BlockCache, make_eviction_policy
+from mooncaked.sched.shadow_index import ShadowIndex
+from mooncaked.sched.types import DecodeInstanceView, Placement, PrefillInstanceView
+
+
+class HostStore:
+    """One host's DRAM block cache; every change is published to the shadow index as a sequenced event."""
+
+    def __init__(self, store_id: str, capacity_blocks: int, eviction: str, index: ShadowIndex) -> None:
+        self.store_id = store_id
+        self.cache = BlockCache(make_eviction_policy(eviction), capacity_blocks)
+        self._index = index
+        self._seq = 0
+        self.nic_free_at = 0.0
+        index.apply_dump(store_id, 0, [])
+
+    def put(self, keys: Sequence[Hashable], now: float, start: int = 0) -> int:
+        """Commits keys[start:] (touching resident ones); returns how many new blocks became resident."""
+        result = self.cache.insert(keys, now, start)
+        if result.evicted:
+            self._seq += 1
+            self._index.apply_removed(self.store_id, self._seq, result.evicted)
+        if result.inserted:
+            self._seq += 1
+            self._index.apply_stored(self.store_id, self._seq, result.inserted)
+        return len(result.inserted)
+
+
+@dataclass
+class PrefillJob:
+    request_index: int
+    placement: Placement
+    keys: tuple[int, ...]
+    num_prompt_tokens: int
+    fetch_done_at: float
+    is_fetch_pending: bool
+    started_at: float = 0.0
+    compute_s: float = 0.0
+    locked_keys: list[Hashable] = field(default_factory=list)
+
+
+@dataclass
+class PrefillInstance:
+    instance_id: str
+    store: HostStore
+    queue: deque[PrefillJob] = field(default_factory=deque)
+    current: PrefillJob | None = None
+    busy_until: float = 0.0
+    queued_prefill_s: float = 0.0
+    busy_time_done: float = 0.0  # seconds of finished jobs (fetch waits included)
+
+    def busy_time(self, now: float) -> float:
+        if self.current is None:
+            return self.busy_time_done
+        return self.busy_time_done + max(0.0, min(now, self.busy_until) - self.current.started_at)
+
+    def view(self) -> PrefillInstanceView:
+        return PrefillInstanceView(
+            self.instance_id, self.store.store_id, self.busy_until, self.queued_prefill_s, len(self.queue)
+        )
+
+
+@dataclass
+class DecodeSeq:
+    request_index: int
+    context_tokens: int
+    num_tokens_left: int
+    last_token_at: float
+    started_at: float = 0.0
+    gaps: list[float] = field(default_factory=list)
+    is_past_handoff: bool = False  # the first gap (prefill's first token -> first decode token) is behind
+
+
+@dataclass
+class DecodeInstance:
+    instance_id: str
+    store: HostStore
+    max_num_running: int
+    max_context_tokens: int
+    running: dict[int, DecodeSeq] = field(default_factory=dict)
+    waiting: deque[DecodeSeq] = field(default_factory=deque)
+    incoming: dict[int, tuple[float, int]] = field(default_factory=dict)
+    num_context_tokens: int = 0
+    is_stepping: bool = False
+    step_time_s: float = 0.0
+
+    def has_room_for(self, seq: DecodeSeq) -> bool:
+        if not self.running:
+            return True
+        return (
+            len(self.running) < self.max_num_running
+            and self.num_context_tokens + seq.context_tokens <= self.max_context_tokens
+        )
+
+    def view(self, with_details: bool) -> DecodeInstanceView:
+        running = self.running.values()
+        return DecodeInstanceView(
+            instance_id=self.instance_id,
+            store_id=self.store.store_id,
+            num_running=len(self.running),
+            num_context_tokens=self.num_context_tokens,
+            max_num_running=self.max_num_running,
+            max_context_tokens=self.max_context_tokens,
+            running_started_at=tuple(seq.started_at for seq in running) if with_details else (),
+            running_tokens=tuple(seq.context_tokens for seq in running) if with_details else (),
+            incoming=tuple(self.incoming.values()) if with_details else (),  # includes `waiting`
+        )

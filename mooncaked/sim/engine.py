@@ -1,0 +1,310 @@
+"""Discrete-event simulation of a Mooncake cluster on virtual time, driving the real `sched/` and `kv/` code.
+
+A request's life in the simulator:
+1. ARRIVAL: the engine builds the instance views and calls `mooncaked.sched.algorithm.schedule`; a Rejection
+   is recorded. A Placement locks the reused prefix in its store(s), starts the remote fetch if any (it holds the
+   source and destination NICs for bytes / bandwidth), queues the prefill job and announces the request to its
+   decode instance as incoming.
+2. FETCH_DONE: the fetched blocks are committed to the prefill host's store (hot-spot replication).
+3. Prefill: jobs run one at a time per instance, FIFO; a job starts when the instance is free and its fetch is
+   done, and takes the cost model's time for (prompt, reused prefix). PREFILL_DONE commits every block of the
+   prompt to the prefill host's store (and, when configured, to the decode host's), which is the first token.
+4. Decode: under admission `baseline` the least loaded decode instance may refuse the request now (wasted
+   prefill). Otherwise DECODE_READY (after the part of the KV stream not hidden behind prefill and the load into
+   HBM) queues it at its decode instance, which runs continuous-batching steps; each step's duration is the
+   cost model's and gives every running request one token gap. TBT = mean of the longest 10% of the gaps.
+5. SAMPLE events record the prefill and decode pool loads every `run.sample_interval_s`.
+Events at equal times run in scheduling order (a sequence number breaks ties), so runs are deterministic.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+from mooncaked.sched.admission import admit_at_decode, select_decode
+from mooncaked.sched.algorithm import SchedulerPolicy, schedule
+from mooncaked.sched.shadow_index import ShadowIndex
+from mooncaked.sched.types import REASON_DECODE_REFUSED, Placement, RequestInfo
+from mooncaked.sim.cluster import DecodeInstance, DecodeSeq, HostStore, PrefillInstance, PrefillJob
+from mooncaked.sim.config import SimConfig
+from mooncaked.sim.costs import CostModel, build_cost_model
+from mooncaked.sim.results import LoadSample, RequestRecord, SimResult, tbt_of
+from mooncaked.sim.trace import TraceRequest
+
+ARRIVAL, FETCH_DONE, PREFILL_DONE, DECODE_READY, DECODE_STEP, SAMPLE = range(6)
+
+ProgressCallback = Callable[[int, int], None]
+
+
+class Simulator:
+    """Owns the event queue, the cluster state, the shadow index and the per-request records of one run."""
+
+    def __init__(self, config: SimConfig, requests: list[TraceRequest]) -> None:
+        self.config = config
+        self.costs: CostModel = build_cost_model(config)
+        self.policy = SchedulerPolicy(config.scheduler, self.costs.predictors)
+        self.requests = requests
+        self.index = ShadowIndex()
+        self.rng = random.Random(config.run.seed)
+        self.records = [
+            RequestRecord(r.index, r.arrival_s, r.input_length, self._output_length(r), len(r.hash_ids))
+            for r in requests
+        ]
+        self.samples: list[LoadSample] = []
+        self._events: list[tuple[float, int, int, Any]] = []
+        self._seq = 0
+        self._build_cluster()
+
+    def _output_length(self, request: TraceRequest) -> int:
+        length = round(request.output_length * self.config.run.output_length_scale)
+        cap = self.config.run.output_length_cap
+        return min(length, cap) if cap else length
+
+    def _build_cluster(self) -> None:
+        cluster = self.config.cluster
+        capacity = cluster.dram_blocks_per_host
+        self.prefill = [
+            PrefillInstance(f"prefill-{i}", HostStore(f"p{i}", capacity, cluster.eviction, self.index))
+            for i in range(cluster.num_prefill)
+        ]
+        decode_capacity = capacity if cluster.decode_hosts_in_pool else 0
+        self.decode = [
+            DecodeInstance(
+                f"decode-{i}",
+                HostStore(f"d{i}", decode_capacity, cluster.eviction, self.index),
+                cluster.max_batch_size,
+                self.costs.max_decode_context_tokens,
+            )
+            for i in range(cluster.num_decode)
+        ]
+        self.prefill_by_id = {p.instance_id: p for p in self.prefill}
+        self.decode_by_id = {d.instance_id: d for d in self.decode}
+        self.store_by_id = {p.store.store_id: p.store for p in self.prefill}
+        self.store_by_id.update({d.store.store_id: d.store for d in self.decode})
+        self._busy_at_last_sample = [0.0] * len(self.prefill)
+
+    def _push(self, at: float, kind: int, payload: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (at, self._seq, kind, payload))
+
+    def run(self, progress: ProgressCallback | None = None) -> SimResult:
+        started = time.perf_counter()
+        for request in self.requests:
+            self._push(request.arrival_s, ARRIVAL, request)
+        if self.requests:
+            self._push(self.config.run.sample_interval_s, SAMPLE, None)
+        handlers = (self._on_arrival, self._on_fetch_done, self._on_prefill_done,
+                    self._on_decode_ready, self._on_decode_step, self._on_sample)
+        num_done = 0
+        now = 0.0
+        while self._events:
+            now, _, kind, payload = heapq.heappop(self._events)
+            handlers[kind](now, payload)
+            if kind == ARRIVAL:
+                num_done += 1
+                if progress is not None and num_done % 200 == 0:
+                    progress(num_done, len(self.requests))
+        if progress is not None:
+            progress(len(self.requests), len(self.requests))
+        return SimResult(self.records, self.samples, time.perf_counter() - started, now)
+
+    def _on_arrival(self, now: float, request: TraceRequest) -> None:
+        info = RequestInfo(str(request.index), request.input_length, request.hash_ids, now)
+        is_predicted = self.config.scheduler.admission == "early_rejection_predicted"
+        decision = schedule(
+            info,
+            [p.view() for p in self.prefill],
+            [d.view(is_predicted) for d in self.decode],
+            self.index,
+            self.policy,
+            now,
+        )
+        record = self.records[request.index]
+        record.predicted_ttft_s = decision.predicted_ttft_s
+        if not isinstance(decision, Placement):
+            record.rejection_reason = decision.reason
+            return
+        self._place(now, request, decision, record)
+
+    def _place(self, now: float, request: TraceRequest, placement: Placement, record: RequestRecord) -> None:
+        instance = self.prefill_by_id[placement.prefill_instance]
+        keys = request.hash_ids
+        record.prefill_instance = placement.prefill_instance
+        record.decode_instance = placement.decode_instance
+        record.prefix_blocks = placement.num_prefix_blocks
+        record.local_prefix_blocks = placement.num_local_prefix_blocks
+        job = PrefillJob(request.index, placement, keys, request.input_length, now, False)
+        job.locked_keys = list(keys[: placement.num_local_prefix_blocks])
+        instance.store.cache.lock(job.locked_keys)
+        if placement.fetch_from_store is not None and placement.num_fetch_blocks > 0:
+            record.fetched_blocks = placement.num_fetch_blocks
+            record.fetch_source = placement.fetch_from_store
+            job.fetch_done_at = self._start_fetch(now, instance.store, placement)
+            job.is_fetch_pending = True
+            self._push(job.fetch_done_at, FETCH_DONE, job)
+        instance.queue.append(job)
+        instance.queued_prefill_s += placement.predicted_prefill_s
+        tokens = request.input_length
+        self.decode_by_id[placement.decode_instance].incoming[request.index] = (now + placement.predicted_ttft_s, tokens)
+        self._try_start_prefill(now, instance)
+
+    def _start_fetch(self, now: float, destination: HostStore, placement: Placement) -> float:
+        source = self.store_by_id[placement.fetch_from_store or ""]
+        keys = self.requests[int(placement.request_id)].hash_ids
+        source.cache.lock(keys[placement.num_local_prefix_blocks : placement.num_prefix_blocks])
+        start = max(now, source.nic_free_at, destination.nic_free_at)
+        done = start + self.costs.predictors.transfer.predict(placement.num_fetch_blocks)
+        source.nic_free_at = destination.nic_free_at = done
+        return done
+
+    def _on_fetch_done(self, now: float, job: PrefillJob) -> None:
+        placement = job.placement
+        instance = self.prefill_by_id[placement.prefill_instance]
+        source = self.store_by_id[placement.fetch_from_store or ""]
+        fetched = job.keys[placement.num_local_prefix_blocks : placement.num_prefix_blocks]
+        instance.store.put(job.keys[: placement.num_prefix_blocks], now)
+        resident = [key for key in fetched if key in instance.store.cache]
+        instance.store.cache.lock(resident)
+        job.locked_keys.extend(resident)
+        source.cache.unlock(fetched)
+        job.is_fetch_pending = False
+
+    def _try_start_prefill(self, now: float, instance: PrefillInstance) -> None:
+        if instance.current is not None or not instance.queue:
+            return
+        job = instance.queue.popleft()
+        instance.queued_prefill_s = max(0.0, instance.queued_prefill_s - job.placement.predicted_prefill_s)
+        job.started_at = now
+        num_prefix_blocks = self._reusable_blocks_at_start(instance, job)
+        prefix_tokens = min(num_prefix_blocks * self.config.scheduler.block_size, job.num_prompt_tokens - 1)
+        compute_s = self.costs.predictors.prefill.predict(job.num_prompt_tokens, max(prefix_tokens, 0))
+        noise = self.config.run.prefill_noise
+        if noise > 0:
+            compute_s *= self.rng.lognormvariate(0.0, noise)
+        job.compute_s = compute_s
+        instance.current = job
+        instance.busy_until = max(now, job.fetch_done_at) + compute_s
+        self._push(instance.busy_until, PREFILL_DONE, instance)
+
+    def _reusable_blocks_at_start(self, instance: PrefillInstance, job: PrefillJob) -> int:
+        """The plan's prefix, or more when earlier prefills on this host committed further blocks meanwhile
+        (a store lookup at execution, as the instance itself would do)."""
+        planned = job.placement.num_prefix_blocks
+        if job.is_fetch_pending:
+            return planned
+        num_local = instance.store.cache.match_prefix(job.keys)
+        if num_local > planned:
+            extra = list(job.keys[planned:num_local])
+            instance.store.cache.lock(extra)
+            job.locked_keys.extend(extra)
+            self.records[job.request_index].prefix_blocks = num_local
+            return num_local
+        return planned
+
+    def _on_prefill_done(self, now: float, instance: PrefillInstance) -> None:
+        job = instance.current
+        assert job is not None
+        placement = job.placement
+        instance.busy_time_done += now - job.started_at
+        instance.current = None
+        instance.store.put(job.keys, now)
+        instance.store.cache.unlock(job.locked_keys)
+        record = self.records[job.request_index]
+        record.prefill_compute_s = job.compute_s
+        record.ttft_s = now - record.arrival_s
+        self._try_start_prefill(now, instance)
+        self._hand_to_decode(now, job, record)
+
+    def _hand_to_decode(self, now: float, job: PrefillJob, record: RequestRecord) -> None:
+        decode = self.decode_by_id[job.placement.decode_instance]
+        decode.incoming.pop(job.request_index, None)
+        if record.output_length <= 1:
+            self._finish(record, now, 0.0)
+            return
+        if self.config.scheduler.admission == "baseline":
+            checked = self._baseline_decode_check(now, job, record)
+            if checked is None:
+                return
+            decode = checked
+        if self.config.cluster.decode_hosts_in_pool:
+            decode.store.put(job.keys, now)
+        kv_bytes = job.num_prompt_tokens * self.costs.kv_bytes_per_token
+        stream_s = max(0.0, kv_bytes / self.costs.link_bandwidth - job.compute_s)
+        ready = now + stream_s + kv_bytes / self.costs.h2d_bandwidth
+        seq = DecodeSeq(job.request_index, job.num_prompt_tokens + 1, record.output_length - 1, now)
+        decode.incoming[job.request_index] = (ready, seq.context_tokens)
+        self._push(ready, DECODE_READY, (decode, seq))
+
+    def _baseline_decode_check(self, now: float, job: PrefillJob, record: RequestRecord) -> DecodeInstance | None:
+        """Admission `baseline`: the least loaded decode instance checks its load only now."""
+        views = [d.view(False) for d in self.decode]
+        config, predictor = self.config.scheduler, self.costs.predictors.decode
+        choice = select_decode(job.num_prompt_tokens, views, config, predictor, now, now)
+        if choice.view is None or not admit_at_decode(choice.view, job.num_prompt_tokens, config, predictor):
+            record.rejection_reason = REASON_DECODE_REFUSED
+            record.wasted_prefill = True
+            return None
+        record.decode_instance = choice.view.instance_id
+        return self.decode_by_id[choice.view.instance_id]
+
+    def _on_decode_ready(self, now: float, payload: tuple[DecodeInstance, DecodeSeq]) -> None:
+        decode, seq = payload
+        decode.waiting.append(seq)
+        if not decode.is_stepping:
+            self._start_step(now, decode)
+
+    def _start_step(self, now: float, decode: DecodeInstance) -> None:
+        while decode.waiting and decode.has_room_for(decode.waiting[0]):
+            seq = decode.waiting.popleft()
+            decode.incoming.pop(seq.request_index, None)
+            seq.started_at = now
+            decode.running[seq.request_index] = seq
+            decode.num_context_tokens += seq.context_tokens
+        if not decode.running:
+            decode.is_stepping = False
+            decode.step_time_s = 0.0
+            return
+        decode.step_time_s = self.costs.predictors.decode.predict(len(decode.running), decode.num_context_tokens)
+        decode.is_stepping = True
+        self._push(now + decode.step_time_s, DECODE_STEP, decode)
+
+    def _on_decode_step(self, now: float, decode: DecodeInstance) -> None:
+        finished: list[DecodeSeq] = []
+        counts_handoff = self.config.run.tbt_counts_handoff
+        for seq in decode.running.values():
+            if counts_handoff or seq.is_past_handoff:
+                seq.gaps.append(now - seq.last_token_at)
+            seq.is_past_handoff = True
+            seq.last_token_at = now
+            seq.num_tokens_left -= 1
+            seq.context_tokens += 1
+            if seq.num_tokens_left <= 0:
+                finished.append(seq)
+        decode.num_context_tokens += len(decode.running)
+        for seq in finished:
+            del decode.running[seq.request_index]
+            decode.num_context_tokens -= seq.context_tokens
+            self._finish(self.records[seq.request_index], now, tbt_of(seq.gaps))
+        self._start_step(now, decode)
+
+    def _finish(self, record: RequestRecord, now: float, tbt_s: float) -> None:
+        config = self.config.scheduler
+        record.tbt_s = tbt_s
+        record.finished_s = now
+        record.slo_met = record.ttft_s <= config.ttft_slo_s and tbt_s <= config.tbt_slo_s
+
+    def _on_sample(self, now: float, _: None) -> None:
+        interval = self.config.run.sample_interval_s
+        busy = [p.busy_time(now) for p in self.prefill]
+        prefill_load = sum(b - last for b, last in zip(busy, self._busy_at_last_sample)) / (interval * len(busy))
+        self._busy_at_last_sample = busy
+        slo = self.config.scheduler.tbt_slo_s
+        decode_load = sum(d.step_time_s for d in self.decode) / (slo * len(self.decode)) if self.decode else 0.0
+        num_running = sum(len(d.running) for d in self.decode)
+        self.samples.append(LoadSample(now, prefill_load, decode_load, num_running))
+        if len(self._events) > 0:
+            self._push(now + interval, SAMPLE, None)

@@ -1,0 +1,79 @@
+"""Admission policies on constructed decode load patterns."""
+
+import pytest
+
+from mooncaked.sched.admission import admit_at_decode, predicted_batch, select_decode
+from mooncaked.sched.algorithm import SchedulerPolicy, schedule
+from mooncaked.sched.predictors import DecodeStepPredictor, Predictors, PrefillTimePredictor, TransferTimePredictor
+from mooncaked.sched.shadow_index import ShadowIndex
+from mooncaked.sched.types import DecodeInstanceView, Placement, PolicyConfig, PrefillInstanceView, Rejection, RequestInfo
+
+PREFILL = PrefillTimePredictor((0.0, 1.0, -1.0, 0.0, 0.0, 0.0))  # 1 s per 1000 new tokens
+DECODE = DecodeStepPredictor((0.0, 0.010, 0.0))  # 10 ms per request in the batch
+REQUEST = RequestInfo("r", 2000, ())  # 2 s prefill on an idle instance -> ready at now + 2
+
+
+def _policy(admission: str, **extra) -> SchedulerPolicy:
+    config = PolicyConfig(admission=admission, tbt_slo_s=0.05, ttft_slo_s=10.0, decode_time_s=5.0, **extra)
+    return SchedulerPolicy(config, Predictors(PREFILL, DECODE, TransferTimePredictor(1, 1.0)))
+
+
+def _decide(decode: DecodeInstanceView, admission: str, now: float = 100.0):
+    prefills = [PrefillInstanceView("p", "sp")]
+    return schedule(REQUEST, prefills, [decode], ShadowIndex(), _policy(admission), now)
+
+
+# Lag pattern (Fig. 7a): the batch is empty now, but 5 requests placed here finish prefill within 1 s.
+FILLING = DecodeInstanceView("d", "sd", 0, 0, 64, 10**9, incoming=tuple((101.0, 1000) for _ in range(5)))
+# Draining pattern: 5 requests running now, all started 10 s ago (> t_d = 5 s): expected gone by now + 2.
+DRAINING = DecodeInstanceView(
+    "d", "sd", 5, 5000, 64, 10**9, running_started_at=(90.0,) * 5, running_tokens=(1000,) * 5
+)
+
+
+def test_early_rejection_uses_the_current_batch():
+    # FILLING: 0 running + this one -> 10 ms <= 50 ms: accepted (the lag the prediction fixes).
+    assert isinstance(_decide(FILLING, "early_rejection"), Placement)
+    # DRAINING: 5 running + 1 -> 60 ms > 50 ms: rejected.
+    rejected = _decide(DRAINING, "early_rejection")
+    assert isinstance(rejected, Rejection) and rejected.reason == "tbt_slo"
+    assert rejected.predicted_tbt_s == pytest.approx(0.060)
+
+
+def test_prediction_based_early_rejection_looks_at_prefill_completion():
+    # At ready time 102: FILLING has 5 joined (at 101, still within t_d) + 1 -> 60 ms: rejected.
+    rejected = _decide(FILLING, "early_rejection_predicted")
+    assert isinstance(rejected, Rejection) and rejected.reason == "tbt_slo"
+    # DRAINING at 102: all 5 started at 90, 90 + 5 <= 102 -> gone; 1 request -> 10 ms: accepted.
+    accepted = _decide(DRAINING, "early_rejection_predicted")
+    assert isinstance(accepted, Placement) and accepted.predicted_tbt_s == pytest.approx(0.010)
+
+
+def test_baseline_defers_the_decode_check_until_after_prefill():
+    placement = _decide(DRAINING, "baseline")
+    assert isinstance(placement, Placement)  # not refused up front...
+    config = _policy("baseline").config
+    assert not admit_at_decode(DRAINING, 1000, config, DECODE)  # ...but the decode instance refuses later
+    assert admit_at_decode(FILLING, 1000, config, DECODE)
+
+
+def test_none_never_rejects():
+    slow = DecodeInstanceView("d", "sd", 50, 50_000, 64, 10**9)
+    long_request = RequestInfo("r", 50_000, ())  # 50 s prefill > 10 s TTFT SLO
+    decision = schedule(long_request, [PrefillInstanceView("p", "sp")], [slow], ShadowIndex(), _policy("none"), 0.0)
+    assert isinstance(decision, Placement)
+
+
+def test_decode_memory_full_rejects_early():
+    full = DecodeInstanceView("d", "sd", 1, 9_000, 64, 10_000)
+    rejected = _decide(full, "early_rejection")
+    assert isinstance(rejected, Rejection) and rejected.reason == "decode_full"
+
+
+def test_predicted_batch_and_selection():
+    assert predicted_batch(FILLING, 100.5, 5.0) == (0, 0)
+    assert predicted_batch(FILLING, 101.0, 5.0) == (5, 5000)
+    assert predicted_batch(FILLING, 106.0, 5.0) == (0, 0)
+    config = _policy("early_rejection_predicted").config
+    choice = select_decode(1000, [FILLING, DRAINING], config, DECODE, now=100.0, ready_time=102.0)
+    assert choice.view is DRAINING
