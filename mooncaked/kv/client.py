@@ -1,0 +1,237 @@
+"""StoreClient: what prefill and decode workers use to put and get KV blocks in one host's store.
+
+1. `await StoreClient.connect(rpc, host=..., engine=...)` asks the store where its pool lives (STATS). On the
+   store's host it maps the pool's shared-memory file (moves are memcpy); elsewhere it needs a TransferEngine
+   and moves bytes with READ/WRITE on the store's segment.
+2. `register_staging(name, buffer)` makes a CPU buffer (bytearray, numpy array, CPU tensor) usable as the other
+   end of moves; with an engine it is registered there as a segment.
+3. Put: `allocate(keys, block_bytes, lease_ms)` → `write_layer(...)` per layer (or `write_blocks`) → `commit`.
+   Get: `lookup(keys, lease_ms)` → `read_blocks(...)` (or `read_layer`) → `release([lease_id])`.
+4. `close()` unmaps the pool and unregisters staging segments; the RPC client and engine are the caller's.
+
+A block is `[layer][k|v][token][kv_head][head_dim]`; one layer's slice is `layer_bytes` long at
+`layer_index * layer_bytes` inside the block (DESIGN section 5).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from mooncaked.kv import messages as msg
+from mooncaked.kv.shm_pool import ShmPool
+from mooncaked.protocol import Message, Method
+from mooncaked.rdma import SegmentRef, TransferEngine, TransferOp, TransferRequest
+
+_THREAD_COPY_BYTES = 4 << 20  # local copies at least this large run off the event loop
+
+
+class RpcCaller(Protocol):
+    """The part of mooncaked.rpc.RpcClient the store client uses."""
+
+    async def call(self, method: Any, request: Any, *, timeout_s: float) -> Any: ...
+
+    def stream(self, method: Any, request: Any, *, timeout_s: float) -> AsyncIterator[Any]: ...
+
+
+@dataclass(frozen=True)
+class Staging:
+    """A registered CPU buffer: `name` is its engine segment (when remote), `array` its bytes."""
+
+    name: str
+    array: np.ndarray  # [num_bytes] uint8 view of the caller's buffer
+
+
+@dataclass(frozen=True)
+class Span:
+    """Move `num_bytes` between pool offset `pool_offset` and staging offset `staging_offset`."""
+
+    pool_offset: int
+    staging_offset: int
+    num_bytes: int
+
+
+class StoreClient:
+    """One worker's connection to one store. Owns its pool mapping and staging registrations."""
+
+    def __init__(self, rpc: RpcCaller, *, pool: ShmPool | None, engine: TransferEngine | None,
+                 segment: SegmentRef, timeout_s: float = 30.0) -> None:
+        if pool is None and engine is None:
+            raise ValueError("the store is on another host: pass a started TransferEngine to move bytes")
+        self.rpc = rpc
+        self.pool = pool
+        self.engine = engine
+        self.segment = segment
+        self.timeout_s = timeout_s
+        self._staging_names: list[str] = []
+
+    @classmethod
+    async def connect(cls, rpc: RpcCaller, *, host: str, engine: TransferEngine | None = None,
+                      is_shm_allowed: bool = True, timeout_s: float = 30.0) -> StoreClient:
+        """Map the pool when the store reports the same `host` and its file is visible, else use `engine`."""
+        stats: msg.StatsReply = await rpc.call(msg.STATS, msg.StatsRequest(), timeout_s=timeout_s)
+        pool = None
+        if is_shm_allowed and stats.host == host and os.path.exists(stats.pool_path):
+            pool = ShmPool.attach(stats.pool_path)
+        segment = SegmentRef(stats.segment_endpoint, stats.segment_name)
+        return cls(rpc, pool=pool, engine=engine, segment=segment, timeout_s=timeout_s)
+
+    @property
+    def is_local(self) -> bool:
+        return self.pool is not None
+
+    async def close(self) -> None:
+        if self.engine is not None:
+            for name in self._staging_names:
+                self.engine.unregister(name)
+        self._staging_names.clear()
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+    # ---- metadata calls -----------------------------------------------------------------------------------
+    async def allocate(self, keys: Sequence[bytes], block_bytes: int, lease_ms: int,
+                       first_position: int = 0) -> msg.AllocateReply:
+        request = msg.AllocateRequest(list(keys), block_bytes, lease_ms, first_position)
+        reply: msg.AllocateReply = await self._call(msg.ALLOCATE, request)
+        return reply
+
+    async def commit(self, handle_ids: Sequence[int]) -> msg.CommitReply:
+        reply: msg.CommitReply = await self._call(msg.COMMIT, msg.CommitRequest(list(handle_ids)))
+        return reply
+
+    async def abort(self, handle_ids: Sequence[int]) -> int:
+        reply: msg.AbortReply = await self._call(msg.ABORT, msg.AbortRequest(list(handle_ids)))
+        return reply.num_aborted
+
+    async def lookup(self, keys: Sequence[bytes], lease_ms: int = 0) -> msg.LookupReply:
+        """Longest present prefix; with `lease_ms` > 0 it is in DRAM and leased until `release`."""
+        reply: msg.LookupReply = await self._call(msg.LOOKUP, msg.LookupRequest(list(keys), lease_ms))
+        return reply
+
+    async def release(self, lease_ids: Sequence[int]) -> int:
+        reply: msg.ReleaseReply = await self._call(msg.RELEASE, msg.ReleaseRequest(list(lease_ids)))
+        return reply.num_released
+
+    async def pin(self, keys: Sequence[bytes], ttl_ms: int) -> list[bytes]:
+        """Pin present keys for `ttl_ms`; returns the keys that were not present."""
+        reply: msg.PinReply = await self._call(msg.PIN, msg.PinRequest(list(keys), ttl_ms))
+        return reply.missing_keys
+
+    async def unpin(self, keys: Sequence[bytes]) -> int:
+        reply: msg.UnpinReply = await self._call(msg.UNPIN, msg.UnpinRequest(list(keys)))
+        return reply.num_unpinned
+
+    async def stats(self) -> msg.StatsReply:
+        reply: msg.StatsReply = await self._call(msg.STATS, msg.StatsRequest())
+        return reply
+
+    async def dump(self) -> tuple[int, list[bytes]]:
+        """(sequence number, every present key as of it)."""
+        seq, keys = 0, []
+        async for chunk in self.rpc.stream(msg.DUMP, msg.DumpRequest(), timeout_s=self.timeout_s):
+            seq = chunk.seq
+            keys.extend(chunk.keys)
+        return seq, keys
+
+    # ---- data moves ---------------------------------------------------------------------------------------
+    def register_staging(self, name: str, buffer: Any) -> Staging:
+        """Make `buffer` (contiguous CPU memory) the local end of moves; `name` must be unique in the engine."""
+        if self.engine is not None and self.pool is None:
+            self.engine.register(name, buffer)
+            self._staging_names.append(name)
+        array = np.frombuffer(_byte_view(buffer), dtype=np.uint8)
+        return Staging(name, array)
+
+    def unregister_staging(self, staging: Staging) -> None:
+        """End `staging`'s registration (a request's buffer, once its moves are done)."""
+        if staging.name in self._staging_names:
+            self._staging_names.remove(staging.name)
+            assert self.engine is not None
+            self.engine.unregister(staging.name)
+
+    async def write_layer(self, staging: Staging, handles: Sequence[msg.WriteHandle], layer_index: int,
+                          layer_bytes: int, staging_offset: int = 0) -> None:
+        """Staging holds one layer's slice of each handle's block, back to back: [len(handles), layer_bytes]."""
+        spans = [Span(h.offset + layer_index * layer_bytes, staging_offset + i * layer_bytes, layer_bytes)
+                 for i, h in enumerate(handles)]
+        await self.move(TransferOp.WRITE, staging, spans)
+
+    async def write_blocks(self, staging: Staging, handles: Sequence[msg.WriteHandle],
+                           staging_offset: int = 0) -> None:
+        """Staging holds whole blocks back to back: [len(handles), block_bytes]."""
+        spans = [Span(h.offset, staging_offset + i * h.num_bytes, h.num_bytes) for i, h in enumerate(handles)]
+        await self.move(TransferOp.WRITE, staging, spans)
+
+    async def read_layer(self, staging: Staging, locations: Sequence[msg.BlockLocation], layer_index: int,
+                         layer_bytes: int, staging_offset: int = 0) -> None:
+        """Fill staging with one layer's slice of each block: [len(locations), layer_bytes]."""
+        spans = [Span(_dram_offset(loc) + layer_index * layer_bytes, staging_offset + i * layer_bytes,
+                      layer_bytes) for i, loc in enumerate(locations)]
+        await self.move(TransferOp.READ, staging, spans)
+
+    async def read_blocks(self, staging: Staging, locations: Sequence[msg.BlockLocation],
+                          staging_offset: int = 0) -> None:
+        """Fill staging with whole blocks back to back: [len(locations), block_bytes]."""
+        spans = [Span(_dram_offset(loc), staging_offset + i * loc.num_bytes, loc.num_bytes)
+                 for i, loc in enumerate(locations)]
+        await self.move(TransferOp.READ, staging, spans)
+
+    async def move(self, op: TransferOp, staging: Staging, spans: Sequence[Span]) -> None:
+        """READ: pool -> staging; WRITE: staging -> pool. Raises TransferError or ValueError on failure."""
+        if not spans:
+            return
+        if self.pool is not None:
+            if sum(span.num_bytes for span in spans) >= _THREAD_COPY_BYTES:
+                await asyncio.to_thread(_copy_spans, self.pool.array, staging.array, op, spans)
+            else:
+                _copy_spans(self.pool.array, staging.array, op, spans)
+            return
+        assert self.engine is not None
+        requests = [TransferRequest(op, staging.name, span.staging_offset, self.segment, span.pool_offset,
+                                    span.num_bytes) for span in spans]
+        batch_id = self.engine.submit(requests)
+        await self.engine.wait(batch_id, self.timeout_s)
+
+    async def _call(self, method: Method, request: Message) -> Any:
+        return await self.rpc.call(method, request, timeout_s=self.timeout_s)
+
+
+def _copy_spans(pool: np.ndarray, staging: np.ndarray, op: TransferOp, spans: Sequence[Span]) -> None:
+    for span in spans:
+        if span.staging_offset + span.num_bytes > staging.nbytes or span.staging_offset < 0:
+            raise ValueError(f"staging range [{span.staging_offset}, +{span.num_bytes}) is outside its "
+                             f"{staging.nbytes} bytes")
+        if span.pool_offset < 0 or span.pool_offset + span.num_bytes > pool.nbytes:
+            raise ValueError(f"pool range [{span.pool_offset}, +{span.num_bytes}) is outside the pool")
+        pool_part = pool[span.pool_offset : span.pool_offset + span.num_bytes]
+        staging_part = staging[span.staging_offset : span.staging_offset + span.num_bytes]
+        if op is TransferOp.WRITE:
+            pool_part[:] = staging_part
+        else:
+            staging_part[:] = pool_part
+
+
+def _dram_offset(location: msg.BlockLocation) -> int:
+    if location.tier != "dram" or location.offset < 0:
+        raise ValueError(f"block {location.key.hex()} is on {location.tier}, not in DRAM: look it up with "
+                         "lease_ms > 0 so the store promotes it before reading")
+    return location.offset
+
+
+def _byte_view(buffer: Any) -> memoryview:
+    if type(buffer).__module__.startswith("torch"):
+        import torch  # a tensor was passed, so torch is already imported
+
+        if buffer.device.type != "cpu" or not buffer.is_contiguous():
+            raise ValueError("staging tensors must be contiguous CPU tensors")
+        return memoryview(buffer.reshape(-1).view(torch.uint8).numpy())
+    view = memoryview(buffer)
+    if view.readonly:
+        raise ValueError(f"staging buffer {type(buffer).__name__} is read-only")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view

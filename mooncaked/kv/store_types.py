@@ -1,0 +1,101 @@
+"""Plain value types of the store core: tiers, grants, locations, evictions, its config and key checks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mooncaked.kv.keys import KEY_BYTES
+
+TIER_DRAM = "dram"
+TIER_SSD = "ssd"
+
+
+class StoreFull(Exception):
+    """The absent keys of an allocation do not fit even after evicting everything evictable."""
+
+
+class UnknownHandle(KeyError):
+    """A handle id that is not outstanding (never issued, already committed or aborted, or expired)."""
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A write handle: write `num_bytes` at `offset` in the pool, then commit `handle_id`."""
+
+    handle_id: int
+    key: bytes
+    offset: int
+    num_bytes: int
+
+
+@dataclass(frozen=True)
+class Location:
+    key: bytes
+    tier: str  # TIER_DRAM | TIER_SSD
+    offset: int  # pool offset in DRAM; -1 on SSD
+    num_bytes: int
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """A block left DRAM: copy pool[offset:offset+num_bytes] out now if `is_to_ssd`, before any new allocation."""
+
+    key: bytes
+    offset: int
+    num_bytes: int
+    is_to_ssd: bool
+
+
+@dataclass
+class PendingWrite:
+    """An outstanding write handle (state of the StoreCore)."""
+
+    grant: Grant
+    deadline: float
+    position: int
+
+
+@dataclass
+class BlockRecord:
+    """A committed block: in DRAM at `dram_offset`, on SSD, or both (state of the StoreCore)."""
+
+    num_bytes: int
+    dram_offset: int | None
+    is_on_ssd: bool
+    position: int
+    num_readers: int = 0
+    pinned_until: float = 0.0
+
+
+@dataclass
+class ReadLease:
+    """Keys a reader holds against eviction until `deadline` (state of the StoreCore)."""
+
+    keys: list[bytes]
+    deadline: float
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    capacity_bytes: int
+    alignment: int = 4096
+    eviction_policy: str = "lru"
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+    has_ssd: bool = False
+    max_events: int = 1 << 16
+
+
+def check_keys(keys: Sequence[bytes]) -> None:
+    """Raise ValueError naming the first key that is not a distinct 16-byte block key."""
+    for index, key in enumerate(keys):
+        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            raise ValueError(f"keys[{index}] must be {KEY_BYTES} bytes (see kv/keys.py), got {key!r:.60}")
+    if len(set(keys)) != len(keys):
+        raise ValueError("keys must be distinct within one call")
+
+
+def check_lease_ms(lease_ms: int) -> None:
+    if lease_ms <= 0:
+        raise ValueError(f"lease_ms must be positive, got {lease_ms}")

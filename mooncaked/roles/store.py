@@ -1,0 +1,89 @@
+"""StoreRole: one host's KVCache pool behind RPC (DESIGN section 6).
+
+1. Build: the transfer engine (data endpoint on `instance.host:instance.data_port`), the StoreService (pool file
+   `<shm_dir>/mooncaked-<cluster>-<instance>`, SSD directory `<ssd_dir>/<instance>` when configured) and the RPC
+   endpoint (health, info, and the store methods of kv/messages.py).
+2. `start()`: engine, then service (pool, SSD index, segment, maintenance), then RPC: nothing is served before
+   the pool exists.
+3. `stop()`: end event streams, then RPC (stop accepting, drain within runtime.drain_timeout_s, cancel the rest),
+   then the service (maintenance, SSD backlog, pool file), then the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from mooncaked.config import Config, InstanceConfig, StoreSection
+from mooncaked.kv.service import StoreService, StoreServiceConfig
+from mooncaked.kv.shm_pool import pool_path
+from mooncaked.rdma import TransferEngine
+from mooncaked.roles.base import RoleEndpoint
+
+logger = logging.getLogger(__name__)
+
+
+def service_config(config: Config, instance: InstanceConfig, section: StoreSection) -> StoreServiceConfig:
+    ssd_dir = os.path.join(section.ssd_dir, instance.name) if section.ssd_dir else None
+    return StoreServiceConfig(
+        pool_path=pool_path(config.cluster.id, instance.name, section.shm_dir),
+        dram_bytes=section.dram_bytes,
+        host=instance.host,
+        segment_name=f"kvpool-{instance.name}",
+        eviction_policy=section.eviction_policy,
+        high_watermark=section.high_watermark,
+        low_watermark=section.low_watermark,
+        ssd_dir=ssd_dir,
+        ssd_bytes=section.ssd_bytes if ssd_dir else 0,
+        max_lease_ms=section.max_lease_ms,
+        max_events=section.max_events_buffered,
+        maintenance_interval_s=section.maintenance_interval_s,
+        stop_timeout_s=config.runtime.drain_timeout_s,
+    )
+
+
+class StoreRole:
+    """Owns the store's transfer engine, service and RPC endpoint."""
+
+    name = "store"
+
+    def __init__(self, config: Config, instance: InstanceConfig) -> None:
+        section: StoreSection = config.role_section(instance)
+        transfer = config.transfer
+        self.instance = instance
+        self.engine = TransferEngine(
+            host=instance.host, port=instance.data_port, transports=transfer.transports,
+            slice_bytes=transfer.slice_bytes, num_connections_per_peer=transfer.num_connections_per_peer,
+            max_retries=transfer.max_retries, path_cooldown_s=transfer.path_cooldown_s)
+        self.service = StoreService(service_config(config, instance, section), self.engine)
+        self.endpoint = RoleEndpoint(config, instance, is_healthy=self._is_healthy, extra_info=self._info)
+        self.service.add_methods(self.endpoint.server)
+        self.name = f"store {instance.name}"
+
+    async def start(self) -> None:
+        await self.engine.start()
+        await self.service.start()
+        await self.endpoint.start()
+        logger.info("store %s serving rpc on %s:%d, data on %s, pool %s (%d bytes)", self.instance.name,
+                    self.instance.host, self.endpoint.bound_port, self.engine.endpoint,
+                    self.service.config.pool_path, self.service.config.dram_bytes)
+
+    async def stop(self) -> None:
+        self.service.end_streams()  # long-lived event streams would otherwise hold the drain to its deadline
+        await self.endpoint.stop()
+        await self.service.stop()
+        await self.engine.stop()
+
+    def _is_healthy(self) -> bool:
+        return self.service.pool is not None
+
+    def _info(self) -> dict[str, str]:
+        stats = self.service.core.stats()
+        return {
+            "pool_path": self.service.config.pool_path,
+            "segment": self.service.config.segment_name,
+            "data_endpoint": self.engine.endpoint if self.service.pool is not None else "",
+            "used_bytes": str(stats["used_bytes"]),
+            "capacity_bytes": str(stats["capacity_bytes"]),
+            "num_blocks": str(stats["num_blocks"]),
+        }
