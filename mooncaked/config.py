@@ -84,7 +84,7 @@ class StoreSection:
     ssd_bytes: int = bounded(8 << 30, min=0)
     eviction_policy: str = bounded("lru", choices=("lru", "lfu", "length_aware"))
     high_watermark: float = bounded(0.95, min=0.0, max=1.0)
-    low_watermark: float = bounded(0.85, min=0.0, max=1.0)
+    low_watermark: float = bounded(0.85, min=0.01, max=1.0)
     default_lease_ms: int = bounded(30_000, min=1)
     max_lease_ms: int = bounded(600_000, min=1)
     maintenance_interval_s: float = bounded(0.5, min=0.01)

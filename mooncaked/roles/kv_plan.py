@@ -122,20 +122,22 @@ def _check_prompt(worker: Worker, token_ids: Sequence[int]) -> None:
                               f"{worker.config.model.max_model_len}")
 
 
-def _lease_ms(timeout_s: float) -> int:
-    return max(int(timeout_s * 1000) + 5_000, 1_000)
+def _lease_ms(worker: Worker, timeout_s: float) -> int:
+    """Outlive the request's deadline (store.default_lease_ms at least), within store.max_lease_ms."""
+    store = worker.config.store
+    return min(max(int(timeout_s * 1000) + 5_000, store.default_lease_ms), store.max_lease_ms)
 
 
 async def _fetch_prefix(plan: KvPlan, fetch_store: str, keys: list[bytes], timeout_s: float) -> None:
     """Copy the longest prefix of `keys` held by `fetch_store` into this host's store (and staging)."""
     worker, kv = plan.kv.worker, plan.kv
     remote = await worker.store_client(fetch_store)
-    found = await remote.lookup(keys, lease_ms=_lease_ms(timeout_s))
+    found = await remote.lookup(keys, lease_ms=_lease_ms(worker, timeout_s))
     try:
         if not found.locations:
             return
         num_found = len(found.locations)
-        reply = await worker.local_store.allocate(keys[:num_found], worker.block_nbytes, _lease_ms(timeout_s))
+        reply = await worker.local_store.allocate(keys[:num_found], worker.block_nbytes, _lease_ms(worker, timeout_s))
         index_of = {key: i for i, key in enumerate(keys[:num_found])}
         indices = [index_of[h.key] for h in reply.handles]
         offsets = [found.locations[i].offset for i in indices]
@@ -161,10 +163,10 @@ async def _reserve_local(plan: KvPlan, keys: list[bytes], timeout_s: float) -> N
     worker, kv = plan.kv.worker, plan.kv
     local = worker.local_store
     try:
-        reply = await local.allocate(keys, worker.block_nbytes, _lease_ms(timeout_s))
+        reply = await local.allocate(keys, worker.block_nbytes, _lease_ms(worker, timeout_s))
         present, handles, lease_id = reply.present, reply.handles, reply.read_lease_id
     except ResourceExhausted:  # the store is full of pinned or leased blocks: reuse, but do not cache
-        found = await local.lookup(keys, lease_ms=_lease_ms(timeout_s))
+        found = await local.lookup(keys, lease_ms=_lease_ms(worker, timeout_s))
         present, handles, lease_id = found.locations, [], found.read_lease_id
     if lease_id:
         plan.local_lease_ids.append(lease_id)
