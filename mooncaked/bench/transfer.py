@@ -1,0 +1,335 @@
+"""`mooncaked bench transfer`: bulk bytes between two processes over loopback, our engine vs its baselines.
+
+Stages:
+  1. Start the receivers (spawned processes): an engine with a `sink` segment, a raw-socket receiver, and the two
+     gloo ranks. Each system moves `total` bytes as `request`-sized writes, `in_flight` outstanding, into a ring of
+     `in_flight` request-sized slots:
+     - engine: TransferEngine tcp transport, one batch per request (WRITE), `connections` data connections;
+     - raw_socket: the ceiling: blocking sockets, one thread per connection (`connections`), sendall from a
+       memoryview, recv_into the destination slot;
+     - gloo: torch.distributed gloo isend/irecv between two spawned ranks (init over tcp://127.0.0.1), timed on
+       the receiver;
+     - memcpy: numpy copy of the same bytes within this process.
+  2. Rounds: each round runs one pass of every system in turn, so all see the same load. The first round is an
+     unmeasured warm-up (connections, page faults), then `repeats` measured rounds; each system's best pass
+     counts (the machine is shared). Every pass is in the JSON too.
+  3. Print a table; write JSON with engine_gbps, raw_socket_gbps, gloo_gbps, memcpy_gbps (GB/s = 1e9 B/s),
+     ratio_vs_raw and ratio_vs_gloo (targets >= 0.8 and >= 1.2), and each system's CPU seconds per GiB
+     (sender and receiver processes together; on a shared machine this varies less than GB/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import multiprocessing
+import os
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+MIB = 1 << 20
+SYSTEMS = ("engine", "raw_socket", "gloo", "memcpy")
+_HEADER = struct.Struct("<QQ")  # slot offset, length; length 0 ends a pass, _END ends the stream
+_END = 1 << 63
+_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    total_bytes: int
+    request_bytes: int
+    in_flight: int
+    connections: int
+    repeats: int
+
+    @property
+    def num_requests(self) -> int:
+        return self.total_bytes // self.request_bytes
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
+    parser.add_argument("--total-gib", type=float, default=1.0, help="bytes moved per pass, GiB (default 1)")
+    parser.add_argument("--request-mib", type=int, default=64, help="bytes per request, MiB (default 64)")
+    parser.add_argument("--in-flight", type=int, default=8, help="requests outstanding (default 8)")
+    parser.add_argument("--connections", type=int, default=4, help="data connections per peer (default 4)")
+    parser.add_argument("--repeats", type=int, default=3, help="measured rounds; best pass counts (default 3)")
+
+
+def run(args: argparse.Namespace) -> int:
+    request_bytes = args.request_mib * MIB
+    total = max(int(args.total_gib * (1 << 30)) // request_bytes, 1) * request_bytes
+    plan = Plan(total, request_bytes, args.in_flight, args.connections, max(args.repeats, 1))
+    seconds, cpu_seconds = asyncio.run(_measure(plan, multiprocessing.get_context("spawn")))
+    report: dict[str, Any] = {f"{name}_gbps": _gbps(plan, seconds[name]) for name in SYSTEMS}
+    for name in SYSTEMS:  # CPU seconds (both processes) per GiB: less sensitive than GB/s to a shared machine
+        report[f"{name}_cpu_s_per_gib"] = min(cpu_seconds[name][1:]) / (plan.total_bytes / (1 << 30))
+    report["ratio_vs_raw"] = report["engine_gbps"] / report["raw_socket_gbps"]
+    report["ratio_vs_gloo"] = report["engine_gbps"] / report["gloo_gbps"]
+    report.update(
+        total_bytes=plan.total_bytes, request_bytes=plan.request_bytes, in_flight=plan.in_flight,
+        connections=plan.connections, repeats=plan.repeats,
+        pass_gbps={name: [round(plan.total_bytes / s / 1e9, 3) for s in seconds[name][1:]] for name in SYSTEMS},
+    )
+    _print_table(report)
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(report, file, indent=2)
+    return 0
+
+
+def _gbps(plan: Plan, seconds: list[float]) -> float:
+    """GB/s of the best measured pass; seconds[0] is the warm-up."""
+    return plan.total_bytes / min(seconds[1:]) / 1e9
+
+
+def _print_table(report: dict[str, Any]) -> None:
+    print(f"transfer: {report['total_bytes'] / (1 << 30):g} GiB in {report['request_bytes'] // MIB} MiB requests, "
+          f"{report['in_flight']} in flight, {report['connections']} connections, loopback, two processes")
+    print(f"{'system':<12}{'GB/s':>8}{'CPU s/GiB':>11}   every pass (GB/s)")
+    for name in SYSTEMS:
+        passes = " ".join(f"{gbps:.2f}" for gbps in report["pass_gbps"][name])
+        print(f"{name:<12}{report[name + '_gbps']:>8.2f}{report[name + '_cpu_s_per_gib']:>11.2f}   {passes}")
+    print(f"ratio_vs_raw  {report['ratio_vs_raw']:.2f}  (target >= 0.8)")
+    print(f"ratio_vs_gloo {report['ratio_vs_gloo']:.2f}  (target >= 1.2)")
+
+
+def _ring(plan: Plan) -> np.ndarray:
+    ring = np.empty(plan.in_flight * plan.request_bytes, np.uint8)
+    ring.fill(1)  # fault the pages in before anything is timed
+    return ring
+
+
+async def _measure(plan: Plan, context: Any) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Wall seconds and CPU seconds (sender and receiver processes) per pass of every system, round by round."""
+    from mooncaked.rdma import SegmentRef, TransferEngine
+
+    engine_pipe, engine_child = context.Pipe()
+    raw_pipe, raw_child = context.Pipe()
+    gloo_pipes = [context.Pipe() for _ in range(2)]
+    gloo_port = _free_port()
+    children = [
+        context.Process(target=_engine_receiver, args=(engine_child, plan), daemon=True),
+        context.Process(target=_raw_receiver, args=(raw_child, plan), daemon=True),
+        *(
+            context.Process(target=_gloo_rank, args=(rank, gloo_port, plan, gloo_pipes[rank][1]), daemon=True)
+            for rank in (0, 1)
+        ),
+    ]
+    for child in children:
+        child.start()
+    gloo = [pipe for pipe, _ in gloo_pipes]
+    engine = TransferEngine(host="127.0.0.1", num_connections_per_peer=plan.connections)
+    await engine.start()
+    ring, memcpy_ring = _ring(plan), _ring(plan)
+    sockets: list[socket.socket] = []
+    seconds: dict[str, list[float]] = {name: [] for name in SYSTEMS}
+    cpu_seconds: dict[str, list[float]] = {name: [] for name in SYSTEMS}
+    try:
+        engine.register("ring", ring)
+        if not all(pipe.poll(_TIMEOUT_S) for pipe in (engine_pipe, raw_pipe, *gloo)):
+            raise RuntimeError("the receiver processes did not start")
+        ref = SegmentRef(engine_pipe.recv(), "sink")  # another host address: never the same-host memcpy path
+        raw_port = raw_pipe.recv()
+        sockets = [socket.create_connection(("127.0.0.1", raw_port)) for _ in range(plan.connections)]
+        for pipe in gloo:
+            pipe.recv()
+        pids = {"engine": [children[0].pid], "raw_socket": [children[1].pid], "gloo": [c.pid for c in children[2:]]}
+        for _ in range(plan.repeats + 1):
+            for name in SYSTEMS:
+                cpu_before = _cpu_seconds(pids.get(name, []))
+                if name == "engine":
+                    seconds[name].append(await _engine_pass(plan, engine, ref))
+                elif name == "raw_socket":
+                    seconds[name].append(_raw_pass(plan, sockets, memoryview(ring.data)))
+                elif name == "gloo":
+                    seconds[name].append(_gloo_pass(gloo))
+                else:
+                    seconds[name].append(_memcpy_pass(plan, ring, memcpy_ring))
+                cpu_seconds[name].append(_cpu_seconds(pids.get(name, [])) - cpu_before)
+        return seconds, cpu_seconds
+    finally:
+        for sock in sockets:
+            sock.sendall(_HEADER.pack(0, _END))
+            sock.close()
+        await engine.stop()
+        for pipe in (engine_pipe, *gloo):
+            pipe.send("stop")
+        for child in children:
+            child.join(10)
+
+
+def _cpu_seconds(child_pids: list[int | None]) -> float:
+    """User + system CPU seconds of this process (for gloo only its idle coordination) and of the children."""
+    own = os.times()
+    total = own.user + own.system
+    ticks_per_s = os.sysconf("SC_CLK_TCK")
+    for pid in child_pids:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / ticks_per_s  # utime, stime
+    return total
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+# engine ----------------------------------------------------------------------------------------------------------
+
+
+def _engine_receiver(conn: Connection, plan: Plan) -> None:
+    from mooncaked.rdma import TransferEngine
+
+    async def main() -> None:
+        engine = TransferEngine(host="127.0.0.2", num_connections_per_peer=plan.connections)
+        await engine.start()
+        engine.register("sink", _ring(plan))
+        conn.send(engine.endpoint)
+        await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+        await engine.stop()
+
+    asyncio.run(main())
+
+
+async def _engine_pass(plan: Plan, engine: Any, ref: Any) -> float:
+    from mooncaked.rdma import TransferOp, TransferRequest
+
+    started = time.perf_counter()
+    pending: collections.deque[int] = collections.deque()
+    for index in range(plan.num_requests):
+        if len(pending) == plan.in_flight:
+            await engine.wait(pending.popleft(), _TIMEOUT_S)
+        offset = (index % plan.in_flight) * plan.request_bytes
+        request = TransferRequest(TransferOp.WRITE, "ring", offset, ref, offset, plan.request_bytes)
+        pending.append(engine.submit([request]))
+    for batch_id in pending:
+        await engine.wait(batch_id, _TIMEOUT_S)
+    return time.perf_counter() - started
+
+
+# raw sockets -----------------------------------------------------------------------------------------------------
+
+
+def _raw_receiver(conn: Connection, plan: Plan) -> None:
+    ring = memoryview(_ring(plan).data)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        conn.send(listener.getsockname()[1])
+        sockets = [listener.accept()[0] for _ in range(plan.connections)]
+    threads = [threading.Thread(target=_raw_receive_stream, args=(sock, ring)) for sock in sockets]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def _raw_receive_stream(sock: socket.socket, ring: memoryview) -> None:
+    header = bytearray(_HEADER.size)
+    with sock:
+        while True:
+            _recv_exactly(sock, memoryview(header))
+            slot_offset, length = _HEADER.unpack(header)
+            if length == _END:
+                return
+            if length == 0:
+                sock.sendall(b"k")  # this pass's bytes have all arrived
+                continue
+            _recv_exactly(sock, ring[slot_offset : slot_offset + length])
+
+
+def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    while view.nbytes:
+        num_received = sock.recv_into(view)
+        if num_received == 0:
+            raise ConnectionError("sender closed early")
+        view = view[num_received:]
+
+
+def _raw_pass(plan: Plan, sockets: list[socket.socket], ring: memoryview) -> float:
+    started = time.perf_counter()
+    threads = [
+        threading.Thread(target=_raw_send_stream, args=(sock, ring, plan, index)) for index, sock in enumerate(sockets)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - started
+
+
+def _raw_send_stream(sock: socket.socket, ring: memoryview, plan: Plan, index: int) -> None:
+    for request in range(index, plan.num_requests, plan.connections):
+        offset = (request % plan.in_flight) * plan.request_bytes
+        sock.sendall(_HEADER.pack(offset, plan.request_bytes))
+        sock.sendall(ring[offset : offset + plan.request_bytes])
+    sock.sendall(_HEADER.pack(0, 0))
+    if sock.recv(1) != b"k":
+        raise ConnectionError("raw receiver did not acknowledge")
+
+
+# gloo ------------------------------------------------------------------------------------------------------------
+
+
+def _gloo_rank(rank: int, port: int, plan: Plan, conn: Connection) -> None:
+    """One gloo rank: a pass per "pass" command on `conn`, answering with its seconds; "stop" ends it."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    ring = torch.from_numpy(_ring(plan))
+    slots = [ring[i * plan.request_bytes : (i + 1) * plan.request_bytes] for i in range(plan.in_flight)]
+    conn.send("ready")
+    while conn.recv() == "pass":
+        dist.barrier()
+        started = time.perf_counter()
+        pending: collections.deque[Any] = collections.deque()
+        for index in range(plan.num_requests):
+            if len(pending) == plan.in_flight:
+                pending.popleft().wait()
+            slot = slots[index % plan.in_flight]
+            pending.append(dist.isend(slot, 1, tag=index) if rank == 0 else dist.irecv(slot, 0, tag=index))
+        for work in pending:
+            work.wait()
+        conn.send(time.perf_counter() - started)
+    dist.destroy_process_group()
+
+
+def _gloo_pass(pipes: list[Connection]) -> float:
+    """Seconds of one gloo pass on the receiver's clock (a pass ends when the last bytes have landed)."""
+    for pipe in pipes:
+        pipe.send("pass")
+    seconds = []
+    for pipe in pipes:
+        if not pipe.poll(_TIMEOUT_S):
+            raise RuntimeError("a gloo rank did not finish its pass")
+        seconds.append(float(pipe.recv()))
+    return seconds[1]
+
+
+# memcpy ----------------------------------------------------------------------------------------------------------
+
+
+def _memcpy_pass(plan: Plan, source: np.ndarray, ring: np.ndarray) -> float:
+    started = time.perf_counter()
+    for index in range(plan.num_requests):
+        offset = (index % plan.in_flight) * plan.request_bytes
+        end = offset + plan.request_bytes
+        np.copyto(ring[offset:end], source[offset:end])
+    return time.perf_counter() - started
+
+
+if __name__ == "__main__":
+    cli = argparse.ArgumentParser(prog="mooncaked bench transfer")
+    add_arguments(cli)
+    raise SystemExit(run(cli.parse_args()))

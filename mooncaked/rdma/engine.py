@@ -1,0 +1,298 @@
+"""The transfer engine (the paper's Listing 1): register memory, submit batches, poll or await them.
+
+1. `start` binds the data listener (its "host:port" is `endpoint`) and captures the event loop.
+2. `register(name, buffer, location)` makes memory addressable as `SegmentRef(endpoint, name)`.
+3. `submit(requests)` validates every request (bounds of local and same-host segments, known segments, endpoint
+   syntax), then routes each one: `local` (memcpy) when the remote segment is on this host, else `tcp` (or
+   `rdma` when enabled and available), cut into slices spread over the peer's paths. It returns a batch id.
+4. `status(batch_id)` reports progress; `await wait(batch_id, timeout_s)` returns when every byte moved, raises
+   TransferError on failure or deadline, and forgets the batch.
+5. `stop` refuses new batches, drains pending ones for up to `drain_timeout_s`, fails the rest, then stops the
+   peer links, the listener and the copy threads within `stop_timeout_s` each.
+
+Same-host rule: a remote segment is local when its endpoint is this engine's endpoint, or when the endpoint's
+host equals this engine's host and a segment of that name is registered here (same-host roles map the store's
+shared-memory file and register it under the store's segment name). Segment names are therefore unique per host,
+except for such mappings of the same memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mooncaked.rdma.batch import BatchTable
+from mooncaked.rdma.control import DescribeReply, DescribeRequest, QpExchange, decode_control, encode_control
+from mooncaked.rdma.dispatch import Piece, run_bytes_for
+from mooncaked.rdma.local import LocalTransport
+from mooncaked.rdma.options import TransferOptions
+from mooncaked.rdma.segments import DEFAULT_LOCATION, SegmentTable
+from mooncaked.rdma.rdma_transport import RdmaTransport
+from mooncaked.rdma.tcp_client import TcpPeerLink
+from mooncaked.rdma.tcp_server import DataServer
+from mooncaked.rdma.topology import Topology
+from mooncaked.rdma.types import (
+    BatchState,
+    BatchStatus,
+    SegmentRef,
+    TransferError,
+    TransferOp,
+    TransferRequest,
+    split_endpoint,
+)
+from mooncaked.rdma.verbs import RdmaUnavailable, VerbsProvider
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Route:
+    request_index: int
+    request: TransferRequest
+    local_view: memoryview
+    same_host_view: memoryview | None  # the remote segment's bytes when it is on this host
+
+
+class TransferEngine:
+    """Owns its segments, batches, data listener, peer links (one per remote endpoint) and local copier."""
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int = 0,
+        transports: Sequence[str] = ("local", "tcp"),
+        slice_bytes: int = 64 * 1024,
+        num_connections_per_peer: int = 4,
+        max_retries: int = 3,
+        path_cooldown_s: float = 5.0,
+        topology: Topology | None = None,
+        path_failure_threshold: int = 2,
+        tcp_frame_bytes: int = 4 << 20,
+        connect_timeout_s: float = 2.0,
+        io_timeout_s: float = 10.0,
+        stop_timeout_s: float = 5.0,
+        sysfs_root: str = "/sys",
+        max_endpoints: int = 256,
+        rdma_slices_per_run: int = 16,
+        verbs: VerbsProvider | None = None,
+        qp_exchange: QpExchange | None = None,
+    ) -> None:
+        """Options as in TransferOptions; `verbs` replaces pyverbs (tests pass a fake); `qp_exchange` carries
+        RDMA control messages over RPC instead of this engine's data listener."""
+        self.options = TransferOptions(
+            transports=tuple(transports), slice_bytes=slice_bytes, num_connections_per_peer=num_connections_per_peer,
+            max_retries=max_retries, path_cooldown_s=path_cooldown_s, topology=topology,
+            path_failure_threshold=path_failure_threshold, tcp_frame_bytes=tcp_frame_bytes,
+            connect_timeout_s=connect_timeout_s, io_timeout_s=io_timeout_s, stop_timeout_s=stop_timeout_s,
+            sysfs_root=sysfs_root, max_endpoints=max_endpoints, rdma_slices_per_run=rdma_slices_per_run,
+            rdma_max_send_wr=max(64, rdma_slices_per_run),
+        )
+        self.host = host
+        self.transports = self.options.transports
+        self.rdma_unavailable_reason = "" if "rdma" in transports else "rdma is not in transports"
+        self._verbs = verbs
+        self._qp_exchange = qp_exchange
+        self._port = port
+        self._segments = SegmentTable()
+        self._batches = BatchTable()
+        self._server = DataServer(host, port, self._segments, lambda payload: self.handle_control(payload).decode())
+        self._links: dict[str, TcpPeerLink] = {}
+        self._links_lock = threading.Lock()
+        self._rdma: RdmaTransport | None = None
+        self._local = LocalTransport()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._is_stopping = False
+
+    @property
+    def endpoint(self) -> str:
+        if self._port == 0:
+            raise RuntimeError("the engine's port is chosen at start(); call `await engine.start()` first")
+        return f"{self.host}:{self._port}"
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._port = self._server.start()
+        if "rdma" in self.transports:
+            try:
+                self._rdma = RdmaTransport.open(
+                    self.options, endpoint=self.endpoint, segments=self._segments, loop=self._loop,
+                    verbs=self._verbs, qp_exchange=self._qp_exchange,
+                    fallback=self._tcp_fallback if "tcp" in self.transports else None,
+                )
+            except RdmaUnavailable as exc:
+                self.rdma_unavailable_reason = str(exc)
+                logger.warning("rdma transport unavailable on %s: %s", self.endpoint, exc)
+        logger.info("transfer engine listening on %s (transports %s)", self.endpoint, ",".join(self.transports))
+
+    async def stop(self, drain_timeout_s: float = 0.0) -> None:
+        """Refuse new batches, let pending ones finish for up to `drain_timeout_s`, fail the rest, release all."""
+        self._is_stopping = True
+        pending = [asyncio.ensure_future(event.wait()) for event in self._batches.pending_events()]
+        if pending:
+            _, unfinished = await asyncio.wait(pending, timeout=max(drain_timeout_s, 0.0))
+            for task in unfinished:
+                task.cancel()
+        self._batches.fail_all("transfer engine stopped")
+        if self._rdma is not None:
+            await asyncio.to_thread(self._rdma.stop, self.options.stop_timeout_s)
+            self._rdma = None
+        with self._links_lock:
+            links = list(self._links.values())
+            self._links.clear()
+        for link in links:
+            await asyncio.to_thread(link.stop, self.options.stop_timeout_s)
+        await asyncio.to_thread(self._server.stop, self.options.stop_timeout_s)
+        await asyncio.to_thread(self._local.stop)
+
+    def register(self, name: str, buffer: Any, location: str = DEFAULT_LOCATION) -> SegmentRef:
+        """Make `buffer` addressable by peers as SegmentRef(self.endpoint, name)."""
+        endpoint = self.endpoint
+        segment = self._segments.register(name, buffer, location)
+        if self._rdma is not None:
+            try:
+                self._rdma.register_segment(segment)
+            except OSError:
+                self._segments.unregister(name)
+                raise
+        return SegmentRef(endpoint, name)
+
+    def unregister(self, name: str) -> None:
+        self._segments.unregister(name)
+        if self._rdma is not None:
+            self._rdma.unregister_segment(name)
+
+    @property
+    def rdma(self) -> RdmaTransport | None:
+        """The active RDMA transport, or None (see `rdma_unavailable_reason`)."""
+        return self._rdma
+
+    def handle_control(self, payload: bytes) -> bytes:
+        """Answer a peer's RDMA control message (the RPC layer may route QP exchange here)."""
+        if self._rdma is not None:
+            return self._rdma.handle_control(payload)
+        if isinstance(decode_control(payload), DescribeRequest):
+            return encode_control(DescribeReply([], {}))  # no NICs: initiators fall back to tcp
+        raise ValueError(f"rdma is not active at {self.endpoint}: {self.rdma_unavailable_reason}")
+
+    def segment_names(self) -> list[str]:
+        return self._segments.names()
+
+    def path_states(self, endpoint: str) -> dict[str, bool]:
+        """Every path this engine has used towards `endpoint`, and whether it is usable now (not cooling down)."""
+        states = {}
+        rdma_link = self._rdma.link(endpoint) if self._rdma is not None else None
+        if rdma_link is not None and rdma_link.queue is not None:
+            states.update(rdma_link.queue.path_states())
+        with self._links_lock:
+            tcp_link = self._links.get(endpoint)
+        if tcp_link is not None:
+            states.update(tcp_link.queue.path_states())
+        return states
+
+    def submit(self, requests: Sequence[TransferRequest]) -> int:
+        """Validate and start a batch; ValueError naming the request index and the problem."""
+        if self._loop is None or self._is_stopping:
+            raise RuntimeError("the engine is not running: call `await engine.start()` first (and not after stop())")
+        routes = [self._route(index, request) for index, request in enumerate(requests)]
+        record = self._batches.create(sum(route.request.length for route in routes), self._loop)
+        pieces_by_peer: dict[str, list[Piece]] = {}
+        for route in routes:
+            request = route.request
+            if route.same_host_view is not None:
+                dst, src = route.local_view, route.same_host_view
+                if request.op is TransferOp.WRITE:
+                    dst, src = src, dst
+                self._local.copy(record, route.request_index, dst, src)
+                continue
+            piece = Piece(
+                record, route.request_index, request.op, route.local_view, request.remote.name,
+                request.remote_offset, request.length, self._run_bytes(request.length),
+                local_segment=request.local_segment,
+            )
+            pieces_by_peer.setdefault(request.remote.endpoint, []).append(piece)
+        for endpoint, pieces in pieces_by_peer.items():
+            if self._rdma is not None:
+                self._rdma.submit(endpoint, pieces)
+            else:
+                self._link(endpoint).queue.put(pieces)
+        return record.batch_id
+
+    def _run_bytes(self, length: int) -> int:
+        options = self.options
+        if self._rdma is not None:
+            max_run = options.slice_bytes * options.rdma_slices_per_run
+            return run_bytes_for(length, options.slice_bytes, len(self._rdma.nics), max_run)
+        return run_bytes_for(length, options.slice_bytes, options.num_connections_per_peer, options.tcp_frame_bytes)
+
+    def status(self, batch_id: int) -> BatchStatus:
+        return self._batches.get(batch_id).status()
+
+    async def wait(self, batch_id: int, timeout_s: float) -> None:
+        """Return when the batch is done; TransferError on failure or after `timeout_s`. Forgets the batch."""
+        record = self._batches.get(batch_id)
+        try:
+            await asyncio.wait_for(record.finished.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            record.fail(
+                f"deadline of {timeout_s:g}s exceeded with {record.num_bytes_done} of "
+                f"{record.num_bytes_total} bytes done"
+            )
+        finally:
+            record.fail("wait() was cancelled")
+            self._batches.pop(batch_id)
+        if record.state is BatchState.FAILED:
+            raise TransferError(record.error)
+
+    def _route(self, index: int, request: TransferRequest) -> _Route:
+        if not isinstance(request, TransferRequest):
+            raise ValueError(f"request {index}: expected a TransferRequest, got {type(request).__name__}")
+        if not isinstance(request.op, TransferOp):
+            raise ValueError(f"request {index}: op must be TransferOp.READ or TransferOp.WRITE, got {request.op!r}")
+        if request.length < 1 or request.local_offset < 0 or request.remote_offset < 0:
+            raise ValueError(
+                f"request {index}: length must be >= 1 and offsets >= 0, got length={request.length} "
+                f"local_offset={request.local_offset} remote_offset={request.remote_offset}"
+            )
+        try:
+            split_endpoint(request.remote.endpoint)
+            local_view = self._segments.view(request.local_segment, request.local_offset, request.length)
+            same_host_view = None
+            if self._is_same_host(request.remote):
+                same_host_view = self._segments.view(request.remote.name, request.remote_offset, request.length)
+        except ValueError as exc:
+            raise ValueError(f"request {index}: {exc}") from None
+        if same_host_view is None and "tcp" not in self.transports and self._rdma is None:
+            raise ValueError(
+                f"request {index}: {request.remote.endpoint} is another host and no network transport is active "
+                f"(tcp is not in transports; rdma: {self.rdma_unavailable_reason or 'not active'})"
+            )
+        return _Route(index, request, local_view, same_host_view)
+
+    def _is_same_host(self, remote: SegmentRef) -> bool:
+        if "local" not in self.transports:
+            return False
+        if remote.endpoint == self.endpoint:
+            return True
+        host, _ = split_endpoint(remote.endpoint)
+        return host == self.host and self._segments.get(remote.name) is not None
+
+    def _tcp_fallback(self, endpoint: str, pieces: list[Piece]) -> None:
+        """A peer without RDMA: its pieces go over tcp (called from the rdma intake thread)."""
+        self._link(endpoint).queue.put(pieces)
+
+    def _link(self, endpoint: str) -> TcpPeerLink:
+        with self._links_lock:
+            return self._link_locked(endpoint)
+
+    def _link_locked(self, endpoint: str) -> TcpPeerLink:
+        link = self._links.get(endpoint)
+        if link is None:
+            link = TcpPeerLink(endpoint, self.options)
+            link.start()
+            self._links[endpoint] = link
+        return link
