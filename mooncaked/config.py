@@ -73,7 +73,13 @@ class TransferSection:
     num_connections_per_peer: int = bounded(4, min=1, max=64)
     max_retries: int = bounded(3, min=0, max=100)
     path_cooldown_s: float = bounded(5.0, min=0.0)
+    path_failure_threshold: int = bounded(2, min=1, max=1000)
+    tcp_frame_bytes: int = bounded(4 << 20, min=4096)
+    io_timeout_s: float = bounded(10.0, min=0.01)
     timeout_s: float = bounded(30.0, min=0.01)
+    sysfs_root: str = "/sys"
+    topology: Optional[dict[str, Any]] = None
+    max_endpoints: int = bounded(256, min=1)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,22 @@ from typing import Any
 from mooncaked import __version__
 from mooncaked.config import Config, InstanceConfig
 from mooncaked.protocol import HEALTH, INFO, HealthReply, HealthRequest, InfoReply, InfoRequest, Method
+from mooncaked.rdma import TransferEngine
+from mooncaked.rdma.topology import Topology
 from mooncaked.rpc import CallContext, RpcClient, RpcServer
+
+
+def make_transfer_engine(config: Config, host: str, port: int) -> TransferEngine:
+    """The transfer engine of one process, from the `transfer` section."""
+    transfer = config.transfer
+    topology = Topology.from_config(transfer.topology) if transfer.topology is not None else None
+    return TransferEngine(
+        host=host, port=port, transports=transfer.transports, slice_bytes=transfer.slice_bytes,
+        num_connections_per_peer=transfer.num_connections_per_peer, max_retries=transfer.max_retries,
+        path_cooldown_s=transfer.path_cooldown_s, path_failure_threshold=transfer.path_failure_threshold,
+        tcp_frame_bytes=transfer.tcp_frame_bytes, connect_timeout_s=config.rpc.connect_timeout_s,
+        io_timeout_s=transfer.io_timeout_s, topology=topology, sysfs_root=transfer.sysfs_root,
+        max_endpoints=transfer.max_endpoints)
 
 
 def read_secret(path: str | None) -> bytes | None:

@@ -17,8 +17,7 @@ import os
 from mooncaked.config import Config, InstanceConfig, StoreSection
 from mooncaked.kv.service import StoreService, StoreServiceConfig
 from mooncaked.kv.shm_pool import pool_path
-from mooncaked.rdma import TransferEngine
-from mooncaked.roles.base import RoleEndpoint
+from mooncaked.roles.base import RoleEndpoint, make_transfer_engine
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +48,8 @@ class StoreRole:
 
     def __init__(self, config: Config, instance: InstanceConfig) -> None:
         section: StoreSection = config.role_section(instance)
-        transfer = config.transfer
         self.instance = instance
-        self.engine = TransferEngine(
-            host=instance.host, port=instance.data_port, transports=transfer.transports,
-            slice_bytes=transfer.slice_bytes, num_connections_per_peer=transfer.num_connections_per_peer,
-            max_retries=transfer.max_retries, path_cooldown_s=transfer.path_cooldown_s)
+        self.engine = make_transfer_engine(config, instance.host, instance.data_port)
         self.service = StoreService(service_config(config, instance, section), self.engine)
         self.endpoint = RoleEndpoint(config, instance, is_healthy=self._is_healthy, extra_info=self._info)
         self.service.add_methods(self.endpoint.server)

@@ -30,8 +30,7 @@ from mooncaked.kv.client import StoreClient
 from mooncaked.kv.keys import model_namespace
 from mooncaked.model.loader import LoadedModel, load_model
 from mooncaked.model.sampler import Sampler
-from mooncaked.rdma import TransferEngine
-from mooncaked.roles.base import PeerClients
+from mooncaked.roles.base import PeerClients, make_transfer_engine
 from mooncaked.rpc_errors import InvalidArgument
 
 logger = logging.getLogger(__name__)
@@ -46,11 +45,7 @@ class Worker:
         self.config = config
         self.instance = instance
         self.section: WorkerSection = config.role_section(instance)
-        transfer = config.transfer
-        self.engine = TransferEngine(
-            host=instance.host, port=0, transports=transfer.transports, slice_bytes=transfer.slice_bytes,
-            num_connections_per_peer=transfer.num_connections_per_peer, max_retries=transfer.max_retries,
-            path_cooldown_s=transfer.path_cooldown_s)
+        self.engine = make_transfer_engine(config, instance.host, 0)
         self.peers = PeerClients(config, instance)
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self._stores: dict[str, StoreClient] = {}

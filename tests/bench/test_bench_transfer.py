@@ -1,0 +1,17 @@
+"""A short run of `mooncaked bench transfer`: every system moves the bytes and the JSON is complete."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from mooncaked.cli import main
+
+
+def test_transfer_bench_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "transfer.json"
+    assert main(["bench", "transfer", "--total-gib", "0.0625", "--request-mib", "8", "--repeats", "1",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for key in ("engine_gbps", "raw_socket_gbps", "gloo_gbps", "memcpy_gbps", "ratio_vs_raw", "ratio_vs_gloo"):
+        assert result[key] > 0, key
