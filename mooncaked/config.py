@@ -106,8 +106,11 @@ class SchedulerSection:
     kvcache_balancing_threshold: float = bounded(2.0, min=1.0)
     ttft_slo_ms: float = bounded(30_000.0, min=1.0)
     tbt_slo_ms: float = bounded(1_000.0, min=1.0)
-    link_gbps: float = bounded(10.0, min=0.001)
+    link_gbps: float = bounded(100.0, min=0.001)
     prefill_profile: Optional[str] = None
+    decode_time_s: float = bounded(5.0, min=0.001)
+    device_flops: Optional[float] = bounded(None, min=1.0)
+    device_memory_bandwidth: Optional[float] = bounded(None, min=1.0)
     seed: int = 0
 
 
@@ -121,6 +124,10 @@ class ConductorSection:
     token_timeout_s: float = bounded(30.0, min=0.1)
     retry_after_s: int = bounded(1, min=0)
     default_max_tokens: int = bounded(256, min=1)
+    load_poll_interval_s: float = bounded(0.2, min=0.01)
+    load_poll_timeout_s: float = bounded(1.0, min=0.01)
+    startup_sync_timeout_s: float = bounded(5.0, min=0.0)
+    events_renew_s: float = bounded(30.0, min=0.1)
 
 
 @dataclass(frozen=True)

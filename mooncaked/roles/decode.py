@@ -29,7 +29,8 @@ from mooncaked.roles.base import RoleEndpoint
 from mooncaked.roles.decode_loop import DecodeLoop, RunningSeq, finish_reason_for
 from mooncaked.roles.kv_plan import check_block_keys, plan_prompt_kv
 from mooncaked.roles.messages import (DECODE, LOAD, RESERVE, DecodeItem, DecodeRequest, Destination, LoadReply,
-                                      LoadRequest, ReserveReply, ReserveRequest, TokenSample)
+                                      LoadRequest, ReserveReply, ReserveRequest, TokenSample, UNRESERVE,
+                                      UnreserveReply, UnreserveRequest)
 from mooncaked.roles.prefill_forward import run_prefill_forward
 from mooncaked.roles.request_kv import RequestKv, num_blocks_for
 from mooncaked.roles.sampling import to_params
@@ -66,6 +67,7 @@ class DecodeRole:
         self.reservations: dict[str, Reservation] = {}
         self.endpoint = RoleEndpoint(config, instance, extra_info=self._info)
         self.endpoint.add_method(RESERVE, self._reserve)
+        self.endpoint.add_method(UNRESERVE, self._unreserve)
         self.endpoint.add_method(DECODE, self._decode)
         self.endpoint.add_method(LOAD, self._load)
         self._num_prefilling = 0
@@ -155,6 +157,11 @@ class DecodeRole:
             destinations.append(Destination(len(reservation.request.block_keys), reservation.tail))
         return ReserveReply(is_accepted=True, store_instance=self.worker.local_store_name,
                             destinations=destinations, num_present_blocks=len(reservation.present))
+
+    async def _unreserve(self, request: UnreserveRequest, ctx: CallContext) -> UnreserveReply:
+        was_reserved = request.request_id in self.reservations
+        await self._drop_reservation(request.request_id)
+        return UnreserveReply(was_reserved=was_reserved)
 
     async def _drop_reservation(self, request_id: str) -> None:
         reservation = self.reservations.pop(request_id, None)

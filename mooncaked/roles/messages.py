@@ -3,6 +3,8 @@
 1. RESERVE (conductor -> decode): the decode instance checks its TBT SLO and memory, sets pages aside, and
    allocates space in its host's store for every prompt block it does not hold; the reply names those
    destinations. With `is_inline_prefill` it only sets pages aside: it will prefill the prompt itself.
+   UNRESERVE gives a reservation back when the request ends before DECODE claimed it (failed prefill, client
+   gone); otherwise it would be held until its lease runs out.
 2. PREFILL (conductor -> prefill): token ids, block keys, an optional remote prefix to fetch first, and the
    decode destinations; the reply carries the first token.
 3. DECODE (conductor -> decode, server-streaming): commit the destinations, load the KV into pages, join the
@@ -73,6 +75,16 @@ class ReserveReply(Message):
 
 
 @dataclass(frozen=True)
+class UnreserveRequest(Message):
+    request_id: str
+
+
+@dataclass(frozen=True)
+class UnreserveReply(Message):
+    was_reserved: bool
+
+
+@dataclass(frozen=True)
 class PrefillRequest(Message):
     request_id: str
     token_ids: list[int]
@@ -89,7 +101,8 @@ class PrefillReply(Message):
     first_token: TokenSample
     num_cached_tokens: int  # prompt tokens whose KV was reused (local or fetched)
     num_fetched_blocks: int  # of those, blocks fetched from another host's store
-    prefill_s: float
+    prefill_s: float  # from arrival on this instance to the reply (queueing included)
+    compute_s: float = 0.0  # the forward of the batch this prompt ran in
 
 
 @dataclass(frozen=True)
@@ -126,6 +139,7 @@ class LoadReply(Message):
 
 
 RESERVE = Method("reserve", ReserveRequest, ReserveReply)
+UNRESERVE = Method("unreserve", UnreserveRequest, UnreserveReply)
 PREFILL = Method("prefill", PrefillRequest, PrefillReply)
 DECODE = Method("decode", DecodeRequest, DecodeItem, is_streaming=True)
 LOAD = Method("load", LoadRequest, LoadReply)

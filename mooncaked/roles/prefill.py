@@ -165,7 +165,8 @@ class PrefillRole:
                 continue
             job.future.set_result(PrefillReply(
                 first_token=sample, num_cached_tokens=job.plan.num_prefix_blocks * self.worker.block_size,
-                num_fetched_blocks=job.plan.num_fetched_blocks, prefill_s=time.monotonic() - job.enqueued_at))
+                num_fetched_blocks=job.plan.num_fetched_blocks, prefill_s=time.monotonic() - job.enqueued_at,
+                compute_s=elapsed_s))
 
     def _forward(self, batch: list[PrefillJob]) -> list[TokenSample]:
         return run_prefill_forward(self.worker, [job.plan for job in batch], [job.request.sampling for job in batch])
