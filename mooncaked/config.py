@@ -150,6 +150,7 @@ class InstanceConfig:
     port: int = bounded(0, min=0, max=65535, doc="RPC port (conductor: HTTP port)")
     rpc_port: int = bounded(0, min=0, max=65535, doc="conductor only: RPC port (0: none)")
     data_port: int = bounded(0, min=0, max=65535, doc="store only: transfer engine data port")
+    metrics_port: int = bounded(0, min=0, max=65535, doc="prefill/decode/store: Prometheus /metrics (0: none)")
     settings: dict[str, Any] = field(default_factory=dict)
 
 
@@ -311,7 +312,7 @@ def _validate_instances(config: Config) -> list[ConfigIssue]:
         if instance.name in seen_names:
             issues.append(ConfigIssue(f"{where}.name", f"duplicate instance name {instance.name!r}"))
         seen_names.add(instance.name)
-        for port in (instance.port, instance.rpc_port, instance.data_port):
+        for port in (instance.port, instance.rpc_port, instance.data_port, instance.metrics_port):
             if port and (instance.host, port) in seen_ports:
                 issues.append(ConfigIssue(where, f"port {port} on {instance.host} is used twice"))
             seen_ports.add((instance.host, port))

@@ -25,7 +25,9 @@ from mooncaked.config import Config, InstanceConfig
 from mooncaked.kv.messages import BlockLocation, WriteHandle
 from mooncaked.logs import request_id_var
 from mooncaked.model.sampler import make_generator
+from mooncaked.metrics import Metrics
 from mooncaked.roles.base import RoleEndpoint
+from mooncaked.roles.metrics_http import MetricsEndpoint
 from mooncaked.roles.decode_loop import DecodeLoop, RunningSeq, finish_reason_for
 from mooncaked.roles.kv_plan import check_block_keys, plan_prompt_kv
 from mooncaked.roles.messages import (DECODE, LOAD, RESERVE, DecodeItem, DecodeRequest, Destination, LoadReply,
@@ -63,7 +65,10 @@ class DecodeRole:
         self.config = config
         self.instance = instance
         self.worker = Worker(config, instance)
-        self.loop = DecodeLoop(self.worker)
+        self.metrics = Metrics()
+        self.metrics_endpoint = MetricsEndpoint(instance.host, instance.metrics_port, self.metrics,
+                                                self._refresh_metrics)
+        self.loop = DecodeLoop(self.worker, on_step=self._observe_step)
         self.reservations: dict[str, Reservation] = {}
         self.endpoint = RoleEndpoint(config, instance, extra_info=self._info)
         self.endpoint.add_method(RESERVE, self._reserve)
@@ -76,13 +81,21 @@ class DecodeRole:
         await self.worker.start()
         self.loop.start()
         await self.endpoint.start()
+        await self.metrics_endpoint.start()
 
     async def stop(self) -> None:
+        await self.metrics_endpoint.stop()
         await self.endpoint.stop()
         await self.loop.stop()
         for request_id in list(self.reservations):
             await self._drop_reservation(request_id)
         await self.worker.stop()
+
+    def _refresh_metrics(self) -> None:
+        self.metrics.queues.set_length("decode", len(self.reservations))
+
+    def _observe_step(self, num_seqs: int, step_s: float) -> None:
+        self.metrics.engine.observe_step("decode", num_requests=num_seqs, num_tokens=num_seqs, step_s=step_s)
 
     def _info(self) -> dict[str, str]:
         return {"running": str(len(self.loop.running)), "reservations": str(len(self.reservations))}

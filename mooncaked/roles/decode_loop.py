@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -60,8 +61,9 @@ def finish_reason_for(seq: RunningSeq, token_id: int, eos_token_ids: tuple[int, 
 class DecodeLoop:
     """Owns the running batch, the loop task and the step-time estimate."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Worker, on_step: Callable[[int, float], None] = lambda num_seqs, step_s: None) -> None:
         self.worker = worker
+        self.on_step = on_step
         self.running: list[RunningSeq] = []
         self._in_step: list[RunningSeq] = []
         self._step_done = asyncio.Event()
@@ -116,6 +118,7 @@ class DecodeLoop:
                 self._in_step = []
                 self._step_done.set()
             self._observe(time.monotonic() - started)
+            self.on_step(len(batch), time.monotonic() - started)
             self._deliver(batch, samples)
 
     def _observe(self, step_s: float) -> None:

@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 
 from mooncaked.config import Config, InstanceConfig
 from mooncaked.logs import request_id_var
+from mooncaked.metrics import Metrics
 from mooncaked.roles.base import RoleEndpoint
+from mooncaked.roles.metrics_http import MetricsEndpoint
 from mooncaked.roles.kv_plan import KvPlan, plan_prompt_kv
 from mooncaked.roles.messages import LOAD, PREFILL, LoadReply, LoadRequest, PrefillReply, PrefillRequest
 from mooncaked.roles.messages import TokenSample
@@ -65,19 +67,41 @@ class PrefillRole:
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._mean_prefill_s = 0.0
+        self.metrics = Metrics()
+        self.metrics_endpoint = MetricsEndpoint(instance.host, instance.metrics_port, self.metrics,
+                                                self._refresh_metrics)
 
     async def start(self) -> None:
         await self.worker.start()
         self._loop_task = asyncio.create_task(self._batch_loop(), name="prefill-batch-loop")
         await self.endpoint.start()
+        await self.metrics_endpoint.start()
 
     async def stop(self) -> None:
+        await self.metrics_endpoint.stop()
         await self.endpoint.stop()
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
         await self.worker.stop()
+
+    def _refresh_metrics(self) -> None:
+        self.metrics.queues.set_length("prefill", len(self._queue))
+
+    def _observe(self, batch: list[PrefillJob], started: float, elapsed_s: float) -> None:
+        worker = self.worker
+        self.metrics.engine.observe_step("prefill", num_requests=len(batch),
+                                         num_tokens=sum(job.num_new_tokens for job in batch), step_s=elapsed_s)
+        for job in batch:
+            plan = job.plan
+            self.metrics.queues.observe_wait("prefill", started - job.enqueued_at)
+            self.metrics.cache.observe_prefix(num_local=plan.num_prefix_blocks - plan.num_fetched_blocks,
+                                              num_remote=plan.num_fetched_blocks,
+                                              num_computed=plan.kv.num_full_blocks - plan.num_prefix_blocks)
+            num_sent = sum(len(wanted) for wanted in plan.destinations.values())
+            self.metrics.cache.observe_transfer("write", num_sent * worker.block_nbytes)
+            self.metrics.cache.observe_transfer("read", plan.num_fetched_blocks * worker.block_nbytes)
 
     def _info(self) -> dict[str, str]:
         return {"queued": str(len(self._queue)), "running": str(len(self._running))}
@@ -141,7 +165,9 @@ class PrefillRole:
         started = time.monotonic()
         try:
             first_tokens = await self.worker.compute(self._forward, batch)
-            await self._finish(batch, first_tokens, time.monotonic() - started)
+            elapsed_s = time.monotonic() - started
+            self._observe(batch, started, elapsed_s)
+            await self._finish(batch, first_tokens, elapsed_s)
         except Exception as exc:
             logger.exception("prefill batch of %d failed", len(batch))
             for job in batch:

@@ -17,7 +17,9 @@ import os
 from mooncaked.config import Config, InstanceConfig, StoreSection
 from mooncaked.kv.service import StoreService, StoreServiceConfig
 from mooncaked.kv.shm_pool import pool_path
+from mooncaked.metrics import Metrics
 from mooncaked.roles.base import RoleEndpoint, make_transfer_engine
+from mooncaked.roles.metrics_http import MetricsEndpoint
 
 logger = logging.getLogger(__name__)
 
@@ -53,21 +55,38 @@ class StoreRole:
         self.service = StoreService(service_config(config, instance, section), self.engine)
         self.endpoint = RoleEndpoint(config, instance, is_healthy=self._is_healthy, extra_info=self._info)
         self.service.add_methods(self.endpoint.server)
+        self.metrics = Metrics()
+        self.metrics_endpoint = MetricsEndpoint(instance.host, instance.metrics_port, self.metrics,
+                                                self._refresh_metrics)
+        self._num_evicted_seen = 0
         self.name = f"store {instance.name}"
 
     async def start(self) -> None:
         await self.engine.start()
         await self.service.start()
         await self.endpoint.start()
+        await self.metrics_endpoint.start()
         logger.info("store %s serving rpc on %s:%d, data on %s, pool %s (%d bytes)", self.instance.name,
                     self.instance.host, self.endpoint.bound_port, self.engine.endpoint,
                     self.service.config.pool_path, self.service.config.dram_bytes)
 
     async def stop(self) -> None:
+        await self.metrics_endpoint.stop()
         self.service.end_streams()  # long-lived event streams would otherwise hold the drain to its deadline
         await self.endpoint.stop()
         await self.service.stop()
         await self.engine.stop()
+
+    def _refresh_metrics(self) -> None:
+        stats = self.service.core.stats()
+        cache = self.metrics.cache
+        cache.set_store_usage("dram", used_bytes=stats["used_bytes"], capacity_bytes=stats["capacity_bytes"],
+                              num_blocks=stats["num_dram_blocks"])
+        if self.service.ssd is not None:
+            cache.set_store_usage("ssd", used_bytes=self.service.ssd.num_used_bytes,
+                                  capacity_bytes=self.service.config.ssd_bytes, num_blocks=stats["num_ssd_blocks"])
+        cache.observe_evictions("dram", stats["num_evicted"] - self._num_evicted_seen)
+        self._num_evicted_seen = stats["num_evicted"]
 
     def _is_healthy(self) -> bool:
         return self.service.pool is not None
