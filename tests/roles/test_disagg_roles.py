@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 from pathlib import Path
 
@@ -94,5 +95,26 @@ async def test_cross_host_tcp_and_remote_prefix_fetch(tmp_path: Path) -> None:
             worker = roles["p0"].worker  # type: ignore[attr-defined]
             assert not worker.local_store.is_local or worker.local_store_name == "s2"
             assert not (await worker.store_client("s3")).is_local  # bytes to .3 went through TCP
+        finally:
+            await clients.close()
+
+
+async def test_concurrent_prefills_share_a_batch(tmp_path: Path) -> None:
+    config = cluster_config(tmp_path, [instance("s0", "store"), instance("p0", "prefill")])
+    loaded = load_model("random:tiny")
+    prompts = [[random.Random(seed).randrange(3, 300) for _ in range(20 + 7 * seed)] for seed in range(4)]
+    expected = [greedy_tokens(loaded, tokens, 1)[0] for tokens in prompts]
+    async with running_roles(config, ["s0", "p0"]) as roles:
+        clients = PeerClients(config, config.instance_named("p0"))
+        try:
+            prefill: RpcClient = clients.for_instance(config.instance_named("p0"))
+            spec = SamplingSpec(max_tokens=1, temperature=0.0)
+            replies = await asyncio.gather(*(
+                prefill.call(PREFILL, PrefillRequest(f"b{i}", tokens, keys_for(config, tokens), spec), timeout_s=30)
+                for i, tokens in enumerate(prompts)))
+            assert [r.first_token.token_id for r in replies] == expected
+            batch_sizes = roles["p0"].metrics.engine.batch_size  # type: ignore[attr-defined]
+            samples = {s.name: s.value for metric in batch_sizes.collect() for s in metric.samples}
+            assert samples["mooncaked_batch_size_sum"] > samples["mooncaked_batch_size_count"]  # some batch > 1
         finally:
             await clients.close()
