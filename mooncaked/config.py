@@ -140,6 +140,7 @@ class WorkerSection:
     prefill_chunk: int = bounded(1024, min=16)
     inline_prefill_max_tokens: int = bounded(256, min=0)
     kv_load_timeout_s: float = bounded(60.0, min=0.01)
+    abort_grace_s: float = bounded(35.0, min=0.0)
 
 
 @dataclass(frozen=True)

@@ -20,21 +20,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from mooncaked.config import Config, InstanceConfig
 from mooncaked.kv import messages as kv_msg
-from mooncaked.kv.events import BLOCK_STORED
 from mooncaked.roles.base import PeerClients
+from mooncaked.roles.live_predictors import LivePredictors
 from mooncaked.roles.messages import LOAD, LoadReply, LoadRequest
-from mooncaked.rpc import DeadlineExceeded, NotFound, RpcClient, RpcError
+from mooncaked.roles.store_follower import FollowerSettings, StoreFollower
+from mooncaked.rpc import RpcError
 from mooncaked.sched.admission import rejects_at_arrival, select_decode
 from mooncaked.sched.algorithm import SchedulerPolicy, schedule
-from mooncaked.sched.predictors import DecodeStepPredictor, Predictors, PrefillTimePredictor
 from mooncaked.sched.shadow_index import ShadowIndex
 from mooncaked.sched.types import (
     REASON_DECODE_FULL, REASON_NO_DECODE, REASON_NO_PREFILL, REASON_TBT_SLO, REASON_TTFT_SLO,
@@ -43,70 +41,15 @@ from mooncaked.sched.types import (
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-
-@asynccontextmanager
-async def closing_stream(stream: AsyncIterator[T]) -> AsyncIterator[AsyncIterator[T]]:
-    """Close an RPC stream when the block ends, so leaving early cancels the call on the server at once."""
-    try:
-        yield stream
-    finally:
-        close = getattr(stream, "aclose", None)
-        if close is not None:
-            await close()
-
 
 @dataclass(frozen=True)
 class ClusterViewSettings:
-    poll_interval_s: float = 0.2
-    poll_timeout_s: float = 1.0
-    events_stream_s: float = 30.0  # an event subscription is renewed this often (the call's deadline)
-    dump_timeout_s: float = 30.0
-    startup_timeout_s: float = 5.0
-    max_backoff_s: float = 2.0
+    """From the conductor's config section (conductor.view_settings)."""
 
-
-class LivePredictors:
-    """Owns the scheduler's predictors: defaults from the model, refitted from measured samples.
-
-    Prefill samples (prompt tokens, reused tokens, seconds) come from PREFILL replies, decode samples
-    (batch size, context tokens, step seconds) from LOAD replies; each refit uses the newest `max_samples`.
-    """
-
-    def __init__(self, defaults: Predictors, *, min_samples: int = 8, max_samples: int = 256) -> None:
-        self.current = defaults
-        self.min_samples = min_samples
-        self._prefill: deque[tuple[int, int, float]] = deque(maxlen=max_samples)
-        self._decode: deque[tuple[int, int, float]] = deque(maxlen=max_samples)
-        self.num_refits = 0
-
-    def add_prefill(self, num_tokens: int, num_prefix_tokens: int, seconds: float) -> None:
-        self._prefill.append((num_tokens, num_prefix_tokens, seconds))
-        if len(self._prefill) >= self.min_samples and len(self._prefill) % self.min_samples == 0:
-            try:
-                prefill = PrefillTimePredictor.fit(list(self._prefill))
-            except ValueError:
-                return
-            self._replace(prefill=prefill)
-
-    def add_decode(self, batch_size: int, num_context_tokens: int, seconds: float) -> None:
-        sample = (batch_size, num_context_tokens, seconds)
-        if self._decode and self._decode[-1] == sample:
-            return  # an idle poll repeats the last step's numbers
-        self._decode.append(sample)
-        if len(self._decode) >= self.min_samples and len(self._decode) % self.min_samples == 0:
-            try:
-                decode = DecodeStepPredictor.fit(list(self._decode))
-            except ValueError:
-                return
-            self._replace(decode=decode)
-
-    def _replace(self, **changes: Any) -> None:
-        current = self.current
-        self.current = Predictors(changes.get("prefill", current.prefill), changes.get("decode", current.decode),
-                                  current.transfer)
-        self.num_refits += 1
+    poll_interval_s: float  # LOAD polls of every prefill/decode instance
+    poll_timeout_s: float  # one LOAD or store STATS call
+    startup_timeout_s: float  # longest wait in start() for the first dumps and polls
+    follower: FollowerSettings
 
 
 @dataclass
@@ -134,99 +77,11 @@ class InFlight:
     decode_started_at: float | None = None
 
 
-class StoreFollower:
-    """Keeps one store's keys in the shadow index: dump, then events; dump again after any discontinuity.
-
-    Owns its cursor (`last_seq`) and counters; writes only its own store's entries of the index."""
-
-    def __init__(self, store: InstanceConfig, client: RpcClient, index: ShadowIndex,
-                 settings: ClusterViewSettings) -> None:
-        self.store = store
-        self.client = client
-        self.index = index
-        self.settings = settings
-        self.last_seq = -1
-        self.needs_dump = True
-        self.is_up = False
-        self.num_resyncs = 0
-        self.last_error = ""
-        self.has_tried = asyncio.Event()
-
-    async def run(self) -> None:
-        backoff_s = self.settings.poll_interval_s
-        while True:
-            try:
-                await self.sync_step(self.settings.events_stream_s)
-                backoff_s = self.settings.poll_interval_s
-            except Exception as exc:  # any failure: forget the store's keys, retry with backoff
-                if not isinstance(exc, RpcError):
-                    logger.exception("store %s: following failed unexpectedly", self.store.name)
-                self._lost(exc)
-                await asyncio.sleep(backoff_s)
-                backoff_s = min(backoff_s * 2, self.settings.max_backoff_s)
-
-    async def sync_step(self, events_s: float) -> None:
-        """Dump when needed, then apply events for up to `events_s` (or until a gap)."""
-        if self.needs_dump:
-            await self.resync()
-        try:
-            await self._follow_events(events_s)
-        except DeadlineExceeded:
-            pass  # the subscription's deadline: renewed by the caller
-        except NotFound as exc:
-            logger.info("store %s no longer has the events after seq %d (%s): dumping", self.store.name,
-                        self.last_seq, exc.message)
-            self.needs_dump = True
-
-    async def resync(self) -> None:
-        seq, keys = 0, []
-        stream = self.client.stream(kv_msg.DUMP, kv_msg.DumpRequest(), timeout_s=self.settings.dump_timeout_s)
-        async with closing_stream(stream) as chunks:
-            async for chunk in chunks:
-                seq = chunk.seq
-                keys.extend(chunk.keys)
-        self.index.apply_dump(self.store.name, seq, keys)
-        self.last_seq, self.needs_dump, self.is_up, self.last_error = seq, False, True, ""
-        self.num_resyncs += 1
-        self.has_tried.set()
-        logger.info("store %s: index resynced from a dump of %d keys at seq %d", self.store.name, len(keys), seq)
-
-    async def _follow_events(self, timeout_s: float) -> None:
-        request = kv_msg.EventsRequest(after_seq=self.last_seq)
-        async with closing_stream(self.client.stream(kv_msg.EVENTS, request, timeout_s=timeout_s)) as batches:
-            async for batch in batches:
-                for event in batch.events:
-                    if not self._apply(event):
-                        logger.info("store %s events jumped from seq %d to %d: dumping", self.store.name,
-                                    self.last_seq, event.seq)
-                        self.needs_dump = True
-                        return
-
-    def _apply(self, event: kv_msg.StoreEventMessage) -> bool:
-        name = self.store.name
-        if event.kind == BLOCK_STORED:
-            is_in_order = self.index.apply_stored(name, event.seq, [event.key])
-        else:
-            is_in_order = self.index.apply_removed(name, event.seq, [event.key])
-        self.last_seq = max(self.last_seq, event.seq) if is_in_order else self.last_seq
-        return is_in_order
-
-    def _lost(self, exc: Exception) -> None:
-        """A store we cannot reach serves no prefix: forget its keys until it answers a dump again."""
-        if self.is_up or not self.last_error:
-            logger.warning("store %s unreachable (%s): its keys leave the index until it is back",
-                           self.store.name, exc)
-        self.index.remove_store(self.store.name)
-        self.index.add_store(self.store.name)
-        self.is_up, self.needs_dump, self.last_error = False, True, str(exc)
-        self.has_tried.set()  # start-up waits for a first attempt, not for the store to come up
-
-
 class ClusterView:
     """See the module docstring. Owns the index, the followers, the worker states and the in-flight table."""
 
     def __init__(self, config: Config, peers: PeerClients, policy_config: PolicyConfig,
-                 predictors: LivePredictors, settings: ClusterViewSettings = ClusterViewSettings()) -> None:
+                 predictors: LivePredictors, settings: ClusterViewSettings) -> None:
         self.config = config
         self.peers = peers
         self.policy_config = policy_config
@@ -234,7 +89,7 @@ class ClusterView:
         self.settings = settings
         self.block_size = config.kv.block_size
         self.index = ShadowIndex()
-        self.followers = {s.name: StoreFollower(s, peers.for_instance(s), self.index, settings)
+        self.followers = {s.name: StoreFollower(s, peers.for_instance(s), self.index, settings.follower)
                           for s in config.instances_of("store")}
         self.prefill = {i.name: self._worker_state(i) for i in config.instances_of("prefill")}
         self.decode = {i.name: self._worker_state(i) for i in config.instances_of("decode")}
@@ -437,7 +292,8 @@ class ClusterView:
             "in_flight": {"total": len(self._in_flight), "prefill_waiting": prefill_waiting,
                           "decode_incoming": decode_incoming},
             "scheduler": {"policy": self.policy_config.scheduler, "admission": self.policy_config.admission,
-                          "num_predictor_refits": self.predictors.num_refits},
+                          "num_predictor_refits": self.predictors.num_refits,
+                          "num_predictor_samples": self.predictors.num_samples()},
         }
 
     def _describe_worker(self, worker: WorkerState) -> dict[str, Any]:

@@ -27,17 +27,19 @@ from mooncaked.config import Config, InstanceConfig
 from mooncaked.metrics import Metrics
 from mooncaked.model.loader import LoadedModel, load_model
 from mooncaked.roles.base import PeerClients, RoleEndpoint
-from mooncaked.roles.cluster_view import ClusterView, ClusterViewSettings, LivePredictors
+from mooncaked.roles.cluster_view import ClusterView, ClusterViewSettings
 from mooncaked.roles.conductor_backend import ConductorBackend, ModelFrontend
+from mooncaked.roles.live_predictors import LivePredictors
+from mooncaked.roles.store_follower import FollowerSettings
 from mooncaked.sched.predictors import DecodeStepPredictor, Predictors, PrefillTimePredictor, TransferTimePredictor
 from mooncaked.sched.types import PolicyConfig
 
 logger = logging.getLogger(__name__)
 
-# Throughput assumed before measurements replace the predictors (LivePredictors): dense FLOP/s at half
-# utilisation, and memory bandwidth, of a recent datacenter GPU and of a few CPU cores.
-ASSUMED_FLOPS = {"cuda": 3e14, "cpu": 1e11}
-ASSUMED_MEMORY_BANDWIDTH = {"cuda": 2e12, "cpu": 2e10}
+# Throughput assumed, when scheduler.device_flops / device_memory_bandwidth are not set, before measurements
+# replace the predictors: dense FLOP/s and memory bytes/s of a recent datacenter GPU and of a few CPU cores.
+DEFAULT_FLOPS = {"cuda": 3e14, "cpu": 1e11}
+DEFAULT_MEMORY_BANDWIDTH = {"cuda": 2e12, "cpu": 2e10}
 
 
 class ConductorRole:
@@ -63,8 +65,7 @@ class ConductorRole:
         loaded = await asyncio.to_thread(load_model, model.source, dtype=model.dtype, device="cpu", seed=model.seed)
         frontend = model_frontend(config, loaded)
         predictors = LivePredictors(default_predictors(config, loaded))
-        self.view = ClusterView(config, self.peers, policy_config(config), predictors,
-                                ClusterViewSettings(dump_timeout_s=config.rpc.call_timeout_s))
+        self.view = ClusterView(config, self.peers, policy_config(config), predictors, view_settings(config))
         await self.view.start()
         self.backend = ConductorBackend(config, frontend, self.view, self.peers, self.metrics)
         app = create_app(self.backend, api_keys=read_api_keys(config.conductor.api_keys_file),
@@ -118,40 +119,53 @@ def policy_config(config: Config) -> PolicyConfig:
     return PolicyConfig(scheduler=section.policy, admission=section.admission,
                         kvcache_balancing_threshold=section.kvcache_balancing_threshold,
                         ttft_slo_s=section.ttft_slo_ms / 1000, tbt_slo_s=section.tbt_slo_ms / 1000,
-                        block_size=config.kv.block_size, seed=section.seed)
+                        block_size=config.kv.block_size, decode_time_s=section.decode_time_s, seed=section.seed)
+
+
+def view_settings(config: Config) -> ClusterViewSettings:
+    conductor = config.conductor
+    follower = FollowerSettings(events_renew_s=conductor.events_renew_s, dump_timeout_s=config.rpc.call_timeout_s,
+                                min_backoff_s=conductor.load_poll_interval_s)
+    return ClusterViewSettings(poll_interval_s=conductor.load_poll_interval_s,
+                               poll_timeout_s=conductor.load_poll_timeout_s,
+                               startup_timeout_s=conductor.startup_sync_timeout_s, follower=follower)
 
 
 def default_predictors(config: Config, loaded: LoadedModel) -> Predictors:
     """From the model's shape and an assumed device, or fitted from `scheduler.prefill_profile` when set."""
-    args = loaded.args
+    args, section = loaded.args, config.scheduler
     device = "cuda" if config.model.device.startswith("cuda") else "cpu"
     itemsize = loaded.dtype.itemsize
     weight_bytes = sum(p.numel() for p in loaded.model.parameters()) * itemsize
     kv_bytes_per_token = args.num_layers * 2 * args.num_kv_heads * args.head_dim * itemsize
     prefill = PrefillTimePredictor.from_model(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                                              gpu_flops=ASSUMED_FLOPS[device])
+                                              gpu_flops=section.device_flops or DEFAULT_FLOPS[device])
     decode = DecodeStepPredictor.from_model(weight_bytes=weight_bytes, kv_bytes_per_token=kv_bytes_per_token,
-                                            hbm_bandwidth=ASSUMED_MEMORY_BANDWIDTH[device])
-    if config.scheduler.prefill_profile:
-        prefill, decode = read_profile(Path(config.scheduler.prefill_profile), prefill, decode)
-    transfer = TransferTimePredictor(kv_bytes_per_token * config.kv.block_size,
-                                     config.scheduler.link_gbps * 1e9 / 8)
+                                            hbm_bandwidth=section.device_memory_bandwidth
+                                            or DEFAULT_MEMORY_BANDWIDTH[device])
+    if section.prefill_profile:
+        prefill, decode = read_profile(Path(section.prefill_profile), prefill, decode)
+    transfer = TransferTimePredictor(kv_bytes_per_token * config.kv.block_size, section.link_gbps * 1e9 / 8)
     return Predictors(prefill, decode, transfer)
+
+
+PROFILE_FORMAT = ('{"prefill": [[prompt tokens, prefix tokens, seconds], ...], '
+                  '"decode": [[batch size, context tokens, step seconds], ...]}')
 
 
 def read_profile(path: Path, prefill: PrefillTimePredictor,
                  decode: DecodeStepPredictor) -> tuple[PrefillTimePredictor, DecodeStepPredictor]:
-    """A profile is JSON: {"prefill": [[prompt tokens, prefix tokens, seconds], ...],
-    "decode": [[batch size, context tokens, step seconds], ...]}; either list may be absent."""
+    """Fit the predictors a profile (JSON in PROFILE_FORMAT; either list may be absent) measures."""
     try:
         data = json.loads(path.read_text())
+        if not isinstance(data, dict) or not data or set(data) - {"prefill", "decode"}:
+            raise ValueError("the top level must be an object with a \"prefill\" and/or a \"decode\" list")
         if "prefill" in data:
             prefill = PrefillTimePredictor.fit([(int(n), int(p), float(s)) for n, p, s in data["prefill"]])
         if "decode" in data:
             decode = DecodeStepPredictor.fit([(int(b), int(t), float(s)) for b, t, s in data["decode"]])
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise RuntimeError(f"scheduler.prefill_profile {path}: {exc}; expected JSON "
-                           '{"prefill": [[n, p, seconds], ...], "decode": [[batch, tokens, seconds], ...]}') from None
+    except (OSError, ValueError, TypeError) as exc:
+        raise RuntimeError(f"scheduler.prefill_profile {path}: {exc}; expected JSON {PROFILE_FORMAT}") from None
     return prefill, decode
 
 

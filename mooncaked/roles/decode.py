@@ -76,6 +76,7 @@ class DecodeRole:
         self.endpoint.add_method(DECODE, self._decode)
         self.endpoint.add_method(LOAD, self._load)
         self._num_prefilling = 0
+        self._deferred_aborts: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         await self.worker.start()
@@ -88,7 +89,10 @@ class DecodeRole:
         await self.endpoint.stop()
         await self.loop.stop()
         for request_id in list(self.reservations):
-            await self._drop_reservation(request_id)
+            await self._drop_reservation(request_id, is_prefill_done=False)
+        for task in list(self._deferred_aborts):  # the store reclaims those handles when their leases expire
+            task.cancel()
+        await asyncio.gather(*self._deferred_aborts, return_exceptions=True)
         await self.worker.stop()
 
     def _refresh_metrics(self) -> None:
@@ -116,7 +120,7 @@ class DecodeRole:
         now = time.monotonic()
         for request_id in [r for r, res in self.reservations.items() if res.expires_at < now]:
             logger.info("reservation %s expired unclaimed", request_id)
-            await self._drop_reservation(request_id)
+            await self._drop_reservation(request_id, is_prefill_done=False)
 
     def _refusal(self, request: ReserveRequest, num_pages: int) -> str:
         pages = self.worker.pages
@@ -173,22 +177,32 @@ class DecodeRole:
 
     async def _unreserve(self, request: UnreserveRequest, ctx: CallContext) -> UnreserveReply:
         was_reserved = request.request_id in self.reservations
-        await self._drop_reservation(request.request_id)
+        await self._drop_reservation(request.request_id, is_prefill_done=False)
         return UnreserveReply(was_reserved=was_reserved)
 
-    async def _drop_reservation(self, request_id: str) -> None:
+    async def _drop_reservation(self, request_id: str, is_prefill_done: bool = True) -> None:
+        """Give the pages back at once; abort the store handles once no prefill can still write into them."""
         reservation = self.reservations.pop(request_id, None)
         if reservation is None:
             return
+        handle_ids = [h.handle_id for h in reservation.handles]
+        if reservation.tail is not None:
+            handle_ids.append(reservation.tail.handle_id)
+        delay_s = 0.0 if is_prefill_done else self.worker.section.abort_grace_s
+        task = asyncio.create_task(self._end_store_handles(handle_ids, reservation.lease_id, delay_s))
+        self._deferred_aborts.add(task)
+        task.add_done_callback(self._deferred_aborts.discard)
+        if is_prefill_done:
+            await task
+
+    async def _end_store_handles(self, handle_ids: list[int], lease_id: int, delay_s: float) -> None:
         store = self.worker.local_store
         with contextlib.suppress(Exception):  # else the store reclaims them at lease expiry
-            handle_ids = [h.handle_id for h in reservation.handles]
-            if reservation.tail is not None:
-                handle_ids.append(reservation.tail.handle_id)
+            if lease_id:
+                await store.release([lease_id])
+            await asyncio.sleep(delay_s)  # a cancelled prefill's writes in flight land in reserved space
             if handle_ids:
                 await store.abort(handle_ids)
-            if reservation.lease_id:
-                await store.release([reservation.lease_id])
 
     # ---- 2. claim: load prefilled KV, or prefill inline ------------------------------------------------
     def _claim(self, request: DecodeRequest) -> Reservation:

@@ -39,6 +39,7 @@ class KvPlan:
     local_lease_ids: list[int] = field(default_factory=list)
     destinations: dict[str, list[Destination]] = field(default_factory=dict)  # store name -> blocks it wants
     is_closed: bool = False
+    is_cancelled: bool = False  # set by the event loop; the compute thread then posts no more writes
 
     def prefill_seq(self) -> PrefillSeq:
         num_cached = self.num_prefix_blocks * self.kv.worker.block_size
@@ -47,6 +48,8 @@ class KvPlan:
 
     def store_layer(self, layer: int) -> None:
         """Compute thread, after layer `layer`: stage the new blocks' KV and send it to every destination."""
+        if self.is_cancelled:
+            return
         self.kv.store_layer(layer, start=self.num_prefix_blocks)
         kv, local = self.kv, self.kv.worker.local_store_name
         kv.post_write_layer(local, [i for i, _ in self.local_handles], [h.offset for _, h in self.local_handles],
@@ -71,6 +74,7 @@ class KvPlan:
             logger.warning("ending store handles of %s failed: %s", self.kv.request_id, exc)
 
     async def close(self, commit: bool) -> None:
+        await self.kv.settle_writes(self.kv.worker.config.transfer.timeout_s)
         await self.close_store(commit)
         await self.kv.release()
 

@@ -26,7 +26,7 @@ from mooncaked.roles.metrics_http import MetricsEndpoint
 from mooncaked.roles.kv_plan import KvPlan, plan_prompt_kv
 from mooncaked.roles.messages import LOAD, PREFILL, LoadReply, LoadRequest, PrefillReply, PrefillRequest
 from mooncaked.roles.messages import TokenSample
-from mooncaked.roles.prefill_forward import run_prefill_forward
+from mooncaked.roles.prefill_forward import PrefillCancelled, run_prefill_forward
 from mooncaked.roles.sampling import to_params
 from mooncaked.roles.worker import Worker
 from mooncaked.rpc import CallContext
@@ -96,8 +96,8 @@ class PrefillRole:
         for job in batch:
             plan = job.plan
             self.metrics.queues.observe_wait("prefill", started - job.enqueued_at)
-            self.metrics.cache.observe_prefix(num_local=plan.num_prefix_blocks - plan.num_fetched_blocks,
-                                              num_remote=plan.num_fetched_blocks,
+            num_remote = min(plan.num_fetched_blocks, plan.num_prefix_blocks)
+            self.metrics.cache.observe_prefix(num_local=plan.num_prefix_blocks - num_remote, num_remote=num_remote,
                                               num_computed=plan.kv.num_full_blocks - plan.num_prefix_blocks)
             num_sent = sum(len(wanted) for wanted in plan.destinations.values())
             self.metrics.cache.observe_transfer("write", num_sent * worker.block_nbytes)
@@ -128,6 +128,8 @@ class PrefillRole:
             self._wakeup.set()
             return await job.future
         finally:
+            if not job.future.done():
+                plan.is_cancelled = True  # the forward sends nothing more for it
             if job in self._queue:
                 self._queue.remove(job)
             await job.idle.wait()  # pages stay allocated until the compute thread has left this job
@@ -169,7 +171,8 @@ class PrefillRole:
             self._observe(batch, started, elapsed_s)
             await self._finish(batch, first_tokens, elapsed_s)
         except Exception as exc:
-            logger.exception("prefill batch of %d failed", len(batch))
+            if not isinstance(exc, PrefillCancelled):
+                logger.exception("prefill batch of %d failed", len(batch))
             for job in batch:
                 if not job.future.done():
                     job.future.set_exception(exc)

@@ -3,7 +3,8 @@
 1. One prompt longer than `prefill_chunk` runs alone, chunk by chunk (the chunk boundary is explicit here so
    a pipeline of prefill instances can later split a prompt at it); otherwise the prompts run as one batch.
 2. Before layer i of the first chunk, each plan's cached prefix of layer i is loaded into pages; after layer i
-   of the last chunk, each plan stages layer i's new KV and sends it to its destinations.
+   of the last chunk, each plan stages layer i's new KV and sends it to its destinations. A cancelled plan
+   sends nothing more; when every plan is cancelled the forward stops at the next layer boundary.
 3. The last chunk's logits give every prompt its first token.
 """
 
@@ -41,11 +42,22 @@ def run_prefill_forward(worker: Worker, plans: Sequence[KvPlan], specs: Sequence
     return sample_rows(worker, logits, params, [make_generator(p) for p in params])
 
 
+class PrefillCancelled(Exception):
+    """Every prompt of the forward was cancelled: it stops at the next layer boundary."""
+
+
+def _check_cancelled(plans: Sequence[KvPlan]) -> None:
+    if all(plan.is_cancelled for plan in plans):
+        raise PrefillCancelled("every request of this prefill batch was cancelled")
+
+
 def _load_layer(plans: Sequence[KvPlan], layer: int) -> None:
+    _check_cancelled(plans)
     for plan in plans:
         plan.kv.load_layer(layer)
 
 
 def _store_layer(plans: Sequence[KvPlan], layer: int) -> None:
+    _check_cancelled(plans)
     for plan in plans:
         plan.store_layer(layer)

@@ -90,6 +90,12 @@ class RequestKv:
         if writes:
             await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(w) for w in writes)), timeout_s)
 
+    async def settle_writes(self, timeout_s: float) -> None:
+        """Let in-flight writes end, well or not, so their destinations may be freed without a late write."""
+        writes, self._writes = self._writes, []
+        if writes:
+            await asyncio.wait([asyncio.wrap_future(w) for w in writes], timeout=timeout_s)
+
     def load_layer(self, layer: int) -> None:
         """Compute thread: staging[:num_loaded, layer] -> pages (blocks 0..num_loaded)."""
         if self.num_loaded == 0:

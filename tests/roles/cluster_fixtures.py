@@ -13,10 +13,18 @@ from mooncaked.lifecycle import Role
 from mooncaked.roles import make_role
 
 
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A port free on `host` now and not handed out before in this test session (ports are per process)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def instance(name: str, role: str, host: str = "127.0.0.1", **extra: Any) -> dict[str, Any]:
@@ -37,7 +45,7 @@ def cluster_config(tmp_path: Path, instances: Sequence[dict[str, Any]], **sectio
         "kv": {"block_size": 16},
         "runtime": {"drain_timeout_s": 2.0},
         "store": {"dram_bytes": 32 << 20, "shm_dir": str(tmp_path), "maintenance_interval_s": 0.05},
-        "worker": {"num_kv_pages": 256, "prefill_chunk": 64, "max_batch_tokens": 256},
+        "worker": {"num_kv_pages": 256, "prefill_chunk": 64, "max_batch_tokens": 256, "abort_grace_s": 0.5},
         "transfer": {"timeout_s": 10.0},
     }
     for section, values in sections.items():

@@ -1,4 +1,4 @@
-"""ClusterView against real stores: dump at start, events, a lost event window, a store restart; placement."""
+"""ClusterView against real stores: dump at start, events, a store restart; placement over its own state."""
 
 from __future__ import annotations
 
@@ -12,16 +12,19 @@ from mooncaked.config import Config
 from mooncaked.kv.client import StoreClient
 from mooncaked.model.loader import load_model
 from mooncaked.roles.base import PeerClients
-from mooncaked.roles.cluster_view import ClusterView, ClusterViewSettings, LivePredictors, StoreFollower
+from mooncaked.roles.cluster_view import ClusterView, ClusterViewSettings
 from mooncaked.roles.conductor import default_predictors, policy_config
+from mooncaked.roles.live_predictors import LivePredictors
 from mooncaked.roles.messages import LoadReply
 from mooncaked.roles.store import StoreRole
+from mooncaked.roles.store_follower import FollowerSettings
 from mooncaked.sched.types import REASON_DECODE_FULL, REASON_NO_DECODE, Placement, Rejection, RequestInfo
 from tests.roles.cluster_fixtures import cluster_config, instance
 
 BLOCK_BYTES = 4096
-FAST = ClusterViewSettings(poll_interval_s=0.05, poll_timeout_s=0.5, events_stream_s=2.0, dump_timeout_s=5.0,
-                           startup_timeout_s=3.0, max_backoff_s=0.2)
+FAST = ClusterViewSettings(poll_interval_s=0.05, poll_timeout_s=0.5, startup_timeout_s=3.0,
+                           follower=FollowerSettings(events_renew_s=2.0, dump_timeout_s=5.0, min_backoff_s=0.05,
+                                                     max_backoff_s=0.2))
 
 
 def key(i: int) -> bytes:
@@ -92,33 +95,6 @@ async def test_index_is_dumped_at_start_then_follows_events(tmp_path: Path) -> N
         await peers.close()
         for store in stores:
             await store.stop()
-
-
-async def test_follower_dumps_again_when_its_event_window_is_gone(tmp_path: Path) -> None:
-    config = make_config(tmp_path)
-    store = StoreRole(config, config.instance_named("s0"))
-    await store.start()
-    peers = PeerClients(config, config.instance_named("c0"))
-    view = make_view(config, peers)
-    follower = StoreFollower(config.instance_named("s0"), peers.for_instance(config.instance_named("s0")),
-                             view.index, FAST)
-    try:
-        async with store_client(config, peers, "s0") as client:
-            await put(client, [key(0)])
-            await follower.sync_step(events_s=0.1)
-            assert follower.num_resyncs == 1 and view.index.prefix_lengths([key(0)]) == {"s0": 1}
-            await put(client, [key(i) for i in range(1, 41)])  # 40 events; the store keeps the newest 16
-            await follower.sync_step(events_s=0.2)
-            assert follower.needs_dump
-            await follower.sync_step(events_s=0.1)
-            assert follower.num_resyncs == 2 and not follower.needs_dump
-            assert view.index.prefix_lengths([key(i) for i in range(41)]) == {"s0": 41}
-            await put(client, [key(41)])
-            await follower.sync_step(events_s=0.2)
-            assert view.index.prefix_lengths([key(i) for i in range(42)]) == {"s0": 42}
-    finally:
-        await peers.close()
-        await store.stop()
 
 
 async def test_a_restarted_store_is_dumped_afresh(tmp_path: Path) -> None:

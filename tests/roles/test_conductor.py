@@ -1,7 +1,8 @@
-"""The conductor without workers: request preparation (limits, keys) and its HTTP surface when nothing is up."""
+"""The conductor without workers: request preparation, its HTTP surface when nothing is up, config wiring."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import aiohttp
@@ -14,9 +15,12 @@ from mooncaked.kv.keys import block_keys, model_namespace
 from mooncaked.metrics import Metrics
 from mooncaked.model.loader import load_model
 from mooncaked.roles.base import PeerClients
-from mooncaked.roles.cluster_view import ClusterView, LivePredictors
-from mooncaked.roles.conductor import ConductorRole, default_predictors, model_frontend, policy_config
+from mooncaked.roles.cluster_view import ClusterView
+from mooncaked.roles.conductor import (
+    ConductorRole, default_predictors, model_frontend, policy_config, view_settings,
+)
 from mooncaked.roles.conductor_backend import ConductorBackend
+from mooncaked.roles.live_predictors import LivePredictors
 from tests.roles.cluster_fixtures import cluster_config, instance, running_roles
 
 
@@ -28,7 +32,8 @@ def make_config(tmp_path: Path, **sections: dict[str, object]) -> Config:
 def make_backend(config: Config) -> ConductorBackend:
     loaded = load_model(config.model.source, dtype=config.model.dtype, seed=config.model.seed)
     peers = PeerClients(config, config.instance_named("c0"))
-    view = ClusterView(config, peers, policy_config(config), LivePredictors(default_predictors(config, loaded)))
+    view = ClusterView(config, peers, policy_config(config), LivePredictors(default_predictors(config, loaded)),
+                       view_settings(config))
     return ConductorBackend(config, model_frontend(config, loaded), view, peers, Metrics())
 
 
@@ -87,3 +92,49 @@ async def test_http_surface_with_no_worker_up(tmp_path: Path) -> None:
         async with http.get(f"{url}/metrics") as response:
             text = await response.text()
         assert 'mooncaked_rejections_total{reason="no_decode_instance"} 1.0' in text
+
+
+def write_profile(path: Path, seconds_per_token: float) -> Path:
+    samples = [[n, p, seconds_per_token * (n - p)] for n in (100, 200, 400, 800) for p in (0, n // 2)]
+    path.write_text(json.dumps({"prefill": samples, "decode": [[1, 100, 0.01], [2, 200, 0.02], [4, 400, 0.04]]}))
+    return path
+
+
+def test_scheduler_and_conductor_options_reach_the_predictors_policy_and_view(tmp_path: Path) -> None:
+    loaded = load_model("random:tiny")
+    base = default_predictors(make_config(tmp_path), loaded)
+    faster = default_predictors(make_config(tmp_path, scheduler={"device_flops": 1e13, "link_gbps": 8.0,
+                                                                  "device_memory_bandwidth": 2e11}), loaded)
+    assert faster.prefill.predict(1000, 0) == pytest.approx(base.prefill.predict(1000, 0) / 100)  # cpu: 1e11
+    assert faster.decode.predict(1, 0) == pytest.approx(base.decode.predict(1, 0) / 10)  # cpu: 2e10
+    assert faster.transfer.bandwidth == 1e9
+    profiled = default_predictors(make_config(tmp_path, scheduler={
+        "prefill_profile": str(write_profile(tmp_path / "profile.json", 0.01))}), loaded)
+    assert profiled.prefill.predict(300, 100) == pytest.approx(2.0, rel=1e-3)
+    assert profiled.decode.predict(3, 300) == pytest.approx(0.03, rel=1e-3)
+    config = make_config(tmp_path, scheduler={"decode_time_s": 7.5}, conductor={
+        "load_poll_interval_s": 0.3, "load_poll_timeout_s": 0.7, "startup_sync_timeout_s": 2.0,
+        "events_renew_s": 9.0})
+    assert policy_config(config).decode_time_s == 7.5
+    settings = view_settings(config)
+    assert (settings.poll_interval_s, settings.poll_timeout_s, settings.startup_timeout_s) == (0.3, 0.7, 2.0)
+    assert settings.follower.events_renew_s == 9.0
+
+
+@pytest.mark.parametrize(("content", "problem"), [
+    (None, "No such file"),
+    ("{not json", "Expecting property name"),
+    ('[[100, 0, 1.0]]', "top level must be an object"),
+    ('{"prefil": [[100, 0, 1.0]]}', "top level must be an object"),
+    ('{"prefill": [[100, 0, 1.0]]}', "need at least 6 prefill samples"),
+    ('{"decode": [[1, 2], [3, 4], [5, 6]]}', "not enough values"),
+])
+def test_a_bad_prefill_profile_fails_start_up_naming_the_file(tmp_path: Path, content: str | None,
+                                                              problem: str) -> None:
+    path = tmp_path / "profile.json"
+    if content is not None:
+        path.write_text(content)
+    config = make_config(tmp_path, scheduler={"prefill_profile": str(path)})
+    with pytest.raises(RuntimeError, match="scheduler.prefill_profile") as raised:
+        default_predictors(config, load_model("random:tiny"))
+    assert str(path) in str(raised.value) and problem in str(raised.value)

@@ -6,6 +6,7 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from mooncaked.model.loader import load_model
 from mooncaked.roles import make_role
 from mooncaked.roles.conductor import ConductorRole
 from mooncaked.roles.decode import DecodeRole
+from mooncaked.roles.store import StoreRole
 from tests.roles.cluster_fixtures import cluster_config, instance, running_roles
 from tests.roles.engine_reference import greedy_tokens
 
@@ -90,6 +92,7 @@ async def test_completions_chat_stop_strings_and_prefix_reuse(tmp_path: Path) ->
         async with http.get(url(config, "/v1/cluster")) as response:
             cluster = await response.json()
         assert cluster["prefix_blocks"]["reused_local"] == 8 and cluster["index"]["num_keys"] >= 4
+        assert cluster["scheduler"]["num_predictor_samples"]["prefill"] == 4  # one per PREFILL reply
         assert {i["name"]: i["is_up"] for i in cluster["instances"]} == {"p0": True, "d0": True}
         async with http.get(url(config, "/metrics")) as response:
             metrics = await response.text()
@@ -220,3 +223,61 @@ async def test_a_prefix_on_another_host_is_fetched_then_served_locally(tmp_path:
         assert fetched["choices"][0]["text"] == text and local["choices"][0]["text"] == text
         assert fetched["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
         assert cluster["prefix_blocks"] == {"reused_local": 4, "reused_remote": 4, "computed": 0}
+
+
+async def test_a_client_gone_during_prefill_leaves_no_reservation_on_decode(tmp_path: Path) -> None:
+    config = make_config(tmp_path, worker={"prefill_chunk": 16, "max_batch_tokens": 16})
+    tokens = prompt(7, 1000)  # 63 chunks of 16
+    async with running_roles(config, ["s0", "p0", "d0", "c0"]) as roles, aiohttp.ClientSession() as http:
+        decode, conductor, store = roles["d0"], roles["c0"], roles["s0"]
+        assert isinstance(decode, DecodeRole) and isinstance(conductor, ConductorRole)
+        assert isinstance(store, StoreRole) and conductor.view is not None
+        view = conductor.view
+
+        def free_pages() -> int:  # as the decode instance's last LOAD reply tells them (reservations excluded)
+            load = view.decode["d0"].load
+            assert load is not None
+            return load.num_free_pages
+
+        baseline_free_pages = free_pages()
+        body = {"prompt": tokens, "max_tokens": 4, **GREEDY}
+        request = asyncio.ensure_future(http.post(url(config, "/v1/completions"), json=body))
+        # reserved, and prefilling (the prefill takes 0.1-0.3 s here): poll often so as not to miss it
+        await eventually(lambda: bool(decode.reservations) and view.num_waiting()[0] == 1, interval_s=0.002)
+        request.cancel()  # the client goes away before the first token
+        await asyncio.gather(request, return_exceptions=True)
+        await eventually(lambda: not decode.reservations, timeout_s=2.0)
+        await eventually(lambda: view.num_waiting() == (0, 0) and store.service.core.stats()["num_pending"] == 0)
+        await eventually(lambda: free_pages() == baseline_free_pages)
+        async with http.get(url(config, "/metrics")) as response:
+            assert 'mooncaked_requests_total{status="cancelled"} 1.0' in await response.text()
+        done = await completion(http, config, {"prompt": tokens[:40], "max_tokens": 2, **GREEDY})
+        assert done["usage"]["completion_tokens"] == 2
+
+
+async def test_a_prompt_predicted_to_break_the_ttft_slo_is_rejected_with_429(tmp_path: Path) -> None:
+    """A profile measured 10 ms per new prompt token: 40 tokens fit the 1.5 s TTFT SLO, 300 do not."""
+    samples = [[n, p, 0.01 * (n - p)] for n in (100, 200, 400, 800) for p in (0, n // 2)]
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"prefill": samples}))
+    config = make_config(tmp_path, scheduler={"prefill_profile": str(profile), "ttft_slo_ms": 1500.0},
+                         conductor={"retry_after_s": 3})
+    async with running_roles(config, ["s0", "p0", "d0", "c0"]), aiohttp.ClientSession() as http:
+        short = await completion(http, config, {"prompt": prompt(8, 40), "max_tokens": 2, **GREEDY})
+        assert short["usage"]["completion_tokens"] == 2
+        body = {"prompt": prompt(9, 300), "max_tokens": 2, **GREEDY}
+        async with http.post(url(config, "/v1/completions"), json=body) as response:
+            error = (await response.json())["error"]
+            assert response.status == 429 and response.headers["Retry-After"] == "3"
+        assert "predicted time to first token 3.00 s is over its SLO" in error["message"]
+        async with http.get(url(config, "/metrics")) as response:
+            metrics = await response.text()
+        assert 'mooncaked_rejections_total{reason="ttft_slo"} 1.0' in metrics
+        assert 'mooncaked_requests_total{status="ok"} 1.0' in metrics
+
+
+async def eventually(condition: Callable[[], bool], timeout_s: float = 5.0, interval_s: float = 0.02) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(interval_s)
