@@ -95,8 +95,11 @@ def decode_attention(
     num_blocks = (max_len + block_size - 1) // block_size
     # Pad every sequence to max_len so the whole batch is one SDPA call (one gather per pool).
     page_ids = block_tables[:, :num_blocks].to(torch.int64).clamp(min=0)  # [S, nb]
-    k = k_pages[page_ids].flatten(1, 2)[:, :max_len]  # [S, Lmax, Hkv, D]
-    v = v_pages[page_ids].flatten(1, 2)[:, :max_len]
+    # index_select on the flat ids is 3-4x faster on CPU than advanced indexing with a 2-D index.
+    flat_ids = page_ids.flatten()
+    token_shape = (num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
+    k = k_pages.index_select(0, flat_ids).view(token_shape)[:, :max_len]  # [S, Lmax, Hkv, D]
+    v = v_pages.index_select(0, flat_ids).view(token_shape)[:, :max_len]
     positions = torch.arange(max_len, device=q.device)
     mask = positions[None, :] < seq_lens.to(q.device)[:, None]  # [S, Lmax]
     # The GROUP query heads of one kv head act as GROUP query rows: no K/V expansion, and SDPA on CPU runs

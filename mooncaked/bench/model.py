@@ -1,0 +1,254 @@
+"""`mooncaked bench model`: CPU greedy decode, ours vs transformers `generate`, plus layer-callback overhead.
+
+Stages:
+  1. Load our model (fp32) and build a transformers LlamaForCausalLM with the very same weights (unfused from
+     ours), set torch to `--threads` intra-op threads.
+  2. Render the same chat prompts for both; generate exactly `--new-tokens` tokens per sequence, greedy, EOS
+     suppressed on both sides (transformers: min_new_tokens = max_new_tokens), at each batch size
+     (transformers left-padded). Runs alternate ours / transformers, the best of `--repeats` counts.
+     tok/s = batch * new tokens / wall time of the whole generation (prefill included on both sides);
+     cpu_ratio_* compares process CPU time instead (steadier on a shared host).
+  3. Prefill `--prefill-tokens` tokens with no-op before/after layer callbacks vs none, in adjacent pairs;
+     callback_overhead = median over pairs of (with / without) - 1 (pairs share the host's load of the moment).
+  4. Print a table; write JSON with `--json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mooncaked.engine.batch import DecodeSeq, PrefillSeq, build_decode_batch, build_prefill_batch
+from mooncaked.engine.kv_pages import KVPages
+from mooncaked.engine.runner import ModelRunner
+from mooncaked.model.llama import LlamaDecoderLayer, LlamaForCausalLM
+from mooncaked.model.loader import EMBEDDED_SMOLLM2, LoadedModel, load_model
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Explain what a hash function is in two sentences.",
+    "List three uses of a paperclip.",
+    "How do plants make food from sunlight?",
+    "Give me a tip for learning a new language.",
+    "Why is the sky blue? Answer briefly, please, for a ten year old child.",
+    "Summarize the plot of a heist movie in one paragraph.",
+]
+TARGET_RATIO = {1: 1.1, 8: 1.5}
+TARGET_CALLBACK_OVERHEAD = 0.02
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
+    parser.add_argument("--model", default=EMBEDDED_SMOLLM2, help="model source (loader syntax)")
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per sequence")
+    parser.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
+    parser.add_argument("--prefill-tokens", type=int, default=1024, help="prompt length for callback overhead")
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per side and setting (best counts)")
+
+
+class OursGenerator:
+    """Greedy generation through ModelRunner; owns its KV pages."""
+
+    def __init__(self, loaded: LoadedModel, num_pages: int, block_size: int) -> None:
+        self.kv = KVPages.for_model(loaded.args, num_pages=num_pages, block_size=block_size,
+                                    dtype=loaded.dtype, device="cpu")
+        self.runner = ModelRunner(loaded.model, self.kv)
+        self.suppressed = torch.tensor(loaded.eos_token_ids, dtype=torch.int64)
+
+    def generate(self, prompts: Sequence[list[int]], new_tokens: int) -> list[list[int]]:
+        alloc, block = self.kv.allocator, self.kv.block_size
+        pages = [alloc.allocate(self.kv.num_pages_for(len(p) + new_tokens), f"bench-{i}")
+                 for i, p in enumerate(prompts)]
+        try:
+            batch = build_prefill_batch([PrefillSeq(p, 0, pg) for p, pg in zip(prompts, pages)],
+                                        block_size=block, num_pages=self.kv.num_pages, device="cpu")
+            outputs = [[t] for t in self._greedy(self.runner.prefill(batch))]
+            for _ in range(new_tokens - 1):
+                seqs = [DecodeSeq(out[-1], len(p) + len(out) - 1, pg) for p, out, pg in zip(prompts, outputs, pages)]
+                logits = self.runner.decode(build_decode_batch(seqs, block_size=block, num_pages=self.kv.num_pages,
+                                                               device="cpu"))
+                for out, token in zip(outputs, self._greedy(logits)):
+                    out.append(token)
+            return outputs
+        finally:
+            for i in range(len(prompts)):
+                alloc.free_owner(f"bench-{i}")
+
+    def _greedy(self, logits: torch.Tensor) -> list[int]:
+        logits = logits.index_fill(1, self.suppressed, float("-inf"))  # as transformers' min_new_tokens does
+        tokens: list[int] = logits.argmax(dim=-1).tolist()
+        return tokens
+
+
+def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """Our fused, transposed weights split back into Hugging Face names and layout."""
+    args = model.args
+    state = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight}
+    if not args.tie_word_embeddings:
+        state["lm_head.weight"] = model.lm_head.weight_t.t()
+    for i, layer in enumerate(model.layers):
+        assert isinstance(layer, LlamaDecoderLayer)
+        p = f"model.layers.{i}."
+        q, k, v = layer.qkv_proj.weight_t.t().split([args.q_size, args.kv_size, args.kv_size])
+        gate, up = layer.gate_up_proj.weight_t.t().split(args.intermediate_size)
+        state.update({
+            p + "input_layernorm.weight": layer.input_layernorm.weight,
+            p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
+            p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v,
+            p + "self_attn.o_proj.weight": layer.o_proj.weight_t.t(),
+            p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+            p + "mlp.down_proj.weight": layer.down_proj.weight_t.t(),
+        })
+    return {name: t.detach().contiguous().clone() for name, t in state.items()}
+
+
+def build_hf_model(loaded: LoadedModel) -> Any:
+    import transformers
+
+    config = transformers.LlamaConfig(**loaded.args.to_hf_config())
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.load_state_dict(hf_state_dict(loaded.model), strict=False)
+    return hf
+
+
+def hf_generate(hf: Any, prompts: Sequence[list[int]], new_tokens: int, pad_id: int) -> list[list[int]]:
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        out = hf.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id)
+    generated: list[list[int]] = out[:, width:].tolist()
+    return generated
+
+
+@dataclass
+class Timing:
+    """Best wall and best process CPU seconds over the runs of one side."""
+
+    wall_s: float = float("inf")
+    cpu_s: float = float("inf")
+
+    def add(self, fn: Callable[[], object]) -> float:
+        """Run fn once; returns its wall seconds."""
+        wall, cpu = time.perf_counter(), time.process_time()
+        fn()
+        wall_s, cpu_s = time.perf_counter() - wall, time.process_time() - cpu
+        self.wall_s, self.cpu_s = min(self.wall_s, wall_s), min(self.cpu_s, cpu_s)
+        return wall_s
+
+
+def _alternating(a: Callable[[], object], b: Callable[[], object], repeats: int) -> tuple[Timing, Timing]:
+    """Best times of a and b, measured a, b, a, b, ... so machine noise hits both alike. CPU time is reported
+    too: on a shared, oversubscribed host it is far steadier than wall time."""
+    timing_a, timing_b = Timing(), Timing()
+    for _ in range(repeats):
+        timing_a.add(a)
+        timing_b.add(b)
+    return timing_a, timing_b
+
+
+def chat_prompts(loaded: LoadedModel, count: int) -> list[list[int]]:
+    texts = [loaded.chat_template.render([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}])
+             for i in range(count)]
+    return [loaded.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+
+def measure_decode(loaded: LoadedModel, ours: OursGenerator, hf: Any, batch_size: int, new_tokens: int,
+                   repeats: int) -> dict[str, Any]:
+    prompts = chat_prompts(loaded, batch_size)
+    pad_id = loaded.eos_token_ids[0] if loaded.eos_token_ids else 0
+    ours_tokens = ours.generate(prompts, new_tokens)  # warm-up, and the tokens to compare
+    hf_tokens = hf_generate(hf, prompts, new_tokens, pad_id)
+    assert all(len(t) == new_tokens for t in ours_tokens + hf_tokens)
+    ours_t, hf_t = _alternating(lambda: ours.generate(prompts, new_tokens),
+                                lambda: hf_generate(hf, prompts, new_tokens, pad_id), repeats)
+    num_tokens = batch_size * new_tokens
+    same = sum(a == b for x, y in zip(ours_tokens, hf_tokens) for a, b in zip(x, y))
+    b = batch_size
+    return {f"ours_tok_s_b{b}": num_tokens / ours_t.wall_s, f"hf_tok_s_b{b}": num_tokens / hf_t.wall_s,
+            f"ratio_b{b}": hf_t.wall_s / ours_t.wall_s, f"cpu_ratio_b{b}": hf_t.cpu_s / ours_t.cpu_s,
+            f"tokens_match_b{b}": same / num_tokens}
+
+
+def measure_callbacks(loaded: LoadedModel, ours: OursGenerator, num_tokens: int, repeats: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, loaded.args.vocab_size, (num_tokens,), generator=gen).tolist()
+    kv = ours.kv
+    pages = kv.allocator.allocate(kv.num_pages_for(num_tokens), "bench-prefill")
+    batch = build_prefill_batch([PrefillSeq(prompt, 0, pages)], block_size=kv.block_size,
+                                num_pages=kv.num_pages, device="cpu")
+
+    def noop(layer: int) -> None:
+        return None
+
+    ratios: list[float] = []
+    plain, hooked = Timing(), Timing()
+    try:
+        ours.runner.prefill(batch)  # warm-up
+        for _ in range(repeats):  # adjacent pairs share the machine's load of the moment
+            before = plain.add(lambda: ours.runner.prefill(batch))
+            after = hooked.add(lambda: ours.runner.prefill(batch, before_layer=noop, after_layer=noop))
+            ratios.append(after / before)
+    finally:
+        kv.allocator.free_owner("bench-prefill")
+    return {"prefill_tokens": num_tokens, "prefill_ms_no_callbacks": plain.wall_s * 1e3,
+            "prefill_ms_callbacks": hooked.wall_s * 1e3, "callback_overhead": statistics.median(ratios) - 1.0,
+            "callback_overhead_best": hooked.wall_s / plain.wall_s - 1.0,
+            "callback_overhead_cpu": hooked.cpu_s / plain.cpu_s - 1.0}
+
+
+def run(args: argparse.Namespace) -> int:
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _run(args: argparse.Namespace) -> int:
+    loaded = load_model(args.model, dtype="float32", device="cpu")
+    hf = build_hf_model(loaded)
+    longest = max(len(p) for p in chat_prompts(loaded, max(args.batch_sizes)))
+    num_pages = max(args.batch_sizes) * ((longest + args.new_tokens) // args.block_size + 1) + (
+        args.prefill_tokens // args.block_size + 1)
+    ours = OursGenerator(loaded, num_pages, args.block_size)
+    results: dict[str, Any] = {"model": loaded.model_id, "threads": args.threads, "new_tokens": args.new_tokens,
+                               "dtype": "float32"}
+    for batch_size in args.batch_sizes:
+        print(f"decode batch {batch_size} ...", flush=True)
+        results.update(measure_decode(loaded, ours, hf, batch_size, args.new_tokens, args.repeats))
+    print(f"prefill {args.prefill_tokens} tokens, callbacks ...", flush=True)
+    results.update(measure_callbacks(loaded, ours, args.prefill_tokens, max(2 * args.repeats + 1, 5)))
+    _print_table(results, args.batch_sizes)
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+def _print_table(results: dict[str, Any], batch_sizes: Sequence[int]) -> None:
+    print(f"\nmodel {results['model']}, fp32, {results['threads']} threads, {results['new_tokens']} new tokens")
+    print(f"{'batch':>5} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6} {'cpu ratio':>9} {'target':>7} "
+          f"{'same tokens':>12}")
+    for b in batch_sizes:
+        target = TARGET_RATIO.get(b)
+        print(f"{b:>5} {results[f'ours_tok_s_b{b}']:>11.1f} {results[f'hf_tok_s_b{b}']:>9.1f} "
+              f"{results[f'ratio_b{b}']:>6.2f} {results[f'cpu_ratio_b{b}']:>9.2f} "
+              f"{'' if target is None else f'>= {target}':>7} "
+              f"{results[f'tokens_match_b{b}']:>12.0%}")
+    print(f"prefill {results['prefill_tokens']} tokens: {results['prefill_ms_no_callbacks']:.1f} ms without "
+          f"callbacks, {results['prefill_ms_callbacks']:.1f} ms with; overhead "
+          f"{results['callback_overhead']:+.2%} (cpu time {results['callback_overhead_cpu']:+.2%}; "
+          f"target <= {TARGET_CALLBACK_OVERHEAD:.0%})")

@@ -1,0 +1,132 @@
+"""Device KV pages and their allocator.
+
+1. `KVPages.for_model(args, num_pages, block_size, dtype, device)` allocates, per layer, k_pages[layer] and
+   v_pages[layer], each [num_pages, block_size, kv_heads, head_dim], once at start-up.
+2. Requests take whole pages from `KVPages.allocator` (`allocate(n, owner)`), and name them in block tables;
+   token t of a sequence lives in page block_table[t // block_size] at offset t % block_size.
+3. When a request ends (or fails) its owner frees its pages (`free` / `free_owner`); the page contents are left
+   as they are and simply overwritten by the next owner.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+import torch
+
+from mooncaked.model.config import ModelArgs
+
+
+class PagesExhausted(RuntimeError):
+    """Not enough free pages; nothing was allocated."""
+
+
+class PageAllocator:
+    """Owns the free list and which owner (a request id) holds each used page."""
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages <= 0:
+            raise ValueError(f"num_pages must be positive, got {num_pages}")
+        self.num_pages = num_pages
+        self._free: deque[int] = deque(range(num_pages))
+        self._owner_of: dict[int, str] = {}
+        self._pages_of: dict[str, dict[int, None]] = {}  # insertion-ordered sets
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._owner_of)
+
+    def allocate(self, num_pages: int, owner: str) -> list[int]:
+        """All or nothing: `num_pages` page ids for `owner`, or PagesExhausted."""
+        if num_pages < 0:
+            raise ValueError(f"num_pages must be >= 0, got {num_pages}")
+        if num_pages > len(self._free):
+            raise PagesExhausted(f"{owner}: needs {num_pages} KV pages, {len(self._free)} free of {self.num_pages}")
+        pages = [self._free.popleft() for _ in range(num_pages)]
+        for page in pages:
+            self._owner_of[page] = owner
+        self._pages_of.setdefault(owner, {}).update(dict.fromkeys(pages))
+        return pages
+
+    def free(self, page_ids: Iterable[int], owner: str) -> None:
+        """Return `owner`'s pages; a page not held by `owner` raises ValueError and nothing is freed."""
+        pages = list(page_ids)
+        for page in pages:
+            if self._owner_of.get(page) != owner:
+                raise ValueError(f"page {page} is not held by {owner!r} (holder: {self._owner_of.get(page)!r})")
+        if len(set(pages)) != len(pages):
+            raise ValueError(f"{owner}: page ids to free repeat: {pages}")
+        held = self._pages_of[owner] if pages else {}
+        for page in pages:
+            del self._owner_of[page]
+            del held[page]
+            self._free.append(page)
+        if pages and not held:
+            del self._pages_of[owner]
+
+    def free_owner(self, owner: str) -> int:
+        """Free every page `owner` holds (cleanup after an abort); returns how many."""
+        pages = list(self._pages_of.get(owner, ()))
+        self.free(pages, owner)
+        return len(pages)
+
+    def owner_of(self, page_id: int) -> str | None:
+        return self._owner_of.get(page_id)
+
+    def pages_of(self, owner: str) -> list[int]:
+        return list(self._pages_of.get(owner, ()))
+
+
+class KVPages:
+    """Owns the per-layer KV page tensors and their allocator."""
+
+    def __init__(self, *, num_layers: int, num_pages: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_pages, block_size, num_kv_heads, head_dim)
+        self.k_pages = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_pages = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.allocator = PageAllocator(num_pages)
+
+    @classmethod
+    def for_model(cls, args: ModelArgs, *, num_pages: int, block_size: int, dtype: torch.dtype,
+                  device: torch.device | str) -> KVPages:
+        return cls(num_layers=args.num_layers, num_pages=num_pages, block_size=block_size,
+                   num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=dtype, device=device)
+
+    @property
+    def page_shape(self) -> tuple[int, int, int]:
+        """One page of one layer, K or V: [block_size, kv_heads, head_dim]."""
+        return (self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def layer_block_nbytes(self) -> int:
+        """Bytes of one layer's K and V for one block (one contiguous range of a store object)."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one store object: all layers' K and V of one block (DESIGN section 5)."""
+        return self.num_layers * self.layer_block_nbytes
+
+    def num_pages_for(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    @staticmethod
+    def num_pages_fitting(memory_bytes: int, args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
+        """How many pages `memory_bytes` holds for this model (for sizing from a memory budget)."""
+        per_page = args.num_layers * 2 * block_size * args.num_kv_heads * args.head_dim * dtype.itemsize
+        return memory_bytes // per_page

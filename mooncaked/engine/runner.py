@@ -1,0 +1,89 @@
+"""The layer-wise model runner: one forward over paged KV, with a hook before and after every layer.
+
+1. `ModelRunner(model, kv_pages, backend)`: the model's weights and the pages are owned elsewhere; the runner
+   owns nothing mutable, so a role can switch between prefill and decode work with the same runner.
+2. `prefill(batch)` runs one chunk of new tokens per sequence (each after its cached prefix) and returns the
+   last new token's logits per sequence (all rows with `return_all_logits`). `decode(batch)` runs one new
+   token per sequence and returns logits [S, vocab].
+3. For every layer i: `before_layer(i)` (the caller waits there until layer i's prefix KV is in the pages),
+   then the layer: store the new tokens' K/V into pages, attend over the pages, MLP; then `after_layer(i)`
+   (the caller starts storing layer i's new KV). A callback that raises aborts the forward: the exception
+   propagates, the runner has changed nothing but KV slots of this batch's own pages, and the allocator is
+   untouched, so the caller frees or reuses the pages as usual.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from mooncaked import kernels
+from mooncaked.engine.batch import DecodeBatch, PrefillBatch
+from mooncaked.engine.kv_pages import KVPages
+from mooncaked.model.llama import AttendFn, LlamaForCausalLM
+
+LayerCallback = Callable[[int], None]
+
+
+class ModelRunner:
+    """Stateless executor of forwards over `kv_pages` (owned by the worker) with `model` (shared, read-only)."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_pages: KVPages, backend: str = "auto") -> None:
+        args = model.args
+        if (kv_pages.num_layers, kv_pages.num_kv_heads, kv_pages.head_dim) != (
+                args.num_layers, args.num_kv_heads, args.head_dim):
+            raise ValueError("KV pages do not match the model (num_layers, num_kv_heads, head_dim)")
+        if kv_pages.device != model.device:
+            raise ValueError(f"KV pages on {kv_pages.device} but model on {model.device}")
+        kernels.resolve_backend(backend, model.embed_tokens.weight)  # validates the name
+        self.model = model
+        self.kv_pages = kv_pages
+        self.backend = backend
+        self.scale = args.head_dim ** -0.5
+
+    def prefill(self, batch: PrefillBatch, *, before_layer: LayerCallback | None = None,
+                after_layer: LayerCallback | None = None, return_all_logits: bool = False) -> torch.Tensor:
+        """One chunk -> logits fp32 [S, vocab] (last new token per sequence), or [T, vocab] if return_all_logits."""
+        k_pages, v_pages = self.kv_pages.k_pages, self.kv_pages.v_pages
+        backend, scale = self.backend, self.scale
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kernels.store_kv(k, v, k_pages[layer], v_pages[layer], batch.slot_mapping, backend)
+            return kernels.prefill_attention(q, k_pages[layer], v_pages[layer], batch.block_tables,
+                                             batch.cu_seqlens_q, batch.seq_lens, scale, backend)
+
+        with torch.inference_mode():
+            hidden = self._layers(batch.input_ids, batch.positions, attend, before_layer, after_layer)
+            if not return_all_logits:
+                hidden = hidden.index_select(0, batch.last_token_indices)
+            return self.model.compute_logits(hidden)
+
+    def decode(self, batch: DecodeBatch, *, before_layer: LayerCallback | None = None,
+               after_layer: LayerCallback | None = None) -> torch.Tensor:
+        """One new token per sequence -> logits fp32 [S, vocab]."""
+        k_pages, v_pages = self.kv_pages.k_pages, self.kv_pages.v_pages
+        backend, scale = self.backend, self.scale
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kernels.store_kv(k, v, k_pages[layer], v_pages[layer], batch.slot_mapping, backend)
+            return kernels.decode_attention(q, k_pages[layer], v_pages[layer], batch.block_tables,
+                                            batch.seq_lens, scale, backend)
+
+        with torch.inference_mode():
+            hidden = self._layers(batch.input_ids, batch.positions, attend, before_layer, after_layer)
+            return self.model.compute_logits(hidden)
+
+    def _layers(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
+                before_layer: LayerCallback | None, after_layer: LayerCallback | None) -> torch.Tensor:
+        """input_ids [T] -> hidden [T, hidden_size] after the last layer (before the final norm)."""
+        model = self.model
+        hidden = model.embed(input_ids)
+        cos, sin = model.rope.lookup(positions)
+        for i, layer in enumerate(model.layers):
+            if before_layer is not None:
+                before_layer(i)
+            hidden = layer(hidden, cos, sin, attend)
+            if after_layer is not None:
+                after_layer(i)
+        return hidden

