@@ -43,6 +43,18 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 
 
 @dataclass(frozen=True)
+class ModelFrontendInfo:
+    """What serving a model needs without its weights (the conductor): tokenizer, template, shapes."""
+
+    args: ModelArgs
+    tokenizer: TextTokenizer
+    chat_template: ChatTemplate
+    eos_token_ids: tuple[int, ...]
+    context_length: int
+    model_id: str
+
+
+@dataclass(frozen=True)
 class LoadedModel:
     model: LlamaForCausalLM
     args: ModelArgs
@@ -90,6 +102,48 @@ def load_model(source: str, *, dtype: str | torch.dtype = "auto", device: str | 
 
 def clear_model_cache() -> None:
     _load_cached.cache_clear()
+
+
+def load_frontend(source: str) -> ModelFrontendInfo:
+    """Hyperparameters, tokenizer, chat template and EOS ids of `source`, reading no weights."""
+    if source == EMBEDDED_SMOLLM2 or source.endswith(".gguf"):
+        path = embedded_smollm2_path() if source == EMBEDDED_SMOLLM2 else Path(source)
+        model_id = SMOLLM2_MODEL_ID if source == EMBEDDED_SMOLLM2 else path.stem
+        gguf_file = GGUFModelFile.open(path)
+        args = gguf_file.model_args()
+        metadata = gguf_file.metadata
+        tokenizer = TextTokenizer.from_gguf_metadata(metadata)
+        template_source = str(metadata.get("tokenizer.chat_template") or CHATML_TEMPLATE)
+        return _frontend(args, tokenizer, template_source, args.eos_token_ids, model_id)
+    if source.startswith("random:"):
+        preset = source.removeprefix("random:")
+        args = random_preset(preset)
+        return _frontend(args, byte_level_test_tokenizer(), CHATML_TEMPLATE, args.eos_token_ids, f"random-{preset}")
+    model_dir = Path(source)
+    if not model_dir.is_dir():
+        raise ValueError(f"model source {source!r} is not {EMBEDDED_SMOLLM2!r}, 'random:<preset>', "
+                         "a Hugging Face checkpoint directory or a .gguf file")
+    args = read_hf_config(model_dir)
+    tokenizer = TextTokenizer.from_hf_dir(model_dir, eos_token_ids=list(args.eos_token_ids)
+                                          + _generation_config_eos(model_dir))
+    return _frontend(args, tokenizer, _hf_chat_template(model_dir), tuple(tokenizer.eos_token_ids), model_dir.name)
+
+
+def num_parameters(args: ModelArgs) -> int:
+    """Weights of a Llama with `args` (embeddings, layers, final norm, output head unless tied)."""
+    hidden, head_dim = args.hidden_size, args.head_dim
+    attention = hidden * head_dim * (2 * args.num_heads + 2 * args.num_kv_heads)
+    layer = attention + 3 * hidden * args.intermediate_size + 2 * hidden
+    embeddings = args.vocab_size * hidden * (1 if args.tie_word_embeddings else 2)
+    return embeddings + args.num_layers * layer + hidden
+
+
+def _frontend(args: ModelArgs, tokenizer: TextTokenizer, template_source: str, eos_ids: tuple[int, ...],
+              model_id: str) -> ModelFrontendInfo:
+    template = ChatTemplate(template_source, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
+    unique_eos = tuple(dict.fromkeys(tuple(eos_ids) + tokenizer.eos_token_ids))
+    return ModelFrontendInfo(args=args, tokenizer=tokenizer, chat_template=template, eos_token_ids=unique_eos,
+                             context_length=args.max_position_embeddings, model_id=model_id)
 
 
 @functools.lru_cache(maxsize=4)

@@ -1,7 +1,6 @@
 """The conductor role: the OpenAI-compatible HTTP API in front of the cluster (DESIGN sections 3, 7 and 9).
 
-1. `start()`: load the tokenizer and chat template (through `load_model` on the CPU, which also loads weights
-   the conductor never uses), build the scheduler's policy and default predictors, start the cluster view
+1. `start()`: load the tokenizer, chat template and model shape (no weights), build the scheduler's policy and default predictors, start the cluster view
    (index resync from every store's dump, first LOAD round), then serve HTTP on `instance.host:instance.port`
    and, when `instance.rpc_port` is set, the health/info RPC endpoint.
 2. Requests flow through `ConductorBackend` (see conductor_backend.py).
@@ -25,7 +24,7 @@ from aiohttp import web
 from mooncaked.api.app import create_app
 from mooncaked.config import Config, InstanceConfig
 from mooncaked.metrics import Metrics
-from mooncaked.model.loader import LoadedModel, load_model
+from mooncaked.model.loader import ModelFrontendInfo, load_frontend, num_parameters, resolve_dtype
 from mooncaked.roles.base import PeerClients, RoleEndpoint
 from mooncaked.roles.cluster_view import ClusterView, ClusterViewSettings
 from mooncaked.roles.conductor_backend import ConductorBackend, ModelFrontend
@@ -62,7 +61,7 @@ class ConductorRole:
     async def start(self) -> None:
         config = self.config
         model = config.model
-        loaded = await asyncio.to_thread(load_model, model.source, dtype=model.dtype, device="cpu", seed=model.seed)
+        loaded = await asyncio.to_thread(load_frontend, model.source)
         frontend = model_frontend(config, loaded)
         predictors = LivePredictors(default_predictors(config, loaded))
         self.view = ClusterView(config, self.peers, policy_config(config), predictors, view_settings(config))
@@ -106,7 +105,7 @@ def _bound_port(runner: web.AppRunner) -> int:
     return 0
 
 
-def model_frontend(config: Config, loaded: LoadedModel) -> ModelFrontend:
+def model_frontend(config: Config, loaded: ModelFrontendInfo) -> ModelFrontend:
     names = tuple(dict.fromkeys((config.model.name, loaded.model_id)))
     return ModelFrontend(model_id=loaded.model_id, served_names=names, tokenizer=loaded.tokenizer,
                          chat_template=loaded.chat_template, eos_token_ids=loaded.eos_token_ids,
@@ -131,12 +130,12 @@ def view_settings(config: Config) -> ClusterViewSettings:
                                startup_timeout_s=conductor.startup_sync_timeout_s, follower=follower)
 
 
-def default_predictors(config: Config, loaded: LoadedModel) -> Predictors:
+def default_predictors(config: Config, loaded: ModelFrontendInfo) -> Predictors:
     """From the model's shape and an assumed device, or fitted from `scheduler.prefill_profile` when set."""
     args, section = loaded.args, config.scheduler
     device = "cuda" if config.model.device.startswith("cuda") else "cpu"
-    itemsize = loaded.dtype.itemsize
-    weight_bytes = sum(p.numel() for p in loaded.model.parameters()) * itemsize
+    itemsize = resolve_dtype(config.model.dtype, config.model.device).itemsize
+    weight_bytes = num_parameters(loaded.args) * itemsize
     kv_bytes_per_token = args.num_layers * 2 * args.num_kv_heads * args.head_dim * itemsize
     prefill = PrefillTimePredictor.from_model(num_layers=args.num_layers, hidden_size=args.hidden_size,
                                               gpu_flops=section.device_flops or DEFAULT_FLOPS[device])
