@@ -107,9 +107,8 @@ class DecodeLoop:
                 continue
             batch = list(self.running)
             self._in_step = batch
-            started = time.monotonic()
             try:
-                samples = await self.worker.compute(self._step, batch)
+                samples, step_s = await self.worker.compute(self._step, batch)
             except Exception as exc:
                 logger.exception("decode step over %d sequences failed", len(batch))
                 self._fail(batch, exc)
@@ -117,16 +116,18 @@ class DecodeLoop:
             finally:
                 self._in_step = []
                 self._step_done.set()
-            self._observe(time.monotonic() - started)
-            self.on_step(len(batch), time.monotonic() - started)
+            self._observe(step_s)
+            self.on_step(len(batch), step_s)
             self._deliver(batch, samples)
 
     def _observe(self, step_s: float) -> None:
         self.num_steps += 1
         self.mean_step_s = step_s if self.num_steps == 1 else 0.9 * self.mean_step_s + 0.1 * step_s
 
-    def _step(self, batch: list[RunningSeq]) -> list[TokenSample]:
-        """Compute thread: one token for every sequence of `batch`."""
+    def _step(self, batch: list[RunningSeq]) -> tuple[list[TokenSample], float]:
+        """Compute thread: one token for every sequence of `batch`, and the step's own time (no queueing
+        behind inline prefills or KV loads on the same thread: that would inflate TBT predictions)."""
+        started = time.monotonic()
         worker = self.worker
         assert worker.runner is not None and worker.kv_pages is not None
         seqs = [DecodeSeq(token_id=s.token_ids[-1], num_cached_tokens=len(s.token_ids) - 1, page_ids=s.kv.page_ids)
@@ -134,7 +135,8 @@ class DecodeLoop:
         decode_batch = build_decode_batch(seqs, block_size=worker.block_size, num_pages=worker.kv_pages.num_pages,
                                           device=worker.kv_pages.device)
         logits = worker.runner.decode(decode_batch)
-        return sample_rows(worker, logits, [s.params for s in batch], [s.generator for s in batch])
+        samples = sample_rows(worker, logits, [s.params for s in batch], [s.generator for s in batch])
+        return samples, time.monotonic() - started
 
     def _deliver(self, batch: list[RunningSeq], samples: list[TokenSample]) -> None:
         loaded = self.worker.loaded
