@@ -74,7 +74,8 @@ class TransferSection:
     max_retries: int = bounded(3, min=0, max=100)
     path_cooldown_s: float = bounded(5.0, min=0.0)
     path_failure_threshold: int = bounded(2, min=1, max=1000)
-    tcp_frame_bytes: int = bounded(4 << 20, min=4096)
+    tcp_frame_bytes: int = bounded(16 << 20, min=4096)
+    tcp_send_buffer_bytes: int = bounded(256 << 10, min=0)
     io_timeout_s: float = bounded(10.0, min=0.01)
     timeout_s: float = bounded(30.0, min=0.01)
     sysfs_root: str = "/sys"

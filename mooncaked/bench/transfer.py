@@ -10,9 +10,10 @@ Stages:
      - gloo: torch.distributed gloo isend/irecv between two spawned ranks (init over tcp://127.0.0.1), timed on
        the receiver;
      - memcpy: numpy copy of the same bytes within this process.
-  2. Rounds: each round runs one pass of every system in turn, so all see the same load. The first round is an
-     unmeasured warm-up (connections, page faults), then `repeats` measured rounds; each system's best pass
-     counts (the machine is shared). Every pass is in the JSON too.
+  2. Rounds: each round runs one pass of every system in turn, so all see the same load; the order rotates from
+     round to round so no system always runs first (or right after memcpy). The first round is an unmeasured
+     warm-up (connections, page faults), then `repeats` measured rounds; each system's best pass counts (the
+     machine is shared). Every pass is in the JSON too.
   3. Print a table; write JSON with engine_gbps, raw_socket_gbps, gloo_gbps, memcpy_gbps (GB/s = 1e9 B/s),
      ratio_vs_raw and ratio_vs_gloo (targets >= 0.8 and >= 1.2), and each system's CPU seconds per GiB
      (sender and receiver processes together; on a shared machine this varies less than GB/s).
@@ -62,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-mib", type=int, default=64, help="bytes per request, MiB (default 64)")
     parser.add_argument("--in-flight", type=int, default=8, help="requests outstanding (default 8)")
     parser.add_argument("--connections", type=int, default=4, help="data connections per peer (default 4)")
-    parser.add_argument("--repeats", type=int, default=3, help="measured rounds; best pass counts (default 3)")
+    parser.add_argument("--repeats", type=int, default=5, help="measured rounds; best pass counts (default 5)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -144,8 +145,8 @@ async def _measure(plan: Plan, context: Any) -> tuple[dict[str, list[float]], di
         for pipe in gloo:
             pipe.recv()
         pids = {"engine": [children[0].pid], "raw_socket": [children[1].pid], "gloo": [c.pid for c in children[2:]]}
-        for _ in range(plan.repeats + 1):
-            for name in SYSTEMS:
+        for round_index in range(plan.repeats + 1):
+            for name in SYSTEMS[round_index % len(SYSTEMS) :] + SYSTEMS[: round_index % len(SYSTEMS)]:
                 cpu_before = _cpu_seconds(pids.get(name, []))
                 if name == "engine":
                     seconds[name].append(await _engine_pass(plan, engine, ref))

@@ -72,7 +72,8 @@ class TransferEngine:
         path_cooldown_s: float = 5.0,
         topology: Topology | None = None,
         path_failure_threshold: int = 2,
-        tcp_frame_bytes: int = 4 << 20,
+        tcp_frame_bytes: int = 16 << 20,
+        tcp_send_buffer_bytes: int = 256 << 10,
         connect_timeout_s: float = 2.0,
         io_timeout_s: float = 10.0,
         stop_timeout_s: float = 5.0,
@@ -88,6 +89,7 @@ class TransferEngine:
             transports=tuple(transports), slice_bytes=slice_bytes, num_connections_per_peer=num_connections_per_peer,
             max_retries=max_retries, path_cooldown_s=path_cooldown_s, topology=topology,
             path_failure_threshold=path_failure_threshold, tcp_frame_bytes=tcp_frame_bytes,
+            tcp_send_buffer_bytes=tcp_send_buffer_bytes,
             connect_timeout_s=connect_timeout_s, io_timeout_s=io_timeout_s, stop_timeout_s=stop_timeout_s,
             sysfs_root=sysfs_root, max_endpoints=max_endpoints, rdma_slices_per_run=rdma_slices_per_run,
             rdma_max_send_wr=max(64, rdma_slices_per_run),
@@ -100,7 +102,10 @@ class TransferEngine:
         self._port = port
         self._segments = SegmentTable()
         self._batches = BatchTable()
-        self._server = DataServer(host, port, self._segments, lambda payload: self.handle_control(payload).decode())
+        self._server = DataServer(
+            host, port, self._segments, lambda payload: self.handle_control(payload).decode(),
+            send_buffer_bytes=tcp_send_buffer_bytes,
+        )
         self._links: dict[str, TcpPeerLink] = {}
         self._links_lock = threading.Lock()
         self._rdma: RdmaTransport | None = None

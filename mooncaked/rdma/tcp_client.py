@@ -1,8 +1,8 @@
 """TCP transport, client side: several data connections to one peer, each driven by its own thread.
 
 1. `TcpPeerLink.start` starts one worker thread per connection (path "tcp:<endpoint>#<i>"); sockets connect lazily.
-2. A worker takes a run of slices from the peer's queue and sends one frame: WRITE sends the header, then the
-   local segment's memoryview with `sendall`; READ receives the payload with `recv_into` straight into the
+2. A worker takes a run of slices from the peer's queue and sends one frame: WRITE sends the header and the
+   local segment's memoryview in one `sendmsg`; READ receives the payload with `recv_into` straight into the
    local segment. No intermediate copies. Up to two frames are outstanding per connection.
 3. A socket error closes that connection and hands the run back for another path; a refusal from the server
    fails the batch. `stop` closes the queue, shuts sockets down and joins the threads within a deadline.
@@ -41,6 +41,7 @@ class TcpPeerLink:
         self.queue = PeerQueue(endpoint, self.paths, health, options.max_retries)
         self._connect_timeout_s = options.connect_timeout_s
         self._io_timeout_s = options.io_timeout_s
+        self._send_buffer_bytes = options.tcp_send_buffer_bytes
         self._sockets: dict[str, socket.socket] = {}
         self._lock = threading.Lock()
         self._is_stopping = threading.Event()
@@ -112,7 +113,8 @@ class TcpPeerLink:
 
     def _connect(self, path: str) -> socket.socket:
         sock = socket.create_connection(self._address, timeout=self._connect_timeout_s)
-        sock.settimeout(self._io_timeout_s)
+        wire.set_io_timeout(sock, self._io_timeout_s)
+        wire.set_send_buffer(sock, self._send_buffer_bytes)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with self._lock:
             self._sockets[path] = sock
@@ -130,9 +132,8 @@ class TcpPeerLink:
 def _send_frame(sock: socket.socket, piece: Piece, tag: int) -> None:
     """Send one frame's header, and for WRITE its payload straight from the local segment."""
     op = wire.OP_WRITE if piece.op is TransferOp.WRITE else wire.OP_READ
-    sock.sendall(wire.encode_request(op, piece.remote_name, tag, piece.remote_offset, piece.length))
-    if op == wire.OP_WRITE:
-        sock.sendall(piece.local_view)
+    header = memoryview(wire.encode_request(op, piece.remote_name, tag, piece.remote_offset, piece.length))
+    wire.send_all(sock, [header, piece.local_view] if op == wire.OP_WRITE else [header])
 
 
 def _receive_reply(sock: socket.socket, piece: Piece, tag: int) -> None:

@@ -31,7 +31,8 @@ def make_transfer_engine(config: Config, host: str, port: int) -> TransferEngine
         host=host, port=port, transports=transfer.transports, slice_bytes=transfer.slice_bytes,
         num_connections_per_peer=transfer.num_connections_per_peer, max_retries=transfer.max_retries,
         path_cooldown_s=transfer.path_cooldown_s, path_failure_threshold=transfer.path_failure_threshold,
-        tcp_frame_bytes=transfer.tcp_frame_bytes, connect_timeout_s=config.rpc.connect_timeout_s,
+        tcp_frame_bytes=transfer.tcp_frame_bytes, tcp_send_buffer_bytes=transfer.tcp_send_buffer_bytes,
+        connect_timeout_s=config.rpc.connect_timeout_s,
         io_timeout_s=transfer.io_timeout_s, topology=topology, sysfs_root=transfer.sysfs_root,
         max_endpoints=transfer.max_endpoints)
 

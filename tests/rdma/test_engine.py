@@ -208,6 +208,8 @@ def test_bad_options_name_the_option() -> None:
         TransferEngine(host="127.0.0.1", slice_bytes=0)
     with pytest.raises(ValueError, match="max_retries must be >= 0"):
         TransferEngine(host="127.0.0.1", max_retries=-1)
+    with pytest.raises(ValueError, match=r"tcp_send_buffer_bytes must be >= 0 \(0: kernel default\), got -1"):
+        TransferEngine(host="127.0.0.1", tcp_send_buffer_bytes=-1)
 
 
 async def test_stop_drains_pending_batches_then_refuses_new_ones() -> None:

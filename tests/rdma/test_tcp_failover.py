@@ -1,4 +1,5 @@
-"""TCP paths end to end: a connection reset mid-frame is retried on another connection; the batch completes."""
+"""TCP paths end to end: a connection reset mid-frame is retried on another connection; the batch completes.
+A peer that accepts but never answers fails the batch after io_timeout_s instead of hanging."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import socket
 import threading
 
 import numpy as np
+import pytest
 
-from mooncaked.rdma import SegmentRef, TransferEngine, TransferOp, TransferRequest
+from mooncaked.rdma import SegmentRef, TransferEngine, TransferError, TransferOp, TransferRequest
 
 MIB = 1 << 20
 
@@ -87,3 +89,19 @@ async def test_reset_connection_is_retried_on_another_path() -> None:
         await a.stop()
         await b.stop()
         proxy.close()  # after the engines: their closed connections end the pump threads
+
+
+async def test_peer_that_never_answers_fails_the_batch_after_io_timeout() -> None:
+    silent = socket.create_server(("127.0.0.5", 0))  # accepts (via the backlog), never reads or replies
+    endpoint = f"127.0.0.5:{silent.getsockname()[1]}"
+    a = TransferEngine(host="127.0.0.1", num_connections_per_peer=2, max_retries=1, io_timeout_s=0.3)
+    await a.start()
+    try:
+        src = np.zeros(MIB, np.uint8)
+        a.register("src", src)
+        batch = a.submit([TransferRequest(TransferOp.WRITE, "src", 0, SegmentRef(endpoint, "dst"), 0, MIB)])
+        with pytest.raises(TransferError, match="io_timeout_s"):
+            await a.wait(batch, timeout_s=10)
+    finally:
+        await a.stop()
+        silent.close()
