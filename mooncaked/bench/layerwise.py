@@ -102,6 +102,9 @@ async def _one(worker: Worker, length: int, mode: str, rng: random.Random, index
         elapsed = time.perf_counter() - started
     finally:
         await plan.close(commit=False)
+        remote_ids = [d.handle.handle_id for d in plan.destinations.get("s_decode", [])]
+        if remote_ids:
+            await (await worker.store_client("s_decode")).abort(remote_ids)
     return elapsed
 
 
