@@ -9,7 +9,7 @@ import time
 import types
 from typing import Any, Callable, Coroutine, Generator
 
-from mooncaked.protocol import Method, decoder_for, encoder_for
+from mooncaked.protocol import Method, array_decoder_for, array_encoder_for
 
 
 class CallContext:
@@ -33,7 +33,8 @@ class CallContext:
 
 
 class MethodEntry:
-    """A row of the server's method table, with the request decoder and reply encoder looked up once."""
+    """A row of the server's method table, with the request decoder and reply encoder (array form) looked up
+    once."""
 
     __slots__ = ("method", "handler", "is_eager", "decode_request", "encode_reply", "reply_type")
 
@@ -41,8 +42,8 @@ class MethodEntry:
         self.method = method
         self.handler = handler
         self.is_eager = is_eager
-        self.decode_request = decoder_for(method.request)
-        self.encode_reply = encoder_for(method.response)
+        self.decode_request = array_decoder_for(method.request)
+        self.encode_reply = array_encoder_for(method.response)
         self.reply_type = method.response
 
 

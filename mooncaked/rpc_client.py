@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from typing import Any, AsyncIterator, Coroutine
+from typing import Any, AsyncGenerator, Coroutine
 
-from mooncaked.protocol import Method, ReqT, RespT, decode_message
+from mooncaked.protocol import Method, ReqT, RespT
 from mooncaked.rpc_client_conn import ClientConnection, ClientIdentity
 from mooncaked.rpc_errors import DeadlineExceeded, Unavailable
 from mooncaked.rpc_frames import DEFAULT_MAX_FRAME_BYTES, parse_address
@@ -41,6 +41,7 @@ class RpcClient:
         self._backoff_initial_s = backoff_initial_s
         self._backoff_max_s = backoff_max_s
         self._slots: list[ClientConnection | None] = [None] * pool_size
+        self._num_slots = pool_size
         self._connect_tasks: list[asyncio.Task[ClientConnection] | None] = [None] * pool_size
         self._next_slot = 0
         self.is_closed = False
@@ -53,7 +54,8 @@ class RpcClient:
         if method.is_streaming:
             raise TypeError(f"{method.name} is a streaming method; use RpcClient.stream()")
         slot = self._next_slot
-        self._next_slot = (slot + 1) % len(self._slots)
+        if self._num_slots > 1:
+            self._next_slot = (slot + 1) % self._num_slots
         conn = self._slots[slot]
         if conn is None or conn.is_closed:
             return self._connect_and_call(slot, method, request, timeout_s)
@@ -66,7 +68,8 @@ class RpcClient:
         conn = await self._connect_slot(slot, timeout_s)
         return await conn.call(method, request, deadline - loop.time())
 
-    async def stream(self, method: Method[ReqT, RespT], request: ReqT, *, timeout_s: float) -> AsyncIterator[RespT]:
+    async def stream(self, method: Method[ReqT, RespT], request: ReqT, *,
+                     timeout_s: float) -> AsyncGenerator[RespT, None]:
         """Items of one server-streaming call; timeout_s bounds the whole stream.
 
         Leaving the iteration early (break, exception, task cancel) cancels the handler on the server;
@@ -75,7 +78,7 @@ class RpcClient:
         if not method.is_streaming:
             raise TypeError(f"{method.name} is a unary method; use RpcClient.call()")
         slot = self._next_slot
-        self._next_slot = (slot + 1) % len(self._slots)
+        self._next_slot = (slot + 1) % self._num_slots
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         conn = self._slots[slot]
@@ -87,7 +90,7 @@ class RpcClient:
                 payload = await conn.next_item(state)
                 if payload is None:
                     return
-                yield decode_message(method.response, payload)
+                yield method.decode_response(payload)
         finally:
             conn.finish_stream(state)
 

@@ -16,14 +16,18 @@ import hmac
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from mooncaked.protocol import (PROTOCOL_VERSION, Auth, Challenge, ErrorFrame, Frame, Hello, Method, ProtocolError,
-                                ReqT, RespT, Welcome, decode_frame, decode_message, encode_frame, encode_message)
+from mooncaked.protocol import (PROTOCOL_VERSION, Auth, CallFrame, CancelFrame, Challenge, EndFrame, ErrorFrame, Frame,
+                                Hello, ItemFrame, Method, ProtocolError, ReqT, RespT, ResultFrame, Welcome,
+                                decode_frame, encode_frame)
 from mooncaked.rpc_errors import DeadlineExceeded, Internal, RpcError, Unauthenticated, Unavailable, error_from_wire
 from mooncaked.rpc_frames import HANDSHAKE_MAX_FRAME_BYTES, NONCE_BYTES, DeadlineWheel, FramedProtocol, handshake_proof
 
 logger = logging.getLogger(__name__)
+
+_CALL, _RESULT, _ERROR, _ITEM, _END, _CANCEL = (CallFrame.TAG, ResultFrame.TAG, ErrorFrame.TAG, ItemFrame.TAG,
+                                                EndFrame.TAG, CancelFrame.TAG)
 
 
 @dataclass(frozen=True)
@@ -64,12 +68,10 @@ class ClientConnection(FramedProtocol):
         self._own_max_frame_bytes = max_frame_bytes
         self._next_call_id = 1
         self._pending: dict[int, Any] = {}  # call id -> Future of the reply frame, or StreamState
-        self._handshake_frames: collections.deque[dict[str, Any]] = collections.deque()
+        self._handshake_frames: collections.deque[Any] = collections.deque()
         self._handshake_waiter: asyncio.Future[None] | None = None
         self._loop = asyncio.get_running_loop()
         self._deadlines = DeadlineWheel(self._on_deadline)
-        self._frame_handlers: dict[Any, Callable[[dict[str, Any]], None]] = {
-            "result": self._on_reply, "error": self._on_reply, "item": self._on_item, "end": self._on_end}
 
     # --- handshake ----------------------------------------------------------------------------
 
@@ -116,39 +118,46 @@ class ClientConnection(FramedProtocol):
 
     # --- frames in ----------------------------------------------------------------------------
 
-    def on_frame(self, frame: dict[str, Any]) -> None:
+    def on_frame(self, frame: Any) -> None:
+        """The hot path: a reply (result or error) wakes its caller, which decodes or raises it."""
+        if type(frame) is not list or len(frame) < 2 or type(frame[1]) is not int or not self.is_ready:
+            self._on_other_frame(frame)
+            return
+        tag = frame[0]
+        if (tag == _RESULT and len(frame) == 3) or (tag == _ERROR and len(frame) == 4):
+            waiter = self._pending.pop(frame[1], None)
+            if type(waiter) is StreamState:
+                waiter.error = error_from_wire(frame[2], frame[3]) if tag == _ERROR else Internal(
+                    "result frame for a stream")
+                waiter.wake()
+            elif waiter is not None and not waiter.done():  # None: the caller gave up already
+                waiter.set_result(frame)
+        elif tag == _ITEM and len(frame) == 3:
+            self._on_item(frame)
+        elif tag == _END and len(frame) == 2:
+            self._on_end(frame)
+        else:
+            self.close_with_reason(f"unexpected frame from the server (array tagged {tag!r})")
+
+    def _on_other_frame(self, frame: Any) -> None:
         if not self.is_ready:
             self._handshake_frames.append(frame)
             self._wake_handshake()
-            return
-        handle = self._frame_handlers.get(frame.get("t"))
-        if handle is None or type(frame.get("id")) is not int:
-            self.close_with_reason(f"unexpected frame from the server (type {frame.get('t')!r})")
-            return
-        handle(frame)
+        else:
+            self.close_with_reason("unexpected frame from the server (expected an array [tag, int id, ...])")
 
-    def _on_reply(self, frame: dict[str, Any]) -> None:
-        waiter = self._pending.pop(frame["id"], None)
-        if waiter is None:
-            return  # the caller gave up already
-        if type(waiter) is StreamState:
-            waiter.error = _reply_error(frame) if frame["t"] == "error" else Internal("result frame for a stream")
-            waiter.wake()
-        elif not waiter.done():
-            waiter.set_result(frame)
-
-    def _on_item(self, frame: dict[str, Any]) -> None:
-        state = self._pending.get(frame["id"])
+    def _on_item(self, frame: list[Any]) -> None:
+        state = self._pending.get(frame[1])
         if type(state) is StreamState:
-            state.items.append(frame.get("item"))
+            state.items.append(frame[2])
             state.wake()
         elif state is not None:
-            self.close_with_reason(f"stream item for unary call {frame['id']}")
+            self.close_with_reason(f"stream item for unary call {frame[1]}")
 
-    def _on_end(self, frame: dict[str, Any]) -> None:
-        state = self._pending.get(frame["id"])
+    def _on_end(self, frame: list[Any]) -> None:
+        state = self._pending.get(frame[1])
         if type(state) is StreamState:
-            del self._pending[frame["id"]]
+            del self._pending[frame[1]]
             state.is_ended = True
             state.wake()
 
@@ -184,8 +193,7 @@ class ClientConnection(FramedProtocol):
             raise Unavailable(f"connection to {self.identity.address} is closed")
         call_id = self._next_call_id
         self._next_call_id += 1
-        self.send_frame({"t": "call", "id": call_id, "method": method.name, "args": encode_message(request),
-                         "timeout_s": timeout_s})
+        self.send_frame([_CALL, call_id, method.name, method.encode_request(request), timeout_s])
         self._pending[call_id] = waiter
         self._deadlines.add(call_id, timeout_s)
         return call_id
@@ -196,9 +204,8 @@ class ClientConnection(FramedProtocol):
             raise Unavailable(f"connection to {self.identity.address} is closed")
         call_id = self._next_call_id
         self._next_call_id = call_id + 1
-        self.send_frame({"t": "call", "id": call_id, "method": method.name, "args": encode_message(request),
-                         "timeout_s": timeout_s})
-        waiter: asyncio.Future[dict[str, Any]] = self._loop.create_future()
+        self.send_frame([_CALL, call_id, method.name, method.encode_request(request), timeout_s])
+        waiter: asyncio.Future[list[Any]] = self._loop.create_future()
         self._pending[call_id] = waiter
         self._deadlines.add(call_id, timeout_s)
         try:
@@ -207,11 +214,11 @@ class ClientConnection(FramedProtocol):
             if self._pending.pop(call_id, None) is not None:
                 self._send_cancel(call_id)
             raise
-        if frame["t"] == "error":
-            raise _reply_error(frame)
+        if frame[0] != _RESULT:
+            raise error_from_wire(frame[2], frame[3])
         try:
-            return decode_message(method.response, frame.get("result"))
-        except ProtocolError as exc:
+            return method.decode_response(frame[2])
+        except ValueError as exc:  # ProtocolError, or the message's own __post_init__ validation
             raise Internal(f"{method.name}: bad reply from {self.identity.address}: {exc}") from None
 
     def start_stream(self, method: Method[Any, Any], request: Any, timeout_s: float) -> StreamState:
@@ -239,8 +246,4 @@ class ClientConnection(FramedProtocol):
             self._send_cancel(state.call_id)
 
     def _send_cancel(self, call_id: int) -> None:
-        self.send_frame({"t": "cancel", "id": call_id})
-
-
-def _reply_error(frame: dict[str, Any]) -> RpcError:
-    return error_from_wire(frame.get("code"), frame.get("message"))
+        self.send_frame([_CANCEL, call_id])

@@ -2,9 +2,9 @@
 
 Lifecycle of a connection's bytes:
   1. data_received appends to a read buffer (or parses the chunk in place when nothing is buffered);
-     each frame is a 4-byte big-endian length then one msgpack map of at most max_frame_bytes.
-  2. Every complete frame goes to `on_frame`; a frame that is oversized, not msgpack, or not a map closes
-     the connection with a logged reason (`close_with_reason`), never raising into the event loop.
+     each frame is a 4-byte big-endian length then one msgpack value of at most max_frame_bytes.
+  2. Every complete frame goes to `on_frame`, which checks its shape; a frame that is oversized or not
+     msgpack closes the connection with a logged reason (`close_with_reason`), never raising into the loop.
   3. `send_frame` packs a frame into a write list; all frames produced in one loop iteration (or one
      data_received) leave in one transport.write, so 64 in-flight calls cost a few syscalls, not 128.
   4. connection_lost marks the connection closed and wakes anyone waiting to drain.
@@ -29,8 +29,8 @@ from mooncaked.rpc_errors import ResourceExhausted
 
 logger = logging.getLogger(__name__)
 
-_HEADER = struct.Struct(">I")
-HEADER_BYTES = _HEADER.size
+HEADER = struct.Struct(">I")  # a frame's body length, big-endian
+HEADER_BYTES = HEADER.size
 DEFAULT_MAX_FRAME_BYTES = 4 << 20
 HANDSHAKE_MAX_FRAME_BYTES = 4096
 NONCE_BYTES = 16
@@ -60,7 +60,8 @@ class FramedProtocol(asyncio.Protocol):
         self._write_chunks.clear()
         self._wake_drain()
 
-    def on_frame(self, frame: dict[str, Any]) -> None:
+    def on_frame(self, frame: Any) -> None:
+        """One unpacked frame, of any msgpack type: the subclass checks it (close_with_reason if bad)."""
         raise NotImplementedError
 
     def data_received(self, data: bytes) -> None:
@@ -87,7 +88,7 @@ class FramedProtocol(asyncio.Protocol):
         pos, end, limit = 0, len(data), self.max_frame_bytes
         with memoryview(data) as view:
             while end - pos >= HEADER_BYTES and not self.is_closed:
-                (size,) = _HEADER.unpack_from(data, pos)
+                (size,) = HEADER.unpack_from(data, pos)
                 if size > limit:
                     self.close_with_reason(f"frame of {size} bytes exceeds the limit of {limit} bytes")
                     return end
@@ -100,22 +101,19 @@ class FramedProtocol(asyncio.Protocol):
                     self.close_with_reason(f"malformed frame ({type(exc).__name__}: {exc})")
                     return end
                 pos = start + size
-                if type(frame) is not dict:
-                    self.close_with_reason(f"frame is a {type(frame).__name__}, expected a map")
-                    return end
                 self.on_frame(frame)
         return pos
 
-    def send_frame(self, frame: dict[str, Any]) -> None:
+    def send_frame(self, frame: Any) -> None:
         """Queue one frame; ResourceExhausted if it exceeds max_frame_bytes (nothing is queued then)."""
         body = self._packer.pack(frame)
         if len(body) > self.max_frame_bytes:
             raise ResourceExhausted(
-                f"a {frame.get('t')} frame of {len(body)} bytes exceeds the limit of {self.max_frame_bytes} bytes"
+                f"a frame of {len(body)} bytes exceeds the limit of {self.max_frame_bytes} bytes"
             )
         if self.is_closed:
             return
-        self._write_chunks.append(_HEADER.pack(len(body)))
+        self._write_chunks.append(HEADER.pack(len(body)))
         self._write_chunks.append(body)
         if not self._is_flush_pending:
             self._is_flush_pending = True
@@ -173,18 +171,24 @@ class DeadlineWheel:
         self._bucket_heap: list[int] = []
         self._timer: asyncio.TimerHandle | None = None
         self._timer_bucket = 0
+        self._last_bucket = -1
+        self._last_keys: list[int] = []
         self._loop = asyncio.get_running_loop()
+        self._time = self._loop.time
 
     def add(self, key: int, timeout_s: float) -> None:
-        bucket = int((self._loop.time() + timeout_s) / self._tick_s) + 1
+        bucket = int((self._time() + timeout_s) / self._tick_s) + 1
+        if bucket == self._last_bucket:  # calls with equal timeouts in a burst share a bucket
+            self._last_keys.append(key)
+            return
         keys = self._buckets.get(bucket)
         if keys is None:
-            self._buckets[bucket] = [key]
+            keys = self._buckets[bucket] = []
             heapq.heappush(self._bucket_heap, bucket)
             if self._timer is None or bucket < self._timer_bucket:
                 self._schedule(bucket)
-        else:
-            keys.append(key)
+        keys.append(key)
+        self._last_bucket, self._last_keys = bucket, keys
 
     def close(self) -> None:
         if self._timer is not None:
@@ -192,6 +196,7 @@ class DeadlineWheel:
             self._timer = None
         self._buckets.clear()
         self._bucket_heap.clear()
+        self._last_bucket = -1
 
     def _schedule(self, bucket: int) -> None:
         if self._timer is not None:
@@ -204,7 +209,10 @@ class DeadlineWheel:
         now_bucket = math.floor(self._loop.time() / self._tick_s)
         expired: list[int] = []
         while self._bucket_heap and self._bucket_heap[0] <= now_bucket:
-            expired.extend(self._buckets.pop(heapq.heappop(self._bucket_heap)))
+            bucket = heapq.heappop(self._bucket_heap)
+            expired.extend(self._buckets.pop(bucket))
+            if bucket == self._last_bucket:
+                self._last_bucket = -1
         if self._bucket_heap:
             self._schedule(self._bucket_heap[0])
         for key in expired:

@@ -6,8 +6,9 @@ Lifecycle:
      secret is configured) -> Auth (the client's proof) -> Welcome. A failure sends an error frame (id 0)
      and closes the connection.
   2. Calls: each call frame is checked, its request decoded, and its handler run: eager handlers inline until
-     their first suspension, the others (and streams) in one Task per call with a deadline and an entry in
-     `tasks` so a cancel frame, the deadline or the server's stop can cancel it.
+     their first suspension (a reply queued at once when they finish there), the others (and streams) in one
+     Task per call with a deadline and an entry in `tasks` so a cancel frame, the deadline or the server's
+     stop can cancel it.
   3. connection_lost cancels every call still running for this connection.
 """
 
@@ -19,14 +20,15 @@ import hmac
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable, Coroutine
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Coroutine
 
-from mooncaked.protocol import (PROTOCOL_VERSION, Auth, Challenge, ErrorFrame, Hello, ProtocolError, Welcome,
-                                decode_frame, encode_frame)
+from mooncaked.protocol import (PROTOCOL_VERSION, Auth, CallFrame, CancelFrame, Challenge, EndFrame, ErrorFrame,
+                                Hello, ItemFrame, ProtocolError, ResultFrame, Welcome, decode_frame, encode_frame)
 from mooncaked.rpc_calls import CallContext, MethodEntry, cancel_unresumed, resume
 from mooncaked.rpc_errors import (Cancelled, DeadlineExceeded, Internal, InvalidArgument, NotFound,
                                   ResourceExhausted, RpcError, Unauthenticated, Unavailable)
-from mooncaked.rpc_frames import HANDSHAKE_MAX_FRAME_BYTES, NONCE_BYTES, DeadlineWheel, FramedProtocol, handshake_proof
+from mooncaked.rpc_frames import (HANDSHAKE_MAX_FRAME_BYTES, HEADER, NONCE_BYTES, DeadlineWheel, FramedProtocol,
+                                  handshake_proof)
 
 if TYPE_CHECKING:
     from mooncaked.rpc_server import RpcServer
@@ -34,8 +36,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _MAX_ERROR_MESSAGE_CHARS = 2000
-_NUM_CALL_KEYS = 5  # t, id, method, args, timeout_s: the fields of protocol.CallFrame plus "t"
-_NUMBER_TYPES = (int, float)
+_NUMBER_TYPES = (float, int)
+_CALL, _RESULT, _ERROR, _ITEM, _END, _CANCEL = (CallFrame.TAG, ResultFrame.TAG, ErrorFrame.TAG, ItemFrame.TAG,
+                                                EndFrame.TAG, CancelFrame.TAG)
 
 
 class ServerConnection(FramedProtocol):
@@ -55,8 +58,9 @@ class ServerConnection(FramedProtocol):
         self._is_hello_done = False
         self._deadlines: DeadlineWheel | None = None
         self._handshake_timer: asyncio.TimerHandle | None = None
-        self._frame_handlers: dict[Any, Callable[[dict[str, Any]], None]] = {
-            "call": self._on_call, "cancel": self._on_cancel}
+        self._received_at = 0.0
+        self._methods = server.methods
+        self._max_inflight_calls = server.max_inflight_calls
 
     # --- connection lifecycle -----------------------------------------------------------------
 
@@ -86,14 +90,7 @@ class ServerConnection(FramedProtocol):
 
     # --- handshake ----------------------------------------------------------------------------
 
-    def on_frame(self, frame: dict[str, Any]) -> None:
-        if self.is_ready:
-            handle = self._frame_handlers.get(frame.get("t"))
-            if handle is None:
-                self.close_with_reason(f"unexpected frame type {frame.get('t')!r} on a ready connection")
-            else:
-                handle(frame)
-            return
+    def _on_handshake_frame(self, frame: Any) -> None:
         try:
             message = decode_frame(frame)
         except ProtocolError as exc:
@@ -154,56 +151,96 @@ class ServerConnection(FramedProtocol):
 
     # --- calls --------------------------------------------------------------------------------
 
-    def _on_call(self, frame: dict[str, Any]) -> None:
-        try:
-            call_id, name, args, timeout_s = frame["id"], frame["method"], frame["args"], frame["timeout_s"]
-        except KeyError:
-            call_id = None
-        if (type(call_id) is not int or type(name) is not str or type(args) is not dict
-                or type(timeout_s) not in _NUMBER_TYPES or len(frame) != _NUM_CALL_KEYS):
-            self.close_with_reason(f"malformed call frame (keys {sorted(map(str, frame))})")
+    def data_received(self, data: bytes) -> None:
+        # One clock read per chunk: every call in it arrived at the same moment.
+        self._received_at = time.monotonic()
+        super().data_received(data)
+
+    def on_frame(self, frame: Any) -> None:
+        """The hot path, fused so that a call costs no frame dataclass and few calls: check the call frame,
+        decode the request, run the handler (eagerly, inline) and queue its reply."""
+        if type(frame) is not list or len(frame) != 5 or frame[0] != _CALL or not self.is_ready:
+            self._on_other_frame(frame)
             return
-        if call_id <= self._last_call_id:
-            self.close_with_reason(f"call id {call_id} is not above the previous {self._last_call_id}")
+        _, call_id, name, args, timeout_s = frame
+        if (type(call_id) is not int or type(name) is not str or type(timeout_s) not in _NUMBER_TYPES
+                or call_id <= self._last_call_id):
+            self._close_bad_call(call_id)
             return
         self._last_call_id = call_id
-        server = self.server
-        entry = server.methods.get(name)
-        if entry is None:
-            self.send_error(call_id, NotFound(f"no method {name!r} on {server.role} {server.instance}"))
-            self.close_with_reason(f"unknown method {name!r}")
-            return
-        if server.is_stopping:
-            self.send_error(call_id, Unavailable(f"{server.role} {server.instance} is stopping"))
-            return
-        if len(self.tasks) >= server.max_inflight_calls:
-            self.send_error(call_id, ResourceExhausted(
-                f"{server.max_inflight_calls} calls already in flight on this connection; retry later"))
-            return
-        if not timeout_s > 0:
-            self.send_error(call_id, DeadlineExceeded(f"{name}: call arrived with no time left"))
+        entry = self._methods.get(name)
+        if entry is None or not timeout_s > 0 or len(self.tasks) >= self._max_inflight_calls \
+                or self.server.is_stopping:
+            self._refuse_call(call_id, name, entry)
             return
         try:
             request = entry.decode_request(args)
-        except ProtocolError as exc:
+        except ValueError as exc:  # ProtocolError, or a message's own __post_init__ validation
             self.send_error(call_id, InvalidArgument(f"{name}: {exc}"))
             return
-        ctx = CallContext(time.monotonic() + timeout_s, self.peer_role, self.peer_instance, call_id, name)
-        if entry.is_eager:
-            self._run_eager(entry, request, ctx, timeout_s)
-        elif entry.method.is_streaming:
-            self._start_task(self._run_stream(entry, request, ctx), ctx, timeout_s)
-        else:
-            self._start_task(self._run_unary(entry, request, ctx, None), ctx, timeout_s)
-
-    def _on_cancel(self, frame: dict[str, Any]) -> None:
-        call_id = frame.get("id")
-        if type(call_id) is not int or len(frame) != 2:
-            self.close_with_reason("malformed cancel frame")
+        ctx = CallContext(self._received_at + timeout_s, self.peer_role, self.peer_instance, call_id, name)
+        if not entry.is_eager:
+            coro = self._run_stream(entry, request, ctx) if entry.method.is_streaming else \
+                self._run_unary(entry, request, ctx, None)
+            self._start_task(coro, ctx, timeout_s)
             return
-        task = self.tasks.get(call_id)
-        if task is not None:
-            task.cancel()
+        handler_coro = entry.handler(request, ctx)
+        try:
+            suspended_on = handler_coro.send(None)
+        except StopIteration as stop:
+            result = stop.value
+        except asyncio.CancelledError:
+            self.send_error(call_id, Cancelled(f"{name} cancelled itself"))
+            return
+        except Exception as exc:
+            self._send_handler_error(entry, call_id, exc)
+            return
+        else:
+            self._start_task(self._run_unary(entry, request, ctx, (handler_coro, suspended_on)), ctx, timeout_s,
+                             handler_coro)
+            return
+        # send_frame inlined: on_frame runs inside data_received, which flushes when it is done.
+        try:
+            body = self._packer.pack([_RESULT, call_id, entry.encode_reply(result)]) \
+                if type(result) is entry.reply_type else None
+        except Exception:
+            body = None
+        if body is not None and len(body) <= self.max_frame_bytes and not self.is_closed:
+            self._write_chunks += (HEADER.pack(len(body)), body)
+            return
+        self._send_result(entry, call_id, result)  # sends the error that says what is wrong with the reply
+
+    def _on_other_frame(self, frame: Any) -> None:
+        if not self.is_ready:
+            self._on_handshake_frame(frame)
+        elif type(frame) is list and len(frame) == 2 and frame[0] == _CANCEL and type(frame[1]) is int:
+            task = self.tasks.get(frame[1])
+            if task is not None:
+                task.cancel()
+        elif type(frame) is list and len(frame) == 5 and frame[0] == _CALL:
+            self._close_bad_call(frame[1])
+        else:
+            self.close_with_reason(f"unexpected frame on a ready connection: {_describe(frame)}")
+
+    def _close_bad_call(self, call_id: Any) -> None:
+        if type(call_id) is int and call_id <= self._last_call_id:
+            self.close_with_reason(f"call id {call_id} is not above the previous {self._last_call_id}")
+        else:
+            self.close_with_reason("malformed call frame: expected [tag, int id, str method, args, "
+                                   "number timeout_s]")
+
+    def _refuse_call(self, call_id: int, name: str, entry: MethodEntry | None) -> None:
+        server = self.server
+        if entry is None:
+            self.send_error(call_id, NotFound(f"no method {name!r} on {server.role} {server.instance}"))
+            self.close_with_reason(f"unknown method {name!r}")
+        elif server.is_stopping:
+            self.send_error(call_id, Unavailable(f"{server.role} {server.instance} is stopping"))
+        elif len(self.tasks) >= self._max_inflight_calls:
+            self.send_error(call_id, ResourceExhausted(
+                f"{server.max_inflight_calls} calls already in flight on this connection; retry later"))
+        else:
+            self.send_error(call_id, DeadlineExceeded(f"{name}: call arrived with no time left"))
 
     def _on_deadline(self, call_id: int) -> None:
         task = self.tasks.get(call_id)
@@ -230,21 +267,6 @@ class ServerConnection(FramedProtocol):
         if task.cancelled():
             self._send_cancelled(ctx)
 
-    def _run_eager(self, entry: MethodEntry, request: Any, ctx: CallContext, timeout_s: float) -> None:
-        coro = entry.handler(request, ctx)
-        try:
-            suspended_on = coro.send(None)
-        except StopIteration as stop:
-            self._send_result(entry, ctx.call_id, stop.value)
-            return
-        except asyncio.CancelledError:
-            self.send_error(ctx.call_id, Cancelled(f"{ctx.method} cancelled itself"))
-            return
-        except Exception as exc:
-            self._send_handler_error(entry, ctx.call_id, exc)
-            return
-        self._start_task(self._run_unary(entry, request, ctx, (coro, suspended_on)), ctx, timeout_s, coro)
-
     async def _run_unary(self, entry: MethodEntry, request: Any, ctx: CallContext,
                          suspended: tuple[Coroutine[Any, Any, Any], Any] | None) -> None:
         """Run (or, for an eager handler, resume) a unary handler; CancelledError goes to _on_task_done."""
@@ -264,7 +286,7 @@ class ServerConnection(FramedProtocol):
             async for item in items:
                 self._send_item(entry, ctx.call_id, item)
                 await self.drain()
-            self.send_frame({"t": "end", "id": ctx.call_id})
+            self.send_frame([_END, ctx.call_id])
         except Exception as exc:
             self._send_handler_error(entry, ctx.call_id, exc)
         finally:
@@ -278,14 +300,14 @@ class ServerConnection(FramedProtocol):
                 f"handler returned {type(result).__name__}, expected {entry.reply_type.__name__}"))
             return
         try:
-            self.send_frame({"t": "result", "id": call_id, "result": entry.encode_reply(result)})
+            self.send_frame([_RESULT, call_id, entry.encode_reply(result)])
         except Exception as exc:
             self._send_handler_error(entry, call_id, exc)
 
     def _send_item(self, entry: MethodEntry, call_id: int, item: Any) -> None:
         if type(item) is not entry.reply_type:
             raise TypeError(f"stream yielded {type(item).__name__}, expected {entry.reply_type.__name__}")
-        self.send_frame({"t": "item", "id": call_id, "item": entry.encode_reply(item)})
+        self.send_frame([_ITEM, call_id, entry.encode_reply(item)])
 
     def _send_cancelled(self, ctx: CallContext) -> None:
         """A cancelled handler: say why unless the client itself cancelled (it no longer waits)."""
@@ -307,4 +329,12 @@ class ServerConnection(FramedProtocol):
 
     def send_error(self, call_id: int, error: RpcError) -> None:
         message = error.message[:_MAX_ERROR_MESSAGE_CHARS]
-        self.send_frame({"t": "error", "id": call_id, "code": error.code, "message": message})
+        self.send_frame([_ERROR, call_id, error.code, message])
+
+
+def _describe(frame: Any) -> str:
+    if type(frame) is list:
+        return f"array tagged {frame[0]!r}" if frame else "empty array"
+    if type(frame) is dict:
+        return f"map of type {frame.get('t')!r}"
+    return f"a {type(frame).__name__}"

@@ -1,4 +1,4 @@
-"""Round trips of every wire message type, and the decoder's refusals."""
+"""Round trips of every wire message type in both forms (map and array), and the decoders' refusals."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 
 from mooncaked.protocol import (FRAME_TYPES, HEALTH, INFO, PROTOCOL_VERSION, Auth, CallFrame, CancelFrame, Challenge,
                                 EndFrame, ErrorFrame, HealthReply, HealthRequest, Hello, InfoReply, InfoRequest,
-                                ItemFrame, Message, ProtocolError, ResultFrame, Welcome, decode_frame, decode_message,
-                                encode_frame, encode_message)
+                                ItemFrame, Message, ProtocolError, ResultFrame, Welcome, decode_array, decode_frame,
+                                decode_message, encode_array, encode_frame, encode_message)
 
 ALL_MESSAGES: list[Message] = [
     HealthRequest(),
@@ -27,28 +27,32 @@ ALL_FRAMES = [
     Challenge(PROTOCOL_VERSION, "store", "store-0", b"s" * 16, b"p" * 32),
     Auth(b"p" * 32),
     Welcome(max_frame_bytes=4 << 20, max_inflight_calls=1024),
-    CallFrame(7, "health", encode_message(HealthRequest()), 2.5),
-    ResultFrame(7, encode_message(HealthReply(True))),
+    CallFrame(7, "health", encode_array(HealthRequest()), 2.5),
+    ResultFrame(7, encode_array(HealthReply(True))),
     ErrorFrame(7, "not_found", "no such block"),
-    ItemFrame(8, encode_message(HealthReply(True))),
+    ItemFrame(8, encode_array(HealthReply(True))),
     EndFrame(8),
     CancelFrame(9),
 ]
 
 
-def over_the_wire(data: dict[str, Any]) -> Any:
+def over_the_wire(data: Any) -> Any:
     return msgpack.unpackb(msgpack.packb(data))
 
 
 @pytest.mark.parametrize("message", ALL_MESSAGES, ids=lambda m: type(m).__name__)
 def test_message_round_trip(message: Message) -> None:
     assert decode_message(type(message), over_the_wire(encode_message(message))) == message
+    assert decode_array(type(message), over_the_wire(encode_array(message))) == message
 
 
 @pytest.mark.parametrize("frame", ALL_FRAMES, ids=lambda f: type(f).__name__)
 def test_frame_round_trip(frame: Any) -> None:
     data = over_the_wire(encode_frame(frame))
-    assert data["t"] == frame.TYPE and "v" not in data
+    if frame.TAG >= 0:  # call frames: [TAG, fields...]
+        assert data[0] == frame.TAG and len(data) == len(encode_array(frame))
+    else:  # handshake frames: {"t": TYPE, fields...}
+        assert data["t"] == frame.TYPE and "v" not in data
     assert decode_frame(data) == frame
     assert decode_message(type(frame), encode_message(frame)) == frame
 
@@ -153,8 +157,18 @@ def test_unknown_frame_type_is_refused() -> None:
         decode_frame({"t": "launch", "v": 1})
     with pytest.raises(ProtocolError, match="unknown type None"):
         decode_frame({"id": 3})
+    with pytest.raises(ProtocolError, match="unknown type 'end'"):  # call frames are arrays
+        decode_frame({"t": "end", "id": 3})
     with pytest.raises(ProtocolError, match="carry no"):
-        decode_frame({"t": "end", "v": 1, "id": 3})
+        decode_frame({"t": "auth", "v": 1, "proof": b""})
+    with pytest.raises(ProtocolError, match="unknown call frame tag 42"):
+        decode_frame([42, 3])
+    with pytest.raises(ProtocolError, match="unknown call frame tag None"):
+        decode_frame([])
+    with pytest.raises(ProtocolError, match="expected a map or an array, got int"):
+        decode_frame(7)
+    with pytest.raises(ProtocolError, match=r"EndFrame.id: expected int, got str"):
+        decode_frame([EndFrame.TAG, "3"])
 
 
 def test_post_init_validation_runs_on_decode() -> None:
@@ -169,3 +183,39 @@ def test_post_init_validation_runs_on_decode() -> None:
     assert decode_message(Positive, {"v": 1, "n": 3}) == Positive(3)
     with pytest.raises(ValueError, match="positive"):
         decode_message(Positive, {"v": 1, "n": -1})
+
+
+def test_array_form_nests_arrays_and_round_trips() -> None:
+    data = over_the_wire(encode_array(OUTER))
+    assert data[0] == 3 and data[4] == [1, b"\x00k", 0.5] and data[6] == {"x": [1, b"b", 2.0]}
+    decoded = decode_array(Outer, data)
+    assert decoded == OUTER and isinstance(decoded.shape, tuple)
+
+
+def test_array_form_fills_absent_trailing_defaults() -> None:
+    data = encode_array(OUTER)[:7]
+    decoded = decode_array(Outer, data)
+    assert (decoded.maybe, decoded.note, decoded.tags, decoded.is_final) == (None, None, {}, False)
+    assert decode_array(Inner, [1, b"k", 2]).score == 2.0
+
+
+@pytest.mark.parametrize("data, match", [
+    ([3, 5] + encode_array(OUTER)[2:], "Outer.name: expected str, got int"),
+    (encode_array(OUTER)[:2], "Outer: missing field 'token_ids'"),
+    (encode_array(OUTER) + [1], "Outer: 11 values but the message has 10 fields"),
+    ([2] + encode_array(OUTER)[1:], "Outer: version 2 but this build speaks version 3"),
+    ([], "Outer: version None"),
+    (encode_message(OUTER), "Outer: expected an array, got dict"),
+    (encode_array(OUTER)[:4] + [[1, "not bytes", 1.0]] + encode_array(OUTER)[5:], "Inner.key: expected bytes"),
+    (encode_array(OUTER)[:4] + [{"v": 1, "key": b"k", "score": 1.0}] + encode_array(OUTER)[5:],
+     "Inner: expected an array, got dict"),
+])
+def test_array_form_refusals_name_the_fault(data: Any, match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        decode_array(Outer, data)
+
+
+def test_method_caches_its_array_codecs() -> None:
+    assert HEALTH.encode_request(HealthRequest()) == [1]
+    assert HEALTH.decode_response([1, False, "draining"]) == HealthReply(False, "draining")
+    assert HEALTH.encode_request is HEALTH.encode_request

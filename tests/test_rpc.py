@@ -14,7 +14,8 @@ from typing import AsyncIterator
 import pytest
 
 from mooncaked.protocol import HEALTH, INFO, HealthReply, HealthRequest, InfoReply, InfoRequest, Message, Method
-from mooncaked.rpc import (CallContext, DeadlineExceeded, Internal, NotFound, RpcClient, RpcServer, Unavailable)
+from mooncaked.rpc import (CallContext, DeadlineExceeded, Internal, NotFound, ResourceExhausted, RpcClient, RpcServer,
+                           Unavailable)
 
 CLUSTER = "test-cluster"
 SECRET = b"test-secret"
@@ -42,6 +43,7 @@ SLEEP = Method("test.sleep", Sleep, Echo)
 FAIL = Method("test.fail", Echo, Echo)
 COUNT = Method("test.count", Count, Count, is_streaming=True)
 BLOCK = Method("test.block", Echo, Echo)
+BAD_REPLY = Method("test.bad_reply", Echo, Echo)
 
 
 class Service:
@@ -81,6 +83,13 @@ class Service:
             self.cancelled.set()
             raise
 
+    async def bad_reply(self, request: Echo, ctx: CallContext) -> Echo:
+        if request.text == "wrong type":
+            return Sleep(1.0)  # type: ignore[return-value]
+        if request.text == "too big":
+            return Echo("x" * (5 << 20), [])
+        return Echo("unpackable", [object()])  # type: ignore[list-item]
+
     async def block(self, request: Echo, ctx: CallContext) -> Echo:
         self.num_started += 1
         await self.release.wait()
@@ -95,6 +104,7 @@ def make_server(service: Service, **kwargs: object) -> RpcServer:
     server.add_method(FAIL, service.fail)
     server.add_method(COUNT, service.count)
     server.add_method(BLOCK, service.block)
+    server.add_method(BAD_REPLY, service.bad_reply, is_eager=True)
 
     async def health(request: HealthRequest, ctx: CallContext) -> HealthReply:
         return HealthReply(True)
@@ -179,6 +189,17 @@ async def test_handler_errors_keep_their_code_or_become_internal(
     assert "secret detail" not in raised.value.message and "ValueError" in raised.value.message
     assert "secret detail" in caplog.text
     assert (await client.call(ECHO, Echo("still fine", []), timeout_s=5)).text == "still fine"
+
+
+async def test_bad_replies_of_an_eager_handler_become_errors(tcp: tuple[RpcServer, RpcClient]) -> None:
+    _, client = tcp
+    with pytest.raises(Internal, match="TypeError"):
+        await client.call(BAD_REPLY, Echo("wrong type", []), timeout_s=5)
+    with pytest.raises(Internal, match="TypeError"):
+        await client.call(BAD_REPLY, Echo("unpackable", []), timeout_s=5)
+    with pytest.raises(ResourceExhausted, match="exceeds the limit"):
+        await client.call(BAD_REPLY, Echo("too big", []), timeout_s=5)
+    assert (await client.call(ECHO, Echo("still served", []), timeout_s=5)).text == "still served"
 
 
 @pytest.mark.parametrize("method", [SLEEP, EAGER_SLEEP], ids=["task", "eager"])

@@ -14,7 +14,7 @@ import msgpack
 import pytest
 
 from mooncaked.protocol import (PROTOCOL_VERSION, Auth, CallFrame, CancelFrame, Challenge, ErrorFrame, Hello,
-                                ResultFrame, Welcome, decode_frame, encode_frame, encode_message)
+                                ResultFrame, Welcome, decode_frame, encode_array, encode_frame)
 from mooncaked.rpc import (InvalidArgument, NotFound, ResourceExhausted, RpcServer, Unauthenticated)
 from mooncaked.rpc_frames import handshake_proof
 from tests.test_rpc import (BLOCK, CLUSTER, EAGER_SLEEP, ECHO, SECRET, Echo, Service, Sleep, make_client,
@@ -34,7 +34,7 @@ class RawPeer:
     def send_bytes(self, data: bytes) -> None:
         self.writer.write(data)
 
-    def send(self, frame: dict[str, Any]) -> None:
+    def send(self, frame: Any) -> None:
         body = msgpack.packb(frame)
         self.writer.write(struct.pack(">I", len(body)) + body)
 
@@ -78,15 +78,16 @@ async def test_dataclass_frames_drive_the_server(server: tuple[RpcServer, int, S
     peer = await RawPeer.open(port)
     welcome = await peer.handshake()
     assert welcome == Welcome(64 * 1024, 3)
-    peer.send(encode_frame(CallFrame(1, ECHO.name, encode_message(Echo("raw", [7])), 5.0)))
-    assert await peer.receive() == ResultFrame(1, encode_message(Echo("raw", [7])))
-    peer.send(encode_frame(CallFrame(2, BLOCK.name, encode_message(Echo("held", [])), 0.2)))
+    peer.send(encode_frame(CallFrame(1, ECHO.name, encode_array(Echo("raw", [7])), 5.0)))
+    assert await peer.receive() == ResultFrame(1, encode_array(Echo("raw", [7])))
+    peer.send(encode_frame(CallFrame(2, BLOCK.name, encode_array(Echo("held", [])), 0.2)))
     peer.send(encode_frame(CancelFrame(2)))
-    peer.send(encode_frame(CallFrame(3, ECHO.name, {"v": 1, "text": 5, "token_ids": []}, 5.0)))
+    peer.send(encode_frame(CallFrame(3, ECHO.name, [1, 5, []], 5.0)))
     error = await peer.receive()
     assert type(error) is ErrorFrame and error.id == 3 and error.code == InvalidArgument.code
+    assert error.message == "test.echo: Echo.text: expected str, got int"
     # An eager handler that suspended, cancelled before its task ever ran, still sees CancelledError.
-    peer.send(encode_frame(CallFrame(4, EAGER_SLEEP.name, encode_message(Sleep(30)), 5.0)))
+    peer.send(encode_frame(CallFrame(4, EAGER_SLEEP.name, encode_array(Sleep(30)), 5.0)))
     peer.send(encode_frame(CancelFrame(4)))
     await asyncio.wait_for(service.cancelled.wait(), 2)
     assert service.num_cancelled == 1
@@ -98,7 +99,7 @@ _KINDS_THAT_CLOSE = {1, 3, 4, 5}  # complete bad frames; a truncated one waits f
 
 def garbage_frame(rng: random.Random, i: int) -> bytes:
     """One of several kinds of bad input, chosen by i."""
-    body = msgpack.packb({"t": "call", "id": 1, "method": ECHO.name, "args": {}, "timeout_s": 1.0})
+    body = msgpack.packb(encode_frame(CallFrame(1, ECHO.name, [], 1.0)))
     kind = i % 8
     if kind == 0:
         return rng.randbytes(rng.randint(1, 200))
@@ -113,7 +114,8 @@ def garbage_frame(rng: random.Random, i: int) -> bytes:
         item = rng.choice([[1, 2], "text", 42, None, b"bytes"])
         return struct.pack(">I", len(msgpack.packb(item))) + msgpack.packb(item)
     if kind == 5:
-        frame = msgpack.packb({"t": rng.choice(["launch", "result", "", 7]), "id": 1})
+        frame = msgpack.packb(rng.choice([{"t": "launch", "id": 1}, [7, 1], [CallFrame.TAG, "1", "x", [], 1.0],
+                                          [ResultFrame.TAG, 1, []], [], {"t": "call"}]))
         return struct.pack(">I", len(frame)) + frame
     if kind == 6:
         return struct.pack(">I", len(body)) + body  # a call before the handshake
@@ -216,7 +218,7 @@ async def test_oversized_frame_closes_only_that_connection(server: tuple[RpcServ
     await client.call(ECHO, Echo("before", []), timeout_s=5)
     peer = await RawPeer.open(port)
     await peer.handshake()
-    huge = encode_frame(CallFrame(1, ECHO.name, encode_message(Echo("x" * 100_000, [])), 5.0))
+    huge = encode_frame(CallFrame(1, ECHO.name, encode_array(Echo("x" * 100_000, [])), 5.0))
     peer.send(huge)
     assert await peer.is_closed_by_server()
     assert (await client.call(ECHO, Echo("after", []), timeout_s=5)).text == "after"
@@ -247,7 +249,7 @@ async def test_unknown_method_is_not_found_and_closes_the_connection(
     _, port, _ = server
     peer = await RawPeer.open(port)
     await peer.handshake()
-    peer.send(encode_frame(CallFrame(1, "no.such.method", {}, 5.0)))
+    peer.send(encode_frame(CallFrame(1, "no.such.method", [], 5.0)))
     reply = await peer.receive()
     assert type(reply) is ErrorFrame and reply.code == NotFound.code
     assert await peer.is_closed_by_server()

@@ -5,8 +5,11 @@ Stages:
      127.0.0.1; it prints its port and serves until its stdin closes.
   2. In this process (uvloop), keep `concurrency` calls in flight for warmup_s + seconds, recording the
      latency of every call that finishes after the warm-up.
-  3. Stop the server, then print a table and write JSON: calls/s and p50/p99 latency per system, plus
-     ratio = rpc / http and ratio_vs_echo = rpc / echo (targets: >= 3 and >= 0.5).
+  3. Stop the server. Stages 1-2 repeat for `rounds` rounds that interleave the systems (in alternating
+     order), so that load from other processes on the machine hits them alike; each system reports its
+     median round.
+  4. Print a table and write JSON: calls/s and p50/p99 latency per system, plus ratio = rpc / http and
+     ratio_vs_echo = rpc / echo (targets: >= 3 and >= 0.5).
 
 The bare echo is the ceiling: the same length-prefixed msgpack frames and coalesced writes as the RPC layer
 (rpc_frames.FramedProtocol) over one connection, with no handshake, ids, deadlines, dispatch or messages.
@@ -56,8 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-s", type=float, default=0.5, help="unmeasured seconds before each (default 0.5)")
     parser.add_argument("--concurrency", type=int, default=64, help="calls in flight (default 64)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of echo,rpc,http")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="interleaved rounds; each system reports its median round (default 1)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="interleaved rounds; each system reports its median round (default 3)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,10 +70,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"bench rpc: bad arguments (unknown systems {unknown}; --seconds > 0, --concurrency >= 1, "
               "--rounds >= 1)", file=sys.stderr)
         return 2
-    # Rounds interleave the systems so that load from other processes on the machine hits them alike.
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
     for i in range(args.rounds):
-        for name in systems:
+        for name in (systems if i % 2 == 0 else systems[::-1]):
             rounds[name].append(_measure(name, args))
             if args.rounds > 1:
                 print(f"round {i + 1}/{args.rounds} {name}: {rounds[name][-1]['calls_per_s']:.0f} calls/s",
@@ -155,8 +157,9 @@ async def _rpc_client(port: int, concurrency: int) -> ClientPair:
                        secret=_SECRET, pool_size=1)
     request = EchoMessage(**payload())
 
-    async def call() -> Any:
-        return await client.call(ECHO, request, timeout_s=10.0)
+    def call() -> Awaitable[Any]:
+        # The coroutine a caller awaits: like the echo client's call(), one coroutine between worker and reply.
+        return client.call(ECHO, request, timeout_s=10.0)
 
     await call()
     return call, client.close

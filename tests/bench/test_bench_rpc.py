@@ -15,7 +15,8 @@ def test_bench_rpc_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     parser = argparse.ArgumentParser()
     bench_rpc.add_arguments(parser)
     out = tmp_path / "rpc.json"
-    args = parser.parse_args(["--seconds", "0.3", "--warmup-s", "0.1", "--concurrency", "8", "--json", str(out)])
+    args = parser.parse_args(["--seconds", "0.3", "--warmup-s", "0.1", "--concurrency", "8", "--rounds", "1",
+                              "--json", str(out)])
     assert bench_rpc.run(args) == 0
     result = json.loads(out.read_text())
     for system in ("rpc", "http", "echo"):
