@@ -67,11 +67,12 @@ class RoleEndpoint:
                                 secret=read_secret(config.cluster.secret_file),
                                 max_frame_bytes=config.rpc.max_frame_bytes,
                                 max_inflight_calls=config.rpc.max_inflight_calls)
-        self.server.add_method(HEALTH, self._health)
-        self.server.add_method(INFO, self._info)
+        self.server.add_method(HEALTH, self._health, is_eager=True)
+        self.server.add_method(INFO, self._info, is_eager=True)
 
-    def add_method(self, method: Method, handler: Any) -> None:
-        self.server.add_method(method, handler)
+    def add_method(self, method: Method, handler: Any, *, is_eager: bool = False) -> None:
+        """`is_eager`: the handler awaits nothing slow and opens no timeout scope, so it may run inline."""
+        self.server.add_method(method, handler, is_eager=is_eager)
 
     async def _health(self, request: HealthRequest, ctx: CallContext) -> HealthReply:
         is_healthy = self._is_healthy()

@@ -74,7 +74,7 @@ class DecodeRole:
         self.endpoint.add_method(RESERVE, self._reserve)
         self.endpoint.add_method(UNRESERVE, self._unreserve)
         self.endpoint.add_method(DECODE, self._decode)
-        self.endpoint.add_method(LOAD, self._load)
+        self.endpoint.add_method(LOAD, self._load, is_eager=True)
         self._num_prefilling = 0
         self._deferred_aborts: set[asyncio.Task[None]] = set()
 

@@ -61,7 +61,7 @@ class PrefillRole:
         self.worker = Worker(config, instance)
         self.endpoint = RoleEndpoint(config, instance, extra_info=self._info)
         self.endpoint.add_method(PREFILL, self._prefill)
-        self.endpoint.add_method(LOAD, self._load)
+        self.endpoint.add_method(LOAD, self._load, is_eager=True)
         self._queue: list[PrefillJob] = []
         self._running: list[PrefillJob] = []
         self._wakeup = asyncio.Event()
