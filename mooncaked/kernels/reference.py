@@ -90,6 +90,19 @@ def decode_attention(
     num_seqs, num_heads, head_dim = q.shape
     if num_seqs == 0:
         return torch.empty_like(q)
+    lengths = seq_lens.tolist()
+    if num_seqs > 1 and max(lengths) * num_seqs > 2 * sum(lengths):
+        # Padding to the longest context would more than double the K/V bytes gathered (one long document
+        # among short chats): attend per sequence instead.
+        return torch.cat([_decode_padded(q[s: s + 1], k_pages, v_pages, block_tables[s: s + 1],
+                                         seq_lens[s: s + 1], scale) for s in range(num_seqs)])
+    return _decode_padded(q, k_pages, v_pages, block_tables, seq_lens, scale)
+
+
+def _decode_padded(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_tables: torch.Tensor,
+                   seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """decode_attention with every sequence padded to the longest: one gather per pool, one SDPA call."""
+    num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
     max_len = int(seq_lens.max().item())
     num_blocks = (max_len + block_size - 1) // block_size

@@ -30,8 +30,9 @@ def test_prefill_matches_dense(
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 1)])
-def test_decode_matches_dense(num_heads: int, num_kv_heads: int) -> None:
-    case = make_case([37, 100, 1, 64], [1, 1, 1, 1], num_heads, num_kv_heads, HEAD_DIM, BLOCK_SIZE, torch.float32)
+@pytest.mark.parametrize("seq_lens", [[37, 100, 1, 64], [300, 3, 17, 5]])  # padded; per sequence (long + short)
+def test_decode_matches_dense(num_heads: int, num_kv_heads: int, seq_lens: list[int]) -> None:
+    case = make_case(seq_lens, [1] * len(seq_lens), num_heads, num_kv_heads, HEAD_DIM, BLOCK_SIZE, torch.float32)
     out = reference.decode_attention(case.q, case.k_pages, case.v_pages, case.block_tables, case.seq_lens, SCALE)
     torch.testing.assert_close(out.double(), naive_attention(case, SCALE), atol=1e-5, rtol=1e-5)
 
