@@ -49,7 +49,6 @@ class RuntimeSection:
     log_level: str = bounded("info", choices=("debug", "info", "warning", "error"))
     log_format: str = bounded("text", choices=("text", "json"))
     drain_timeout_s: float = bounded(10.0, min=0.0)
-    state_dir: str = "/tmp/mooncaked"
 
 
 @dataclass(frozen=True)

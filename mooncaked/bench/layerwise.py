@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from mooncaked.bench.cluster import free_port
 from mooncaked.config import Config, load_config
 from mooncaked.kv.keys import block_keys
 from mooncaked.roles.kv_plan import KvPlan, plan_prompt_kv
@@ -43,17 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(tmp: Path, model: str, max_len: int) -> Config:
-    def port() -> int:
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            return int(sock.getsockname()[1])
-
+    local, remote = "127.0.0.1", "127.0.0.2"
     instances = [
-        {"name": "s_local", "role": "store", "host": "127.0.0.1", "port": port(), "data_port": port()},
-        {"name": "s_decode", "role": "store", "host": "127.0.0.2", "port": port(), "data_port": port()},
-        {"name": "p0", "role": "prefill", "host": "127.0.0.1", "port": port()},
+        {"name": "s_local", "role": "store", "host": local, "port": free_port(local), "data_port": free_port(local)},
+        {"name": "s_decode", "role": "store", "host": remote, "port": free_port(remote),
+         "data_port": free_port(remote)},
+        {"name": "p0", "role": "prefill", "host": local, "port": free_port(local)},
     ]
     data = {"cluster": {"id": "bench-layerwise", "instances": instances},
             "model": {"source": model, "max_model_len": max_len + 16},

@@ -104,7 +104,7 @@ def layout_config(tmp: Path, layout: str, args: argparse.Namespace) -> tuple[Pat
                                            else args.disagg_inline_max_tokens)
     sections: dict[str, dict[str, Any]] = {
         "model": {"source": args.model, "name": "bench-model", "max_model_len": max_model_len},
-        "runtime": {"num_threads": 1, "drain_timeout_s": 5.0, "state_dir": str(tmp)},
+        "runtime": {"num_threads": 1, "drain_timeout_s": 5.0},
         "store": {"dram_bytes": 1 << 30, "shm_dir": str(tmp)},
         "worker": worker,
         "scheduler": {"admission": args.admission},

@@ -122,7 +122,7 @@ class DecodeRole:
             logger.info("reservation %s expired unclaimed", request_id)
             await self._drop_reservation(request_id, is_prefill_done=False)
 
-    def _refusal(self, request: ReserveRequest, num_pages: int) -> str:
+    def _refusal(self, num_pages: int) -> str:
         pages = self.worker.pages
         assert pages is not None
         if num_pages > pages.num_free - self._reserved_pages():
@@ -143,7 +143,7 @@ class DecodeRole:
             raise InvalidArgument("num_prompt_tokens, max_tokens and lease_ms must be >= 1")
         await self._expire_reservations()
         num_pages = num_blocks_for(request.num_prompt_tokens + request.max_tokens, self.worker.block_size)
-        reason = self._refusal(request, num_pages)
+        reason = self._refusal(num_pages)
         if reason:
             return ReserveReply(is_accepted=False, reason=reason)
         reservation = Reservation(request, num_pages, time.monotonic() + request.lease_ms / 1000)
@@ -223,11 +223,12 @@ class DecodeRole:
             blocks += [(index_of[h.key], h.offset) for h in reservation.handles]
             if reservation.tail is not None:
                 blocks.append((len(request.block_keys), reservation.tail.offset))
-            await kv.read_blocks(worker.local_store_name, [i for i, _ in blocks], [o for _, o in blocks])
-            if reservation.handles:
-                await store.commit([h.handle_id for h in reservation.handles])
-                reservation.handles = []
-            await worker.compute(kv.load_all_layers, kv.num_blocks)
+            async with asyncio.timeout(worker.section.kv_load_timeout_s):
+                await kv.read_blocks(worker.local_store_name, [i for i, _ in blocks], [o for _, o in blocks])
+                if reservation.handles:
+                    await store.commit([h.handle_id for h in reservation.handles])
+                    reservation.handles = []
+                await worker.compute(kv.load_all_layers, kv.num_blocks)
         except BaseException:
             await kv.release()
             raise
