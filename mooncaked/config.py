@@ -39,6 +39,7 @@ class ModelSection:
     dtype: str = bounded("float32", choices=("float32", "float16", "bfloat16"))
     device: str = "cpu"
     kernel_backend: str = bounded("auto", choices=("auto", "triton", "torch"))
+    cpu_packed_gemm: bool = True
     max_model_len: int = bounded(2048, min=16)
     seed: int = 0
 

@@ -64,11 +64,13 @@ class ModelRunner:
         """One new token per sequence -> logits fp32 [S, vocab]."""
         k_pages, v_pages = self.kv_pages.k_pages, self.kv_pages.v_pages
         backend, scale = self.backend, self.scale
+        plan = kernels.plan_decode_attention(batch.block_tables, batch.seq_lens, self.kv_pages.block_size,
+                                             self.model.dtype, backend)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kernels.store_kv(k, v, k_pages[layer], v_pages[layer], batch.slot_mapping, backend)
             return kernels.decode_attention(q, k_pages[layer], v_pages[layer], batch.block_tables,
-                                            batch.seq_lens, scale, backend)
+                                            batch.seq_lens, scale, backend, plan)
 
         with torch.inference_mode():
             hidden = self._layers(batch.input_ids, batch.positions, attend, before_layer, after_layer)

@@ -1,6 +1,8 @@
 """Paged-KV attention and copy kernels: one dispatch function per operation.
 
-Stages of use, per layer of a forward:
+Stages of use in a forward:
+  0. Decode, once per step: `plan_decode_attention` (the torch backend's per-step metadata; None for Triton).
+Then per layer:
   1. `store_kv` writes the new tokens' K/V into page slots.
   2. `prefill_attention` or `decode_attention` attends over the pages through block tables.
   3. `gather_blocks` / `scatter_blocks` move whole pages to and from staging buffers.
@@ -80,6 +82,23 @@ def prefill_attention(
     return triton_prefill.prefill_attention(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, scale)
 
 
+def plan_decode_attention(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    dtype: torch.dtype,
+    backend: str = "auto",
+) -> reference.DecodePlan | None:
+    """What decode_attention would derive from the batch in every layer, derived once per step (torch backend);
+    None for Triton, which reads block tables on the device. Pass the result to every layer's decode_attention."""
+    if block_tables.dim() != 2 or seq_lens.shape != (block_tables.shape[0],) or seq_lens.shape[0] == 0:
+        raise ValueError(f"block_tables must be [S >= 1, max_blocks] and seq_lens [S]; got "
+                         f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
+    if resolve_backend(backend, block_tables) == "triton":
+        return None
+    return reference.plan_decode(block_tables, seq_lens, block_size, dtype)
+
+
 def decode_attention(
     q: torch.Tensor,
     k_pages: torch.Tensor,
@@ -88,13 +107,17 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     backend: str = "auto",
+    plan: reference.DecodePlan | None = None,
 ) -> torch.Tensor:
-    """Attention of one new token per sequence, q [S, H, D], over its first seq_lens[s] (>= 1) tokens -> [S, H, D]."""
+    """Attention of one new token per sequence, q [S, H, D], over its first seq_lens[s] (>= 1) tokens -> [S, H, D].
+
+    `plan`: plan_decode_attention's result for these block_tables and seq_lens (torch backend; else ignored).
+    """
     _check_attention(q, k_pages, v_pages, block_tables, seq_lens)
     if q.shape[0] != seq_lens.shape[0]:
         raise ValueError(f"decode q must have one row per sequence: q has {q.shape[0]}, seq_lens {seq_lens.shape[0]}")
     if resolve_backend(backend, q) == "torch":
-        return reference.decode_attention(q, k_pages, v_pages, block_tables, seq_lens, scale)
+        return reference.decode_attention(q, k_pages, v_pages, block_tables, seq_lens, scale, plan)
     _check_triton_device(q)
     from mooncaked.kernels import triton_decode
 

@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mooncaked.model import packed_gemm
 from mooncaked.model.config import ModelArgs
+from mooncaked.model.packed_gemm import PACKED_MAX_ROWS
 from mooncaked.model.rope import RopeCache, apply_rope
 
 # attend(layer_idx, q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]) -> attention output [T, H, D]
@@ -37,18 +39,32 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """Bias-free projection with the weight stored transposed: weight_t [in_features, out_features]."""
+    """Bias-free projection with the weight stored transposed: weight_t [in_features, out_features].
+
+    After `pack_for_cpu()` succeeds, products of at most PACKED_MAX_ROWS rows read an MKL-packed copy instead.
+    """
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features, dtype=dtype, device=device),
                                      requires_grad=False)
+        self.packed: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> bool:
+        """Build the packed copy of the current weight (call again after changing it); False if unavailable."""
+        self.packed = packed_gemm.pack(self.weight_t.detach())
+        return self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> [T, out]."""
+        if self.packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
+            return packed_gemm.matmul(x, self.packed, self.weight_t)
         return torch.matmul(x, self.weight_t)
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + x @ W for 2-D x [T, in] and residual [T, out], in one GEMM (no separate add pass)."""
+        """residual + x @ W for 2-D x [T, in] and residual [T, out] (one GEMM when unpacked: no add pass)."""
+        if self.packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
+            return packed_gemm.matmul(x, self.packed, self.weight_t).add_(residual)
         return torch.addmm(residual, x, self.weight_t)
 
 
@@ -103,6 +119,11 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(args.hidden_size, args.vocab_size, dtype, device)
         self.rope = RopeCache(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings,
                               dtype, device)
+
+    def pack_for_cpu(self) -> int:
+        """MKL-pack every projection for fast few-row (decode) GEMMs on CPU; returns how many were packed."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        return sum(linear.pack_for_cpu() for linear in linears)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids int64 [T] -> [T, hidden_size]."""

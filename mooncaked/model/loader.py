@@ -8,7 +8,8 @@ Sources:
 
 1. Resolve the source and dtype ("auto": fp32 on CPU, bf16 on CUDA).
 2. Read hyperparameters, tokenizer, chat template and weights; copy the weights into fused modules.
-3. Cache the LoadedModel per process and (source, dtype, device, seed): the model holds no per-request state,
+3. fp32 on CPU: MKL-pack the projections for decode-sized GEMMs (unless cpu_packed_gemm is off).
+4. Cache the LoadedModel per process and (source, dtype, device, seed, packing): the model holds no per-request state,
    so every runner in the process can share it.
 """
 
@@ -94,10 +95,13 @@ def embedded_smollm2_path() -> Path:
 
 
 def load_model(source: str, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-               seed: int = 0) -> LoadedModel:
-    """Load (or return the process-wide cached) model for `source`; see the module docstring for sources."""
+               seed: int = 0, cpu_packed_gemm: bool = True) -> LoadedModel:
+    """Load (or return the process-wide cached) model for `source`; see the module docstring for sources.
+
+    cpu_packed_gemm: for fp32 on CPU, also keep an MKL-packed copy of every projection (model.packed_gemm).
+    """
     torch_device = torch.device(device)
-    return _load_cached(source, resolve_dtype(dtype, torch_device), str(torch_device), seed)
+    return _load_cached(source, resolve_dtype(dtype, torch_device), str(torch_device), seed, cpu_packed_gemm)
 
 
 def clear_model_cache() -> None:
@@ -147,7 +151,15 @@ def _frontend(args: ModelArgs, tokenizer: TextTokenizer, template_source: str, e
 
 
 @functools.lru_cache(maxsize=4)
-def _load_cached(source: str, dtype: torch.dtype, device: str, seed: int) -> LoadedModel:
+def _load_cached(source: str, dtype: torch.dtype, device: str, seed: int, cpu_packed_gemm: bool) -> LoadedModel:
+    loaded = _load_source(source, dtype, device, seed)
+    if cpu_packed_gemm and loaded.device.type == "cpu" and dtype == torch.float32:
+        num_packed = loaded.model.pack_for_cpu()
+        logger.info("MKL-packed %d projections of %s for CPU decode", num_packed, loaded.model_id)
+    return loaded
+
+
+def _load_source(source: str, dtype: torch.dtype, device: str, seed: int) -> LoadedModel:
     if source == EMBEDDED_SMOLLM2:
         return _load_gguf(embedded_smollm2_path(), dtype, device, model_id=SMOLLM2_MODEL_ID)
     if source.startswith("random:"):

@@ -66,7 +66,7 @@ class Worker:
         await self.engine.start()
         model = self.config.model
         self.loaded = await self.compute(load_model, model.source, dtype=model.dtype, device=model.device,
-                                         seed=model.seed)
+                                         seed=model.seed, cpu_packed_gemm=model.cpu_packed_gemm)
         block_size = self.config.kv.block_size
         self.kv_pages = KVPages.for_model(self.loaded.args, num_pages=self.section.num_kv_pages,
                                           block_size=block_size, dtype=self.loaded.dtype, device=self.loaded.device)

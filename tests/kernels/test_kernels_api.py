@@ -26,6 +26,16 @@ def test_auto_prefill_runs_the_reference_on_cpu() -> None:
     assert torch.equal(kernels.prefill_attention(*args), kernels.prefill_attention(*args, backend="torch"))
 
 
+def test_decode_plan_is_the_torch_backends_only() -> None:
+    case = make_case([30, 12], [1, 1], 4, 2, 16, 16, torch.float32)
+    assert kernels.plan_decode_attention(case.block_tables, case.seq_lens, 16, torch.float32, "triton") is None
+    plan = kernels.plan_decode_attention(case.block_tables, case.seq_lens, 16, torch.float32)
+    args = (case.q, case.k_pages, case.v_pages, case.block_tables, case.seq_lens, 0.25)
+    assert torch.equal(kernels.decode_attention(*args, plan=plan), kernels.decode_attention(*args))
+    with pytest.raises(ValueError, match="seq_lens"):
+        kernels.plan_decode_attention(case.block_tables, case.seq_lens[:1], 16, torch.float32)
+
+
 def test_bad_shapes_raise_clear_errors() -> None:
     case = make_case([5], [5], 4, 2, 16, 16, torch.float32)
     with pytest.raises(ValueError, match="multiple of kv heads"):

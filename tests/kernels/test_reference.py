@@ -37,6 +37,41 @@ def test_decode_matches_dense(num_heads: int, num_kv_heads: int, seq_lens: list[
     torch.testing.assert_close(out.double(), naive_attention(case, SCALE), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("seq_lens", [[37, 100, 1, 64], [300, 3, 17, 5], [40, 40, 40]])
+def test_decode_plan_reused_across_layers_equals_planning_each_call(seq_lens: list[int]) -> None:
+    case = make_case(seq_lens, [1] * len(seq_lens), 6, 2, HEAD_DIM, BLOCK_SIZE, torch.float32)
+    plan = reference.plan_decode(case.block_tables, case.seq_lens, BLOCK_SIZE, torch.float32)
+    expected = naive_attention(case, SCALE)
+    for pages_scale in (1.0, 0.5):  # two "layers": different page contents, one plan
+        k_pages, v_pages = case.k_pages * pages_scale, case.v_pages * pages_scale
+        planned = reference.decode_attention(case.q, k_pages, v_pages, case.block_tables, case.seq_lens, SCALE, plan)
+        fresh = reference.decode_attention(case.q, k_pages, v_pages, case.block_tables, case.seq_lens, SCALE)
+        torch.testing.assert_close(planned, fresh, atol=0, rtol=0)
+    torch.testing.assert_close(
+        reference.decode_attention(case.q, case.k_pages, case.v_pages, case.block_tables, case.seq_lens, SCALE,
+                                   plan).double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_plan_shapes() -> None:
+    equal = make_case([40, 40], [1, 1], 4, 2, HEAD_DIM, BLOCK_SIZE, torch.float32)
+    plan = reference.plan_decode(equal.block_tables, equal.seq_lens, BLOCK_SIZE, torch.float32)
+    assert plan.mask is None and not plan.parts and plan.page_ids.shape == (2 * 3,)
+    ragged = make_case([40, 30], [1, 1], 4, 2, HEAD_DIM, BLOCK_SIZE, torch.float32)
+    plan = reference.plan_decode(ragged.block_tables, ragged.seq_lens, BLOCK_SIZE, torch.float32)
+    assert plan.mask is not None and plan.mask.shape == (2, 1, 1, 40)
+    assert bool(plan.mask[1, 0, 0, 29] == 0) and bool(plan.mask[1, 0, 0, 30] == float("-inf"))
+    skewed = make_case([300, 3, 17, 5], [1] * 4, 4, 2, HEAD_DIM, BLOCK_SIZE, torch.float32)
+    plan = reference.plan_decode(skewed.block_tables, skewed.seq_lens, BLOCK_SIZE, torch.float32)
+    assert [p.max_len for p in plan.parts] == [300, 3, 17, 5]
+
+
+def test_decode_plan_for_another_batch_is_rejected() -> None:
+    case = make_case([20, 21], [1, 1], 4, 2, HEAD_DIM, BLOCK_SIZE, torch.float32)
+    plan = reference.plan_decode(case.block_tables[:1], case.seq_lens[:1], BLOCK_SIZE, torch.float32)
+    with pytest.raises(ValueError, match="plan is for 1 sequences"):
+        reference.decode_attention(case.q, case.k_pages, case.v_pages, case.block_tables, case.seq_lens, SCALE, plan)
+
+
 def test_store_kv_writes_each_token_at_its_slot() -> None:
     k_pages = torch.zeros(5, BLOCK_SIZE, 2, HEAD_DIM)
     v_pages = torch.zeros_like(k_pages)

@@ -8,6 +8,7 @@ import torch
 from mooncaked.engine.batch import DecodeSeq, PrefillSeq, build_decode_batch, build_prefill_batch
 from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.runner import ModelRunner
+from mooncaked.model import packed_gemm
 from mooncaked.model.config import RopeScaling, random_preset
 from mooncaked.model.llama import LlamaForCausalLM, random_hf_state_dict
 
@@ -32,8 +33,13 @@ def _pair(**overrides: object) -> tuple[LlamaForCausalLM, torch.nn.Module]:
      "rope_scaling": RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                  original_max_position_embeddings=16)},
 ], ids=["gqa2-untied", "mqa-tied-llama3-rope"])
-def test_prefill_and_decode_match_transformers(overrides: dict[str, object]) -> None:
+@pytest.mark.parametrize("is_packed", [False, True], ids=["plain-gemm", "mkl-packed-gemm"])
+def test_prefill_and_decode_match_transformers(overrides: dict[str, object], is_packed: bool) -> None:
     ours, hf = _pair(**overrides)
+    if is_packed:
+        if not packed_gemm.is_available():
+            pytest.skip("this torch build has no MKL packed GEMM")
+        assert ours.pack_for_cpu() == 1 + 4 * ours.args.num_layers  # lm_head + 4 projections per layer
     kv = KVPages.for_model(ours.args, num_pages=8, block_size=BLOCK, dtype=torch.float32, device="cpu")
     runner = ModelRunner(ours, kv, backend="torch")
     prompt = list(range(5, 26))  # 21 tokens: not a multiple of the block size

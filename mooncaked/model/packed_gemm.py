@@ -1,0 +1,62 @@
+"""MKL-packed fp32 GEMM for CPU decode: few-row products against a weight packed once at load time.
+
+1. `pack(weight_t)` copies an fp32 CPU weight [in, out] into MKL's packed panel layout (as many bytes as the
+   weight), then checks the packed product against `torch.matmul` at several row counts; it returns None
+   when this torch has no MKL packing or the check fails, and the caller keeps the plain weight.
+2. `matmul(x, packed, weight_t)`: x [M, in] @ W -> [M, out] through MKL's packed compute.
+
+Why: for 1-64 rows (decode batches), the packed compute streams the weight about 1.5x faster than a plain
+sgemm (SmolLM2's layer projections at 8 rows, 2 threads: 49 -> 32 ms per step); at prefill sizes (1024 rows)
+it is about 1.4x slower, so only products of at most PACKED_MAX_ROWS rows take it.
+The packed layout does not depend on the row count given at pack time (checked in `pack`): one copy serves
+every decode batch size.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+PACKED_MAX_ROWS = 64
+_PROBE_ROWS = (1, 5, PACKED_MAX_ROWS)
+_PACK_HINT_ROWS = 8
+
+
+def is_available() -> bool:
+    """Whether this torch build exposes MKL's packed sgemm."""
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+def pack(weight_t: torch.Tensor) -> torch.Tensor | None:
+    """weight_t fp32 CPU [in, out] -> the packed weight, or None where packing is unavailable or wrong."""
+    if weight_t.dtype != torch.float32 or weight_t.device.type != "cpu" or not is_available():
+        return None
+    weight = weight_t.t().contiguous()  # [out, in]: the layout MKL packs from (transposed B)
+    packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, _PACK_HINT_ROWS)
+    del weight
+    if not _agrees(packed, weight_t):
+        logger.warning("MKL packed GEMM disagrees with torch.matmul for a %s weight; using plain GEMM",
+                       tuple(weight_t.shape))
+        return None
+    return packed
+
+
+def matmul(x: torch.Tensor, packed: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+    """x fp32 [M, in] (M <= PACKED_MAX_ROWS) @ weight_t [in, out] -> [M, out], reading the packed copy."""
+    # weight_t.t() only gives the op its [out, in] shape (and a fallback it never takes: M is the row count).
+    result: torch.Tensor = torch.ops.mkl._mkl_linear(x, packed, weight_t.t(), None, x.shape[0])
+    return result
+
+
+def _agrees(packed: torch.Tensor, weight_t: torch.Tensor) -> bool:
+    generator = torch.Generator().manual_seed(0)
+    for num_rows in _PROBE_ROWS:
+        x = torch.randn(num_rows, weight_t.shape[0], generator=generator)
+        expected = torch.matmul(x, weight_t)
+        tolerance = 1e-4 * max(1.0, float(expected.abs().max()))
+        if not torch.allclose(matmul(x, packed, weight_t), expected, rtol=1e-4, atol=tolerance):
+            return False
+    return True
