@@ -18,7 +18,7 @@ from typing import Any, AsyncGenerator, Coroutine
 from mooncaked.protocol import Method, ReqT, RespT
 from mooncaked.rpc_client_conn import ClientConnection, ClientIdentity
 from mooncaked.rpc_errors import DeadlineExceeded, Unavailable
-from mooncaked.rpc_frames import DEFAULT_MAX_FRAME_BYTES, parse_address
+from mooncaked.rpc_frames import DEFAULT_MAX_FRAME_BYTES, check_timeout, parse_address
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,7 @@ class RpcClient:
         """
         if method.is_streaming:
             raise TypeError(f"{method.name} is a streaming method; use RpcClient.stream()")
+        check_timeout(timeout_s)
         slot = self._next_slot
         if self._num_slots > 1:
             self._next_slot = (slot + 1) % self._num_slots
@@ -77,6 +78,7 @@ class RpcClient:
         """
         if not method.is_streaming:
             raise TypeError(f"{method.name} is a unary method; use RpcClient.call()")
+        check_timeout(timeout_s)
         slot = self._next_slot
         self._next_slot = (slot + 1) % self._num_slots
         loop = asyncio.get_running_loop()

@@ -34,6 +34,14 @@ HEADER_BYTES = HEADER.size
 DEFAULT_MAX_FRAME_BYTES = 4 << 20
 HANDSHAKE_MAX_FRAME_BYTES = 4096
 NONCE_BYTES = 16
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # the longest deadline a call may carry: every wait ends
+
+
+def check_timeout(timeout_s: float) -> None:
+    """Raise ValueError unless timeout_s is a number of seconds no larger than MAX_TIMEOUT_S (NaN and inf fail)."""
+    if not timeout_s <= MAX_TIMEOUT_S:
+        raise ValueError(f"timeout_s must be a finite number of seconds <= {MAX_TIMEOUT_S:.0f}, got {timeout_s!r}: "
+                         "every RPC needs a deadline")
 
 
 class FramedProtocol(asyncio.Protocol):

@@ -27,8 +27,8 @@ from mooncaked.protocol import (PROTOCOL_VERSION, Auth, CallFrame, CancelFrame, 
 from mooncaked.rpc_calls import CallContext, MethodEntry, cancel_unresumed, resume
 from mooncaked.rpc_errors import (Cancelled, DeadlineExceeded, Internal, InvalidArgument, NotFound,
                                   ResourceExhausted, RpcError, Unauthenticated, Unavailable)
-from mooncaked.rpc_frames import (HANDSHAKE_MAX_FRAME_BYTES, HEADER, NONCE_BYTES, DeadlineWheel, FramedProtocol,
-                                  handshake_proof)
+from mooncaked.rpc_frames import (HANDSHAKE_MAX_FRAME_BYTES, HEADER, MAX_TIMEOUT_S, NONCE_BYTES, DeadlineWheel,
+                                  FramedProtocol, handshake_proof)
 
 if TYPE_CHECKING:
     from mooncaked.rpc_server import RpcServer
@@ -169,9 +169,9 @@ class ServerConnection(FramedProtocol):
             return
         self._last_call_id = call_id
         entry = self._methods.get(name)
-        if entry is None or not timeout_s > 0 or len(self.tasks) >= self._max_inflight_calls \
+        if entry is None or not 0 < timeout_s <= MAX_TIMEOUT_S or len(self.tasks) >= self._max_inflight_calls \
                 or self.server.is_stopping:
-            self._refuse_call(call_id, name, entry)
+            self._refuse_call(call_id, name, entry, timeout_s)
             return
         try:
             request = entry.decode_request(args)
@@ -229,7 +229,7 @@ class ServerConnection(FramedProtocol):
             self.close_with_reason("malformed call frame: expected [tag, int id, str method, args, "
                                    "number timeout_s]")
 
-    def _refuse_call(self, call_id: int, name: str, entry: MethodEntry | None) -> None:
+    def _refuse_call(self, call_id: int, name: str, entry: MethodEntry | None, timeout_s: float) -> None:
         server = self.server
         if entry is None:
             self.send_error(call_id, NotFound(f"no method {name!r} on {server.role} {server.instance}"))
@@ -239,6 +239,9 @@ class ServerConnection(FramedProtocol):
         elif len(self.tasks) >= self._max_inflight_calls:
             self.send_error(call_id, ResourceExhausted(
                 f"{server.max_inflight_calls} calls already in flight on this connection; retry later"))
+        elif timeout_s > 0:
+            self.send_error(call_id, InvalidArgument(f"{name}: timeout_s {timeout_s!r} is not a finite number of "
+                                                     f"seconds <= {MAX_TIMEOUT_S:.0f}"))
         else:
             self.send_error(call_id, DeadlineExceeded(f"{name}: call arrived with no time left"))
 

@@ -263,3 +263,27 @@ async def test_silent_connection_is_closed_after_the_handshake_timeout(
     began = loop.time()
     assert await peer.is_closed_by_server()
     assert 0.3 < loop.time() - began < 3
+
+
+@pytest.mark.parametrize("timeout_s", [float("inf"), 1e12])
+async def test_a_deadline_without_end_is_refused_and_the_connection_lives(
+        server: tuple[RpcServer, int, Service], timeout_s: float) -> None:
+    _, port, _ = server
+    peer = await RawPeer.open(port)
+    await peer.handshake()
+    peer.send(encode_frame(CallFrame(1, ECHO.name, encode_array(Echo("forever", [])), timeout_s)))
+    reply = await peer.receive()
+    assert type(reply) is ErrorFrame and reply.code == InvalidArgument.code and "timeout_s" in reply.message
+    peer.send(encode_frame(CallFrame(2, ECHO.name, encode_array(Echo("bounded", [])), 5.0)))
+    assert await peer.receive() == ResultFrame(2, encode_array(Echo("bounded", [])))
+    peer.close()
+
+
+async def test_client_refuses_to_send_a_call_without_a_deadline(server: tuple[RpcServer, int, Service]) -> None:
+    _, port, _ = server
+    client = make_client(f"tcp://127.0.0.1:{port}", pool_size=1)
+    for timeout_s in (float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="every RPC needs a deadline"):
+            await client.call(ECHO, Echo("x", []), timeout_s=timeout_s)
+    assert (await client.call(ECHO, Echo("fine", []), timeout_s=5)).text == "fine"
+    await client.close()

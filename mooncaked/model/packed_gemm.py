@@ -3,7 +3,7 @@
 1. `pack(weight_t)` copies an fp32 CPU weight [in, out] into MKL's packed panel layout (as many bytes as the
    weight), then checks the packed product against `torch.matmul` at several row counts; it returns None
    when this torch has no MKL packing or the check fails, and the caller keeps the plain weight.
-2. `matmul(x, packed, weight_t)`: x [M, in] @ W -> [M, out] through MKL's packed compute.
+2. `matmul(x, packed, weight)`: x [M, in] @ W -> [M, out] through MKL's packed compute.
 
 Why: for 1-64 rows (decode batches), the packed compute streams the weight about 1.5x faster than a plain
 sgemm (SmolLM2's layer projections at 8 rows, 2 threads: 49 -> 32 ms per step); at prefill sizes (1024 rows)
@@ -44,10 +44,13 @@ def pack(weight_t: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
-def matmul(x: torch.Tensor, packed: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
-    """x fp32 [M, in] (M <= PACKED_MAX_ROWS) @ weight_t [in, out] -> [M, out], reading the packed copy."""
-    # weight_t.t() only gives the op its [out, in] shape (and a fallback it never takes: M is the row count).
-    result: torch.Tensor = torch.ops.mkl._mkl_linear(x, packed, weight_t.t(), None, x.shape[0])
+def matmul(x: torch.Tensor, packed: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+    """x fp32 [M, in] (M <= PACKED_MAX_ROWS) @ W -> [M, out], reading `packed`, the packed copy of W.
+
+    weight [out, in] (any strides; weight_t.t() will do) only gives the op its shape and a fallback that it never
+    takes: the row count passed is x's own.
+    """
+    result: torch.Tensor = torch.ops.mkl._mkl_linear(x, packed, weight, None, x.shape[0])
     return result
 
 
@@ -57,6 +60,6 @@ def _agrees(packed: torch.Tensor, weight_t: torch.Tensor) -> bool:
         x = torch.randn(num_rows, weight_t.shape[0], generator=generator)
         expected = torch.matmul(x, weight_t)
         tolerance = 1e-4 * max(1.0, float(expected.abs().max()))
-        if not torch.allclose(matmul(x, packed, weight_t), expected, rtol=1e-4, atol=tolerance):
+        if not torch.allclose(matmul(x, packed, weight_t.t()), expected, rtol=1e-4, atol=tolerance):
             return False
     return True

@@ -59,5 +59,5 @@ class RopeCache:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, D] (any strides) -> rotated [T, H, D] contiguous."""
     half = x.shape[-1] // 2
-    # roll by half swaps the two halves in one op
-    return x * cos + torch.roll(x, shifts=half, dims=-1) * signed_sin
+    # roll by half swaps the two halves in one op; addcmul folds the second product into the sum
+    return torch.addcmul(x * cos, torch.roll(x, shifts=half, dims=-1), signed_sin)
