@@ -8,8 +8,9 @@ Stages:
      (transformers left-padded). Runs alternate ours / transformers, the best of `--repeats` counts.
      tok/s = batch * new tokens / wall time of the whole generation (prefill included on both sides);
      cpu_ratio_* compares process CPU time instead (steadier on a shared host).
-  3. Prefill `--prefill-tokens` tokens with no-op before/after layer callbacks vs none, in adjacent pairs;
-     callback_overhead = median over pairs of (with / without) - 1 (pairs share the host's load of the moment).
+  3. Prefill `--prefill-tokens` tokens with no-op before/after layer callbacks vs none, in adjacent pairs (the
+     order alternating); callback_overhead = median over pairs of (with / without) - 1 (pairs share the host's
+     load of the moment).
   4. Print a table; write JSON with `--json`.
 """
 
@@ -197,9 +198,12 @@ def measure_callbacks(loaded: LoadedModel, ours: OursGenerator, num_tokens: int,
     plain, hooked = Timing(), Timing()
     try:
         ours.runner.prefill(batch)  # warm-up
-        for _ in range(repeats):  # adjacent pairs share the machine's load of the moment
-            before = plain.add(lambda: ours.runner.prefill(batch))
+        for i in range(repeats):  # adjacent pairs share the machine's load; the order alternates (no order bias)
+            if i % 2 == 0:
+                before = plain.add(lambda: ours.runner.prefill(batch))
             after = hooked.add(lambda: ours.runner.prefill(batch, before_layer=noop, after_layer=noop))
+            if i % 2 == 1:
+                before = plain.add(lambda: ours.runner.prefill(batch))
             ratios.append(after / before)
     finally:
         kv.allocator.free_owner("bench-prefill")
@@ -231,7 +235,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"decode batch {batch_size} ...", flush=True)
         results.update(measure_decode(loaded, ours, hf, batch_size, args.new_tokens, args.repeats))
     print(f"prefill {args.prefill_tokens} tokens, callbacks ...", flush=True)
-    results.update(measure_callbacks(loaded, ours, args.prefill_tokens, max(2 * args.repeats + 1, 5)))
+    results.update(measure_callbacks(loaded, ours, args.prefill_tokens, max(2 * args.repeats + 1, 8)))
     _print_table(results, args.batch_sizes)
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
