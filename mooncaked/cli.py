@@ -120,6 +120,13 @@ def _run_role(args: argparse.Namespace, config: Config) -> int:
         return run_role(lambda: supervisor, notifier, interval)
     instance = config.instance_for(args.role, name=args.instance)
     setup_logging(config.runtime.log_level, config.runtime.log_format, instance.name)
+    if instance.cpus:
+        from mooncaked.cpu_affinity import CpuAffinityError, pin_to_cpus
+
+        try:
+            pin_to_cpus(instance.cpus, instance.name)
+        except CpuAffinityError as exc:
+            raise CliError(str(exc)) from exc
     if args.role in ("prefill", "decode"):
         _set_torch_threads(config.runtime.num_threads)
     from mooncaked.roles import make_role

@@ -153,6 +153,7 @@ class InstanceConfig:
     rpc_port: int = bounded(0, min=0, max=65535, doc="conductor only: RPC port (0: none)")
     data_port: int = bounded(0, min=0, max=65535, doc="store only: transfer engine data port")
     metrics_port: int = bounded(0, min=0, max=65535, doc="prefill/decode/store: Prometheus /metrics (0: none)")
+    cpus: list[int] = bounded([], doc="CPU ids this instance's process runs on (empty: any)")
     settings: dict[str, Any] = field(default_factory=dict)
 
 
@@ -318,6 +319,8 @@ def _validate_instances(config: Config) -> list[ConfigIssue]:
             if port and (instance.host, port) in seen_ports:
                 issues.append(ConfigIssue(where, f"port {port} on {instance.host} is used twice"))
             seen_ports.add((instance.host, port))
+        if any(cpu < 0 for cpu in instance.cpus) or len(set(instance.cpus)) != len(instance.cpus):
+            issues.append(ConfigIssue(f"{where}.cpus", f"CPU ids must be distinct and >= 0, got {instance.cpus}"))
         issues.extend(_validate_settings(config, instance, f"{where}.settings"))
     return issues
 

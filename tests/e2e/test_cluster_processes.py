@@ -30,10 +30,28 @@ from mooncaked.roles.messages import LOAD, LoadRequest
 from tests.roles.cluster_fixtures import instance
 
 
+USABLE_CPUS = sorted(os.sched_getaffinity(0))
+PREFILL_CPUS, DECODE_CPUS = USABLE_CPUS[:1], USABLE_CPUS[-1:]
+
+
+def thread_affinities(pid: int) -> list[set[int]]:
+    """The distinct CPU sets of every thread of process pid (torch's, the executor's, the loop's)."""
+    distinct: list[set[int]] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            cpus = os.sched_getaffinity(int(task.name))
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+        if cpus not in distinct:
+            distinct.append(cpus)
+    return distinct
+
+
 def tiny_cluster(tmp_path: Path) -> Path:
     data = {
         "cluster": {"id": "e2e", "instances": [instance("c0", "conductor"), instance("s0", "store"),
-                                               instance("p0", "prefill"), instance("d0", "decode")]},
+                                               instance("p0", "prefill", cpus=PREFILL_CPUS),
+                                               instance("d0", "decode", cpus=DECODE_CPUS)]},
         "model": {"source": "random:tiny", "name": "tiny", "max_model_len": 1024},
         "kv": {"block_size": 16},
         "runtime": {"drain_timeout_s": 5.0},
@@ -130,6 +148,9 @@ async def test_disconnect_kill_decode_restart_and_clean_stop(tmp_path: Path) -> 
             await eventually_equal(lambda: kv_baseline(cluster), baseline, 10)
 
             decode_pid = (await cluster.rpc("d0").call(INFO, InfoRequest(), timeout_s=5)).pid
+            prefill_pid = (await cluster.rpc("p0").call(INFO, InfoRequest(), timeout_s=5)).pid
+            assert thread_affinities(decode_pid) == [set(DECODE_CPUS)]
+            assert thread_affinities(prefill_pid) == [set(PREFILL_CPUS)]
             started = time.monotonic()
             events: list[dict[str, Any]] = []
             async with session.post(f"{cluster.url}/v1/completions", json=completion("a long one " * 10, 900)) as r:
@@ -141,6 +162,8 @@ async def test_disconnect_kill_decode_restart_and_clean_stop(tmp_path: Path) -> 
             assert time.monotonic() - started < 30
 
             await cluster.wait_healthy(session, 90)  # the supervisor restarted the decode instance
+            restarted_pid = (await cluster.rpc("d0").call(INFO, InfoRequest(), timeout_s=5)).pid
+            assert restarted_pid != decode_pid and thread_affinities(restarted_pid) == [set(DECODE_CPUS)]
             async with session.post(f"{cluster.url}/v1/completions", json=completion("again " * 10, 5, False)) as r:
                 body = await r.json()
                 assert r.status == 200 and body["usage"]["completion_tokens"] == 5, body

@@ -1,0 +1,47 @@
+"""CPU pinning of one instance's process (`cluster.instances[].cpus`).
+
+1. main() calls `pin_to_cpus` for the instance it runs, before torch starts its thread pools and before the
+   event loop exists: every thread started later inherits the set.
+2. CPU ids this process may not use (absent, offline, outside its cgroup's cpuset) are an error that names them
+   and the usable ones; nothing is pinned then.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+class CpuAffinityError(ValueError):
+    """The configured CPUs cannot be used by this process."""
+
+
+def usable_cpus() -> set[int]:
+    """CPU ids this process may run on."""
+    return set(os.sched_getaffinity(0))
+
+
+def pin_to_cpus(cpus: Sequence[int], instance_name: str) -> None:
+    """Restrict this process (its calling thread and every thread it starts later) to `cpus`."""
+    usable = usable_cpus()
+    missing = sorted(set(cpus) - usable)
+    if missing:
+        raise CpuAffinityError(f"instance {instance_name}: cpus {missing} are not usable by this process "
+                               f"(usable: {format_cpus(usable)}); fix cluster.instances[].cpus")
+    os.sched_setaffinity(0, cpus)
+    logger.info("instance %s pinned to CPUs %s", instance_name, format_cpus(cpus))
+
+
+def format_cpus(cpus: Sequence[int] | set[int]) -> str:
+    """Sorted ids with runs collapsed, as Linux prints them: [0, 1, 2, 5] -> "0-2,5"."""
+    ids = sorted(set(cpus))
+    runs: list[str] = []
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            runs.append(str(ids[start]) if start == i - 1 else f"{ids[start]}-{ids[i - 1]}")
+            start = i
+    return ",".join(runs)
