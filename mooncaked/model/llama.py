@@ -20,7 +20,7 @@ from torch import nn
 
 from mooncaked.model import packed_gemm
 from mooncaked.model.config import ModelArgs
-from mooncaked.model.packed_gemm import PACKED_MAX_ROWS
+from mooncaked.model.packed_gemm import PACKED_MAX_ROWS, PackedWeight
 from mooncaked.model.rope import RopeCache, apply_rope
 
 # attend(layer_idx, q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]) -> attention output [T, H, D]
@@ -48,25 +48,23 @@ class Linear(nn.Module):
         super().__init__()
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features, dtype=dtype, device=device),
                                      requires_grad=False)
-        self.packed: torch.Tensor | None = None
-        self.weight_out_in: torch.Tensor | None = None  # weight_t.t(), a view made once for packed_gemm
+        self.packed: PackedWeight | None = None
 
     def pack_for_cpu(self) -> bool:
         """Build the packed copy of the current weight (call again after changing it); False if unavailable."""
-        self.packed = packed_gemm.pack(self.weight_t.detach())
-        self.weight_out_in = None if self.packed is None else self.weight_t.detach().t()
+        self.packed = packed_gemm.pack(self.weight_t)
         return self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]."""
-        if self.weight_out_in is not None and x.shape[0] <= PACKED_MAX_ROWS:
-            return packed_gemm.matmul(x, self.packed, self.weight_out_in)
+        if self.packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
+            return packed_gemm.matmul(x, self.packed)
         return torch.matmul(x, self.weight_t)
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + x @ W for 2-D x [T, in] and residual [T, out] (one GEMM when unpacked: no add pass)."""
-        if self.weight_out_in is not None and x.shape[0] <= PACKED_MAX_ROWS:
-            return packed_gemm.matmul(x, self.packed, self.weight_out_in).add_(residual)
+        if self.packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
+            return packed_gemm.matmul(x, self.packed).add_(residual)
         return torch.addmm(residual, x, self.weight_t)
 
 

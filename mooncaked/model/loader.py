@@ -9,8 +9,8 @@ Sources:
 1. Resolve the source and dtype ("auto": fp32 on CPU, bf16 on CUDA).
 2. Read hyperparameters, tokenizer, chat template and weights; copy the weights into fused modules.
 3. fp32 on CPU: MKL-pack the projections for decode-sized GEMMs (unless cpu_packed_gemm is off).
-4. Cache the LoadedModel per process and (source, dtype, device, seed, packing): the model holds no per-request state,
-   so every runner in the process can share it.
+4. Cache the LoadedModel per process and (source, dtype, device, seed, packing): the model holds no
+   per-request state, so every runner in the process can share it.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 1. `pack(weight_t)` copies an fp32 CPU weight [in, out] into MKL's packed panel layout (as many bytes as the
    weight), then checks the packed product against `torch.matmul` at several row counts; it returns None
    when this torch has no MKL packing or the check fails, and the caller keeps the plain weight.
-2. `matmul(x, packed, weight)`: x [M, in] @ W -> [M, out] through MKL's packed compute.
+2. `matmul(x, packed)`: x [M, in] @ W -> [M, out] through MKL's packed compute.
 
 Why: for 1-64 rows (decode batches), the packed compute streams the weight about 1.5x faster than a plain
 sgemm (SmolLM2's layer projections at 8 rows, 2 threads: 49 -> 32 ms per step); at prefill sizes (1024 rows)
@@ -15,6 +15,7 @@ every decode batch size.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -30,13 +31,22 @@ def is_available() -> bool:
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
-def pack(weight_t: torch.Tensor) -> torch.Tensor | None:
-    """weight_t fp32 CPU [in, out] -> the packed weight, or None where packing is unavailable or wrong."""
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight's MKL-packed copy and the [out, in] view of the plain weight the op needs for its shape."""
+
+    packed: torch.Tensor  # opaque MKL layout
+    weight: torch.Tensor  # [out, in] view of weight_t: gives the op its shape and a fallback it never takes
+
+
+def pack(weight_t: torch.Tensor) -> PackedWeight | None:
+    """weight_t fp32 CPU [in, out] -> its PackedWeight, or None where packing is unavailable or wrong."""
     if weight_t.dtype != torch.float32 or weight_t.device.type != "cpu" or not is_available():
         return None
-    weight = weight_t.t().contiguous()  # [out, in]: the layout MKL packs from (transposed B)
-    packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, _PACK_HINT_ROWS)
-    del weight
+    weight_t = weight_t.detach()
+    dense = weight_t.t().contiguous()  # [out, in]: the layout MKL packs from (transposed B)
+    packed = PackedWeight(torch.ops.mkl._mkl_reorder_linear_weight(dense, _PACK_HINT_ROWS), weight_t.t())
+    del dense
     if not _agrees(packed, weight_t):
         logger.warning("MKL packed GEMM disagrees with torch.matmul for a %s weight; using plain GEMM",
                        tuple(weight_t.shape))
@@ -44,22 +54,19 @@ def pack(weight_t: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
-def matmul(x: torch.Tensor, packed: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
-    """x fp32 [M, in] (M <= PACKED_MAX_ROWS) @ W -> [M, out], reading `packed`, the packed copy of W.
-
-    weight [out, in] (any strides; weight_t.t() will do) only gives the op its shape and a fallback that it never
-    takes: the row count passed is x's own.
-    """
-    result: torch.Tensor = torch.ops.mkl._mkl_linear(x, packed, weight, None, x.shape[0])
+def matmul(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+    """x fp32 [M, in] (M <= PACKED_MAX_ROWS) @ W -> [M, out], reading the packed copy."""
+    # The row count passed is x's own, so the op never takes its unpacked fallback.
+    result: torch.Tensor = torch.ops.mkl._mkl_linear(x, weight.packed, weight.weight, None, x.shape[0])
     return result
 
 
-def _agrees(packed: torch.Tensor, weight_t: torch.Tensor) -> bool:
+def _agrees(packed: PackedWeight, weight_t: torch.Tensor) -> bool:
     generator = torch.Generator().manual_seed(0)
     for num_rows in _PROBE_ROWS:
         x = torch.randn(num_rows, weight_t.shape[0], generator=generator)
         expected = torch.matmul(x, weight_t)
         tolerance = 1e-4 * max(1.0, float(expected.abs().max()))
-        if not torch.allclose(matmul(x, packed, weight_t.t()), expected, rtol=1e-4, atol=tolerance):
+        if not torch.allclose(matmul(x, packed), expected, rtol=1e-4, atol=tolerance):
             return False
     return True
