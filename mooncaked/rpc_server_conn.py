@@ -239,7 +239,7 @@ class ServerConnection(FramedProtocol):
         elif len(self.tasks) >= self._max_inflight_calls:
             self.send_error(call_id, ResourceExhausted(
                 f"{server.max_inflight_calls} calls already in flight on this connection; retry later"))
-        elif timeout_s > 0:
+        elif not timeout_s <= 0:  # NaN, inf or past MAX_TIMEOUT_S
             self.send_error(call_id, InvalidArgument(f"{name}: timeout_s {timeout_s!r} is not a finite number of "
                                                      f"seconds <= {MAX_TIMEOUT_S:.0f}"))
         else:

@@ -265,7 +265,7 @@ async def test_silent_connection_is_closed_after_the_handshake_timeout(
     assert 0.3 < loop.time() - began < 3
 
 
-@pytest.mark.parametrize("timeout_s", [float("inf"), 1e12])
+@pytest.mark.parametrize("timeout_s", [float("inf"), float("nan"), 1e12])
 async def test_a_deadline_without_end_is_refused_and_the_connection_lives(
         server: tuple[RpcServer, int, Service], timeout_s: float) -> None:
     _, port, _ = server

@@ -196,15 +196,21 @@ def measure_callbacks(loaded: LoadedModel, ours: OursGenerator, num_tokens: int,
 
     ratios: list[float] = []
     plain, hooked = Timing(), Timing()
+
+    def run_plain() -> float:
+        return plain.add(lambda: ours.runner.prefill(batch))
+
+    def run_hooked() -> float:
+        return hooked.add(lambda: ours.runner.prefill(batch, before_layer=noop, after_layer=noop))
+
     try:
         ours.runner.prefill(batch)  # warm-up
         for i in range(repeats):  # adjacent pairs share the machine's load; the order alternates (no order bias)
             if i % 2 == 0:
-                before = plain.add(lambda: ours.runner.prefill(batch))
-            after = hooked.add(lambda: ours.runner.prefill(batch, before_layer=noop, after_layer=noop))
-            if i % 2 == 1:
-                before = plain.add(lambda: ours.runner.prefill(batch))
-            ratios.append(after / before)
+                without_s, with_s = run_plain(), run_hooked()
+            else:
+                with_s, without_s = run_hooked(), run_plain()
+            ratios.append(with_s / without_s)
     finally:
         kv.allocator.free_owner("bench-prefill")
     return {"prefill_tokens": num_tokens, "prefill_ms_no_callbacks": plain.wall_s * 1e3,

@@ -104,7 +104,8 @@ def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: 
         # among short chats): attend per sequence instead.
         parts = tuple(_padded_plan(block_tables[s: s + 1], lengths[s: s + 1], block_size, dtype)
                       for s in range(len(lengths)))
-        return DecodePlan(len(lengths), max(lengths), parts[0].page_ids[:0], None, parts)
+        no_page_ids = torch.empty(0, dtype=torch.int64, device=block_tables.device)  # the parts hold them
+        return DecodePlan(len(lengths), max(lengths), no_page_ids, None, parts)
     return _padded_plan(block_tables, lengths, block_size, dtype)
 
 
