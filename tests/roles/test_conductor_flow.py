@@ -5,17 +5,19 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from mooncaked.api.requests import parse_completion_request
 from mooncaked.config import Config
 from mooncaked.model.loader import load_model
-from mooncaked.roles import make_role
+from mooncaked.roles import make_role, prefill_forward
 from mooncaked.roles.conductor import ConductorRole
 from mooncaked.roles.decode import DecodeRole
 from mooncaked.roles.store import StoreRole
@@ -225,14 +227,25 @@ async def test_a_prefix_on_another_host_is_fetched_then_served_locally(tmp_path:
         assert cluster["prefix_blocks"] == {"reused_local": 4, "reused_remote": 4, "computed": 0}
 
 
-async def test_a_client_gone_during_prefill_leaves_no_reservation_on_decode(tmp_path: Path) -> None:
+async def test_a_client_gone_during_prefill_leaves_no_reservation_on_decode(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = make_config(tmp_path, worker={"prefill_chunk": 16, "max_batch_tokens": 16})
     tokens = prompt(7, 1000)  # 63 chunks of 16
+    # The prefill holds before its first layer until the conductor has settled the run as cancelled: without the
+    # gate a fast prefill finishes inside the conductor's disconnect poll and the request ends "ok".
+    gate = threading.Event()
+    load_layer = prefill_forward._load_layer
+
+    def gated_load_layer(plans: Any, layer: int) -> None:
+        assert gate.wait(timeout=10.0), "the test never released the prefill"
+        load_layer(plans, layer)
+
+    monkeypatch.setattr(prefill_forward, "_load_layer", gated_load_layer)
     async with running_roles(config, ["s0", "p0", "d0", "c0"]) as roles, aiohttp.ClientSession() as http:
         decode, conductor, store = roles["d0"], roles["c0"], roles["s0"]
         assert isinstance(decode, DecodeRole) and isinstance(conductor, ConductorRole)
-        assert isinstance(store, StoreRole) and conductor.view is not None
-        view = conductor.view
+        assert isinstance(store, StoreRole) and conductor.view is not None and conductor.backend is not None
+        view, backend = conductor.view, conductor.backend
 
         def free_pages() -> int:  # as the decode instance's last LOAD reply tells them (reservations excluded)
             load = view.decode["d0"].load
@@ -242,10 +255,11 @@ async def test_a_client_gone_during_prefill_leaves_no_reservation_on_decode(tmp_
         baseline_free_pages = free_pages()
         body = {"prompt": tokens, "max_tokens": 4, **GREEDY}
         request = asyncio.ensure_future(http.post(url(config, "/v1/completions"), json=body))
-        # reserved, and prefilling (the prefill takes 0.1-0.3 s here): poll often so as not to miss it
-        await eventually(lambda: bool(decode.reservations) and view.num_waiting()[0] == 1, interval_s=0.002)
+        await eventually(lambda: bool(decode.reservations) and view.num_waiting()[0] == 1)
         request.cancel()  # the client goes away before the first token
         await asyncio.gather(request, return_exceptions=True)
+        await eventually(lambda: backend.num_active == 0)  # the run settled (and counted its status) at once
+        gate.set()
         await eventually(lambda: not decode.reservations, timeout_s=2.0)
         await eventually(lambda: view.num_waiting() == (0, 0) and store.service.core.stats()["num_pending"] == 0)
         await eventually(lambda: free_pages() == baseline_free_pages)
