@@ -12,9 +12,9 @@ from mooncaked.config import Config, InstanceConfig
 from mooncaked.lifecycle import Role
 
 ROLE_CLASSES = {
-    "conductor": ("mooncaked.roles.conductor", "ConductorRole"),
-    "prefill": ("mooncaked.roles.prefill", "PrefillRole"),
-    "decode": ("mooncaked.roles.decode", "DecodeRole"),
+    "conductor": ("mooncaked.roles.conductor.role", "ConductorRole"),
+    "prefill": ("mooncaked.roles.worker.prefill", "PrefillRole"),
+    "decode": ("mooncaked.roles.worker.decode", "DecodeRole"),
     "store": ("mooncaked.roles.store", "StoreRole"),
 }
 
