@@ -110,6 +110,8 @@ class SchedulerSection:
     link_gbps: float = bounded(100.0, min=0.001)
     prefill_profile: Optional[str] = None
     decode_time_s: float = bounded(5.0, min=0.001)
+    predict_output_length: bool = True
+    output_length_quantile: float = bounded(0.9, min=0.01, max=1.0)
     device_flops: Optional[float] = bounded(None, min=1.0)
     device_memory_bandwidth: Optional[float] = bounded(None, min=1.0)
     seed: int = 0
@@ -142,6 +144,7 @@ class WorkerSection:
     inline_prefill_max_tokens: int = bounded(256, min=0)
     kv_load_timeout_s: float = bounded(60.0, min=0.01)
     abort_grace_s: float = bounded(35.0, min=0.0)
+    profile_s: float = bounded(5.0, min=0.0, max=600.0)
 
 
 @dataclass(frozen=True)

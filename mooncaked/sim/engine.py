@@ -14,6 +14,9 @@ A request's life in the simulator:
    HBM) queues it at its decode instance, which runs continuous-batching steps; each step's duration is the
    cost model's and gives every running request one token gap. TBT = mean of the longest 10% of the gaps.
 5. SAMPLE events record the prefill and decode pool loads every `run.sample_interval_s`.
+Predictions may be imperfect: `run.prefill_noise` perturbs true prefill times, and with
+`run.output_length_predictor` other than `uniform` each placed request gets a predicted output length
+(output_forecast.py) that prediction-based early rejection uses instead of the uniform t_d.
 Events at equal times run in scheduling order (a sequence number breaks ties), so runs are deterministic.
 """
 
@@ -28,10 +31,11 @@ from typing import Any
 from mooncaked.sched.admission import admit_at_decode, select_decode
 from mooncaked.sched.algorithm import SchedulerPolicy, schedule
 from mooncaked.sched.shadow_index import ShadowIndex
-from mooncaked.sched.types import REASON_DECODE_REFUSED, Placement, RequestInfo
+from mooncaked.sched.types import REASON_DECODE_REFUSED, DecodeInstanceView, Placement, RequestInfo
 from mooncaked.sim.cluster import DecodeInstance, DecodeSeq, HostStore, PrefillInstance, PrefillJob
 from mooncaked.sim.config import SimConfig
 from mooncaked.sim.costs import CostModel, build_cost_model
+from mooncaked.sim.output_forecast import OutputForecast
 from mooncaked.sim.results import LoadSample, RequestRecord, SimResult, tbt_of
 from mooncaked.sim.trace import TraceRequest
 
@@ -55,6 +59,11 @@ class Simulator:
             for r in requests
         ]
         self.samples: list[LoadSample] = []
+        run = config.run
+        self.forecast = OutputForecast(run.output_length_predictor, noise=run.output_length_noise,
+                                       max_tokens=run.max_tokens, quantile=run.output_length_quantile,
+                                       seed=run.seed + 1)
+        self.predicted_tokens: dict[int, int] = {}  # request index -> predicted output tokens (placed requests)
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = 0
         self._build_cluster()
@@ -118,7 +127,7 @@ class Simulator:
         decision = schedule(
             info,
             [p.view() for p in self.prefill],
-            [d.view(is_predicted) for d in self.decode],
+            [self._decode_view(d, is_predicted) for d in self.decode],
             self.index,
             self.policy,
             now,
@@ -130,8 +139,16 @@ class Simulator:
             return
         self._place(now, request, decision, record)
 
+    def _decode_view(self, decode: DecodeInstance, is_predicted: bool) -> DecodeInstanceView:
+        if not self.forecast.is_enabled:
+            return decode.view(is_predicted)
+        step_s = self.costs.predictors.decode.predict(len(decode.running) + 1, decode.num_context_tokens)
+        return decode.view(is_predicted, self.predicted_tokens, step_s)
+
     def _place(self, now: float, request: TraceRequest, placement: Placement, record: RequestRecord) -> None:
         instance = self.prefill_by_id[placement.prefill_instance]
+        if self.forecast.is_enabled:
+            self.predicted_tokens[request.index] = self.forecast.predict(request.input_length, record.output_length)
         keys = request.hash_ids
         record.prefill_instance = placement.prefill_instance
         record.decode_instance = placement.decode_instance
@@ -247,6 +264,7 @@ class Simulator:
         if choice.view is None or not admit_at_decode(choice.view, job.num_prompt_tokens, config, predictor):
             record.rejection_reason = REASON_DECODE_REFUSED
             record.wasted_prefill = True
+            self.predicted_tokens.pop(record.index, None)
             return None
         record.decode_instance = choice.view.instance_id
         return self.decode_by_id[choice.view.instance_id]
@@ -293,6 +311,8 @@ class Simulator:
 
     def _finish(self, record: RequestRecord, now: float, tbt_s: float) -> None:
         config = self.config.scheduler
+        self.predicted_tokens.pop(record.index, None)
+        self.forecast.observe(record.input_length, record.output_length)
         record.tbt_s = tbt_s
         record.finished_s = now
         record.slo_met = record.ttft_s <= config.ttft_slo_s and tbt_s <= config.tbt_slo_s

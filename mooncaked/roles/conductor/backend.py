@@ -24,11 +24,13 @@ from mooncaked.model.chat_template import ChatTemplateError
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.cluster_view import ClusterView
 from mooncaked.roles.conductor.frontend import ConductorRequest, ModelFrontend, generation_state, sampling_spec
+from mooncaked.roles.conductor.prediction_errors import PredictionErrors
 from mooncaked.roles.conductor.request_run import RequestRun
 
 
 class ConductorBackend:
-    """Serves the HTTP layer. Owns nothing per request beyond each `RequestRun`; borrows the view and clients."""
+    """Serves the HTTP layer. Owns the prediction-error records and nothing per request beyond each `RequestRun`;
+    borrows the view and clients."""
 
     def __init__(self, config: Config, model: ModelFrontend, view: ClusterView, peers: PeerClients,
                  metrics: Metrics) -> None:
@@ -39,6 +41,7 @@ class ConductorBackend:
         self.metrics = metrics
         self.namespace = model_namespace(model.model_id, config.model.dtype, config.kv.block_size)
         self.num_active = 0
+        self.prediction_errors = PredictionErrors(metrics.predictions)
 
     def model_ids(self) -> list[str]:
         return list(self.model.served_names)
@@ -102,6 +105,7 @@ class ConductorBackend:
     async def cluster_info(self) -> dict[str, Any]:
         info = await self.view.describe()
         info["active_requests"] = self.num_active
+        info["predictions"] = self.prediction_errors.describe()
         return info
 
     def metrics_text(self) -> bytes:

@@ -9,30 +9,36 @@
    instance when no prefill instance is configured or the prompt's uncached part is small enough), then
    `begin()`, `prefill_done()`, `decode_started()` and `finish()` so the queue model (predicted prefill time
    of dispatched requests per prefill instance, placed requests per decode instance) stays current between
-   polls. `report_failure()` marks an instance down until its next successful poll.
+   polls. `report_failure()` marks an instance down until its next successful poll. Every LOAD reply carries
+   the instance's own fitted performance model, which `place()` predicts with (live_predictors.py); finished
+   requests teach the output-length predictor, which forecasts each decode instance's batch.
 3. `stop()` cancels the followers and pollers and awaits them; the RPC clients belong to the caller.
 
-Owner of the shadow index, the per-instance states, the in-flight table and the live predictors. All of it is
-rebuilt from the stores' dumps, the workers' LOAD replies and new measurements when the conductor restarts.
+Owner of the shadow index, the per-instance states, the in-flight table, the live predictors and the output-length
+predictor. All but the last are rebuilt from the stores' dumps and the workers' LOAD replies when the conductor
+restarts; the output-length predictor starts again from its conservative prior (max_tokens).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from mooncaked.config import Config, InstanceConfig
 from mooncaked.kv import messages as kv_msg
 from mooncaked.roles.base import PeerClients
+from mooncaked.roles.conductor.instance_views import InFlight, OutputForecast, WorkerState, decode_view, prefill_view
 from mooncaked.roles.conductor.live_predictors import LivePredictors
-from mooncaked.roles.worker.messages import LOAD, LoadReply, LoadRequest
 from mooncaked.roles.conductor.store_follower import FollowerSettings, StoreFollower
+from mooncaked.roles.worker.messages import LOAD, LoadReply, LoadRequest
 from mooncaked.rpc import RpcError
 from mooncaked.sched.admission import rejects_at_arrival, select_decode
 from mooncaked.sched.algorithm import SchedulerPolicy, schedule
+from mooncaked.sched.output_length import OutputLengthPredictor
 from mooncaked.sched.shadow_index import ShadowIndex
 from mooncaked.sched.types import (
     REASON_DECODE_FULL, REASON_NO_DECODE, REASON_NO_PREFILL, REASON_TBT_SLO, REASON_TTFT_SLO,
@@ -50,31 +56,6 @@ class ClusterViewSettings:
     poll_timeout_s: float  # one LOAD or store STATS call
     startup_timeout_s: float  # longest wait in start() for the first dumps and polls
     follower: FollowerSettings
-
-
-@dataclass
-class WorkerState:
-    instance: InstanceConfig
-    store_id: str  # the store on its host ("" when none is configured)
-    max_num_running: int
-    default_max_context_tokens: int  # until the first LOAD reply tells the real page count
-    load: LoadReply | None = None
-    is_up: bool = False
-    last_error: str = ""
-    has_polled: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-@dataclass
-class InFlight:
-    request_id: str
-    prefill_instance: str  # "" when prefilled inline on the decode instance
-    decode_instance: str
-    predicted_prefill_s: float
-    dispatched_at: float
-    ready_at: float  # predicted decode start
-    num_context_tokens: int
-    is_prefilled: bool = False
-    decode_started_at: float | None = None
 
 
 class ClusterView:
@@ -95,6 +76,10 @@ class ClusterView:
         self.decode = {i.name: self._worker_state(i) for i in config.instances_of("decode")}
         self._in_flight: dict[str, InFlight] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        section = config.scheduler
+        self.output_lengths = OutputLengthPredictor(quantile=section.output_length_quantile)
+        self.forecast = OutputForecast(self.output_lengths, config.conductor.default_max_tokens,
+                                       section.predict_output_length)
         self.prefix_blocks = {"reused_local": 0, "reused_remote": 0, "computed": 0}  # this conductor's requests
 
     def _worker_state(self, instance: InstanceConfig) -> WorkerState:
@@ -147,9 +132,8 @@ class ClusterView:
     def _loaded(self, worker: WorkerState, reply: LoadReply) -> None:
         if not worker.is_up:
             logger.info("%s %s is up", worker.instance.role, worker.instance.name)
-        worker.load, worker.is_up, worker.last_error = reply, True, ""
-        if worker.instance.role == "decode" and reply.num_running > 0 and reply.step_time_s > 0:
-            self.predictors.add_decode(reply.num_running, reply.num_context_tokens, reply.step_time_s)
+        worker.load, worker.polled_at, worker.is_up, worker.last_error = reply, time.monotonic(), True, ""
+        self.predictors.report(worker.instance.name, reply.prefill_coefficients, reply.decode_coefficients)
 
     def report_failure(self, instance_name: str, reason: str) -> None:
         """Mark an instance down (a failed poll or request leg) until a LOAD call succeeds again."""
@@ -200,58 +184,37 @@ class ClusterView:
             return Rejection(request.request_id, REASON_NO_PREFILL)
         num_blocks = self.index.prefix_lengths(request.block_keys).get(decode.store_id, 0)
         num_prefix_tokens = min(num_blocks * self.block_size, request.num_prompt_tokens - 1)
-        prefill_s = predictors.prefill.predict(request.num_prompt_tokens, num_prefix_tokens)
+        prefill_s = self.predictors.prefill_for(decode.instance.name).predict(request.num_prompt_tokens,
+                                                                              num_prefix_tokens)
         tbt_s = choice.predicted_tbt_s
+        ttft_s = prefill_s + (decode.load.overhead_s if decode.load is not None else 0.0)
         if config.admission != "none":
-            if prefill_s > config.ttft_slo_s:
-                return Rejection(request.request_id, REASON_TTFT_SLO, prefill_s, tbt_s)
+            if ttft_s > config.ttft_slo_s:
+                return Rejection(request.request_id, REASON_TTFT_SLO, ttft_s, tbt_s)
             if rejects_at_arrival(config) and not choice.has_room:
-                return Rejection(request.request_id, REASON_DECODE_FULL, prefill_s, tbt_s)
+                return Rejection(request.request_id, REASON_DECODE_FULL, ttft_s, tbt_s)
             if rejects_at_arrival(config) and tbt_s > config.tbt_slo_s * config.decode_load_threshold:
-                return Rejection(request.request_id, REASON_TBT_SLO, prefill_s, tbt_s)
+                return Rejection(request.request_id, REASON_TBT_SLO, ttft_s, tbt_s)
         return Placement(request.request_id, "", decode.instance.name, num_blocks, num_blocks, None, 0,
-                         0.0, 0.0, prefill_s, prefill_s, tbt_s)
+                         0.0, 0.0, prefill_s, ttft_s, tbt_s)
 
     def _prefill_view(self, worker: WorkerState, now: float) -> PrefillInstanceView:
         name = worker.instance.name
-        pending = sorted((f for f in self._in_flight.values() if f.prefill_instance == name and not f.is_prefilled),
+        flights = sorted((f for f in self._in_flight.values() if f.prefill_instance == name and not f.is_prefilled),
                          key=lambda f: f.dispatched_at)
-        busy_until = pending[0].dispatched_at + pending[0].predicted_prefill_s if pending else 0.0
-        queued_s = sum(f.predicted_prefill_s for f in pending[1:])
-        num_queued = len(pending)
-        if worker.load is not None and worker.load.num_queued_tokens > 0:  # other conductors' requests too
-            queued_s = max(queued_s, self.predictors.current.prefill.predict(worker.load.num_queued_tokens, 0))
-            num_queued = max(num_queued, worker.load.num_waiting)
-        return PrefillInstanceView(name, worker.store_id, busy_until, queued_s, num_queued, worker.is_up)
+        return prefill_view(worker, flights, self.predictors, now)
 
     def _decode_view(self, worker: WorkerState, now: float) -> DecodeInstanceView:
-        mine = [f for f in self._in_flight.values() if f.decode_instance == worker.instance.name]
-        running = [f for f in mine if f.decode_started_at is not None]
-        started_at = [f.decode_started_at or now for f in running]
-        tokens = [f.num_context_tokens for f in running]
-        num_running, num_context_tokens = len(mine), sum(f.num_context_tokens for f in mine)
-        max_context_tokens = worker.default_max_context_tokens
-        load = worker.load
-        if load is not None:
-            max_context_tokens = load.num_pages * self.block_size
-            num_others = load.num_running - len(running)
-            if num_others > 0:  # requests of other conductors: assume they just started
-                other_tokens = max(load.num_context_tokens - sum(tokens), 0) // num_others
-                started_at += [now] * num_others
-                tokens += [other_tokens] * num_others
-            num_running = max(num_running, load.num_running + load.num_waiting)
-            num_context_tokens = max(num_context_tokens, load.num_context_tokens)
-        incoming = tuple((f.ready_at, f.num_context_tokens) for f in mine if f.decode_started_at is None)
-        return DecodeInstanceView(worker.instance.name, worker.store_id, num_running, num_context_tokens,
-                                  worker.max_num_running, max_context_tokens, tuple(started_at), tuple(tokens),
-                                  incoming, worker.is_up)
+        flights = [f for f in self._in_flight.values() if f.decode_instance == worker.instance.name]
+        return decode_view(worker, flights, self.predictors, self.forecast, self.block_size, now)
 
     # ---- the queue model ----------------------------------------------------------------------------------
-    def begin(self, request: RequestInfo, placement: Placement, now: float) -> None:
+    def begin(self, request: RequestInfo, placement: Placement, now: float, *, max_tokens: int = 1,
+              client_id: str = "") -> None:
         self._in_flight[request.request_id] = InFlight(
             request.request_id, placement.prefill_instance, placement.decode_instance,
             placement.predicted_prefill_s, now, now + placement.predicted_ttft_s, request.num_prompt_tokens,
-            is_prefilled=not placement.prefill_instance)
+            max_tokens=max_tokens, client_id=client_id, is_prefilled=not placement.prefill_instance)
 
     def prefill_done(self, request_id: str) -> None:
         flight = self._in_flight.get(request_id)
@@ -263,8 +226,19 @@ class ClusterView:
         if flight is not None:
             flight.is_prefilled, flight.decode_started_at = True, now
 
-    def finish(self, request_id: str) -> None:
-        self._in_flight.pop(request_id, None)
+    def generated(self, request_id: str, num_generated: int) -> None:
+        flight = self._in_flight.get(request_id)
+        if flight is not None:
+            flight.num_generated = num_generated
+
+    def finish(self, request_id: str, num_output_tokens: int | None = None) -> None:
+        """The request ended; `num_output_tokens` when it ended by itself (EOS, stop, max_tokens): a sample of
+        the output-length predictor (a cancelled or failed request's length says nothing about its own end)."""
+        flight = self._in_flight.pop(request_id, None)
+        if flight is not None and num_output_tokens is not None:
+            self.output_lengths.observe(api_key=flight.client_id, max_tokens=flight.max_tokens,
+                                        num_prompt_tokens=flight.num_context_tokens,
+                                        num_output_tokens=num_output_tokens)
 
     def record_prefix(self, *, num_local: int, num_remote: int, num_computed: int) -> None:
         self.prefix_blocks["reused_local"] += num_local
@@ -292,8 +266,8 @@ class ClusterView:
             "in_flight": {"total": len(self._in_flight), "prefill_waiting": prefill_waiting,
                           "decode_incoming": decode_incoming},
             "scheduler": {"policy": self.policy_config.scheduler, "admission": self.policy_config.admission,
-                          "num_predictor_refits": self.predictors.num_refits,
-                          "num_predictor_samples": self.predictors.num_samples()},
+                          "num_model_reports": self.predictors.num_reports,
+                          "num_output_lengths_observed": self.output_lengths.num_observed},
         }
 
     def _describe_worker(self, worker: WorkerState) -> dict[str, Any]:
@@ -301,6 +275,10 @@ class ClusterView:
         return {"name": worker.instance.name, "role": worker.instance.role, "host": worker.instance.host,
                 "port": worker.instance.port, "store": worker.store_id, "is_up": worker.is_up,
                 "last_error": worker.last_error,
+                "model": None if load is None else {"prefill_coefficients": load.prefill_coefficients,
+                                                    "decode_coefficients": load.decode_coefficients,
+                                                    "pending_work_s": load.pending_work_s,
+                                                    "overhead_s": load.overhead_s},
                 "load": None if load is None else {
                     "num_running": load.num_running, "num_waiting": load.num_waiting,
                     "num_queued_tokens": load.num_queued_tokens, "num_free_pages": load.num_free_pages,

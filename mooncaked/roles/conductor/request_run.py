@@ -2,15 +2,18 @@
 
 1. Place it (`ClusterView.place`): a Rejection is a 429 with Retry-After, or a 503 when no instance of a
    needed role is up.
-2. RESERVE on the decode instance (a refusal is a 429).
+2. RESERVE on the decode instance (a refusal is a 429; under admission `none` and `baseline` it waits for room).
 3. PREFILL on the prefill instance (fetching a remote prefix first when placed so); the first token goes out at
-   once. Placed inline, DECODE prefills on the decode instance itself.
+   once, with the placement's predicted TTFT and TBT. Placed inline, DECODE prefills on the decode instance
+   itself. Under `baseline` the decode instance checks its load only when DECODE arrives, so the first token
+   waits for DECODE's first item: a refusal there is a 429 and the prefill was wasted (paper section 6).
 4. DECODE streams the rest; text and stop strings are handled here (`GenerationState`); a matched stop string
    ends the request and closes the stream, which cancels it on the decode instance.
 5. Settle, however the request ended: close the open leg (cancelling it remotely); when the first token
    already ended the request, DECODE still runs (max_tokens 1) so the decode instance commits the blocks the
    prefill wrote there; when a reservation may be held but DECODE was never sent (prefill failed, client gone,
-   deadline), UNRESERVE it; then settle the view's queue model and the metrics.
+   deadline), UNRESERVE it; then settle the view's queue model and the metrics, teach the output-length
+   predictor a naturally ended request's length, and record how far the predictions were from what happened.
 
 Each leg has its deadline (prefill_timeout_s, first_token_timeout_s, token_timeout_s).
 """
@@ -33,12 +36,14 @@ from mooncaked.model.stopping import FINISH_LENGTH, FINISH_STOP, GenerationState
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.cluster_view import ClusterView
 from mooncaked.roles.conductor.frontend import ConductorRequest, ModelFrontend
+from mooncaked.roles.conductor.prediction_errors import PredictionErrors, PredictionRecord
 from mooncaked.roles.worker.messages import (
     DECODE, FINISH_EOS, PREFILL, RESERVE, UNRESERVE, DecodeItem, DecodeRequest, PrefillReply, PrefillRequest,
     ReserveReply, ReserveRequest, SamplingSpec, TokenSample, UnreserveRequest,
 )
 from mooncaked.rpc import Cancelled, DeadlineExceeded, ResourceExhausted, RpcClient, RpcError, Unavailable
-from mooncaked.sched.types import REASON_NO_DECODE, REASON_NO_PREFILL, Placement, Rejection, RequestInfo
+from mooncaked.sched.types import (REASON_DECODE_REFUSED, REASON_NO_DECODE, REASON_NO_PREFILL, Placement, Rejection,
+                                   RequestInfo)
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +66,7 @@ class RunServices(Protocol):
     view: ClusterView
     peers: PeerClients
     metrics: Metrics
+    prediction_errors: PredictionErrors
     num_active: int
 
     def update_queue_metrics(self) -> None: ...
@@ -86,6 +92,7 @@ class RequestRun:
         self.num_decode_items = 0
         self.num_cached_tokens = 0
         self.first_token_at: float | None = None
+        self.last_token_at = 0.0
         self.status = "cancelled"  # until the request finishes or fails
 
     async def chunks(self) -> AsyncIterator[GenerationChunk]:
@@ -96,9 +103,14 @@ class RequestRun:
             reservation = await self._reserve(placement)
             if placement.prefill_instance:
                 first = await self._prefill(placement, reservation)
+                admitted = await self._admitted_after_prefill() if first.finish_reason is None else None
                 yield first
                 if first.finish_reason is not None:
                     return
+                if admitted is not None:
+                    yield admitted
+                    if admitted.finish_reason is not None:
+                        return
             else:
                 self._open_decode(None, self.prepared.max_tokens)
             while True:
@@ -125,7 +137,7 @@ class RequestRun:
         result = self.view.place(info, now)
         if isinstance(result, Rejection):
             raise self._rejected(result)
-        self.view.begin(info, result, now)
+        self.view.begin(info, result, now, max_tokens=prepared.max_tokens, client_id=prepared.request.client_id)
         self.placement = result
         self.backend.update_queue_metrics()
         logger.debug("placed: prefill %s, decode %s, prefix %d blocks (%d local, fetch %s), predicted TTFT %.3f s",
@@ -153,8 +165,10 @@ class RequestRun:
                                  is_inline_prefill=not placement.prefill_instance)
         client = self._client(placement.decode_instance)
         self.may_hold_reservation = True  # from here a cancel or a lost reply may leave one behind
+        waits = self.config.scheduler.admission in ("none", "baseline")  # RESERVE waits for room there
+        timeout_s = conductor.prefill_timeout_s if waits else self.config.rpc.call_timeout_s
         try:
-            reply = await client.call(RESERVE, request, timeout_s=self.config.rpc.call_timeout_s)
+            reply = await client.call(RESERVE, request, timeout_s=timeout_s)
         except RpcError as exc:
             raise self._leg_error("reserve", placement.decode_instance, exc) from None
         if not reply.is_accepted:
@@ -185,6 +199,12 @@ class RequestRun:
         self.is_decode_owed = chunk.finish_reason is not None
         self._open_decode(reply.first_token, 1 if self.is_decode_owed else prepared.max_tokens)
         return chunk
+
+    async def _admitted_after_prefill(self) -> GenerationChunk | None:
+        """`baseline`: DECODE's first item (the decode instance's admission check happens on its arrival)."""
+        if self.config.scheduler.admission != "baseline":
+            return None
+        return await self._next_decode_chunk()
 
     def _open_decode(self, first_token: TokenSample | None, max_tokens: int) -> None:
         assert self.placement is not None
@@ -234,14 +254,20 @@ class RequestRun:
             self.state.finish_reason = finish_reason
         if not token_ids and finish_reason is None:
             return None
-        if token_ids and self.first_token_at is None:
-            self.first_token_at = time.monotonic()
+        is_first = bool(token_ids) and self.first_token_at is None
+        if token_ids:
+            self.last_token_at = time.monotonic()
+            self.first_token_at = self.first_token_at or self.last_token_at
+            self.view.generated(self.request_id, len(self.state.output_ids))
         if finish_reason is not None:
             self.status = "ok"
         logprobs = self._logprobs(samples[: len(token_ids)]) if self.prepared.request.num_logprobs is not None \
             else None
+        placement = self.placement if is_first else None
         return GenerationChunk(tuple(token_ids), "".join(texts), logprobs, finish_reason,
-                               self.prepared.num_prompt_tokens, self.num_cached_tokens)
+                               self.prepared.num_prompt_tokens, self.num_cached_tokens,
+                               placement.predicted_ttft_s if placement else None,
+                               placement.predicted_tbt_s if placement else None)
 
     def _flush(self) -> str:
         matcher = self.state.matcher
@@ -257,9 +283,6 @@ class RequestRun:
 
     # ---- bookkeeping --------------------------------------------------------------------------------------
     def _record_prefill(self, reply: PrefillReply) -> None:
-        if reply.compute_s > 0:  # the forward alone: queueing on the instance is the queue model's part
-            self.view.predictors.add_prefill(self.prepared.num_prompt_tokens, reply.num_cached_tokens,
-                                             reply.compute_s)
         self._record_prefix(reply.num_cached_tokens, reply.num_fetched_blocks)
 
     def _record_prefix(self, num_cached_tokens: int, num_fetched_blocks: int) -> None:
@@ -279,6 +302,8 @@ class RequestRun:
         logger.warning("%s leg on %s failed: %s", leg, instance, exc)
         if isinstance(exc, DeadlineExceeded):
             return deadline_exceeded(f"The {leg} leg on {instance} missed its deadline; retry later.")
+        if isinstance(exc, ResourceExhausted) and exc.message.startswith(REASON_DECODE_REFUSED):
+            return self._rejected(Rejection(self.request_id, REASON_DECODE_REFUSED))
         if isinstance(exc, ResourceExhausted):
             return overloaded(f"{instance} is out of capacity: {exc.message}",
                               float(self.config.conductor.retry_after_s))
@@ -296,7 +321,9 @@ class RequestRun:
             if self.may_hold_reservation and not self.is_decode_sent:
                 await self._unreserve()
         finally:
-            self.view.finish(self.request_id)
+            num_output_tokens = len(self.state.output_ids)
+            self.view.finish(self.request_id, num_output_tokens if self.status == "ok" else None)
+            self._record_prediction_error(num_output_tokens)
             self.backend.num_active -= 1
             self.backend.update_queue_metrics()
             if self.status != "rejected":
@@ -304,6 +331,16 @@ class RequestRun:
                 ttft_s = None if self.first_token_at is None else self.first_token_at - self.prepared.arrival_time
                 self.backend.metrics.requests.observe_finished(status=self.status, ttft_s=ttft_s, e2e_s=e2e_s,
                                                                num_output_tokens=len(self.state.output_ids))
+
+    def _record_prediction_error(self, num_output_tokens: int) -> None:
+        if self.placement is None or self.first_token_at is None:
+            return
+        actual_tbt_s = None
+        if num_output_tokens > 1:
+            actual_tbt_s = (self.last_token_at - self.first_token_at) / (num_output_tokens - 1)
+        self.backend.prediction_errors.record(PredictionRecord(
+            self.request_id, self.placement.predicted_ttft_s, self.first_token_at - self.prepared.arrival_time,
+            self.placement.predicted_tbt_s, actual_tbt_s))
 
     async def _drain_decode(self) -> None:
         """Run the owed DECODE (max_tokens 1) to its end: the decode instance commits and frees the request."""

@@ -3,7 +3,8 @@
 1. `add(seq)` puts a sequence (its KV already in pages, its first token sampled) into the running batch;
    the loop wakes up. A sequence joins between steps, never inside one.
 2. A step runs on the compute thread: one decode forward over the whole batch, then one sample per row.
-   Each sequence gets its token through its own queue; finished sequences leave the batch.
+   Each sequence gets its token through its own queue; finished sequences leave the batch. The step's time
+   (batch size, context) is a live sample of the worker's performance model.
 3. `remove(seq)` takes a sequence out (finished, or its client went away); it returns once no step uses the
    sequence's pages any more, so the caller may free them.
 4. `stop()` cancels the loop task and awaits it; sequences still running get a final error through their queues.
@@ -107,6 +108,7 @@ class DecodeLoop:
                 continue
             batch = list(self.running)
             self._in_step = batch
+            num_context_tokens = sum(len(seq.token_ids) for seq in batch)
             try:
                 samples, step_s = await self.worker.compute(self._step, batch)
             except Exception as exc:
@@ -117,6 +119,7 @@ class DecodeLoop:
                 self._in_step = []
                 self._step_done.set()
             self._observe(step_s)
+            self.worker.perf.add_decode(len(batch), num_context_tokens, step_s)
             self.on_step(len(batch), step_s)
             self._deliver(batch, samples)
 

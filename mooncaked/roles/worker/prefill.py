@@ -8,6 +8,8 @@
    copied to staging and written into this host's store and into the decode host's reserved blocks.
 4. After the last layer: wait for every write, commit the new blocks (they become cache), sample the first
    token, reply. Whatever happens, `finally` aborts uncommitted handles, ends leases and frees pages.
+5. Each batch's time, split per prompt by compute share, refits the instance's performance model (profiled at
+   start); LOAD reports the model, the predicted work the instance holds and its per-request overhead.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from mooncaked.roles.worker.kv_plan import KvPlan, plan_prompt_kv
 from mooncaked.roles.worker.messages import LOAD, PREFILL, LoadReply, LoadRequest, PrefillReply, PrefillRequest
 from mooncaked.roles.worker.messages import TokenSample
 from mooncaked.roles.worker.prefill_forward import PrefillCancelled, run_prefill_forward
+from mooncaked.roles.worker.prefill_load import PrefillLoad
+from mooncaked.roles.worker.profiler import profile
 from mooncaked.roles.worker.sampling import to_params
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import CallContext
@@ -40,14 +44,25 @@ class PrefillJob:
 
     request: PrefillRequest
     plan: KvPlan
+    arrived_at: float  # the PREFILL call's arrival (before planning its KV)
     enqueued_at: float
     future: asyncio.Future[PrefillReply]
     is_running: bool = False
+    started_at: float = 0.0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
+    def num_prefix_tokens(self) -> int:
+        return self.plan.num_prefix_blocks * self.plan.kv.worker.block_size
+
+    @property
     def num_new_tokens(self) -> int:
-        return self.plan.kv.num_tokens - self.plan.num_prefix_blocks * self.plan.kv.worker.block_size
+        return self.plan.kv.num_tokens - self.num_prefix_tokens
+
+    @property
+    def prompt(self) -> tuple[int, int]:
+        """(prompt tokens, reused prefix tokens): what the performance model is keyed by."""
+        return self.plan.kv.num_tokens, self.num_prefix_tokens
 
 
 class PrefillRole:
@@ -66,13 +81,16 @@ class PrefillRole:
         self._running: list[PrefillJob] = []
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
-        self._mean_prefill_s = 0.0
+        self.load: PrefillLoad | None = None  # from start(): needs the model's hidden size
         self.metrics = Metrics()
         self.metrics_endpoint = MetricsEndpoint(instance.host, instance.metrics_port, self.metrics,
                                                 self._refresh_metrics)
 
     async def start(self) -> None:
         await self.worker.start()
+        assert self.worker.loaded is not None
+        self.load = PrefillLoad(self.worker.perf, self.worker.loaded.args.hidden_size)
+        await profile(self.worker, with_decode=False)
         self._loop_task = asyncio.create_task(self._batch_loop(), name="prefill-batch-loop")
         await self.endpoint.start()
         await self.metrics_endpoint.start()
@@ -107,21 +125,27 @@ class PrefillRole:
         return {"queued": str(len(self._queue)), "running": str(len(self._running))}
 
     async def _load(self, request: LoadRequest, ctx: CallContext) -> LoadReply:
-        pages = self.worker.pages
-        assert pages is not None
+        pages, load = self.worker.pages, self.load
+        assert pages is not None and load is not None
+        coefficients = self.worker.perf.coefficients()
         return LoadReply(role="prefill", num_running=len(self._running), num_waiting=len(self._queue),
                          num_queued_tokens=sum(job.num_new_tokens for job in self._queue + self._running),
                          num_free_pages=pages.num_free, num_pages=self.worker.section.num_kv_pages,
-                         step_time_s=self._mean_prefill_s)
+                         step_time_s=load.mean_batch_s, prefill_coefficients=list(coefficients.prefill),
+                         decode_coefficients=list(coefficients.decode),
+                         pending_work_s=load.pending_work_s([job.prompt for job in self._queue], time.monotonic()),
+                         held_request_ids=[job.request.request_id for job in self._running + self._queue],
+                         overhead_s=load.overhead.value)
 
     async def _prefill(self, request: PrefillRequest, ctx: CallContext) -> PrefillReply:
         request_id_var.set(request.request_id)
+        arrived_at = time.monotonic()
         to_params(request.sampling)  # invalid sampling parameters fail here, not inside a batch
         plan = await plan_prompt_kv(self.worker, request.request_id, request.token_ids, request.block_keys,
                                     fetch_store=request.fetch_store, num_fetch_blocks=request.num_fetch_blocks,
                                     decode_store=request.decode_store, destinations=request.destinations,
                                     timeout_s=max(ctx.deadline - time.monotonic(), 0.001))
-        job = PrefillJob(request, plan, time.monotonic(), asyncio.get_running_loop().create_future())
+        job = PrefillJob(request, plan, arrived_at, time.monotonic(), asyncio.get_running_loop().create_future())
         job.idle.set()
         try:
             self._queue.append(job)
@@ -160,15 +184,18 @@ class PrefillRole:
                 await self._run_batch(batch)
 
     async def _run_batch(self, batch: list[PrefillJob]) -> None:
+        started = time.monotonic()
         for job in batch:
-            job.is_running = True
+            job.is_running, job.started_at = True, started
             job.idle.clear()
         self._running = batch
-        started = time.monotonic()
+        assert self.load is not None
+        self.load.batch_started([job.prompt for job in batch], started)
         try:
             first_tokens = await self.worker.compute(self._forward, batch)
             elapsed_s = time.monotonic() - started
             self._observe(batch, started, elapsed_s)
+            self.load.batch_finished([job.prompt for job in batch], elapsed_s)
             await self._finish(batch, first_tokens, elapsed_s)
         except Exception as exc:
             if not isinstance(exc, PrefillCancelled):
@@ -183,7 +210,7 @@ class PrefillRole:
                 job.idle.set()
 
     async def _finish(self, batch: list[PrefillJob], samples: list[TokenSample], elapsed_s: float) -> None:
-        self._mean_prefill_s = 0.8 * self._mean_prefill_s + 0.2 * elapsed_s if self._mean_prefill_s else elapsed_s
+        assert self.load is not None
         for job, sample in zip(batch, samples):
             if job.future.done():
                 continue
@@ -192,10 +219,11 @@ class PrefillRole:
             except Exception as exc:
                 job.future.set_exception(exc)
                 continue
+            now = time.monotonic()
+            self.load.replied(now - job.arrived_at, job.started_at - job.enqueued_at, elapsed_s)
             job.future.set_result(PrefillReply(
-                first_token=sample, num_cached_tokens=job.plan.num_prefix_blocks * self.worker.block_size,
-                num_fetched_blocks=job.plan.num_fetched_blocks, prefill_s=time.monotonic() - job.enqueued_at,
-                compute_s=elapsed_s))
+                first_token=sample, num_cached_tokens=job.num_prefix_tokens,
+                num_fetched_blocks=job.plan.num_fetched_blocks, prefill_s=now - job.enqueued_at, compute_s=elapsed_s))
 
     def _forward(self, batch: list[PrefillJob]) -> list[TokenSample]:
         return run_prefill_forward(self.worker, [job.plan for job in batch], [job.request.sampling for job in batch])

@@ -8,6 +8,9 @@
    transfer engine); the local store's client maps its shared-memory pool.
 4. `await stop()`: close store clients, stop the engine, shut the compute thread down (after the role has drained).
 
+The worker also owns its performance model (`perf`): the role profiles it before serving (profiler.py) and feeds
+it live samples; LOAD replies report its coefficients, which the conductor predicts with.
+
 The runner does not know which role drives it (DESIGN 11): a decode instance prefills inline with the same code.
 """
 
@@ -32,6 +35,7 @@ from mooncaked.model.loader import LoadedModel, load_model
 from mooncaked.model.sampler import Sampler
 from mooncaked.roles.base import PeerClients, make_transfer_engine
 from mooncaked.rpc import InvalidArgument
+from mooncaked.sched.perf_model import PerformanceModel
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +43,8 @@ T = TypeVar("T")
 
 
 class Worker:
-    """Owns the model replica, KV pages and page allocator, compute thread, transfer engine and store clients."""
+    """Owns the model replica, KV pages and page allocator, compute thread, transfer engine, store clients and the
+    performance model."""
 
     def __init__(self, config: Config, instance: InstanceConfig) -> None:
         self.config = config
@@ -58,6 +63,7 @@ class Worker:
         self.copier: KVCopier | None = None
         self.sampler: Sampler | None = None
         self.namespace = b""
+        self.perf = PerformanceModel()
         local_store = config.store_for_host(instance.host)
         self.local_store_name = local_store.name if local_store is not None else ""
 
