@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 
 from mooncaked.roles.conductor.role import ConductorRole
+from mooncaked.roles.worker import prefill_forward
 from mooncaked.roles.worker.decode import DecodeRole
 from mooncaked.roles.worker.prefill import PrefillRole
 from mooncaked.sched.predictors import DecodeStepPredictor
@@ -87,3 +90,32 @@ async def test_a_cold_conductor_predicts_its_first_request_and_a_restarted_one_a
             async with running_roles(config, ["c0"]):
                 predicted, actual = await _first_prediction(http, base, seed)
             assert abs(predicted - actual) / actual <= 0.35, (seed, predicted, actual)
+
+
+async def test_a_batched_prefill_splits_its_time_into_per_request_samples(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two prompts queued behind a held one run as one batch: its two samples sum to that batch's time."""
+    config = make_config(tmp_path, worker={"prefill_chunk": 256, "max_batch_tokens": 512, "profile_s": 0})
+    gate = threading.Event()
+    load_layer = prefill_forward._load_layer
+
+    def gated_load_layer(plans: Any, layer: int) -> None:
+        assert gate.wait(timeout=10.0), "the test never released the prefill"
+        load_layer(plans, layer)
+
+    monkeypatch.setattr(prefill_forward, "_load_layer", gated_load_layer)
+    async with running_roles(config, ["s0", "p0", "d0", "c0"]) as roles, aiohttp.ClientSession() as http:
+        prefill = roles["p0"]
+        assert isinstance(prefill, PrefillRole)
+        first = asyncio.ensure_future(completion(http, config, {"prompt": prompt(50, 30), "max_tokens": 1, **GREEDY}))
+        await eventually(lambda: bool(prefill._running))
+        rest = [asyncio.ensure_future(completion(http, config, {"prompt": prompt(51 + i, 40 + 60 * i),
+                                                                  "max_tokens": 1, **GREEDY})) for i in range(2)]
+        await eventually(lambda: len(prefill._queue) == 2)
+        gate.set()
+        await asyncio.gather(first, *rest)
+        samples = list(prefill.worker.perf._live_prefill)
+        assert [n for n, _, _ in samples] == [30, 40, 100]
+        step = prefill.metrics.registry.get_sample_value("mooncaked_step_time_seconds_sum", {"phase": "prefill"})
+        assert step is not None and sum(s for _, _, s in samples) == pytest.approx(step, rel=1e-9)
+        assert samples[2][2] > samples[1][2] > 0  # the longer prompt of the batch pays more of it
