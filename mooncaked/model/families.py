@@ -36,7 +36,7 @@ def args_from_hf_config(config: Mapping[str, Any]) -> ModelArgs:
         raise ConfigError(f"config.json must hold a JSON object, got {type(config).__name__}")
     model_type = config.get("model_type")
     architectures = config.get("architectures")
-    if model_type not in ARCHITECTURES:
+    if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
         raise UnsupportedModel(f"model_type {model_type!r} (architectures {architectures}) is not supported; "
                                f"supported: {_SUPPORTED}")
     expected = ARCHITECTURES[model_type]

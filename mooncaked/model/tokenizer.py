@@ -22,9 +22,13 @@ _USER_DEFINED = 4
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen2's split: Llama 3's, but digits one at a time.
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # llama.cpp pre-tokenizer names that first cut digits one by one, then apply the GPT-2 regex.
 _DIGIT_SPLIT_PRES = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"}
 _LLAMA3_PRES = {"llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx"}
+_QWEN2_PRES = {"qwen2", "deepseek-r1-qwen"}
 
 
 class TextTokenizer:
@@ -101,8 +105,9 @@ class TextTokenizer:
 def gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     """The text split llama.cpp applies for `tokenizer.ggml.pre`, followed by the byte-level mapping."""
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-    if pre in _LLAMA3_PRES:
-        split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated")
+    if pre in _LLAMA3_PRES or pre in _QWEN2_PRES:
+        pattern = _LLAMA3_SPLIT if pre in _LLAMA3_PRES else _QWEN2_SPLIT
+        split = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
         return pre_tokenizers.Sequence([split, byte_level])
     gpt2 = pre_tokenizers.Split(Regex(_GPT2_SPLIT), behavior="isolated")
     if pre in _DIGIT_SPLIT_PRES:
