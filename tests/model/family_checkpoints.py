@@ -166,8 +166,10 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def write_gguf(model: Any, path: Path, arch: str, rope_freqs: np.ndarray | None = None,
-               chat_template: str | None = None) -> None:
-    """A GGUF file of a transformers model, laid out as llama.cpp's converter does for `arch` (fp32 tensors)."""
+               chat_template: str | None = None,
+               sentencepiece: tuple[list[str], list[float], list[int]] | None = None) -> None:
+    """A GGUF file of a transformers model, laid out as llama.cpp's converter does for `arch` (fp32 tensors), with
+    the byte-level test vocabulary or a SentencePiece one (tokens, scores, token types)."""
     import gguf
 
     config = model.config
@@ -184,7 +186,12 @@ def write_gguf(model: Any, path: Path, arch: str, rope_freqs: np.ndarray | None 
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    _add_tokenizer(writer, config.vocab_size, chat_template)
+    if sentencepiece is None:
+        _add_tokenizer(writer, config.vocab_size)
+    else:
+        add_sentencepiece_vocabulary(writer, *sentencepiece)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
@@ -205,7 +212,7 @@ def write_gguf(model: Any, path: Path, arch: str, rope_freqs: np.ndarray | None 
     writer.close()
 
 
-def _add_tokenizer(writer: Any, vocab_size: int, chat_template: str | None) -> None:
+def _add_tokenizer(writer: Any, vocab_size: int) -> None:
     """The byte-level test tokenizer as a gpt2-style GGUF vocabulary (specials are control tokens), padded to the
     embedding's rows with unused tokens as the converter does."""
     vocab = byte_level_test_tokenizer().backend.get_vocab()
@@ -219,5 +226,16 @@ def _add_tokenizer(writer: Any, vocab_size: int, chat_template: str | None) -> N
     writer.add_token_merges([])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    if chat_template is not None:
-        writer.add_chat_template(chat_template)
+
+
+def add_sentencepiece_vocabulary(writer: Any, tokens: list[str], scores: list[float], types: list[int]) -> None:
+    """A llama-style (SentencePiece) GGUF vocabulary: <unk>, <s>, </s> at 0, 1, 2; BOS added, as Llama 2 files."""
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)

@@ -56,6 +56,6 @@ def test_byte_level_test_tokenizer_round_trips_any_text() -> None:
     ("default", ["abc", "Ġ12345"]),
 ])
 def test_gguf_pre_tokenizers_split_digits_like_their_models(pre: str, expected: list[str]) -> None:
-    from mooncaked.model.tokenizer import gguf_pre_tokenizer
+    from mooncaked.model.tokenizer_gguf import gguf_pre_tokenizer
 
     assert [piece for piece, _ in gguf_pre_tokenizer(pre).pre_tokenize_str("abc 12345")] == expected
