@@ -50,7 +50,8 @@ def _layer_shapes(args: ModelArgs, p: str, h: int, inter: int) -> dict[str, tupl
     if args.o_bias:
         shapes[p + "self_attn.o_proj.bias"] = (h,)
     if args.qk_norm:
-        shapes.update({p + "self_attn.q_norm.weight": (args.head_dim,), p + "self_attn.k_norm.weight": (args.head_dim,)})
+        shapes.update({p + "self_attn.q_norm.weight": (args.head_dim,),
+                       p + "self_attn.k_norm.weight": (args.head_dim,)})
     if args.mlp_bias:
         shapes.update({p + "mlp.gate_proj.bias": (inter,), p + "mlp.up_proj.bias": (inter,),
                        p + "mlp.down_proj.bias": (h,)})

@@ -16,7 +16,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from mooncaked.model.loader import load_model
 from mooncaked.model.tokenizer import TextTokenizer
 from mooncaked.model.tokenizer_gguf import SPACE, sentencepiece_merges
-from tests.model.family_checkpoints import CASES, INST_TEMPLATE, add_sentencepiece_vocabulary, random_hf_model, write_gguf
+from tests.model.family_checkpoints import (CASES, INST_TEMPLATE, add_sentencepiece_vocabulary, random_hf_model,
+                                            write_gguf)
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")

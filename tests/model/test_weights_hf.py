@@ -61,7 +61,8 @@ def _rewrite(path: Path, edit: dict[str, torch.Tensor | None]) -> None:
 
 @pytest.mark.parametrize("edit, message", [
     ({"model.layers.1.self_attn.k_norm.weight": None}, "missing 1 tensor.*model.layers.1.self_attn.k_norm.weight"),
-    ({"model.layers.0.mlp.up_proj.weight": torch.zeros(3, 3)}, r"'model.layers.0.mlp.up_proj.weight' has shape \(3, 3\)"),
+    ({"model.layers.0.mlp.up_proj.weight": torch.zeros(3, 3)},
+     r"'model.layers.0.mlp.up_proj.weight' has shape \(3, 3\)"),
     ({"model.layers.0.self_attn.q_proj.bias": torch.zeros(128)}, "'model.layers.0.self_attn.q_proj.bias' is not part"),
     ({"model.layers.0.mlp.down_proj.weight": torch.zeros(64, 96, dtype=torch.int8)}, "has dtype I8"),
 ])
