@@ -165,7 +165,7 @@ def _load_source(source: str, dtype: torch.dtype, device: str, seed: int, is_pac
     if source == EMBEDDED_SMOLLM2:
         return _load_gguf(embedded_smollm2_path(), dtype, device, is_packed, model_id=SMOLLM2_MODEL_ID)
     if source.startswith("random:"):
-        return _load_random(source.removeprefix("random:"), dtype, device, seed)
+        return _load_random(source.removeprefix("random:"), dtype, device, seed, is_packed)
     path = Path(source)
     if path.is_dir():
         return _load_hf_dir(path, dtype, device, is_packed)
@@ -211,8 +211,9 @@ def _load_hf_dir(model_dir: Path, dtype: torch.dtype, device: str, is_packed: bo
     return _loaded(model, tokenizer, template, tuple(tokenizer.eos_token_ids), model_dir.name)
 
 
-def _load_random(preset: str, dtype: torch.dtype, device: str, seed: int) -> LoadedModel:
+def _load_random(preset: str, dtype: torch.dtype, device: str, seed: int, is_packed: bool) -> LoadedModel:
     args = random_preset(preset)
+    check_fits(args, dtype, torch.device(device), is_packed, f"random:{preset}")
     tokenizer = byte_level_test_tokenizer()
     if tokenizer.vocab_size > args.vocab_size:
         raise ValueError(f"random preset {preset!r} has vocab_size {args.vocab_size} < test tokenizer's "

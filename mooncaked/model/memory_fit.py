@@ -40,6 +40,9 @@ def weight_bytes(args: ModelArgs, dtype: torch.dtype, is_cpu_packed: bool) -> in
 def free_bytes(device: torch.device) -> int | None:
     """Free memory on `device` in bytes, or None where it cannot be measured."""
     if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"model.device is {device} but this torch sees no CUDA device; use cpu or install a "
+                             "CUDA build of torch on a GPU host")
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
     if device.type != "cpu" or not _MEMINFO.is_file():

@@ -138,3 +138,9 @@ def test_loading_logs_the_checkpoint_and_summary(tmp_path: Path, caplog: pytest.
     with caplog.at_level(logging.INFO, logger="mooncaked.model"):
         load_model(str(tmp_path), cpu_packed_gemm=False)
     assert "loading qwen3 checkpoint" in caplog.text and f"loaded {tmp_path}" in caplog.text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a host without CUDA")
+def test_cuda_device_without_cuda_is_named() -> None:
+    with pytest.raises(ValueError, match="model.device is cuda but this torch sees no CUDA device"):
+        load_model("random:tiny", device="cuda")
