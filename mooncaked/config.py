@@ -131,6 +131,7 @@ class ConductorSection:
     load_poll_timeout_s: float = bounded(1.0, min=0.01)
     startup_sync_timeout_s: float = bounded(5.0, min=0.0)
     events_renew_s: float = bounded(30.0, min=0.1)
+    max_migrations: int = bounded(2, min=0, max=16)
 
 
 @dataclass(frozen=True)

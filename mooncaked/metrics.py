@@ -63,6 +63,8 @@ class RequestMetrics:
                                            registry=registry)
         self.generation_tokens_total = Counter("mooncaked_generation_tokens", "Generated tokens.",
                                                registry=registry)
+        self.migrations_total = Counter("mooncaked_migrations", "Requests placed again after a leg failed, by cause.",
+                                        ["cause"], registry=registry)
 
     def observe_finished(self, *, status: str, ttft_s: float | None, e2e_s: float, num_output_tokens: int) -> None:
         _check("status", status, REQUEST_STATUSES)
@@ -73,6 +75,10 @@ class RequestMetrics:
             self.ttft_seconds.observe(ttft_s)
             if num_output_tokens > 1:
                 self.tpot_seconds.observe((e2e_s - ttft_s) / (num_output_tokens - 1))
+
+    def observe_migration(self, cause: str) -> None:
+        """`cause`: the failed leg and how, e.g. decode_lost, prefill_deadline."""
+        self.migrations_total.labels(cause=cause).inc()
 
     def observe_rejection(self, reason: str) -> None:
         """Count a rejected request (instead of `observe_finished`); `reason` names the check that failed,

@@ -22,6 +22,7 @@ restarts; the output-length predictor starts again from its conservative prior (
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -148,12 +149,13 @@ class ClusterView:
     def policy(self) -> SchedulerPolicy:
         return SchedulerPolicy(self.policy_config, self.predictors.current)
 
-    def place(self, request: RequestInfo, now: float) -> Placement | Rejection:
-        """Where the request runs; see the module docstring. `prefill_instance` "" means inline prefill."""
-        decode_views = [self._decode_view(w, now) for w in self.decode.values()]
+    def place(self, request: RequestInfo, now: float, excluded: frozenset[str] = frozenset()) -> Placement | Rejection:
+        """Where the request runs; see the module docstring. `prefill_instance` "" means inline prefill.
+        `excluded`: instances this request saw fail (a migration goes elsewhere)."""
+        decode_views = [self._decode_view(w, now, excluded) for w in self.decode.values()]
         if not self.prefill:
             return self._place_inline(request, decode_views, now, max_uncached=None)
-        prefill_views = [self._prefill_view(w, now) for w in self.prefill.values()]
+        prefill_views = [self._prefill_view(w, now, excluded) for w in self.prefill.values()]
         result = schedule(request, prefill_views, decode_views, self.index, self.policy(), now)
         if isinstance(result, Rejection):
             if result.reason != REASON_NO_PREFILL:
@@ -162,7 +164,7 @@ class ClusterView:
             return inline if isinstance(inline, Placement) else result
         decode = self.decode[result.decode_instance]
         if self._uncached_tokens(request, decode.store_id) <= self._inline_max(decode):
-            return self._place_inline(request, [self._decode_view(decode, now)], now, max_uncached=None)
+            return self._place_inline(request, [self._decode_view(decode, now, excluded)], now, max_uncached=None)
         return result
 
     def _inline_max(self, worker: WorkerState) -> int:
@@ -198,15 +200,18 @@ class ClusterView:
         return Placement(request.request_id, "", decode.instance.name, num_blocks, num_blocks, None, 0,
                          0.0, 0.0, prefill_s, ttft_s, tbt_s)
 
-    def _prefill_view(self, worker: WorkerState, now: float) -> PrefillInstanceView:
+    def _prefill_view(self, worker: WorkerState, now: float, excluded: frozenset[str]) -> PrefillInstanceView:
         name = worker.instance.name
         flights = sorted((f for f in self._in_flight.values() if f.prefill_instance == name and not f.is_prefilled),
                          key=lambda f: f.dispatched_at)
-        return prefill_view(worker, flights, self.predictors, now)
+        view = prefill_view(worker, flights, self.predictors, now)
+        return dataclasses.replace(view, is_available=False) if name in excluded else view
 
-    def _decode_view(self, worker: WorkerState, now: float) -> DecodeInstanceView:
-        flights = [f for f in self._in_flight.values() if f.decode_instance == worker.instance.name]
-        return decode_view(worker, flights, self.predictors, self.forecast, self.block_size, now)
+    def _decode_view(self, worker: WorkerState, now: float, excluded: frozenset[str]) -> DecodeInstanceView:
+        name = worker.instance.name
+        flights = [f for f in self._in_flight.values() if f.decode_instance == name]
+        view = decode_view(worker, flights, self.predictors, self.forecast, self.block_size, now)
+        return dataclasses.replace(view, is_available=False) if name in excluded else view
 
     # ---- the queue model ----------------------------------------------------------------------------------
     def begin(self, request: RequestInfo, placement: Placement, now: float, *, max_tokens: int = 1,
@@ -231,14 +236,15 @@ class ClusterView:
         if flight is not None:
             flight.num_generated = num_generated
 
-    def finish(self, request_id: str, num_output_tokens: int | None = None) -> None:
-        """The request ended; `num_output_tokens` when it ended by itself (EOS, stop, max_tokens): a sample of
-        the output-length predictor (a cancelled or failed request's length says nothing about its own end)."""
-        flight = self._in_flight.pop(request_id, None)
-        if flight is not None and num_output_tokens is not None:
-            self.output_lengths.observe(api_key=flight.client_id, max_tokens=flight.max_tokens,
-                                        num_prompt_tokens=flight.num_context_tokens,
-                                        num_output_tokens=num_output_tokens)
+    def finish(self, request_id: str) -> None:
+        self._in_flight.pop(request_id, None)
+
+    def observe_output_length(self, max_tokens: int, num_prompt_tokens: int, client_id: str,
+                              num_output_tokens: int) -> None:
+        """A request that ended by itself (EOS, stop, max_tokens): a sample of the output-length predictor (a
+        cancelled or failed request's length says nothing about its own end)."""
+        self.output_lengths.observe(api_key=client_id, max_tokens=max_tokens, num_prompt_tokens=num_prompt_tokens,
+                                    num_output_tokens=num_output_tokens)
 
     def record_prefix(self, *, num_local: int, num_remote: int, num_computed: int) -> None:
         self.prefix_blocks["reused_local"] += num_local

@@ -222,7 +222,7 @@ class DecodeRole:
         finally:
             await self.reservations.drop(request.request_id)
         seq = RunningSeq(request.request_id, kv, list(request.token_ids) + [first.token_id], len(request.token_ids),
-                         params, make_generator(params))
+                         params, make_generator(params), num_sampled_before=request.sampling.num_sampled)
         try:
             assert self.worker.loaded is not None
             reason = finish_reason_for(seq, first.token_id, self.worker.loaded.eos_token_ids,

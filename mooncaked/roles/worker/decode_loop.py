@@ -25,7 +25,7 @@ from mooncaked.engine.batch import DecodeSeq, build_decode_batch
 from mooncaked.model.sampler import SamplingParams
 from mooncaked.roles.worker.messages import FINISH_EOS, FINISH_LENGTH, TokenSample
 from mooncaked.roles.worker.request_kv import RequestKv
-from mooncaked.roles.worker.sampling import sample_rows
+from mooncaked.roles.worker.sampling import reseed, sample_rows
 from mooncaked.roles.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ class RunningSeq:
     generator: torch.Generator | None
     outbox: asyncio.Queue[tuple[TokenSample, str] | BaseException] = field(default_factory=asyncio.Queue)
     finish_reason: str = ""
+    num_sampled_before: int = 0  # output tokens sampled before this leg (the request's seed state)
 
     @property
     def num_generated(self) -> int:
@@ -138,6 +139,8 @@ class DecodeLoop:
         decode_batch = build_decode_batch(seqs, block_size=worker.block_size, num_pages=worker.kv_pages.num_pages,
                                           device=worker.kv_pages.device)
         logits = worker.runner.decode(decode_batch)
+        for seq in batch:
+            reseed(seq.generator, seq.params, seq.num_sampled_before + seq.num_generated)
         samples = sample_rows(worker, logits, [s.params for s in batch], [s.generator for s in batch])
         return samples, time.monotonic() - started
 

@@ -38,6 +38,7 @@ class SamplingSpec(Message):
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     num_logprobs: Optional[int] = None  # None: no logprobs; 0: the sampled token's only
+    num_sampled: int = 0  # output tokens sampled before this leg (a migrated request's seed state)
 
 
 @dataclass(frozen=True)
