@@ -1,6 +1,6 @@
 """Who is in the cluster, behind one small interface (DESIGN section 11).
 
-1. `make_membership(config, me)` builds the source `cluster.membership` names: `StaticMembership` (the YAML's
+1. `roles.member.make_membership(config, me)` builds the source `cluster.membership` names: `StaticMembership` (the YAML's
    `cluster.instances`, every one ready, never changing) or `EtcdMembership` (etcd_membership.py: leases,
    watches, retries).
 2. Readers call `members()` for the current records and `add_listener(fn)` to hear each change as
@@ -212,10 +212,3 @@ class StaticMembership:
     def status(self) -> MembershipStatus:
         return MembershipStatus("static", True, num_members=len(self.table.records))
 
-
-def make_membership(config: Config, me: InstanceConfig | None) -> Membership:
-    if config.cluster.membership == "etcd":
-        from mooncaked.etcd_membership import EtcdMembership
-
-        return EtcdMembership(config, me)
-    return StaticMembership(config, me)

@@ -9,7 +9,8 @@ from pathlib import Path
 from hypothesis import given, strategies as st
 
 from mooncaked.config import load_config
-from mooncaked.membership import MemberRecord, MemberTable, StaticMembership, make_membership, store_on_host
+from mooncaked.membership import MemberRecord, MemberTable, StaticMembership, store_on_host
+from mooncaked.roles.member import make_membership
 import pytest
 
 CONFIG = {

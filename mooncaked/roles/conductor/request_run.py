@@ -273,7 +273,7 @@ class RequestRun:
                                                   num_computed=num_blocks - num_cached_blocks)
 
     def _client(self, instance_name: str) -> RpcClient:
-        return self.backend.peers.for_instance(self.config.instance_named(instance_name))
+        return self.backend.peers.for_instance(self.view.instance_config(instance_name))
 
     def _leg_error(self, leg: str, instance: str, exc: RpcError) -> ApiError:
         logger.warning("%s leg on %s failed: %s", leg, instance, exc)
