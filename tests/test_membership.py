@@ -125,3 +125,13 @@ def test_bad_membership_config_is_named(tmp_path: Path, override: dict[str, obje
     with pytest.raises(ConfigError) as excinfo:
         config(tmp_path, **override)
     assert message in str(excinfo.value)
+
+
+def test_switch_messages_round_trip() -> None:
+    from mooncaked.roles.worker.switch_messages import SWITCH, SwitchReply, SwitchRequest
+    from mooncaked.rpc.protocol import decode_message, encode_message
+
+    for message in (SwitchRequest("decode", "move_prefill_to_decode", 12.5),
+                    SwitchReply("decode", True, "", 0.25, 1, 3), SwitchReply("prefill", False, "already prefill")):
+        assert decode_message(type(message), encode_message(message)) == message
+    assert (SWITCH.request, SWITCH.response, SWITCH.is_streaming) == (SwitchRequest, SwitchReply, False)
