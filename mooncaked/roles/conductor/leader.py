@@ -96,7 +96,10 @@ class PdController:
             changed = self.membership.leader_changed()
             self._follow_leadership()
             if self.is_leading and self.section.enabled:
-                await self._step(time.monotonic())
+                try:
+                    await self._step(time.monotonic())
+                except Exception:  # a bad sample must not end the controller
+                    logger.exception("P/D controller step failed")
             try:
                 await asyncio.wait_for(changed.wait(), self.section.interval_s)
             except TimeoutError:
