@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "embedded:smollm2 for SmolLM2)")
     parser.add_argument("--lease-ttl-s", type=int, default=3)
     parser.add_argument("--phase-s", type=float, default=20.0, help="length of each workload phase")
-    parser.add_argument("--prompt-heavy", default="600,2,4.0", help="prompt tokens,output tokens,req/s")
+    parser.add_argument("--prompt-heavy", default="600,2,3.0", help="prompt tokens,output tokens,req/s")
     parser.add_argument("--output-heavy", default="24,96,7.0", help="prompt tokens,output tokens,req/s")
     parser.add_argument("--ttft-slo-ms", type=float, default=3000.0)
     parser.add_argument("--tbt-slo-ms", type=float, default=150.0)
@@ -217,13 +217,13 @@ async def conductor_kill_figures(fleet: Fleet, session: aiohttp.ClientSession,
                         counts["ok"] += 1
                         return
                     errors.append(f"{name}: {response.status} {text[:120]}")
-            except aiohttp.ClientConnectorError:
-                counts["retried"] += int(attempt == 0)
-                continue  # nothing was sent: the client tries the other conductor
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 if name == leader and killed_at is not None and sent_at <= killed_at:
-                    counts["held_by_killed"] += 1
+                    counts["held_by_killed"] += 1  # it held this one when it died
                     return
+                if name == leader and killed_at is not None and isinstance(exc, aiohttp.ClientOSError):
+                    counts["retried"] += int(attempt == 0)
+                    continue  # refused or reset by the dead conductor: the client tries the other one
                 errors.append(f"{name}: {type(exc).__name__} {exc}")
             counts["errors"] += 1
             return

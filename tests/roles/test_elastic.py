@@ -36,7 +36,7 @@ def own_config(tmp_path: Path, server: EtcdServer, entry: dict[str, Any], **sect
     data: dict[str, Any] = {
         "cluster": {"id": "elastic", "membership": "etcd", "instances": [entry],
                     "etcd": {"endpoints": [server.endpoint], "lease_ttl_s": 2, "call_timeout_s": 1.0,
-                             "min_backoff_s": 0.05, "max_backoff_s": 0.5, "drain_notice_s": 0.2}},
+                             "min_backoff_s": 0.05, "max_backoff_s": 0.5, "drain_notice_s": 0.5}},
         "model": {"source": "random:tiny", "name": "tiny", "max_model_len": 512},
         "kv": {"block_size": 16},
         "runtime": {"drain_timeout_s": 2.0},

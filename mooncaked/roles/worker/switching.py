@@ -3,8 +3,8 @@
 1. `start()`: load the model once (one `Worker`: weights, KV pages, compute thread, store clients), activate the
    starting role (`--role prefill|decode`), then serve one RPC endpoint whose PREFILL, RESERVE, UNRESERVE,
    DECODE and LOAD calls go to the active role, and SWITCH.
-2. SWITCH to the other role: stop taking new work (PREFILL and RESERVE are refused, the membership record says
-   `draining`, so conductors stop placing here), wait until in-flight work has finished (up to the request's
+2. SWITCH to the other role: publish `draining` (conductors stop placing here), wait `cluster.etcd.drain_notice_s`
+   for every conductor to see it, then refuse new work (PREFILL and RESERVE), wait until in-flight work has finished (up to the request's
    drain deadline; what is left then is cancelled), deactivate the old role, activate the new one on the same
    worker (its weights stay loaded, its KV pages are all free again and serve the new role), and publish the
    record as `ready` under the new role. Switches are logged, counted in metrics and in LOAD/INFO replies.
@@ -146,8 +146,9 @@ class SwitchableWorkerRole:
         """Drain, switch in place, re-register; see the module docstring."""
         old, started = self.role, time.monotonic()
         logger.info("switching %s -> %s (%s): draining up to %.1f s", old, role, reason or "asked", drain_timeout_s)
-        self.is_accepting = False
         await self.membership.set_state("draining")
+        await asyncio.sleep(self.config.cluster.etcd.drain_notice_s)  # conductors see `draining` before refusals
+        self.is_accepting = False
         try:
             num_left = await self._drain(started + drain_timeout_s)
             await self.active.deactivate()
