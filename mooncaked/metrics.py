@@ -185,6 +185,8 @@ class Metrics:
         self.engine = EngineMetrics(self.registry)
         self.cache = CacheMetrics(self.registry)
         self.predictions = PredictionMetrics(self.registry)
+        self.role_switches_total = Counter("mooncaked_role_switches", "Role switches of this instance (P/D ratio "
+                                           "controller).", ["from_role", "to_role"], registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -12,7 +12,10 @@
    polls. `report_failure()` marks an instance down until its next successful poll. Every LOAD reply carries
    the instance's own fitted performance model, which `place()` predicts with (live_predictors.py); finished
    requests teach the output-length predictor, which forecasts each decode instance's batch.
-3. `stop()` cancels the followers and pollers and awaits them; the RPC clients belong to the caller.
+3. Membership changes (membership.py) arrive while serving: a joining store gets a follower, a joining worker a
+   poller; one that leaves has them cancelled; one that is not `ready` (starting, draining) is polled but
+   receives no new work; one whose role changed is removed and added again under its new role.
+4. `stop()` cancels the followers and pollers and awaits them; the RPC clients belong to the caller.
 
 Owner of the shadow index, the per-instance states, the in-flight table, the live predictors and the output-length
 predictor. All but the last are rebuilt from the stores' dumps and the workers' LOAD replies when the conductor
@@ -31,6 +34,7 @@ from typing import Any
 
 from mooncaked.config import Config, InstanceConfig
 from mooncaked.kv import messages as kv_msg
+from mooncaked.membership import Membership, MemberRecord, StaticMembership, store_on_host
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.instance_views import InFlight, OutputForecast, WorkerState, decode_view, prefill_view
 from mooncaked.roles.conductor.live_predictors import LivePredictors
@@ -63,28 +67,34 @@ class ClusterView:
     """See the module docstring. Owns the index, the followers, the worker states and the in-flight table."""
 
     def __init__(self, config: Config, peers: PeerClients, policy_config: PolicyConfig,
-                 predictors: LivePredictors, settings: ClusterViewSettings) -> None:
+                 predictors: LivePredictors, settings: ClusterViewSettings,
+                 membership: Membership | None = None) -> None:
         self.config = config
+        self.membership = membership or StaticMembership(config)
         self.peers = peers
         self.policy_config = policy_config
         self.predictors = predictors
         self.settings = settings
         self.block_size = config.kv.block_size
         self.index = ShadowIndex()
-        self.followers = {s.name: StoreFollower(s, peers.for_instance(s), self.index, settings.follower)
-                          for s in config.instances_of("store")}
-        self.prefill = {i.name: self._worker_state(i) for i in config.instances_of("prefill")}
-        self.decode = {i.name: self._worker_state(i) for i in config.instances_of("decode")}
+        self.followers: dict[str, StoreFollower] = {}
+        self.prefill: dict[str, WorkerState] = {}
+        self.decode: dict[str, WorkerState] = {}
+        self.known: dict[str, InstanceConfig] = {}  # every instance seen, for the legs of requests placed on it
         self._in_flight: dict[str, InFlight] = {}
         self._tasks: list[asyncio.Task[None]] = []
         section = config.scheduler
         self.output_lengths = OutputLengthPredictor(quantile=section.output_length_quantile)
         self.forecast = OutputForecast(self.output_lengths, config.conductor.default_max_tokens,
                                        section.predict_output_length)
+        self._member_tasks: dict[str, asyncio.Task[None]] = {}
+        self._is_started = False
+        for record in self.membership.members().values():
+            self._add_member(record)
         self.prefix_blocks = {"reused_local": 0, "reused_remote": 0, "computed": 0}  # this conductor's requests
 
     def _worker_state(self, instance: InstanceConfig) -> WorkerState:
-        store = self.config.store_for_host(instance.host)
+        store = store_on_host(self.membership, instance.host)
         section = self.config.role_section(instance)
         return WorkerState(instance, store.name if store else "", section.max_batch_size,
                            section.num_kv_pages * self.block_size)
@@ -94,11 +104,10 @@ class ClusterView:
         return [*self.prefill.values(), *self.decode.values()]
 
     async def start(self) -> None:
-        for name, follower in self.followers.items():
-            self.index.add_store(name)
-            self._tasks.append(asyncio.create_task(follower.run(), name=f"follow-{name}"))
-        for worker in self.workers:
-            self._tasks.append(asyncio.create_task(self._poll(worker), name=f"load-{worker.instance.name}"))
+        self._is_started = True
+        for name in [*self.followers, *self.prefill, *self.decode]:
+            self._start_member_task(name)
+        self.membership.add_listener(self._on_member)
         first_round = [f.has_tried.wait() for f in self.followers.values()]
         first_round += [w.has_polled.wait() for w in self.workers]
         try:
@@ -108,10 +117,82 @@ class ClusterView:
                            "what answered", self.settings.startup_timeout_s)
 
     async def stop(self) -> None:
-        tasks, self._tasks = self._tasks, []
+        self._is_started = False
+        tasks, self._tasks = self._tasks + list(self._member_tasks.values()), []
+        self._member_tasks = {}
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ---- membership -------------------------------------------------------------------------------------
+    def instance_config(self, name: str) -> InstanceConfig:
+        """The instance a request's leg goes to (also one that left since the request was placed)."""
+        instance = self.known.get(name)
+        if instance is None:
+            raise KeyError(f"no instance named {name!r} is known to this conductor")
+        return instance
+
+    def _on_member(self, name: str, old: MemberRecord | None, new: MemberRecord | None) -> None:
+        if old is not None and (new is None or (old.role, old.host, old.port, old.incarnation)
+                                != (new.role, new.host, new.port, new.incarnation)):
+            self._remove_member(name)
+        if new is None:
+            return
+        worker = self.prefill.get(name) or self.decode.get(name)
+        if worker is not None:
+            if worker.state != new.state:
+                logger.info("%s %s is %s", new.role, name, new.state)
+            worker.state = new.state
+        elif name not in self.followers and self._add_member(new):
+            logger.info("%s %s joined (%s:%d, %s)", new.role, name, new.host, new.port, new.state)
+            self._start_member_task(name)
+
+    def _add_member(self, record: MemberRecord) -> bool:
+        instance = record.instance_config()
+        if record.role == "store":
+            self.known[record.name] = instance
+            self.followers[record.name] = StoreFollower(instance, self.peers.for_instance(instance), self.index,
+                                                        self.settings.follower)
+            for worker in self.workers:
+                if worker.instance.host == record.host and not worker.store_id:
+                    worker.store_id = record.name
+            return True
+        if record.role not in ("prefill", "decode"):
+            return False
+        self.known[record.name] = instance
+        worker = self._worker_state(instance)
+        worker.state = record.state
+        (self.prefill if record.role == "prefill" else self.decode)[record.name] = worker
+        return True
+
+    def _start_member_task(self, name: str) -> None:
+        if not self._is_started:
+            return
+        follower = self.followers.get(name)
+        if follower is not None:
+            self.index.add_store(name)
+            self._member_tasks[name] = asyncio.create_task(follower.run(), name=f"follow-{name}")
+            return
+        worker = self.prefill.get(name) or self.decode.get(name)
+        if worker is not None:
+            self._member_tasks[name] = asyncio.create_task(self._poll(worker), name=f"load-{name}")
+
+    def _remove_member(self, name: str) -> None:
+        task = self._member_tasks.pop(name, None)
+        if task is not None:
+            task.cancel()
+            self._tasks.append(task)  # awaited by stop()
+            self._tasks = [t for t in self._tasks if not t.done()]
+        if self.followers.pop(name, None) is not None:
+            self.index.remove_store(name)
+            for worker in self.workers:
+                if worker.store_id == name:
+                    store = store_on_host(self.membership, worker.instance.host)
+                    worker.store_id = store.name if store is not None and store.name != name else ""
+        was_prefill = self.prefill.pop(name, None) is not None
+        self.predictors.forget(name)
+        if self.decode.pop(name, None) is not None or was_prefill:
+            logger.info("%s left", name)
 
     # ---- load polling -------------------------------------------------------------------------------------
     async def _poll(self, worker: WorkerState) -> None:
@@ -266,6 +347,7 @@ class ClusterView:
         prefill_waiting, decode_incoming = self.num_waiting()
         return {
             "instances": [self._describe_worker(w) for w in self.workers],
+            "membership": self.membership.status().as_dict(),
             "stores": stores,
             "prefix_blocks": dict(self.prefix_blocks),
             "index": {"num_keys": self.index.num_keys, "stale_stores": sorted(self.index.stale_stores())},
@@ -279,7 +361,7 @@ class ClusterView:
     def _describe_worker(self, worker: WorkerState) -> dict[str, Any]:
         load = worker.load
         return {"name": worker.instance.name, "role": worker.instance.role, "host": worker.instance.host,
-                "port": worker.instance.port, "store": worker.store_id, "is_up": worker.is_up,
+                "port": worker.instance.port, "store": worker.store_id, "is_up": worker.is_up, "state": worker.state,
                 "last_error": worker.last_error,
                 "model": None if load is None else {"prefill_coefficients": load.prefill_coefficients,
                                                     "decode_coefficients": load.decode_coefficients,

@@ -31,6 +31,11 @@ class WorkerState:
     is_up: bool = False
     last_error: str = ""
     has_polled: asyncio.Event = field(default_factory=asyncio.Event)
+    state: str = "ready"  # its membership state: only a ready instance gets new work
+
+    @property
+    def is_placeable(self) -> bool:
+        return self.is_up and self.state == "ready"
 
 
 @dataclass
@@ -76,13 +81,13 @@ def prefill_view(worker: WorkerState, flights: list[InFlight], predictors: LiveP
     if load is None or not load.prefill_coefficients:
         busy_until = flights[0].dispatched_at + flights[0].predicted_prefill_s if flights else 0.0
         queued_s = sum(f.predicted_prefill_s for f in flights[1:])
-        return PrefillInstanceView(name, worker.store_id, busy_until, queued_s, len(flights), worker.is_up,
+        return PrefillInstanceView(name, worker.store_id, busy_until, queued_s, len(flights), worker.is_placeable,
                                    coefficients)
     held = set(load.held_request_ids)
     reported_s = max(load.pending_work_s - (now - worker.polled_at), 0.0)
     mine_s = sum(f.predicted_prefill_s for f in flights if f.request_id not in held)
     num_queued = max(len(flights), load.num_waiting + load.num_running)
-    return PrefillInstanceView(name, worker.store_id, now, reported_s + mine_s, num_queued, worker.is_up,
+    return PrefillInstanceView(name, worker.store_id, now, reported_s + mine_s, num_queued, worker.is_placeable,
                                coefficients, load.overhead_s)
 
 
@@ -111,7 +116,7 @@ def decode_view(worker: WorkerState, flights: list[InFlight], predictors: LivePr
     view = DecodeInstanceView(
         worker.instance.name, worker.store_id, num_running, num_context_tokens, worker.max_num_running,
         max_context_tokens, tuple(started_at), tuple(tokens),
-        tuple((f.ready_at, f.num_context_tokens) for f in incoming), worker.is_up,
+        tuple((f.ready_at, f.num_context_tokens) for f in incoming), worker.is_placeable,
         step_coefficients=model.coefficients if has_model else ())
     if not forecast.is_enabled:
         return view

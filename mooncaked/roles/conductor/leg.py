@@ -232,7 +232,7 @@ class Leg:
         return self.placement
 
     def _client(self, instance_name: str) -> RpcClient:
-        return self.peers.for_instance(self.config.instance_named(instance_name))
+        return self.peers.for_instance(self.view.instance_config(instance_name))
 
 
 _REJECTION_TEXT = {

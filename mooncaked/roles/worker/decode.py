@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 
 from mooncaked.config import Config, InstanceConfig
 from mooncaked.logs import request_id_var
+from mooncaked.membership import Membership
 from mooncaked.model.sampler import make_generator
 from mooncaked.metrics import Metrics
 from mooncaked.roles.base import RoleEndpoint
@@ -48,10 +49,11 @@ class DecodeRole:
 
     name = "decode"
 
-    def __init__(self, config: Config, instance: InstanceConfig) -> None:
+    def __init__(self, config: Config, instance: InstanceConfig, membership: Membership | None = None,
+                 worker: Worker | None = None) -> None:
         self.config = config
         self.instance = instance
-        self.worker = Worker(config, instance)
+        self.worker = worker or Worker(config, instance, membership)
         self.metrics = Metrics()
         self.metrics_endpoint = MetricsEndpoint(instance.host, instance.metrics_port, self.metrics,
                                                 self._refresh_metrics)
@@ -68,16 +70,30 @@ class DecodeRole:
     async def start(self) -> None:
         await self.worker.start()
         await profile(self.worker, with_decode=True)
-        self.loop.start()
+        self.activate()
         await self.endpoint.start()
         await self.metrics_endpoint.start()
 
     async def stop(self) -> None:
         await self.metrics_endpoint.stop()
         await self.endpoint.stop()
-        await self.loop.stop()
+        await self.deactivate()
         await self.reservations.close()
         await self.worker.stop()
+
+    def activate(self) -> None:
+        """Start the decode loop on the (started) worker; a switchable instance calls this when it becomes decode."""
+        self.loop.start()
+
+    async def deactivate(self) -> None:
+        """Stop the loop (its sequences end with an error) and give back every reservation; the worker stays."""
+        await self.loop.stop()
+        for request_id in list(self.reservations.by_id):
+            await self.reservations.drop(request_id, is_prefill_done=False)
+
+    @property
+    def is_idle(self) -> bool:
+        return not self.loop.running and not self.reservations and not self._num_prefilling
 
     def _refresh_metrics(self) -> None:
         self.metrics.queues.set_length("decode", len(self.reservations))

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from mooncaked.config import Config, InstanceConfig
 from mooncaked.logs import request_id_var
+from mooncaked.membership import Membership
 from mooncaked.metrics import Metrics
 from mooncaked.roles.base import RoleEndpoint
 from mooncaked.roles.metrics_http import MetricsEndpoint
@@ -33,7 +34,7 @@ from mooncaked.roles.worker.prefill_load import PrefillLoad
 from mooncaked.roles.worker.profiler import profile
 from mooncaked.roles.worker.sampling import to_params
 from mooncaked.roles.worker.worker import Worker
-from mooncaked.rpc import CallContext
+from mooncaked.rpc import CallContext, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +71,11 @@ class PrefillRole:
 
     name = "prefill"
 
-    def __init__(self, config: Config, instance: InstanceConfig) -> None:
+    def __init__(self, config: Config, instance: InstanceConfig, membership: Membership | None = None,
+                 worker: Worker | None = None) -> None:
         self.config = config
         self.instance = instance
-        self.worker = Worker(config, instance)
+        self.worker = worker or Worker(config, instance, membership)
         self.endpoint = RoleEndpoint(config, instance, extra_info=self._info)
         self.endpoint.add_method(PREFILL, self._prefill)
         self.endpoint.add_method(LOAD, self._load, is_eager=True)
@@ -88,21 +90,38 @@ class PrefillRole:
 
     async def start(self) -> None:
         await self.worker.start()
-        assert self.worker.loaded is not None
-        self.load = PrefillLoad(self.worker.perf, self.worker.loaded.args.hidden_size)
         await profile(self.worker, with_decode=False)
-        self._loop_task = asyncio.create_task(self._batch_loop(), name="prefill-batch-loop")
+        self.activate()
         await self.endpoint.start()
         await self.metrics_endpoint.start()
 
     async def stop(self) -> None:
         await self.metrics_endpoint.stop()
         await self.endpoint.stop()
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop_task
+        await self.deactivate()
         await self.worker.stop()
+
+    def activate(self) -> None:
+        """Start taking prefills on the (started) worker; a switchable instance calls this when it becomes prefill."""
+        if self.load is None:
+            assert self.worker.loaded is not None
+            self.load = PrefillLoad(self.worker.perf, self.worker.loaded.args.hidden_size)
+        self._loop_task = asyncio.create_task(self._batch_loop(), name="prefill-batch-loop")
+
+    async def deactivate(self) -> None:
+        """Stop the batch loop and fail what is still queued (nothing, after a drain); the worker stays."""
+        task, self._loop_task = self._loop_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for job in self._queue:
+            if not job.future.done():
+                job.future.set_exception(Unavailable(f"{self.instance.name} stopped taking prefills"))
+
+    @property
+    def is_idle(self) -> bool:
+        return not self._queue and not self._running
 
     def _refresh_metrics(self) -> None:
         self.metrics.queues.set_length("prefill", len(self._queue))

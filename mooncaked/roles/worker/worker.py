@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 from collections.abc import Callable, Coroutine
@@ -31,6 +32,7 @@ from mooncaked.engine.kv_pages import KVPages, PageAllocator
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.kv.client import StoreClient
 from mooncaked.kv.keys import model_namespace
+from mooncaked.membership import Membership, StaticMembership, store_on_host
 from mooncaked.model.loader import LoadedModel, load_model
 from mooncaked.model.sampler import Sampler
 from mooncaked.roles.base import PeerClients, make_transfer_engine
@@ -46,9 +48,10 @@ class Worker:
     """Owns the model replica, KV pages and page allocator, compute thread, transfer engine, store clients and the
     performance model."""
 
-    def __init__(self, config: Config, instance: InstanceConfig) -> None:
+    def __init__(self, config: Config, instance: InstanceConfig, membership: Membership | None = None) -> None:
         self.config = config
         self.instance = instance
+        self.membership = membership or StaticMembership(config, instance)  # borrowed
         self.section: WorkerSection = config.role_section(instance)
         self.engine = make_transfer_engine(config, instance.host, 0)
         self.peers = PeerClients(config, instance)
@@ -64,8 +67,7 @@ class Worker:
         self.sampler: Sampler | None = None
         self.namespace = b""
         self.perf = PerformanceModel()
-        local_store = config.store_for_host(instance.host)
-        self.local_store_name = local_store.name if local_store is not None else ""
+        self.local_store_name = ""
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -81,12 +83,27 @@ class Worker:
         self.copier = KVCopier(self.loaded.device, backend=model.kernel_backend)
         self.sampler = Sampler(seed=model.seed, device=self.loaded.device)
         self.namespace = model_namespace(self.loaded.model_id, model.dtype, block_size)
-        if not self.local_store_name:
-            raise RuntimeError(f"no store instance is configured on host {self.instance.host}; "
-                               "every prefill and decode host needs one")
+        self.local_store_name = await self._find_local_store()
         await self.store_client(self.local_store_name)
         logger.info("%s loaded %s: %d KV pages of %d tokens", self.instance.name, self.loaded.model_id,
                     self.section.num_kv_pages, block_size)
+
+    async def _find_local_store(self) -> str:
+        """The store on this host; with etcd it may register after us, so wait for it up to a deadline."""
+        store = store_on_host(self.membership, self.instance.host)
+        if store is None and self.config.cluster.membership == "etcd":
+            appeared = asyncio.Event()
+            self.membership.add_listener(lambda name, old, new: appeared.set() if new and new.role == "store" else None)
+            deadline = asyncio.get_running_loop().time() + self.config.cluster.etcd.startup_timeout_s
+            while store is None and asyncio.get_running_loop().time() < deadline:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(appeared.wait(), deadline - asyncio.get_running_loop().time())
+                appeared.clear()
+                store = store_on_host(self.membership, self.instance.host)
+        if store is None:
+            raise RuntimeError(f"no store instance is configured on host {self.instance.host}; "
+                               "every prefill and decode host needs one")
+        return store.name
 
     async def stop(self) -> None:
         stores, self._stores = list(self._stores.values()), {}
@@ -120,10 +137,10 @@ class Worker:
 
     def store_instance(self, store_name: str) -> InstanceConfig:
         """The configured store called `store_name`; InvalidArgument for anything else (it came off the wire)."""
-        found = [i for i in self.config.instances_of("store") if i.name == store_name]
-        if not found:
+        record = self.membership.members().get(store_name)
+        if record is None or record.role != "store":
             raise InvalidArgument(f"{store_name!r} is not a store instance of this cluster")
-        return found[0]
+        return record.instance_config()
 
     @property
     def local_store(self) -> StoreClient:
