@@ -111,7 +111,7 @@ class DecodeLoop:
             self._in_step = batch
             num_context_tokens = sum(len(seq.token_ids) for seq in batch)
             try:
-                samples, step_s = await self.worker.compute(self._step, batch)
+                samples, step_s = await self._compute(batch)
             except Exception as exc:
                 logger.exception("decode step over %d sequences failed", len(batch))
                 self._fail(batch, exc)
@@ -123,6 +123,16 @@ class DecodeLoop:
             self.worker.perf.add_decode(len(batch), num_context_tokens, step_s)
             self.on_step(len(batch), step_s)
             self._deliver(batch, samples)
+
+    async def _compute(self, batch: list[RunningSeq]) -> tuple[list[TokenSample], float]:
+        """One step on the compute thread; cancelled (stop), it still waits for the thread to leave the step, so
+        no page of the batch is freed while the step reads it."""
+        step = asyncio.ensure_future(self.worker.compute(self._step, batch))
+        try:
+            return await asyncio.shield(step)
+        except asyncio.CancelledError:
+            await asyncio.wait([step])
+            raise
 
     def _observe(self, step_s: float) -> None:
         self.num_steps += 1

@@ -171,7 +171,7 @@ class PrefillRole:
             self._wakeup.set()
             return await job.future
         finally:
-            if not job.future.done():
+            if not job.future.done() or job.future.cancelled():  # cancelling this call cancels job.future
                 plan.is_cancelled = True  # the forward sends nothing more for it
             if job in self._queue:
                 self._queue.remove(job)
@@ -211,7 +211,7 @@ class PrefillRole:
         assert self.load is not None
         self.load.batch_started([job.prompt for job in batch], started)
         try:
-            first_tokens = await self.worker.compute(self._forward, batch)
+            first_tokens = await self._compute(batch)
             elapsed_s = time.monotonic() - started
             self._observe(batch, started, elapsed_s)
             self.load.batch_finished([job.prompt for job in batch], elapsed_s)
@@ -243,6 +243,19 @@ class PrefillRole:
             job.future.set_result(PrefillReply(
                 first_token=sample, num_cached_tokens=job.num_prefix_tokens,
                 num_fetched_blocks=job.plan.num_fetched_blocks, prefill_s=now - job.enqueued_at, compute_s=elapsed_s))
+
+    async def _compute(self, batch: list[PrefillJob]) -> list[TokenSample]:
+        """The forward on the compute thread. Cancelled (the role is stopping), it marks every plan cancelled and
+        still waits for the thread to leave the batch (at its next layer boundary): until then the batch's pages
+        and staging are in use."""
+        forward = asyncio.ensure_future(self.worker.compute(self._forward, batch))
+        try:
+            return await asyncio.shield(forward)
+        except asyncio.CancelledError:
+            for job in batch:
+                job.plan.is_cancelled = True
+            await asyncio.wait([forward])
+            raise
 
     def _forward(self, batch: list[PrefillJob]) -> list[TokenSample]:
         return run_prefill_forward(self.worker, [job.plan for job in batch], [job.request.sampling for job in batch])

@@ -111,7 +111,8 @@ class Worker:
             await store.close()
         await self.peers.close()
         await self.engine.stop()
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        # off the event loop: a forward still running may need the loop (its writes) to reach its end
+        await asyncio.to_thread(self._executor.shutdown, True, cancel_futures=True)
 
     async def compute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
