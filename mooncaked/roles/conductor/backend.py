@@ -22,6 +22,7 @@ from mooncaked.logs import request_id_var
 from mooncaked.metrics import Metrics
 from mooncaked.model.chat_template import ChatTemplateError
 from mooncaked.roles.base import PeerClients
+from mooncaked.roles.conductor.cluster_info import describe_cluster
 from mooncaked.roles.conductor.cluster_view import ClusterView
 from mooncaked.roles.conductor.frontend import ConductorRequest, ModelFrontend, generation_state, sampling_spec
 from mooncaked.roles.conductor.prediction_errors import PredictionErrors
@@ -107,7 +108,7 @@ class ConductorBackend:
                 "leader": None if self.controller is None else self.controller.membership.leader()}
 
     async def cluster_info(self) -> dict[str, Any]:
-        info = await self.view.describe()
+        info = await describe_cluster(self.view)
         info["active_requests"] = self.num_active
         info["predictions"] = self.prediction_errors.describe()
         if self.controller is not None:

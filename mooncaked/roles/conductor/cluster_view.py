@@ -36,7 +36,8 @@ from mooncaked.config import Config, InstanceConfig
 from mooncaked.kv import messages as kv_msg
 from mooncaked.membership import Membership, MemberRecord, StaticMembership, store_on_host
 from mooncaked.roles.base import PeerClients
-from mooncaked.roles.conductor.instance_views import InFlight, OutputForecast, WorkerState, decode_view, prefill_view
+from mooncaked.roles.conductor.in_flight import InFlightTable
+from mooncaked.roles.conductor.instance_views import OutputForecast, WorkerState, decode_view, prefill_view
 from mooncaked.roles.conductor.live_predictors import LivePredictors
 from mooncaked.roles.conductor.store_follower import FollowerSettings, StoreFollower
 from mooncaked.roles.worker.messages import LOAD, LoadReply, LoadRequest
@@ -64,7 +65,8 @@ class ClusterViewSettings:
 
 
 class ClusterView:
-    """See the module docstring. Owns the index, the followers, the worker states and the in-flight table."""
+    """See the module docstring. Owns the index, the followers, the worker states, the in-flight table (`flights`),
+    the live predictors and the output-length predictor. GET /v1/cluster renders it (cluster_info.py)."""
 
     def __init__(self, config: Config, peers: PeerClients, policy_config: PolicyConfig,
                  predictors: LivePredictors, settings: ClusterViewSettings,
@@ -81,7 +83,7 @@ class ClusterView:
         self.prefill: dict[str, WorkerState] = {}
         self.decode: dict[str, WorkerState] = {}
         self.known: dict[str, InstanceConfig] = {}  # every instance seen, for the legs of requests placed on it
-        self._in_flight: dict[str, InFlight] = {}
+        self.flights = InFlightTable()
         self._tasks: list[asyncio.Task[None]] = []
         section = config.scheduler
         self.output_lengths = OutputLengthPredictor(quantile=section.output_length_quantile)
@@ -283,42 +285,13 @@ class ClusterView:
 
     def _prefill_view(self, worker: WorkerState, now: float, excluded: frozenset[str]) -> PrefillInstanceView:
         name = worker.instance.name
-        flights = sorted((f for f in self._in_flight.values() if f.prefill_instance == name and not f.is_prefilled),
-                         key=lambda f: f.dispatched_at)
-        view = prefill_view(worker, flights, self.predictors, now)
+        view = prefill_view(worker, self.flights.on_prefill(name), self.predictors, now)
         return dataclasses.replace(view, is_available=False) if name in excluded else view
 
     def _decode_view(self, worker: WorkerState, now: float, excluded: frozenset[str]) -> DecodeInstanceView:
         name = worker.instance.name
-        flights = [f for f in self._in_flight.values() if f.decode_instance == name]
-        view = decode_view(worker, flights, self.predictors, self.forecast, self.block_size, now)
+        view = decode_view(worker, self.flights.on_decode(name), self.predictors, self.forecast, self.block_size, now)
         return dataclasses.replace(view, is_available=False) if name in excluded else view
-
-    # ---- the queue model ----------------------------------------------------------------------------------
-    def begin(self, request: RequestInfo, placement: Placement, now: float, *, max_tokens: int = 1,
-              client_id: str = "") -> None:
-        self._in_flight[request.request_id] = InFlight(
-            request.request_id, placement.prefill_instance, placement.decode_instance,
-            placement.predicted_prefill_s, now, now + placement.predicted_ttft_s, request.num_prompt_tokens,
-            max_tokens=max_tokens, client_id=client_id, is_prefilled=not placement.prefill_instance)
-
-    def prefill_done(self, request_id: str) -> None:
-        flight = self._in_flight.get(request_id)
-        if flight is not None:
-            flight.is_prefilled = True
-
-    def decode_started(self, request_id: str, now: float) -> None:
-        flight = self._in_flight.get(request_id)
-        if flight is not None:
-            flight.is_prefilled, flight.decode_started_at = True, now
-
-    def generated(self, request_id: str, num_generated: int) -> None:
-        flight = self._in_flight.get(request_id)
-        if flight is not None:
-            flight.num_generated = num_generated
-
-    def finish(self, request_id: str) -> None:
-        self._in_flight.pop(request_id, None)
 
     def observe_output_length(self, max_tokens: int, num_prompt_tokens: int, client_id: str,
                               num_output_tokens: int) -> None:
@@ -333,52 +306,4 @@ class ClusterView:
         self.prefix_blocks["computed"] += num_computed
 
     def num_waiting(self) -> tuple[int, int]:
-        """(requests waiting for or in prefill, requests placed on decode that have not started decoding)."""
-        flights = self._in_flight.values()
-        return (sum(1 for f in flights if not f.is_prefilled),
-                sum(1 for f in flights if f.decode_started_at is None))
-
-    # ---- GET /v1/cluster ----------------------------------------------------------------------------------
-    async def describe(self) -> dict[str, Any]:
-        stats = await asyncio.gather(*(self._store_stats(f) for f in self.followers.values()))
-        stores = [{"name": f.store.name, "host": f.store.host, "is_up": f.is_up, "last_seq": f.last_seq,
-                   "num_resyncs": f.num_resyncs, "num_indexed_blocks": self.index.num_blocks(f.store.name),
-                   "stats": s, "last_error": f.last_error} for f, s in zip(self.followers.values(), stats)]
-        prefill_waiting, decode_incoming = self.num_waiting()
-        return {
-            "instances": [self._describe_worker(w) for w in self.workers],
-            "membership": self.membership.status().as_dict(),
-            "stores": stores,
-            "prefix_blocks": dict(self.prefix_blocks),
-            "index": {"num_keys": self.index.num_keys, "stale_stores": sorted(self.index.stale_stores())},
-            "in_flight": {"total": len(self._in_flight), "prefill_waiting": prefill_waiting,
-                          "decode_incoming": decode_incoming},
-            "scheduler": {"policy": self.policy_config.scheduler, "admission": self.policy_config.admission,
-                          "num_model_reports": self.predictors.num_reports,
-                          "num_output_lengths_observed": self.output_lengths.num_observed},
-        }
-
-    def _describe_worker(self, worker: WorkerState) -> dict[str, Any]:
-        load = worker.load
-        return {"name": worker.instance.name, "role": worker.instance.role, "host": worker.instance.host,
-                "port": worker.instance.port, "store": worker.store_id, "is_up": worker.is_up, "state": worker.state,
-                "last_error": worker.last_error,
-                "model": None if load is None else {"prefill_coefficients": load.prefill_coefficients,
-                                                    "decode_coefficients": load.decode_coefficients,
-                                                    "pending_work_s": load.pending_work_s,
-                                                    "overhead_s": load.overhead_s},
-                "load": None if load is None else {
-                    "num_running": load.num_running, "num_waiting": load.num_waiting,
-                    "num_queued_tokens": load.num_queued_tokens, "num_free_pages": load.num_free_pages,
-                    "num_pages": load.num_pages, "step_time_s": load.step_time_s,
-                    "num_context_tokens": load.num_context_tokens}}
-
-    async def _store_stats(self, follower: StoreFollower) -> dict[str, int] | None:
-        if not follower.is_up:
-            return None
-        try:
-            reply = await follower.client.call(kv_msg.STATS, kv_msg.StatsRequest(),
-                                               timeout_s=self.settings.poll_timeout_s)
-        except RpcError:
-            return None
-        return dict(reply.counters)
+        return self.flights.num_waiting()

@@ -91,7 +91,7 @@ class Leg:
         result = self.view.place(info, now, excluded=excluded)
         if isinstance(result, Rejection):
             raise Rejected(result.reason, self._rejection_error(result))
-        self.view.begin(info, result, now, max_tokens=work.max_tokens, client_id=work.client_id)
+        self.view.flights.begin(info, result, now, max_tokens=work.max_tokens, client_id=work.client_id)
         self.placement = result
         logger.debug("placed: prefill %s, decode %s, prefix %d blocks (%d local, fetch %s), predicted TTFT %.3f s",
                      result.prefill_instance or "inline", result.decode_instance, result.num_prefix_blocks,
@@ -140,7 +140,7 @@ class Leg:
                 PREFILL, request, timeout_s=self.config.conductor.prefill_timeout_s)
         except RpcError as exc:
             raise self._failure("prefill", placement.prefill_instance, exc) from None
-        self.view.prefill_done(work.leg_id)
+        self.view.flights.prefill_done(work.leg_id)
         return reply
 
     def open_decode(self, first_token: TokenSample | None, max_tokens: int) -> None:
@@ -149,7 +149,7 @@ class Leg:
                                 dataclasses.replace(work.sampling, max_tokens=max_tokens), first_token)
         stream_s = conductor.first_token_timeout_s + max_tokens * conductor.token_timeout_s
         self.decode_stream = self._client(placement.decode_instance).stream(DECODE, request, timeout_s=stream_s)
-        self.view.decode_started(work.leg_id, time.monotonic())
+        self.view.flights.decode_started(work.leg_id, time.monotonic())
 
     async def next_item(self) -> DecodeItem:
         assert self.decode_stream is not None
@@ -202,7 +202,7 @@ class Leg:
             if self.may_hold_reservation and not self.is_decode_sent:
                 await self._unreserve()
         finally:
-            self.view.finish(self.work.leg_id)
+            self.view.flights.finish(self.work.leg_id)
 
     async def _drain_decode(self) -> None:
         """Run the owed DECODE (max_tokens 1) to its end: the decode instance commits and frees the request."""

@@ -202,7 +202,7 @@ class RequestRun:
             self.last_token_at = time.monotonic()
             self.first_token_at = self.first_token_at or self.last_token_at
             if self.leg is not None:
-                self.view.generated(self.leg.work.leg_id, len(self.state.output_ids))
+                self.view.flights.generated(self.leg.work.leg_id, len(self.state.output_ids))
         if finish_reason is not None:
             self.status = "ok"
         logprobs = self._logprobs(samples[: len(token_ids)]) if self.prepared.request.num_logprobs is not None \

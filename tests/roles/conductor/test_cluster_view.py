@@ -12,6 +12,7 @@ from mooncaked.config import Config
 from mooncaked.kv.client import StoreClient
 from mooncaked.model.loader import load_model
 from mooncaked.roles.base import PeerClients
+from mooncaked.roles.conductor.cluster_info import describe_cluster
 from mooncaked.roles.conductor.cluster_view import ClusterView, ClusterViewSettings
 from mooncaked.roles.conductor.role import default_predictors, policy_config
 from mooncaked.roles.conductor.live_predictors import LivePredictors
@@ -87,7 +88,7 @@ async def test_index_is_dumped_at_start_then_follows_events(tmp_path: Path) -> N
             _, present = await s1.dump()
             await eventually(lambda: view.index.num_blocks("s1") == len(present))
             assert all(view.index.holders(k) == ["s1"] for k in present if k not in {key(i) for i in range(8)})
-            info = await view.describe()
+            info = await describe_cluster(view)
             assert {s["name"]: s["num_indexed_blocks"] for s in info["stores"]} == {"s0": 8, "s1": len(present)}
             assert info["stores"][0]["stats"] is not None and info["index"]["stale_stores"] == []
     finally:
@@ -140,14 +141,14 @@ async def test_placement_queue_model_inline_and_rejections(tmp_path: Path) -> No
         worker.is_up, worker.load = True, idle_load()
     first = view.place(request, 0.0)
     assert isinstance(first, Placement) and first.prefill_instance == "p0" and first.predicted_queue_s == 0.0
-    view.begin(request, first, 0.0)
+    view.flights.begin(request, first, 0.0)
     second = view.place(RequestInfo("r1", 100, request.block_keys), 0.0)
     assert isinstance(second, Placement) and second.prefill_instance == "p1"  # p0 is busy with r0
-    view.prefill_done("r0")
-    view.begin(RequestInfo("r1", 100, request.block_keys), second, 0.0)
+    view.flights.prefill_done("r0")
+    view.flights.begin(RequestInfo("r1", 100, request.block_keys), second, 0.0)
     full = view.place(RequestInfo("r2", 100, request.block_keys), 0.0)
     assert isinstance(full, Rejection) and full.reason == REASON_DECODE_FULL  # 2 placed on d0, max_batch_size 2
-    view.finish("r0")
+    view.flights.finish("r0")
     short = view.place(RequestInfo("r3", 5, ()), 0.0)
     assert isinstance(short, Placement) and short.prefill_instance == ""  # 5 uncached tokens <= 8: inline
     view.report_failure("d0", "test")
