@@ -123,6 +123,9 @@ class Leg:
         if not reply.is_accepted:
             self.may_hold_reservation = False
             logger.info("decode instance %s refused: %s", placement.decode_instance, reply.reason)
+            if reply.reason.startswith("switching:"):  # it is changing role: another decode instance may take it
+                raise LegFailed("reserve_lost", placement.decode_instance,
+                                unavailable(f"decode instance {placement.decode_instance} is switching roles"))
             error = overloaded(f"decode instance {placement.decode_instance} refused it: {reply.reason}",
                                float(conductor.retry_after_s))
             raise Rejected("decode_" + (reply.reason.partition(":")[0] or "refused"), error)
