@@ -7,6 +7,8 @@
    until its next dump. Old or repeated sequence numbers are ignored (at-least-once delivery is fine).
 3. `prefix_lengths(keys)` answers, for every store holding at least the first key, how many leading keys it
    holds: one walk over the keys with a bitset of the stores still matching, O(len(keys)) set operations.
+4. After `track_changes()`, every key whose set of holders changed is recorded until `take_changed()` (the
+   replica tracker of `mooncaked.sched.replicas` reads them).
 
 The index owns the key -> stores bitsets and the per-store key sets; the stores own the truth. Stale data is
 still used for scheduling (a wrong guess costs a slower prefill, never a wrong answer: the store re-checks).
@@ -27,6 +29,7 @@ class ShadowIndex:
         self._store_of_slot: list[str | None] = []
         self._last_seq: dict[str, int] = {}
         self._stale: set[str] = set()
+        self._changed: set[Hashable] | None = None  # None: changes are not recorded
 
     @property
     def num_keys(self) -> int:
@@ -34,6 +37,19 @@ class ShadowIndex:
 
     def stores(self) -> list[str]:
         return list(self._slot_of)
+
+    def track_changes(self) -> None:
+        """From now on, record the keys whose holders change (see `take_changed`)."""
+        if self._changed is None:
+            self._changed = set()
+
+    def take_changed(self) -> set[Hashable]:
+        """Keys whose holders changed since the last call (empty unless `track_changes` was called)."""
+        changed = self._changed
+        if changed is None:
+            return set()
+        self._changed = set()
+        return changed
 
     def stale_stores(self) -> set[str]:
         """Stores that must send a full dump (never dumped, or a gap was seen)."""
@@ -98,6 +114,15 @@ class ShadowIndex:
         mask = self._holders.get(key, 0)
         return [store for store in self._stores_in(mask)]
 
+    def has_key(self, key: Hashable) -> bool:
+        """True when at least one store holds `key`."""
+        return key in self._holders
+
+    @property
+    def num_copies(self) -> int:
+        """Copies held over all stores (a key held by three stores counts three)."""
+        return sum(len(keys) for keys in self._store_keys.values())
+
     def prefix_lengths(self, keys: Sequence[Hashable]) -> dict[str, int]:
         """Leading keys held, for every store holding keys[0]; stores absent from the result hold none."""
         if not keys:
@@ -137,9 +162,12 @@ class ShadowIndex:
         bit = 1 << self._slot_of[store_id]
         owned = self._store_keys[store_id]
         holders = self._holders
+        changed = self._changed
         for key in keys:
             holders[key] = holders.get(key, 0) | bit
             owned.add(key)
+            if changed is not None:
+                changed.add(key)
 
     def _drop_keys(self, store_id: str, keys: Iterable[Hashable]) -> None:
         bit = 1 << self._slot_of[store_id]
@@ -154,6 +182,8 @@ class ShadowIndex:
                 holders[key] = mask
             else:
                 del holders[key]
+            if self._changed is not None:
+                self._changed.add(key)
 
     def _stores_in(self, mask: int) -> list[str]:
         stores: list[str] = []

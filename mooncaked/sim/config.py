@@ -95,7 +95,8 @@ _SECTIONS: dict[str, type] = {
     "run": RunConfig,
 }
 _NON_NEGATIVE = {"link_latency_s", "prefill_overhead_s", "decode_overhead_s", "decode_per_request_s",
-                 "max_requests", "output_length_cap", "prefill_noise", "seed", "dram_blocks_per_host"}
+                 "max_requests", "output_length_cap", "prefill_noise", "seed", "dram_blocks_per_host",
+                 "replica_displaced_reuse"}
 
 
 def load_sim_config(path: str | Path) -> SimConfig:

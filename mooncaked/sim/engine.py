@@ -13,7 +13,8 @@ A request's life in the simulator:
    prefill). Otherwise DECODE_READY (after the part of the KV stream not hidden behind prefill and the load into
    HBM) queues it at its decode instance, which runs continuous-batching steps; each step's duration is the
    cost model's and gives every running request one token gap. TBT = mean of the longest 10% of the gaps.
-5. SAMPLE events record the prefill and decode pool loads every `run.sample_interval_s`.
+5. SAMPLE events record the prefill and decode pool loads and the pool's duplicate blocks (copies beyond the
+   first) every `run.sample_interval_s`; each store counts its evictions and its sole-copy evictions.
 Events at equal times run in scheduling order (a sequence number breaks ties), so runs are deterministic.
 """
 
@@ -27,6 +28,7 @@ from typing import Any
 
 from mooncaked.sched.admission import admit_at_decode, select_decode
 from mooncaked.sched.algorithm import SchedulerPolicy, schedule
+from mooncaked.sched.replicas import BlockCosts, ReplicaTracker
 from mooncaked.sched.shadow_index import ShadowIndex
 from mooncaked.sched.types import REASON_DECODE_REFUSED, Placement, RequestInfo
 from mooncaked.sim.cluster import DecodeInstance, DecodeSeq, HostStore, PrefillInstance, PrefillJob
@@ -57,6 +59,10 @@ class Simulator:
         self.samples: list[LoadSample] = []
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = 0
+        self.replicas: ReplicaTracker | None = None
+        if config.scheduler.replication != "always":
+            self.replicas = ReplicaTracker(config.scheduler, self.index)
+        self._block_costs = BlockCosts.from_predictors(self.costs.predictors, config.scheduler.block_size)
         self._build_cluster()
 
     def _output_length(self, request: TraceRequest) -> int:
@@ -67,15 +73,16 @@ class Simulator:
     def _build_cluster(self) -> None:
         cluster = self.config.cluster
         capacity = cluster.dram_blocks_per_host
+        is_aware = self.replicas is not None
         self.prefill = [
-            PrefillInstance(f"prefill-{i}", HostStore(f"p{i}", capacity, cluster.eviction, self.index))
+            PrefillInstance(f"prefill-{i}", HostStore(f"p{i}", capacity, cluster.eviction, self.index, is_aware))
             for i in range(cluster.num_prefill)
         ]
         decode_capacity = capacity if cluster.decode_hosts_in_pool else 0
         self.decode = [
             DecodeInstance(
                 f"decode-{i}",
-                HostStore(f"d{i}", decode_capacity, cluster.eviction, self.index),
+                HostStore(f"d{i}", decode_capacity, cluster.eviction, self.index, is_aware),
                 cluster.max_batch_size,
                 self.costs.max_decode_context_tokens,
             )
@@ -104,13 +111,18 @@ class Simulator:
         while self._events:
             now, _, kind, payload = heapq.heappop(self._events)
             handlers[kind](now, payload)
+            if self.replicas is not None:
+                self._apply_marks(now)
             if kind == ARRIVAL:
                 num_done += 1
                 if progress is not None and num_done % 200 == 0:
                     progress(num_done, len(self.requests))
         if progress is not None:
             progress(len(self.requests), len(self.requests))
-        return SimResult(self.records, self.samples, time.perf_counter() - started, now)
+        stores = self.store_by_id.values()
+        return SimResult(self.records, self.samples, time.perf_counter() - started, now,
+                         num_evicted_blocks=sum(s.num_evicted for s in stores),
+                         num_sole_copy_evictions=sum(s.num_sole_copy_evictions for s in stores))
 
     def _on_arrival(self, now: float, request: TraceRequest) -> None:
         info = RequestInfo(str(request.index), request.input_length, request.hash_ids, now)
@@ -130,9 +142,17 @@ class Simulator:
             return
         self._place(now, request, decision, record)
 
+    def _apply_marks(self, now: float) -> None:
+        """The replica tracker's spare marks reach the stores at once (the conductor sends them in batches)."""
+        assert self.replicas is not None
+        for store_id, marks in self.replicas.take_marks(self._block_costs, now).items():
+            self.store_by_id[store_id].apply_marks(marks)
+
     def _place(self, now: float, request: TraceRequest, placement: Placement, record: RequestRecord) -> None:
         instance = self.prefill_by_id[placement.prefill_instance]
         keys = request.hash_ids
+        if self.replicas is not None:
+            self.replicas.note_use(instance.store.store_id, keys, placement.num_prefix_blocks, now)
         record.prefill_instance = placement.prefill_instance
         record.decode_instance = placement.decode_instance
         record.prefix_blocks = placement.num_prefix_blocks
@@ -305,6 +325,7 @@ class Simulator:
         slo = self.config.scheduler.tbt_slo_s
         decode_load = sum(d.step_time_s for d in self.decode) / (slo * len(self.decode)) if self.decode else 0.0
         num_running = sum(len(d.running) for d in self.decode)
-        self.samples.append(LoadSample(now, prefill_load, decode_load, num_running))
+        num_duplicates = self.index.num_copies - self.index.num_keys
+        self.samples.append(LoadSample(now, prefill_load, decode_load, num_running, num_duplicates))
         if len(self._events) > 0:
             self._push(now + interval, SAMPLE, None)

@@ -69,3 +69,19 @@ def test_many_stores_and_long_prompt():
         index.apply_dump(f"s{s}", 0, keys[: s * 4])
     lengths = index.prefix_lengths(keys)
     assert lengths == {f"s{s}": min(s * 4, 300) for s in range(1, 70)}
+
+
+def test_changed_keys_copies_and_presence():
+    index = _index()
+    index.apply_stored("s1", 1, ["a"])
+    assert index.take_changed() == set()  # not tracking yet
+    index.track_changes()
+    index.apply_stored("s1", 2, ["b"])
+    index.apply_stored("s2", 1, ["a", "b"])
+    index.apply_removed("s1", 3, ["zz"])  # not held: no change
+    assert index.take_changed() == {"a", "b"} and index.take_changed() == set()
+    assert index.num_copies == 4 and index.num_keys == 2 and index.has_key("a")
+    index.apply_dump("s2", 5, ["c"])
+    index.remove_store("s1")
+    assert index.take_changed() == {"a", "b", "c"}
+    assert index.num_copies == 1 and not index.has_key("a")

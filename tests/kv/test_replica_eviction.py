@@ -1,0 +1,112 @@
+"""Replica-aware eviction: spare copies first, the base order within each group, marks are not uses."""
+
+import random
+
+import pytest
+
+from mooncaked.kv.eviction import BlockCache, make_eviction_policy
+from mooncaked.kv.replica_eviction import ReplicaAwarePolicy
+
+POLICIES = ["lru", "lfu", "length_aware"]
+
+
+def _drain(policy, is_evictable=lambda key: True):
+    order = []
+    for key in policy.victims(is_evictable):
+        policy.on_remove(key)
+        order.append(key)
+    return order
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_spare_copies_go_first_in_base_order(name):
+    policy = ReplicaAwarePolicy(name)
+    for i, key in enumerate("abcdef"):
+        policy.on_insert(key, float(i), 0)
+    for key in "eb":
+        assert policy.mark_spare(key, True)
+    assert policy.num_spare == 2 and policy.is_spare("e")
+    assert _drain(policy) == ["b", "e", "a", "c", "d", "f"]
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_without_marks_the_order_is_the_base_policys(name):
+    rng = random.Random(11)
+    aware, base = ReplicaAwarePolicy(name), make_eviction_policy(name)
+    now = 0.0
+    for _ in range(400):
+        now += rng.choice([0.0, 1.0])  # equal times are common: one request touches many blocks at one `now`
+        key, position = rng.randrange(60), rng.randrange(8)
+        for policy in (aware, base):
+            if key in policy:
+                policy.on_access(key, now, position)
+            else:
+                policy.on_insert(key, now, position)
+    assert _drain(aware) == _drain(base)
+
+
+def test_a_mark_is_not_a_use():
+    policy = ReplicaAwarePolicy("lru")
+    for i, key in enumerate("abc"):
+        policy.on_insert(key, float(i), 0)
+    policy.mark_spare("a", True)
+    policy.mark_spare("a", False)  # kept again: still the least recently used
+    policy.mark_spare("c", True)
+    policy.mark_spare("c", True)  # marking twice changes nothing
+    assert _drain(policy) == ["c", "a", "b"]
+
+
+def test_marks_on_absent_keys_and_removed_keys():
+    policy = ReplicaAwarePolicy("lru")
+    assert not policy.mark_spare("x", True)
+    policy.on_insert("x", 0.0, 0)
+    policy.mark_spare("x", True)
+    policy.on_remove("x")
+    assert policy.num_spare == 0 and "x" not in policy
+    policy.on_insert("x", 1.0, 0)  # back again: kept until marked
+    assert not policy.is_spare("x")
+
+
+def test_unknown_base_lists_valid_names():
+    with pytest.raises(ValueError, match="lru, lfu, length_aware"):
+        ReplicaAwarePolicy("fifo")
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_random_marks_keep_the_two_groups_in_base_order(name):
+    """Property over random uses, marks and removals: the drain is every spare copy, then every kept one, each
+    group in the order of a plain base policy that saw the same uses."""
+    rng = random.Random(5)
+    aware, base = ReplicaAwarePolicy(name), make_eviction_policy(name)
+    now = 0.0
+    for _ in range(600):
+        now += rng.choice([0.0, 0.5])
+        key = rng.randrange(80)
+        action = rng.random()
+        if action < 0.6:
+            for policy in (aware, base):
+                if key in policy:
+                    policy.on_access(key, now, key % 7)
+                else:
+                    policy.on_insert(key, now, key % 7)
+        elif action < 0.9:
+            aware.mark_spare(key, rng.random() < 0.6)
+        else:
+            aware.on_remove(key)
+            base.on_remove(key)
+    spare = {key for key in range(80) if aware.is_spare(key)}
+    base_order = _drain(base)
+    assert _drain(aware) == [k for k in base_order if k in spare] + [k for k in base_order if k not in spare]
+
+
+def test_block_cache_gives_spare_copies_back_before_sole_ones():
+    policy = ReplicaAwarePolicy("lru")
+    cache = BlockCache(policy, capacity=4)
+    cache.insert(["a0", "a1"], 1.0)
+    cache.insert(["b0", "b1"], 2.0)
+    policy.mark_spare("b0", True)
+    policy.mark_spare("b1", True)
+    cache.lock(["b1"])  # in use (a fetch reads it): never evicted, spare or not
+    result = cache.insert(["c0", "c1"], 3.0)
+    assert result.evicted == ["b0", "a0"]
+    assert "b1" in cache and "a1" in cache
