@@ -7,7 +7,7 @@ enough that a second copy pays for its capacity (`pays_to_replicate`): then ever
 `replication: always` (the paper) nothing is ever spare.
 
 1. The owner (the conductor's cluster view, or the simulator) creates `ReplicaTracker(config, index)`; from then
-   on the shadow index records the keys whose holders change.
+   on it listens to the shadow index for keys whose holders change.
 2. Per placement, `note_use(store_id, keys, num_reused, now)`: that store becomes the primary of every key of the
    prompt, and the reused prefix heats up (heat: uses, halved every `heat_half_life_s`).
 3. `take_marks(costs, now)` gives, per store, the keys whose copy there became spare and those kept again since
@@ -75,7 +75,8 @@ class ReplicaTracker:
         self._blocks: dict[Hashable, _Block] = {}
         self._dirty: set[Hashable] = set()
         self._sweep_at = 4096  # number of blocks at which unheld ones are forgotten next
-        index.track_changes()
+        if self.is_active:
+            index.add_listener(self._holders_changed)
 
     @property
     def is_active(self) -> bool:
@@ -105,16 +106,18 @@ class ReplicaTracker:
 
     def take_marks(self, costs: BlockCosts, now: float) -> dict[str, StoreMarks]:
         """Mark changes per store since the last call (see the module docstring)."""
-        changed = self.index.take_changed()
         if not self.is_active:
             return {}
-        dirty, self._dirty = self._dirty | changed, set()
+        dirty, self._dirty = self._dirty, set()
         marks: dict[str, StoreMarks] = {}
         for key in dirty:
             self._update(key, costs, now, marks)
         if len(self._blocks) > self._sweep_at:
             self._forget_unheld(now)
         return marks
+
+    def _holders_changed(self, store_id: str, keys: Sequence[Hashable], is_stored: bool) -> None:
+        self._dirty.update(keys)
 
     def _update(self, key: Hashable, costs: BlockCosts, now: float, marks: dict[str, StoreMarks]) -> None:
         block = self._blocks.get(key)

@@ -45,6 +45,7 @@ class PrefillInstanceView:
     queued_prefill_s: float = 0.0
     num_queued: int = 0
     is_available: bool = True
+    coldest_use: float = 0.0  # last use of its store's least recently used block (`mooncaked.sched.store_recency`)
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,7 @@ class Rejection:
 SCHEDULERS = ("kvcache_centric", "cache_aware", "load_balancing", "random")
 ADMISSION_POLICIES = ("none", "baseline", "early_rejection", "early_rejection_predicted")
 REPLICATION_MODES = ("always", "by_reuse")
+TIE_BREAKS = ("first", "coldest_store")
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,8 @@ class PolicyConfig:
     the others spare (evicted first), unless the block's reuse pays for a second copy. heat_half_life_s: half-life
     of a block's use count (its heat). replica_displaced_reuse: the assumed chance that the block a replica
     displaces would have been reused; a second copy is kept when heat x transfer time of a block >= this x its
-    recompute time.
+    recompute time. tie_break: among instances with equal predicted TTFT, `first` (the paper) or `coldest_store`:
+    the one whose store's least recently used block was used longest ago.
     """
 
     scheduler: str = "kvcache_centric"
@@ -131,6 +134,7 @@ class PolicyConfig:
     replication: str = "always"
     heat_half_life_s: float = 60.0
     replica_displaced_reuse: float = 0.5
+    tie_break: str = "first"
 
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:
@@ -147,5 +151,7 @@ class PolicyConfig:
             raise ValueError("decode_time_s and decode_load_threshold must be positive")
         if self.replication not in REPLICATION_MODES:
             raise ValueError(f"replication must be one of {', '.join(REPLICATION_MODES)}, got {self.replication!r}")
+        if self.tie_break not in TIE_BREAKS:
+            raise ValueError(f"tie_break must be one of {', '.join(TIE_BREAKS)}, got {self.tie_break!r}")
         if not self.heat_half_life_s > 0 or not self.replica_displaced_reuse >= 0:
             raise ValueError("heat_half_life_s must be positive and replica_displaced_reuse >= 0")

@@ -86,9 +86,10 @@ class PrefillInstance:
             return self.busy_time_done
         return self.busy_time_done + max(0.0, min(now, self.busy_until) - self.current.started_at)
 
-    def view(self) -> PrefillInstanceView:
+    def view(self, coldest_use: float = 0.0) -> PrefillInstanceView:
         return PrefillInstanceView(
-            self.instance_id, self.store.store_id, self.busy_until, self.queued_prefill_s, len(self.queue)
+            self.instance_id, self.store.store_id, self.busy_until, self.queued_prefill_s, len(self.queue),
+            coldest_use=coldest_use,
         )
 
 

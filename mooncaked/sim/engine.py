@@ -15,6 +15,9 @@ A request's life in the simulator:
    cost model's and gives every running request one token gap. TBT = mean of the longest 10% of the gaps.
 5. SAMPLE events record the prefill and decode pool loads and the pool's duplicate blocks (copies beyond the
    first) every `run.sample_interval_s`; each store counts its evictions and its sole-copy evictions.
+6. Under `scheduler.replication: by_reuse` the replica tracker (`mooncaked.sched.replicas`) hears of every
+   placement, and after every event its spare marks go to the stores at once; under `tie_break:
+   coldest_store` the store recency (`mooncaked.sched.store_recency`) hears of every placement too.
 Events at equal times run in scheduling order (a sequence number breaks ties), so runs are deterministic.
 """
 
@@ -30,6 +33,7 @@ from mooncaked.sched.admission import admit_at_decode, select_decode
 from mooncaked.sched.algorithm import SchedulerPolicy, schedule
 from mooncaked.sched.replicas import BlockCosts, ReplicaTracker
 from mooncaked.sched.shadow_index import ShadowIndex
+from mooncaked.sched.store_recency import StoreRecency
 from mooncaked.sched.types import REASON_DECODE_REFUSED, Placement, RequestInfo
 from mooncaked.sim.cluster import DecodeInstance, DecodeSeq, HostStore, PrefillInstance, PrefillJob
 from mooncaked.sim.config import SimConfig
@@ -63,6 +67,9 @@ class Simulator:
         if config.scheduler.replication != "always":
             self.replicas = ReplicaTracker(config.scheduler, self.index)
         self._block_costs = BlockCosts.from_predictors(self.costs.predictors, config.scheduler.block_size)
+        self.recency: StoreRecency | None = None
+        if config.scheduler.tie_break == "coldest_store":
+            self.recency = StoreRecency(self.index)
         self._build_cluster()
 
     def _output_length(self, request: TraceRequest) -> int:
@@ -129,7 +136,7 @@ class Simulator:
         is_predicted = self.config.scheduler.admission == "early_rejection_predicted"
         decision = schedule(
             info,
-            [p.view() for p in self.prefill],
+            [p.view(self.recency.coldest_use(p.store.store_id) if self.recency else 0.0) for p in self.prefill],
             [d.view(is_predicted) for d in self.decode],
             self.index,
             self.policy,
@@ -153,6 +160,8 @@ class Simulator:
         keys = request.hash_ids
         if self.replicas is not None:
             self.replicas.note_use(instance.store.store_id, keys, placement.num_prefix_blocks, now)
+        if self.recency is not None:
+            self.recency.note_use(instance.store.store_id, keys, now)
         record.prefill_instance = placement.prefill_instance
         record.decode_instance = placement.decode_instance
         record.prefix_blocks = placement.num_prefix_blocks
@@ -211,8 +220,10 @@ class Simulator:
         self._push(instance.busy_until, PREFILL_DONE, instance)
 
     def _reusable_blocks_at_start(self, instance: PrefillInstance, job: PrefillJob) -> int:
-        """The plan's prefix, or more when earlier prefills on this host committed further blocks meanwhile
-        (a store lookup at execution, as the instance itself would do)."""
+        """The prefix the instance finds in its store when the job starts (a store lookup at execution, as the
+        instance itself does): more than planned when earlier prefills on this host committed further blocks,
+        fewer when fetched blocks found no room there. A job whose fetch is still under way counts the planned
+        prefix."""
         planned = job.placement.num_prefix_blocks
         if job.is_fetch_pending:
             return planned
@@ -221,9 +232,8 @@ class Simulator:
             extra = list(job.keys[planned:num_local])
             instance.store.cache.lock(extra)
             job.locked_keys.extend(extra)
-            self.records[job.request_index].prefix_blocks = num_local
-            return num_local
-        return planned
+        self.records[job.request_index].prefix_blocks = num_local
+        return num_local
 
     def _on_prefill_done(self, now: float, instance: PrefillInstance) -> None:
         job = instance.current
