@@ -9,8 +9,10 @@
    instance when no prefill instance is configured or the prompt's uncached part is small enough), then
    `begin()`, `prefill_done()`, `decode_started()` and `finish()` so the queue model (predicted prefill time
    of dispatched requests per prefill instance, placed requests per decode instance) stays current between
-   polls. `report_failure()` marks an instance down until its next successful poll.
-3. `stop()` cancels the followers and pollers and awaits them; the RPC clients belong to the caller.
+   polls. `report_failure()` marks an instance down until its next successful poll. `begin()` also tells the
+   replica tracker and the store recency (`mooncaked.sched.replicas`, `.store_recency`) where the prompt's blocks
+   are used; a background sender (`mooncaked.kv.spare_marks`) passes the tracker's spare marks to the stores.
+3. `stop()` cancels the followers, pollers and sender and awaits them; the RPC clients belong to the caller.
 
 Owner of the shadow index, the per-instance states, the in-flight table and the live predictors. All of it is
 rebuilt from the stores' dumps, the workers' LOAD replies and new measurements when the conductor restarts.
@@ -20,12 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from mooncaked.config import Config, InstanceConfig
 from mooncaked.kv import messages as kv_msg
+from mooncaked.kv.spare_marks import SpareMarkSender
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.live_predictors import LivePredictors
 from mooncaked.roles.messages import LOAD, LoadReply, LoadRequest
@@ -33,7 +37,9 @@ from mooncaked.roles.store_follower import FollowerSettings, StoreFollower
 from mooncaked.rpc import RpcError
 from mooncaked.sched.admission import rejects_at_arrival, select_decode
 from mooncaked.sched.algorithm import SchedulerPolicy, schedule
+from mooncaked.sched.replicas import BlockCosts, ReplicaTracker
 from mooncaked.sched.shadow_index import ShadowIndex
+from mooncaked.sched.store_recency import StoreRecency
 from mooncaked.sched.types import (
     REASON_DECODE_FULL, REASON_NO_DECODE, REASON_NO_PREFILL, REASON_TBT_SLO, REASON_TTFT_SLO,
     DecodeInstanceView, Placement, PolicyConfig, PrefillInstanceView, Rejection, RequestInfo,
@@ -50,6 +56,7 @@ class ClusterViewSettings:
     poll_timeout_s: float  # one LOAD or store STATS call
     startup_timeout_s: float  # longest wait in start() for the first dumps and polls
     follower: FollowerSettings
+    spare_marks_interval_s: float = 0.5  # replication by_reuse: how often spare marks go to the stores
 
 
 @dataclass
@@ -91,6 +98,12 @@ class ClusterView:
         self.index = ShadowIndex()
         self.followers = {s.name: StoreFollower(s, peers.for_instance(s), self.index, settings.follower)
                           for s in config.instances_of("store")}
+        self.replicas = ReplicaTracker(policy_config, self.index)
+        self.recency = StoreRecency(self.index) if policy_config.tie_break == "coldest_store" else None
+        self.spare_marks = SpareMarkSender(
+            self.replicas, lambda name: self.followers[name].client if name in self.followers else None,
+            lambda: BlockCosts.from_predictors(self.predictors.current, self.block_size), time.monotonic,
+            interval_s=settings.spare_marks_interval_s, timeout_s=settings.poll_timeout_s)
         self.prefill = {i.name: self._worker_state(i) for i in config.instances_of("prefill")}
         self.decode = {i.name: self._worker_state(i) for i in config.instances_of("decode")}
         self._in_flight: dict[str, InFlight] = {}
@@ -113,6 +126,8 @@ class ClusterView:
             self._tasks.append(asyncio.create_task(follower.run(), name=f"follow-{name}"))
         for worker in self.workers:
             self._tasks.append(asyncio.create_task(self._poll(worker), name=f"load-{worker.instance.name}"))
+        if self.replicas.is_active:
+            self._tasks.append(asyncio.create_task(self.spare_marks.run(), name="spare-marks"))
         first_round = [f.has_tried.wait() for f in self.followers.values()]
         first_round += [w.has_polled.wait() for w in self.workers]
         try:
@@ -222,7 +237,8 @@ class ClusterView:
         if worker.load is not None and worker.load.num_queued_tokens > 0:  # other conductors' requests too
             queued_s = max(queued_s, self.predictors.current.prefill.predict(worker.load.num_queued_tokens, 0))
             num_queued = max(num_queued, worker.load.num_waiting)
-        return PrefillInstanceView(name, worker.store_id, busy_until, queued_s, num_queued, worker.is_up)
+        coldest_use = self.recency.coldest_use(worker.store_id) if self.recency is not None else 0.0
+        return PrefillInstanceView(name, worker.store_id, busy_until, queued_s, num_queued, worker.is_up, coldest_use)
 
     def _decode_view(self, worker: WorkerState, now: float) -> DecodeInstanceView:
         mine = [f for f in self._in_flight.values() if f.decode_instance == worker.instance.name]
@@ -248,6 +264,11 @@ class ClusterView:
 
     # ---- the queue model ----------------------------------------------------------------------------------
     def begin(self, request: RequestInfo, placement: Placement, now: float) -> None:
+        worker = self.prefill.get(placement.prefill_instance) or self.decode.get(placement.decode_instance)
+        if worker is not None and worker.store_id:
+            self.replicas.note_use(worker.store_id, request.block_keys, placement.num_prefix_blocks, now)
+            if self.recency is not None:
+                self.recency.note_use(worker.store_id, request.block_keys, now)
         self._in_flight[request.request_id] = InFlight(
             request.request_id, placement.prefill_instance, placement.decode_instance,
             placement.predicted_prefill_s, now, now + placement.predicted_ttft_s, request.num_prompt_tokens,

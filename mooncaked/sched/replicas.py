@@ -116,6 +116,19 @@ class ReplicaTracker:
             self._forget_unheld(now)
         return marks
 
+    def undo_marks(self, store_id: str, marks: StoreMarks) -> None:
+        """The store did not get `marks` (the call failed): they are sent again by a later `take_marks`."""
+        for key in marks.spare:
+            block = self._blocks.get(key)
+            if block is not None:
+                block.spare_on = block.spare_on - {store_id}
+        for key in marks.kept:
+            block = self._blocks.get(key)
+            if block is not None:
+                block.spare_on = block.spare_on | {store_id}
+        self._dirty.update(marks.spare)
+        self._dirty.update(marks.kept)
+
     def _holders_changed(self, store_id: str, keys: Sequence[Hashable], is_stored: bool) -> None:
         self._dirty.update(keys)
 
