@@ -161,3 +161,19 @@ def test_forgets_blocks_no_store_holds_once_their_use_is_old():
     tracker.note_use("s1", list(range(5000, 11000)), 0, now=100.0)  # past the next sweep
     tracker.take_marks(COSTS, 100.0)
     assert tracker.primary(0) is None and tracker.primary(10999) == "s1"
+
+
+def test_undone_marks_are_sent_again():
+    stores = Stores("s1", "s2")
+    tracker = _tracker(stores)
+    stores.store("s1", ["a"])
+    stores.store("s2", ["a"])
+    tracker.note_use("s2", ["a"], 0, now=0.0)
+    marks = tracker.take_marks(COSTS, 0.0)
+    tracker.undo_marks("s1", marks["s1"])  # the call failed
+    assert _as_sets(tracker.take_marks(COSTS, 1.0)) == {"s1": (["a"], [])}
+    stores.remove("s2", ["a"])
+    kept = tracker.take_marks(COSTS, 2.0)
+    assert _as_sets(kept) == {"s1": ([], ["a"])}
+    tracker.undo_marks("s1", kept["s1"])
+    assert _as_sets(tracker.take_marks(COSTS, 3.0)) == {"s1": ([], ["a"])}
