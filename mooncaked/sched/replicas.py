@@ -131,6 +131,11 @@ class ReplicaTracker:
 
     def _holders_changed(self, store_id: str, keys: Sequence[Hashable], is_stored: bool) -> None:
         self._dirty.update(keys)
+        if not is_stored:  # a dropped copy drops its mark: a copy stored there again starts kept
+            for key in keys:
+                block = self._blocks.get(key)
+                if block is not None and store_id in block.spare_on:
+                    block.spare_on = block.spare_on - {store_id}
 
     def _update(self, key: Hashable, costs: BlockCosts, now: float, marks: dict[str, StoreMarks]) -> None:
         block = self._blocks.get(key)
@@ -141,7 +146,7 @@ class ReplicaTracker:
         if len(holders) > 1 and block.primary in holders:
             if not pays_to_replicate(self._decayed(block, now), costs, self.config.replica_displaced_reuse):
                 spare_on = frozenset(h for h in holders if h != block.primary)
-        told = block.spare_on.intersection(holders)  # a store that dropped the key dropped its mark too
+        told = block.spare_on
         for store_id in spare_on - told:
             marks.setdefault(store_id, StoreMarks()).spare.append(key)
         for store_id in told - spare_on:

@@ -177,3 +177,15 @@ def test_undone_marks_are_sent_again():
     assert _as_sets(kept) == {"s1": ([], ["a"])}
     tracker.undo_marks("s1", kept["s1"])
     assert _as_sets(tracker.take_marks(COSTS, 3.0)) == {"s1": ([], ["a"])}
+
+
+def test_a_copy_dropped_and_stored_again_between_rounds_is_marked_again():
+    stores = Stores("s1", "s2")
+    tracker = _tracker(stores)
+    stores.store("s1", ["a"])
+    stores.store("s2", ["a"])
+    tracker.note_use("s2", ["a"], 0, now=0.0)
+    assert _as_sets(tracker.take_marks(COSTS, 0.0)) == {"s1": (["a"], [])}
+    stores.remove("s1", ["a"])  # evicted (its mark went with it) and stored again, both before the next round
+    stores.store("s1", ["a"])
+    assert _as_sets(tracker.take_marks(COSTS, 1.0)) == {"s1": (["a"], [])}

@@ -6,7 +6,10 @@ import random
 
 import pytest
 
+from mooncaked.sched.replicas import StoreMarks
+from mooncaked.sched.shadow_index import ShadowIndex
 from mooncaked.sim import cli
+from mooncaked.sim.cluster import HostStore
 from mooncaked.sim.config import SimConfig, with_overrides
 from mooncaked.sim.pool_study import ROW_KEYS, run_pool_study, study_defaults
 
@@ -88,3 +91,17 @@ def test_pool_study_flags_are_checked(trace, capsys):
         args = parser.parse_args(["pool-study", "--trace", str(trace), "--no-progress", *flags])
         assert cli.run(args) == 2
     assert "--blocks-per-node" in capsys.readouterr().err
+
+
+def test_host_stores_count_sole_copy_evictions_and_spare_marks_apply():
+    index = ShadowIndex()
+    first, second = (HostStore(name, 2, "lru", index, is_replica_aware=True) for name in ("p0", "p1"))
+    first.put([1, 2], now=0.0)
+    second.put([1], now=1.0)
+    assert index.num_copies - index.num_keys == 1  # block 1 twice
+    first.apply_marks(StoreMarks(spare=[1]))
+    first.put([3], now=2.0)  # evicts the spare copy of 1, though block 2 is as old: 2 is a sole copy
+    assert 1 not in first.cache and 2 in first.cache
+    assert (first.num_evicted, first.num_sole_copy_evictions) == (1, 0)
+    second.put([4, 5], now=3.0)  # block 1's last copy goes
+    assert (second.num_evicted, second.num_sole_copy_evictions) == (1, 1)
