@@ -96,11 +96,11 @@ def test_pool_study_flags_are_checked(trace, capsys):
 def test_host_stores_count_sole_copy_evictions_and_spare_marks_apply():
     index = ShadowIndex()
     first, second = (HostStore(name, 2, "lru", index, is_replica_aware=True) for name in ("p0", "p1"))
-    first.put([1, 2], now=0.0)
+    first.put([2, 1], now=0.0)  # least recently used first would take 2
     second.put([1], now=1.0)
     assert index.num_copies - index.num_keys == 1  # block 1 twice
     first.apply_marks(StoreMarks(spare=[1]))
-    first.put([3], now=2.0)  # evicts the spare copy of 1, though block 2 is as old: 2 is a sole copy
+    first.put([3], now=2.0)  # the spare copy of 1 goes instead: 2 is a sole copy
     assert 1 not in first.cache and 2 in first.cache
     assert (first.num_evicted, first.num_sole_copy_evictions) == (1, 0)
     second.put([4, 5], now=3.0)  # block 1's last copy goes
