@@ -74,6 +74,11 @@ class LruPolicy:
             if key in self._order:  # skipped, or offered and kept by the caller: second chance
                 self._order.move_to_end(key)
 
+    def make_least_recent(self, key: Hashable) -> None:
+        """Put a resident key first in line for eviction (a key that is not resident is ignored)."""
+        if key in self._order:
+            self._order.move_to_end(key, last=False)
+
     def __len__(self) -> int:
         return len(self._order)
 

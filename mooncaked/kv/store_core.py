@@ -21,7 +21,7 @@ from collections.abc import Hashable, Sequence
 
 from mooncaked.kv.allocator import ExtentAllocator, OutOfSpace
 from mooncaked.kv.eviction import blocks_to_free
-from mooncaked.kv.replica_eviction import ReplicaAwarePolicy
+from mooncaked.kv.replica_eviction import make_spare_first_policy
 from mooncaked.kv.events import BLOCK_REMOVED, BLOCK_STORED, EventLog, StoreEvent
 from mooncaked.kv.store_types import (
     TIER_DRAM,
@@ -51,7 +51,7 @@ class StoreCore:
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
         self.allocator = ExtentAllocator(config.capacity_bytes, config.alignment)
-        self.policy = ReplicaAwarePolicy(config.eviction_policy)  # the base order until a copy is marked spare
+        self.policy = make_spare_first_policy(config.eviction_policy)  # the base order until a copy is marked spare
         blocks_to_free(0, 1, config.high_watermark, config.low_watermark)  # validates the watermarks
         self.events = EventLog(config.max_events)
         self._blocks: dict[bytes, BlockRecord] = {}

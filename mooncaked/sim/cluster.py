@@ -11,7 +11,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from mooncaked.kv.eviction import BlockCache, make_eviction_policy
-from mooncaked.kv.replica_eviction import ReplicaAwarePolicy
+from mooncaked.kv.replica_eviction import make_spare_first_policy
 from mooncaked.sched.replicas import StoreMarks
 from mooncaked.sched.shadow_index import ShadowIndex
 from mooncaked.sched.types import DecodeInstanceView, Placement, PrefillInstanceView
@@ -27,7 +27,7 @@ class HostStore:
     def __init__(self, store_id: str, capacity_blocks: int, eviction: str, index: ShadowIndex,
                  is_replica_aware: bool = False) -> None:
         self.store_id = store_id
-        self.spare_policy = ReplicaAwarePolicy(eviction) if is_replica_aware else None
+        self.spare_policy = make_spare_first_policy(eviction) if is_replica_aware else None
         policy = make_eviction_policy(eviction) if self.spare_policy is None else self.spare_policy
         self.cache = BlockCache(policy, capacity_blocks)
         self._index = index
