@@ -26,11 +26,11 @@ import yaml
 from mooncaked.bench.cluster import free_port
 from mooncaked.config import Config, load_config
 from mooncaked.kv.keys import block_keys
-from mooncaked.roles.kv_plan import KvPlan, plan_prompt_kv
-from mooncaked.roles.messages import Destination, SamplingSpec
-from mooncaked.roles.prefill_forward import run_prefill_forward
+from mooncaked.roles.worker.kv_plan import KvPlan, plan_prompt_kv
+from mooncaked.roles.worker.messages import Destination, SamplingSpec
+from mooncaked.roles.worker.prefill_forward import run_prefill_forward
 from mooncaked.roles.store import StoreRole
-from mooncaked.roles.worker import Worker
+from mooncaked.roles.worker.worker import Worker
 
 MODES = ("none", "layerwise", "serialized")
 

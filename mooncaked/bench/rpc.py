@@ -12,7 +12,7 @@ Stages:
      ratio_vs_echo = rpc / echo (targets: >= 3 and >= 0.5).
 
 The bare echo is the ceiling: the same length-prefixed msgpack frames and coalesced writes as the RPC layer
-(rpc_frames.FramedProtocol) over one connection, with no handshake, ids, deadlines, dispatch or messages.
+(mooncaked.rpc.FramedProtocol) over one connection, with no handshake, ids, deadlines, dispatch or messages.
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from mooncaked.protocol import Message, Method
-from mooncaked.rpc_frames import FramedProtocol
+from mooncaked.rpc import FramedProtocol, Message, Method
 
 SYSTEMS = ("echo", "rpc", "http")
 _CLUSTER = "bench"

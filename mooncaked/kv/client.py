@@ -25,7 +25,7 @@ import numpy as np
 
 from mooncaked.kv import messages as msg
 from mooncaked.kv.shm_pool import ShmPool
-from mooncaked.protocol import Message, Method
+from mooncaked.rpc import Message, Method
 from mooncaked.rdma import SegmentRef, TransferEngine, TransferOp, TransferRequest
 
 _THREAD_COPY_BYTES = 4 << 20  # local copies at least this large run off the event loop

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mooncaked.protocol import Message, Method
+from mooncaked.rpc import Message, Method
 
 
 @dataclass(frozen=True)

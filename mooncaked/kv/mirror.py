@@ -16,7 +16,7 @@ import time
 from mooncaked.kv import messages as msg
 from mooncaked.kv.client import StoreClient
 from mooncaked.kv.events import BLOCK_STORED
-from mooncaked.rpc_errors import DeadlineExceeded, NotFound
+from mooncaked.rpc import DeadlineExceeded, NotFound
 
 logger = logging.getLogger(__name__)
 

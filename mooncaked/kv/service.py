@@ -24,9 +24,8 @@ from mooncaked.kv import messages as msg
 from mooncaked.kv.shm_pool import ShmPool
 from mooncaked.kv.ssd import SsdConfig, SsdTier
 from mooncaked.kv.store_core import TIER_DRAM, Location, StoreConfig, StoreCore, StoreFull, UnknownHandle
-from mooncaked.protocol import Method
 from mooncaked.rdma import TransferEngine
-from mooncaked.rpc_errors import InvalidArgument, NotFound, ResourceExhausted, RpcError
+from mooncaked.rpc import InvalidArgument, Method, NotFound, ResourceExhausted, RpcError
 
 logger = logging.getLogger(__name__)
 

@@ -17,10 +17,10 @@ from typing import Any
 
 from mooncaked import __version__
 from mooncaked.config import Config, InstanceConfig
-from mooncaked.protocol import HEALTH, INFO, HealthReply, HealthRequest, InfoReply, InfoRequest, Method
 from mooncaked.rdma import TransferEngine
 from mooncaked.rdma.topology import Topology
-from mooncaked.rpc import CallContext, RpcClient, RpcServer
+from mooncaked.rpc import (HEALTH, INFO, CallContext, HealthReply, HealthRequest, InfoReply, InfoRequest, Method,
+                           RpcClient, RpcServer)
 
 
 def make_transfer_engine(config: Config, host: str, port: int) -> TransferEngine:

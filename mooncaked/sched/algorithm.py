@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mooncaked.sched.admission import rejects_at_arrival, select_decode
-from mooncaked.sched.predictors import Predictors, queue_time_s
+from mooncaked.sched.predictors import Predictors, PrefillTimePredictor, queue_time_s
 from mooncaked.sched.shadow_index import ShadowIndex
 from mooncaked.sched.types import (
     REASON_DECODE_FULL,
@@ -65,7 +65,7 @@ class PrefillChoice:
 
     @property
     def ttft_s(self) -> float:
-        return self.transfer_s + self.queue_s + self.prefill_s
+        return self.transfer_s + self.queue_s + self.prefill_s + self.view.overhead_s
 
 
 def schedule(
@@ -146,7 +146,8 @@ def _best_ttft(
     threshold = policy.config.kvcache_balancing_threshold
     is_coldest_first = policy.config.tie_break == "coldest_store"
     predictors = policy.predictors
-    prefill_s_by_blocks: dict[int, float] = {}  # many instances share a prefix length: predict once each
+    # many instances share a prefix length and a model: predict once each
+    prefill_s_by: dict[tuple[int, tuple[float, ...]], float] = {}
     best: PrefillChoice | None = None
     for view in candidates:
         local_len = prefix_lengths.get(view.store_id, 0)
@@ -154,12 +155,13 @@ def _best_ttft(
             prefix_len, transfer_s, source = best_len, predictors.transfer.predict(best_len - local_len), best_store
         else:
             prefix_len, transfer_s, source = local_len, 0.0, None
-        prefill_s = prefill_s_by_blocks.get(prefix_len)
+        prefill_s = prefill_s_by.get((prefix_len, view.prefill_coefficients))
         if prefill_s is None:
-            prefill_s = predictors.prefill.predict(request.num_prompt_tokens, _prefix_tokens(request, prefix_len, policy))
-            prefill_s_by_blocks[prefix_len] = prefill_s
+            prefill_s = prefill_model(view, policy).predict(request.num_prompt_tokens,
+                                                            _prefix_tokens(request, prefix_len, policy))
+            prefill_s_by[(prefix_len, view.prefill_coefficients)] = prefill_s
         queue_s = queue_time_s(view, now)
-        ttft_s = transfer_s + queue_s + prefill_s
+        ttft_s = transfer_s + queue_s + prefill_s + view.overhead_s
         if best is None or ttft_s < best.ttft_s or (
             ttft_s == best.ttft_s and is_coldest_first and view.coldest_use < best.view.coldest_use
         ):
@@ -168,10 +170,18 @@ def _best_ttft(
     return best
 
 
+def prefill_model(view: PrefillInstanceView, policy: SchedulerPolicy) -> PrefillTimePredictor:
+    """The instance's own fitted model when it reported one, else the policy's."""
+    if view.prefill_coefficients:
+        return PrefillTimePredictor(view.prefill_coefficients)
+    return policy.predictors.prefill
+
+
 def _local_choice(
     request: RequestInfo, view: PrefillInstanceView, local_len: int, policy: SchedulerPolicy, now: float
 ) -> PrefillChoice:
-    prefill_s = policy.predictors.prefill.predict(request.num_prompt_tokens, _prefix_tokens(request, local_len, policy))
+    prefill_s = prefill_model(view, policy).predict(request.num_prompt_tokens,
+                                                    _prefix_tokens(request, local_len, policy))
     return PrefillChoice(view, local_len, local_len, None, 0.0, queue_time_s(view, now), prefill_s)
 
 

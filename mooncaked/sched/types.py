@@ -36,7 +36,9 @@ class PrefillInstanceView:
 
     `busy_until` is when its current prefill finishes (<= now when idle); `queued_prefill_s` is the sum of the
     predicted prefill times of the requests waiting behind it (the owner adds a request's prediction when it
-    queues it and subtracts it when it starts).
+    queues it and subtracts it when it starts). `prefill_coefficients`: the instance's own fitted prefill model
+    (empty: the policy's). `overhead_s`: what a request spends there besides queueing and compute (KV
+    planning, write confirmation, RPC), added to its TTFT.
     """
 
     instance_id: str
@@ -45,6 +47,8 @@ class PrefillInstanceView:
     queued_prefill_s: float = 0.0
     num_queued: int = 0
     is_available: bool = True
+    prefill_coefficients: tuple[float, ...] = ()
+    overhead_s: float = 0.0
     coldest_use: float = 0.0  # last use of its store's least recently used block (`mooncaked.sched.store_recency`)
 
 
@@ -54,7 +58,10 @@ class DecodeInstanceView:
 
     `running_started_at[i]` / `running_tokens[i]`: decode start time and current context of running request i
     (used by prediction-based early rejection). `incoming`: (predicted decode start, context tokens) of requests
-    already placed here whose prefill is still in progress.
+    already placed here whose prefill is still in progress. With output-length prediction the owner also gives
+    `running_ends_at[i]` (predicted end of running request i) and `incoming_decode_s[j]` (predicted decode time
+    of incoming request j); without, every request decodes for the policy's uniform `decode_time_s`.
+    `step_coefficients`: the instance's own fitted decode step model (empty: the policy's).
     """
 
     instance_id: str
@@ -67,6 +74,9 @@ class DecodeInstanceView:
     running_tokens: tuple[int, ...] = ()
     incoming: tuple[tuple[float, int], ...] = ()
     is_available: bool = True
+    running_ends_at: tuple[float, ...] = ()
+    incoming_decode_s: tuple[float, ...] = ()
+    step_coefficients: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@
                   [--scheduler NAME] [--admission NAME] [--set section.key=value ...]
     mooncaked sim cache --trace FILE [--capacities 1000,10000,...,inf] [--policies lru,lfu,length_aware] [--json FILE]
     mooncaked sim experiments --trace FILE [--config sim.yaml] [--json FILE] [--plots DIR]
+    mooncaked sim prediction-study --trace FILE [--errors 0,0.1,0.3,0.5] [--config sim.yaml] [--json FILE]
     mooncaked sim pool-study --trace FILE [--blocks-per-node 1000,2000,5859] [--speeds 1,2] [--json FILE]
                   [--config sim.yaml] [--set section.key=value ...]
 
@@ -30,7 +31,7 @@ from mooncaked.sim.engine import Simulator
 from mooncaked.sim.results import format_summary, summarize, to_json
 from mooncaked.sim.trace import TraceError, load_trace
 
-MODES = ("run", "cache", "experiments", "pool-study")
+MODES = ("run", "cache", "experiments", "prediction-study", "pool-study")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="config override")
     parser.add_argument("--capacities", default="1000,10000,30000,50000,100000,inf", help="cache mode: blocks")
     parser.add_argument("--policies", default=",".join(POLICY_NAMES), help="cache mode: eviction policies")
+    parser.add_argument("--errors", default="0,0.1,0.3,0.5",
+                        help="prediction-study mode: sigmas of the log-normal prediction error")
     parser.add_argument("--blocks-per-node", default="1000,2000,5859", help="pool-study: DRAM blocks per node")
     parser.add_argument("--speeds", default="1,2", help="pool-study: replay speeds")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -60,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
     progress = None if args.no_progress else _progress_bar(args.mode)
     if args.mode == "cache":
         return _run_cache(args, requests, progress)
+    if args.mode == "prediction-study":
+        return _run_prediction_study(args, config)
     if args.mode == "pool-study":
         return _run_pool_study(args, config, progress)
     if args.mode == "experiments":
@@ -82,6 +87,23 @@ def run(args: argparse.Namespace) -> int:
         slo = config.scheduler
         plot_latency_cdfs({label: sim_result}, directory / "latency_cdf.png", slo.ttft_slo_s, slo.tbt_slo_s)
         plot_loads({label: sim_result}, directory / "load.png")
+    return 0
+
+
+def _run_prediction_study(args: argparse.Namespace, config: SimConfig) -> int:
+    from mooncaked.sim.prediction_study import format_rows, run_prediction_study
+
+    try:
+        errors = [float(e) for e in args.errors.split(",") if e.strip()]
+    except ValueError:
+        errors = []
+    if not errors or any(not 0 <= e <= 5 for e in errors):
+        print(f"mooncaked sim prediction-study: --errors must be numbers in [0, 5], got {args.errors!r}",
+              file=sys.stderr)
+        return 2
+    result = run_prediction_study(args.trace, config, errors)
+    print(format_rows(result["rows"]))
+    _write_json(args.json, result)
     return 0
 
 

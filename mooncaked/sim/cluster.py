@@ -7,8 +7,9 @@ scheduler's views cheap to build (running sums instead of rescans).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from mooncaked.kv.eviction import BlockCache, make_eviction_policy
 from mooncaked.kv.replica_eviction import make_spare_first_policy
@@ -125,8 +126,16 @@ class DecodeInstance:
             and self.num_context_tokens + seq.context_tokens <= self.max_context_tokens
         )
 
-    def view(self, with_details: bool) -> DecodeInstanceView:
+    def view(self, with_details: bool, predicted_tokens: Mapping[int, int] | None = None,
+             step_s: float = 0.0) -> DecodeInstanceView:
+        """With `predicted_tokens` (request index -> predicted output tokens) the view carries each request's
+        predicted end (decode start + tokens x `step_s`), else prediction-based rejection uses the uniform t_d."""
         running = self.running.values()
+        forecast: dict[str, Any] = {}
+        if with_details and predicted_tokens is not None:
+            forecast = {"running_ends_at": tuple(s.started_at + predicted_tokens.get(s.request_index, 1) * step_s
+                                                 for s in running),
+                        "incoming_decode_s": tuple(predicted_tokens.get(i, 1) * step_s for i in self.incoming)}
         return DecodeInstanceView(
             instance_id=self.instance_id,
             store_id=self.store.store_id,
@@ -137,4 +146,5 @@ class DecodeInstance:
             running_started_at=tuple(seq.started_at for seq in running) if with_details else (),
             running_tokens=tuple(seq.context_tokens for seq in running) if with_details else (),
             incoming=tuple(self.incoming.values()) if with_details else (),  # includes `waiting`
+            **forecast,
         )

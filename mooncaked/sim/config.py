@@ -19,6 +19,7 @@ import yaml
 
 from mooncaked.kv.eviction import POLICY_NAMES
 from mooncaked.sched.types import PolicyConfig
+from mooncaked.sim.output_forecast import MODES as FORECAST_MODES
 
 
 class SimConfigError(ValueError):
@@ -75,6 +76,10 @@ class RunConfig:
     output_length_scale: float = 1.0  # multiplies trace output lengths (a decode-heavier variant of a trace)
     tbt_counts_handoff: bool = False  # count the first gap (KV load into the decode GPU) in TBT
     prefill_noise: float = 0.0  # sigma of a log-normal factor on true prefill times (predictions stay exact)
+    output_length_predictor: str = "uniform"  # uniform (the paper's t_d) | oracle | learned (see output_forecast)
+    output_length_noise: float = 0.0  # oracle: sigma of a log-normal factor on the true output length
+    output_length_quantile: float = 0.9  # learned: the quantile it predicts
+    max_tokens: int = 4096  # learned: every request's max_tokens (the trace has none)
     sample_interval_s: float = 10.0
 
 
@@ -96,7 +101,7 @@ _SECTIONS: dict[str, type] = {
 }
 _NON_NEGATIVE = {"link_latency_s", "prefill_overhead_s", "decode_overhead_s", "decode_per_request_s",
                  "max_requests", "output_length_cap", "prefill_noise", "seed", "dram_blocks_per_host",
-                 "replica_displaced_reuse"}
+                 "output_length_noise", "replica_displaced_reuse"}
 
 
 def load_sim_config(path: str | Path, base: SimConfig | None = None) -> SimConfig:
@@ -137,6 +142,9 @@ def _parse_section(name: str, cls: type, values: Mapping[str, Any]) -> Any:
         if key not in fields:
             raise SimConfigError(f"{name}.{key}: unknown key; valid keys: {', '.join(fields)}")
         parsed[key] = _check_value(f"{name}.{key}", value, getattr(defaults, key), key)
+    if name == "run" and parsed.get("output_length_predictor", "uniform") not in FORECAST_MODES:
+        raise SimConfigError(f"run.output_length_predictor: must be one of {', '.join(FORECAST_MODES)}, "
+                             f"got {parsed['output_length_predictor']!r}")
     if name == "cluster" and parsed.get("eviction", "lru") not in POLICY_NAMES:
         raise SimConfigError(f"cluster.eviction: must be one of {', '.join(POLICY_NAMES)}, got {parsed['eviction']!r}")
     try:

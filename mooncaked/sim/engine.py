@@ -15,9 +15,11 @@ A request's life in the simulator:
    cost model's and gives every running request one token gap. TBT = mean of the longest 10% of the gaps.
 5. SAMPLE events record the prefill and decode pool loads and the pool's duplicate blocks (copies beyond the
    first) every `run.sample_interval_s`; each store counts its evictions and its sole-copy evictions.
-6. Under `scheduler.replication: by_reuse` the replica tracker (`mooncaked.sched.replicas`) hears of every
-   placement, and after every event its spare marks go to the stores at once; under `tie_break:
-   coldest_store` the store recency (`mooncaked.sched.store_recency`) hears of every placement too.
+6. The pool-wide policies (replica tracker, store recency: pool.py) hear of every placement, and after every
+   event the tracker's spare marks go to the stores.
+Predictions may be imperfect: `run.prefill_noise` perturbs true prefill times, and with
+`run.output_length_predictor` other than `uniform` each placed request gets a predicted output length
+(output_forecast.py) that prediction-based early rejection uses instead of the uniform t_d.
 Events at equal times run in scheduling order (a sequence number breaks ties), so runs are deterministic.
 """
 
@@ -31,13 +33,13 @@ from typing import Any
 
 from mooncaked.sched.admission import admit_at_decode, select_decode
 from mooncaked.sched.algorithm import SchedulerPolicy, schedule
-from mooncaked.sched.replicas import BlockCosts, ReplicaTracker
 from mooncaked.sched.shadow_index import ShadowIndex
-from mooncaked.sched.store_recency import StoreRecency
-from mooncaked.sched.types import REASON_DECODE_REFUSED, Placement, RequestInfo
+from mooncaked.sched.types import REASON_DECODE_REFUSED, DecodeInstanceView, Placement, RequestInfo
 from mooncaked.sim.cluster import DecodeInstance, DecodeSeq, HostStore, PrefillInstance, PrefillJob
 from mooncaked.sim.config import SimConfig
 from mooncaked.sim.costs import CostModel, build_cost_model
+from mooncaked.sim.pool import PoolPolicies
+from mooncaked.sim.output_forecast import OutputForecast
 from mooncaked.sim.results import LoadSample, RequestRecord, SimResult, tbt_of
 from mooncaked.sim.trace import TraceRequest
 
@@ -61,15 +63,14 @@ class Simulator:
             for r in requests
         ]
         self.samples: list[LoadSample] = []
+        run = config.run
+        self.forecast = OutputForecast(run.output_length_predictor, noise=run.output_length_noise,
+                                       max_tokens=run.max_tokens, quantile=run.output_length_quantile,
+                                       seed=run.seed + 1)
+        self.predicted_tokens: dict[int, int] = {}  # request index -> predicted output tokens (placed requests)
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = 0
-        self.replicas: ReplicaTracker | None = None
-        if config.scheduler.replication != "always":
-            self.replicas = ReplicaTracker(config.scheduler, self.index)
-        self._block_costs = BlockCosts.from_predictors(self.costs.predictors, config.scheduler.block_size)
-        self.recency: StoreRecency | None = None
-        if config.scheduler.tie_break == "coldest_store":
-            self.recency = StoreRecency(self.index)
+        self.pool = PoolPolicies(config.scheduler, self.index, self.costs.predictors)
         self._build_cluster()
 
     def _output_length(self, request: TraceRequest) -> int:
@@ -80,7 +81,7 @@ class Simulator:
     def _build_cluster(self) -> None:
         cluster = self.config.cluster
         capacity = cluster.dram_blocks_per_host
-        is_aware = self.replicas is not None
+        is_aware = self.pool.is_replica_aware
         self.prefill = [
             PrefillInstance(f"prefill-{i}", HostStore(f"p{i}", capacity, cluster.eviction, self.index, is_aware))
             for i in range(cluster.num_prefill)
@@ -118,8 +119,7 @@ class Simulator:
         while self._events:
             now, _, kind, payload = heapq.heappop(self._events)
             handlers[kind](now, payload)
-            if self.replicas is not None:
-                self._apply_marks(now)
+            self.pool.apply_marks(self.store_by_id, now)
             if kind == ARRIVAL:
                 num_done += 1
                 if progress is not None and num_done % 200 == 0:
@@ -136,8 +136,8 @@ class Simulator:
         is_predicted = self.config.scheduler.admission == "early_rejection_predicted"
         decision = schedule(
             info,
-            [p.view(self.recency.coldest_use(p.store.store_id) if self.recency else 0.0) for p in self.prefill],
-            [d.view(is_predicted) for d in self.decode],
+            [p.view(self.pool.coldest_use(p.store.store_id)) for p in self.prefill],
+            [self._decode_view(d, is_predicted) for d in self.decode],
             self.index,
             self.policy,
             now,
@@ -149,19 +149,18 @@ class Simulator:
             return
         self._place(now, request, decision, record)
 
-    def _apply_marks(self, now: float) -> None:
-        """The replica tracker's spare marks reach the stores at once (the conductor sends them in batches)."""
-        assert self.replicas is not None
-        for store_id, marks in self.replicas.take_marks(self._block_costs, now).items():
-            self.store_by_id[store_id].apply_marks(marks)
+    def _decode_view(self, decode: DecodeInstance, is_predicted: bool) -> DecodeInstanceView:
+        if not self.forecast.is_enabled:
+            return decode.view(is_predicted)
+        step_s = self.costs.predictors.decode.predict(len(decode.running) + 1, decode.num_context_tokens)
+        return decode.view(is_predicted, self.predicted_tokens, step_s)
 
     def _place(self, now: float, request: TraceRequest, placement: Placement, record: RequestRecord) -> None:
         instance = self.prefill_by_id[placement.prefill_instance]
+        if self.forecast.is_enabled:
+            self.predicted_tokens[request.index] = self.forecast.predict(request.input_length, record.output_length)
         keys = request.hash_ids
-        if self.replicas is not None:
-            self.replicas.note_use(instance.store.store_id, keys, placement.num_prefix_blocks, now)
-        if self.recency is not None:
-            self.recency.note_use(instance.store.store_id, keys, now)
+        self.pool.note_use(instance.store.store_id, keys, placement.num_prefix_blocks, now)
         record.prefill_instance = placement.prefill_instance
         record.decode_instance = placement.decode_instance
         record.prefix_blocks = placement.num_prefix_blocks
@@ -277,6 +276,7 @@ class Simulator:
         if choice.view is None or not admit_at_decode(choice.view, job.num_prompt_tokens, config, predictor):
             record.rejection_reason = REASON_DECODE_REFUSED
             record.wasted_prefill = True
+            self.predicted_tokens.pop(record.index, None)
             return None
         record.decode_instance = choice.view.instance_id
         return self.decode_by_id[choice.view.instance_id]
@@ -323,6 +323,8 @@ class Simulator:
 
     def _finish(self, record: RequestRecord, now: float, tbt_s: float) -> None:
         config = self.config.scheduler
+        self.predicted_tokens.pop(record.index, None)
+        self.forecast.observe(record.input_length, record.output_length)
         record.tbt_s = tbt_s
         record.finished_s = now
         record.slo_met = record.ttft_s <= config.ttft_slo_s and tbt_s <= config.tbt_slo_s

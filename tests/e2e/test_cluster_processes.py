@@ -24,9 +24,9 @@ import yaml
 
 from mooncaked.config import Config, load_config
 from mooncaked.kv import messages as store_messages
-from mooncaked.protocol import INFO, InfoRequest
+from mooncaked.rpc.protocol import INFO, InfoRequest
 from mooncaked.roles.base import PeerClients
-from mooncaked.roles.messages import LOAD, LoadRequest
+from mooncaked.roles.worker.messages import LOAD, LoadRequest
 from tests.roles.cluster_fixtures import instance
 
 

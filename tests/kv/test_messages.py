@@ -2,7 +2,7 @@ import msgpack
 import pytest
 
 from mooncaked.kv import messages as m
-from mooncaked.protocol import Message, ProtocolError, decode_message, encode_message
+from mooncaked.rpc.protocol import Message, ProtocolError, decode_message, encode_message
 
 KEY = bytes(range(16))
 LOCATION = m.BlockLocation(KEY, "dram", 8192, 1 << 20)

@@ -1,8 +1,8 @@
 """Replica-aware eviction: spare copies first, the base order within each group, marks are not uses."""
 
-import random
-
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mooncaked.kv.eviction import BlockCache, make_eviction_policy
 from mooncaked.kv.replica_eviction import make_spare_first_policy
@@ -29,14 +29,18 @@ def test_spare_copies_go_first_in_base_order(name):
     assert _drain(policy) == ["b", "e", "a", "c", "d", "f"]
 
 
+USES = st.lists(st.tuples(st.booleans(), st.integers(0, 40), st.integers(0, 7)), max_size=300)
+
+
 @pytest.mark.parametrize("name", POLICIES)
-def test_without_marks_the_order_is_the_base_policys(name):
-    rng = random.Random(11)
+@settings(max_examples=60, deadline=None)
+@given(uses=USES)
+def test_without_marks_the_order_is_the_base_policys(name, uses):
+    """Property: any sequence of uses (many at one `now`, as one request's blocks are) drains in the base order."""
     aware, base = make_spare_first_policy(name), make_eviction_policy(name)
     now = 0.0
-    for _ in range(400):
-        now += rng.choice([0.0, 1.0])  # equal times are common: one request touches many blocks at one `now`
-        key, position = rng.randrange(60), rng.randrange(8)
+    for is_later, key, position in uses:
+        now += 1.0 if is_later else 0.0
         for policy in (aware, base):
             if key in policy:
                 policy.on_access(key, now, position)
@@ -85,29 +89,29 @@ def test_unknown_base_lists_valid_names():
 
 
 @pytest.mark.parametrize("name", ["lfu", "length_aware"])
-def test_random_marks_keep_the_two_groups_in_base_order(name):
-    """Property over random uses, marks and removals: the drain is every spare copy, then every kept one, each
-    group in the order of a plain base policy that saw the same uses (the heap policies place a moved key by
-    its own history; LRU's O(1) lists cannot, see the next test)."""
-    rng = random.Random(5)
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["use", "spare", "kept", "remove"]), st.booleans(),
+                              st.integers(0, 40)), max_size=300))
+def test_random_marks_keep_the_two_groups_in_base_order(name, ops):
+    """Property over uses, marks and removals: the drain is every spare copy, then every kept one, each group in
+    the order of a plain base policy that saw the same uses (the heap policies place a moved key by its own
+    history; LRU's O(1) lists cannot, see the next test)."""
     aware, base = make_spare_first_policy(name), make_eviction_policy(name)
     now = 0.0
-    for _ in range(600):
-        now += rng.choice([0.0, 0.5])
-        key = rng.randrange(80)
-        action = rng.random()
-        if action < 0.6:
+    for action, is_later, key in ops:
+        now += 0.5 if is_later else 0.0
+        if action == "use":
             for policy in (aware, base):
                 if key in policy:
                     policy.on_access(key, now, key % 7)
                 else:
                     policy.on_insert(key, now, key % 7)
-        elif action < 0.9:
-            aware.mark_spare(key, rng.random() < 0.6)
-        else:
+        elif action == "remove":
             aware.on_remove(key)
             base.on_remove(key)
-    spare = {key for key in range(80) if aware.is_spare(key)}
+        else:
+            assert aware.mark_spare(key, action == "spare") == (key in aware)
+    spare = {key for key in range(41) if aware.is_spare(key)}
     base_order = _drain(base)
     assert _drain(aware) == [k for k in base_order if k in spare] + [k for k in base_order if k not in spare]
 

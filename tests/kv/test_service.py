@@ -10,7 +10,7 @@ import pytest
 
 from mooncaked.kv import messages as msg
 from mooncaked.kv.service import StoreService, StoreServiceConfig
-from mooncaked.rpc_errors import InvalidArgument, NotFound, ResourceExhausted
+from mooncaked.rpc.errors import InvalidArgument, NotFound, ResourceExhausted
 
 BLOCK = 8192
 

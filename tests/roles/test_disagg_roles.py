@@ -12,8 +12,8 @@ from mooncaked.config import Config
 from mooncaked.kv.keys import block_keys, model_namespace
 from mooncaked.model.loader import load_model
 from mooncaked.roles.base import PeerClients
-from mooncaked.roles.messages import (DECODE, PREFILL, RESERVE, DecodeRequest, PrefillRequest, ReserveRequest,
-                                      SamplingSpec)
+from mooncaked.roles.worker.messages import (DECODE, PREFILL, RESERVE, DecodeRequest, PrefillRequest, ReserveRequest,
+                                             SamplingSpec)
 from mooncaked.rpc import RpcClient
 from tests.roles.cluster_fixtures import cluster_config, instance, running_roles
 from tests.roles.engine_reference import greedy_tokens

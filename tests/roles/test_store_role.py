@@ -5,7 +5,7 @@ import numpy as np
 
 from mooncaked.config import ClusterSection, Config, InstanceConfig, StoreSection
 from mooncaked.kv.client import StoreClient
-from mooncaked.protocol import HEALTH, INFO, HealthRequest, InfoRequest
+from mooncaked.rpc.protocol import HEALTH, INFO, HealthRequest, InfoRequest
 from mooncaked.rdma import TransferEngine
 from mooncaked.roles.store import StoreRole
 from mooncaked.rpc import RpcClient

@@ -1,8 +1,8 @@
 """Replica tracker: which copy is primary, when copies turn spare or kept, the replicate-or-not decision."""
 
-import random
-
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mooncaked.sched.replicas import BlockCosts, ReplicaTracker, pays_to_replicate
 from mooncaked.sched.shadow_index import ShadowIndex
@@ -116,29 +116,32 @@ def test_a_store_that_leaves_drops_its_marks_and_the_others_are_kept():
     assert _as_sets(tracker.take_marks(COSTS, 1.0)) == {"s1": ([], ["a"]), "s2": ([], ["a"])}
 
 
-def test_random_events_keep_marks_consistent_with_the_rule():
-    """Property over random stores, removals and placements: after each `take_marks`, the marks a store has
-    received say spare exactly for its copies of non-hot blocks whose primary store holds them too, and every
-    block the pool holds keeps at least one kept copy."""
-    rng = random.Random(3)
-    names = ["s0", "s1", "s2", "s3"]
-    stores = Stores(*names)
+NAMES = ["s0", "s1", "s2", "s3"]
+EVENTS = st.lists(st.tuples(st.sampled_from(["store", "remove", "use"]), st.sampled_from(NAMES),
+                            st.lists(st.integers(0, 29), min_size=1, max_size=4, unique=True), st.integers(0, 4)),
+                  max_size=200)
+
+
+@settings(max_examples=100, deadline=None)
+@given(events=EVENTS)
+def test_random_events_keep_marks_consistent_with_the_rule(events):
+    """Property over stores, removals and placements in any order: after each `take_marks`, the marks a store
+    has received say spare exactly for its copies of non-hot blocks whose primary store holds them too, and
+    every block the pool holds keeps at least one kept copy."""
+    stores = Stores(*NAMES)
     tracker = _tracker(stores, heat_half_life_s=1.0)
-    spare = {name: set() for name in names}  # what each store was told
+    spare = {name: set() for name in NAMES}  # what each store was told
     now = 0.0
-    for _ in range(300):
+    for action, name, keys, num_reused in events:
         now += 0.05
-        name, keys = rng.choice(names), [rng.randrange(30) for _ in range(rng.randint(1, 4))]
-        keys = list(dict.fromkeys(keys))
-        roll = rng.random()
-        if roll < 0.4:
-            stores.store(name, [k for k in keys if name not in stores.index.holders(k)])
-        elif roll < 0.6:
-            held = [k for k in keys if name in stores.index.holders(k)]
+        held = [k for k in keys if name in stores.index.holders(k)]
+        if action == "store":
+            stores.store(name, [k for k in keys if k not in held])
+        elif action == "remove":
             stores.remove(name, held)
             spare[name].difference_update(held)  # an evicted copy loses its mark
         else:
-            tracker.note_use(name, keys, rng.randint(0, len(keys)), now)
+            tracker.note_use(name, keys, min(num_reused, len(keys)), now)
         for store, marks in tracker.take_marks(COSTS, now).items():
             assert not set(marks.spare) & spare[store] and set(marks.kept) <= spare[store]
             spare[store] |= set(marks.spare)

@@ -1,7 +1,9 @@
 """Store recency: the last use of each store's coldest block, as placements and the shadow index tell it."""
 
 import math
-import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mooncaked.sched.shadow_index import ShadowIndex
 from mooncaked.sched.store_recency import StoreRecency
@@ -26,21 +28,22 @@ def test_coldest_block_follows_uses_stores_and_evictions():
     assert recency.coldest_use("s1") == 3.0
 
 
-def test_random_placements_match_a_brute_force_minimum():
-    """Property: after random placements (a use, then the absent blocks stored) and evictions on two stores, the
-    answer is the minimum last use over the blocks each store holds; the heaps stay bounded."""
-    rng = random.Random(9)
+@settings(max_examples=100, deadline=None)
+@given(steps=st.lists(st.tuples(st.booleans(), st.sampled_from(["s1", "s2"]),
+                                st.lists(st.integers(0, 60), min_size=1, max_size=5, unique=True)), max_size=300))
+def test_placements_and_evictions_match_a_brute_force_minimum(steps):
+    """Property: after placements (a use, then the absent blocks stored) and evictions on two stores in any order,
+    the answer is the minimum last use over the blocks each store holds; the heaps stay bounded."""
     index = ShadowIndex()
     seqs = {"s1": 0, "s2": 0}
     for store in seqs:
         index.apply_dump(store, 0, [])
     recency = StoreRecency(index)
     last_use: dict[tuple[str, int], float] = {}
-    for step in range(3000):
+    for step, (is_placement, store, keys) in enumerate(steps):
         now = float(step)
-        store, keys = rng.choice(list(seqs)), list({rng.randrange(200) for _ in range(rng.randint(1, 5))})
         seqs[store] += 1
-        if rng.random() < 0.6:
+        if is_placement:
             recency.note_use(store, keys, now)
             index.apply_stored(store, seqs[store], [k for k in keys if not index.holds(store, k)])
             last_use.update({(store, key): now for key in keys})
@@ -49,7 +52,7 @@ def test_random_placements_match_a_brute_force_minimum():
         for name in seqs:
             held = [at for (s, key), at in last_use.items() if s == name and index.holds(name, key)]
             assert recency.coldest_use(name) == (min(held) if held else -math.inf)
-    assert all(len(heap) <= 2 * 200 + 1024 for heap in recency._heaps.values())
+    assert all(len(heap) <= 2 * 61 + 1024 for heap in recency._heaps.values())
 
 
 def test_pending_blocks_of_failed_prefills_are_forgotten():

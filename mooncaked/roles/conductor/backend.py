@@ -1,0 +1,124 @@
+"""The conductor's `GenerationBackend`: requests in, generated chunks out (DESIGN section 3).
+
+1. `prepare`: chat template or prompt, tokenization, 413 when the prompt leaves no room in the context,
+   max_tokens resolved against the context (vLLM's rules), block keys under the cluster's model namespace.
+2. `generate`: a `RequestRun` (request_run.py) per request places it and drives its legs; closing the
+   iterator (finish, error, client gone) cancels the open leg and frees what the request held.
+3. `health`, `cluster_info` and `metrics_text` answer the HTTP layer from the cluster view and the metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from mooncaked.api.backend import GenerationChunk, PreparedRequest
+from mooncaked.api.errors import ApiError, context_too_long, invalid_field
+from mooncaked.api.requests import ChatRequest, CompletionRequest
+from mooncaked.config import Config
+from mooncaked.kv.keys import block_keys, model_namespace
+from mooncaked.logs import request_id_var
+from mooncaked.metrics import Metrics
+from mooncaked.model.chat_template import ChatTemplateError
+from mooncaked.roles.base import PeerClients
+from mooncaked.roles.conductor.cluster_info import describe_cluster
+from mooncaked.roles.conductor.cluster_view import ClusterView
+from mooncaked.roles.conductor.frontend import ConductorRequest, ModelFrontend, generation_state, sampling_spec
+from mooncaked.roles.conductor.prediction_errors import PredictionErrors
+from mooncaked.roles.conductor.leader import PdController
+from mooncaked.roles.conductor.request_run import RequestRun
+
+
+class ConductorBackend:
+    """Serves the HTTP layer. Owns the prediction-error records and nothing per request beyond each `RequestRun`;
+    borrows the view and clients."""
+
+    def __init__(self, config: Config, model: ModelFrontend, view: ClusterView, peers: PeerClients,
+                 metrics: Metrics, controller: PdController | None = None) -> None:
+        self.config = config
+        self.controller = controller
+        self.model = model
+        self.view = view
+        self.peers = peers
+        self.metrics = metrics
+        self.namespace = model_namespace(model.model_id, config.model.dtype, config.kv.block_size)
+        self.num_active = 0
+        self.prediction_errors = PredictionErrors(metrics.predictions)
+
+    def model_ids(self) -> list[str]:
+        return list(self.model.served_names)
+
+    async def prepare(self, request: CompletionRequest | ChatRequest) -> ConductorRequest:
+        arrival_time = time.monotonic()
+        request_id_var.set(request.request_id)
+        try:
+            token_ids = self._prompt_ids(request)
+            context = self.model.context_length
+            if len(token_ids) + 1 > context:
+                raise context_too_long(len(token_ids), context)
+            max_tokens = self._max_tokens(request, len(token_ids), context)
+        except ApiError:
+            self.metrics.requests.requests_total.labels(status="invalid").inc()
+            raise
+        keys = block_keys(token_ids, self.config.kv.block_size, self.namespace)
+        return ConductorRequest(request.request_id, request, tuple(token_ids), max_tokens, tuple(keys), arrival_time)
+
+    def _prompt_ids(self, request: CompletionRequest | ChatRequest) -> list[int]:
+        tokenizer = self.model.tokenizer
+        if isinstance(request, ChatRequest):
+            messages = [{"role": m.role, "content": m.content} for m in request.messages]
+            try:
+                text = self.model.chat_template.render(messages, add_generation_prompt=True)
+            except ChatTemplateError as exc:
+                raise invalid_field("messages", f"the model's chat template rejected them: {exc}") from None
+            return tokenizer.encode(text, add_special_tokens=False)
+        if isinstance(request.prompt, str):
+            return tokenizer.encode(request.prompt, add_special_tokens=True)
+        if not request.prompt:
+            raise invalid_field("prompt", "the prompt has no tokens")
+        bad = [t for t in request.prompt if not 0 <= t < self.model.vocab_size]
+        if bad:
+            raise invalid_field("prompt", f"token id {bad[0]} is outside the vocabulary [0, {self.model.vocab_size})")
+        return list(request.prompt)
+
+    def _max_tokens(self, request: CompletionRequest | ChatRequest, num_prompt_tokens: int, context: int) -> int:
+        room = context - num_prompt_tokens
+        requested = request.sampling.max_tokens
+        if requested is None:
+            return min(room, self.config.conductor.default_max_tokens)
+        if requested > room:
+            raise invalid_field("max_tokens", f"this model's maximum context length is {context} tokens and the "
+                                f"prompt has {num_prompt_tokens}, so max_tokens can be at most {room}; "
+                                f"got {requested}")
+        return requested
+
+    def generate(self, prepared: PreparedRequest) -> AsyncIterator[GenerationChunk]:
+        assert isinstance(prepared, ConductorRequest), "prepare() makes every request this backend generates"
+        return RequestRun(self, prepared, generation_state(self.model, prepared),
+                          sampling_spec(prepared, prepared.max_tokens)).chunks()
+
+    async def health(self) -> dict[str, Any]:
+        up = {role: sum(1 for w in workers.values() if w.is_up)
+              for role, workers in (("prefill", self.view.prefill), ("decode", self.view.decode))}
+        is_ok = up["decode"] > 0 and (up["prefill"] > 0 or not self.view.prefill)
+        return {"status": "ok" if is_ok else "unavailable", "instances_up": up,
+                "stores_up": sum(1 for f in self.view.followers.values() if f.is_up),
+                "membership": self.view.membership.status().as_dict(),
+                "leader": None if self.controller is None else self.controller.membership.leader()}
+
+    async def cluster_info(self) -> dict[str, Any]:
+        info = await describe_cluster(self.view)
+        info["active_requests"] = self.num_active
+        info["predictions"] = self.prediction_errors.describe()
+        if self.controller is not None:
+            info["controller"] = self.controller.describe()
+        return info
+
+    def metrics_text(self) -> bytes:
+        return self.metrics.render()
+
+    def update_queue_metrics(self) -> None:
+        prefill_waiting, decode_incoming = self.view.num_waiting()
+        self.metrics.queues.set_length("prefill", prefill_waiting)
+        self.metrics.queues.set_length("decode", decode_incoming)

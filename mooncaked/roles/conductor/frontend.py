@@ -1,0 +1,51 @@
+"""What the conductor knows of the model and of a prepared request, shared by the backend and a request's run.
+
+1. `ModelFrontend` is built once at start from the model's tokenizer, template and shapes (no weights).
+2. `ConductorBackend.prepare` makes a `ConductorRequest` per HTTP request (tokens, block keys, arrival time).
+3. `sampling_spec` and `generation_state` derive a request's wire sampling spec and its text state from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mooncaked.api.backend import PreparedRequest
+from mooncaked.model.chat_template import ChatTemplate
+from mooncaked.model.sampler import SamplingParams
+from mooncaked.model.stopping import GenerationState
+from mooncaked.model.tokenizer import TextTokenizer
+from mooncaked.roles.worker.messages import SamplingSpec
+
+
+@dataclass(frozen=True)
+class ModelFrontend:
+    """What the conductor needs of the model: text in and out, and its limits (no weights)."""
+
+    model_id: str
+    served_names: tuple[str, ...]  # the first is the default model of a request
+    tokenizer: TextTokenizer
+    chat_template: ChatTemplate
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+    context_length: int  # the model's, already capped by model.max_model_len
+
+
+@dataclass(frozen=True)
+class ConductorRequest(PreparedRequest):
+    block_keys: tuple[bytes, ...] = ()
+    arrival_time: float = 0.0  # time.monotonic()
+
+
+def sampling_spec(prepared: ConductorRequest, max_tokens: int) -> SamplingSpec:
+    options = prepared.request.sampling
+    return SamplingSpec(max_tokens=max_tokens, temperature=options.temperature, top_p=options.top_p,
+                        top_k=options.top_k, seed=options.seed, ignore_eos=options.ignore_eos,
+                        num_logprobs=prepared.request.num_logprobs)
+
+
+def generation_state(model: ModelFrontend, prepared: ConductorRequest) -> GenerationState:
+    options = prepared.request.sampling
+    params = SamplingParams(max_tokens=prepared.max_tokens, temperature=options.temperature, top_k=options.top_k,
+                            top_p=options.top_p, seed=options.seed, stop=options.stop,
+                            ignore_eos=options.ignore_eos, logprobs=prepared.request.num_logprobs)
+    return GenerationState(model.tokenizer, params, prepared.prompt_token_ids, model.eos_token_ids)

@@ -1,0 +1,270 @@
+"""One request across the cluster, driven by `ConductorBackend.generate` (DESIGN section 3).
+
+1. An attempt (`Leg`, leg.py) places the request (a Rejection is a 429 with Retry-After, or a 503 when no
+   instance of a needed role is up), RESERVEs on the decode instance (under admission `none` and `baseline` it
+   waits for room) and PREFILLs (fetching a remote prefix first when placed so); the first token goes out at
+   once, with the placement's predicted TTFT and TBT. Placed inline, DECODE prefills on the decode instance.
+   Under `baseline` the decode instance checks its load only when DECODE arrives, so the first token waits for
+   DECODE's first item: a refusal there is a 429 and the prefill was wasted (paper section 6).
+2. DECODE streams the rest; text and stop strings are handled here (`GenerationState`); a matched stop string
+   ends the request and closes the stream, which cancels it on the decode instance.
+3. Migration: when a leg fails in a way another instance may not (killed, unreachable, stopping, past its
+   deadline), the attempt is settled and a new one serves the prompt plus every token already streamed, with
+   the tokens left and the seed state (tokens sampled so far), on other instances, reusing the prefix KV the
+   stores hold. The client's stream goes on: no token repeated or missing, usage counted once. At most
+   `conductor.max_migrations` times; then, or with no instance left, the client gets the error.
+4. Settle, however the request ended: settle the open attempt, teach the output-length predictor a naturally
+   ended request's length, record how far the predictions were from what happened, and count it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Protocol
+
+from mooncaked.api.backend import GenerationChunk, TokenLogprob
+from mooncaked.api.errors import ApiError
+from mooncaked.config import Config
+from mooncaked.kv.keys import block_keys
+from mooncaked.logs import request_id_var
+from mooncaked.metrics import Metrics
+from mooncaked.model.stopping import FINISH_LENGTH, FINISH_STOP, GenerationState
+from mooncaked.roles.base import PeerClients
+from mooncaked.roles.conductor.cluster_view import ClusterView
+from mooncaked.roles.conductor.frontend import ConductorRequest, ModelFrontend
+from mooncaked.roles.conductor.leg import Leg, LegFailed, LegWork, Rejected
+from mooncaked.roles.conductor.prediction_errors import PredictionErrors, PredictionRecord
+from mooncaked.roles.worker.messages import FINISH_EOS, PrefillReply, SamplingSpec, TokenSample
+from mooncaked.sched.types import Placement
+
+logger = logging.getLogger(__name__)
+
+
+class RunServices(Protocol):
+    """What a request's run borrows from the conductor's backend (which owns `num_active`)."""
+
+    config: Config
+    model: ModelFrontend
+    view: ClusterView
+    peers: PeerClients
+    metrics: Metrics
+    prediction_errors: PredictionErrors
+    namespace: bytes
+    num_active: int
+
+    def update_queue_metrics(self) -> None: ...
+
+
+class RequestRun:
+    """One request. Owns its current `Leg`, its `GenerationState` and its migration count until `chunks()` closes."""
+
+    def __init__(self, backend: RunServices, prepared: ConductorRequest, state: GenerationState,
+                 sampling: SamplingSpec) -> None:
+        self.backend = backend
+        self.config = backend.config
+        self.view = backend.view
+        self.prepared = prepared
+        self.request_id = prepared.request_id
+        self.state = state
+        self.sampling = sampling  # max_tokens is the request's; a leg may ask for fewer
+        self.leg: Leg | None = None
+        self.first_placement: Placement | None = None
+        self.failed_instances: set[str] = set()
+        self.num_migrations = 0
+        self.num_cached_tokens = 0
+        self.first_token_at: float | None = None
+        self.last_token_at = 0.0
+        self.status = "cancelled"  # until the request finishes or fails
+
+    async def chunks(self) -> AsyncIterator[GenerationChunk]:
+        request_id_var.set(self.request_id)
+        self.backend.num_active += 1
+        try:
+            while True:
+                self.leg = Leg(self.config, self.view, self.backend.peers, self._work())
+                try:
+                    async for chunk in self._serve(self.leg):
+                        yield chunk
+                    return
+                except LegFailed as failure:
+                    await self._migrate(failure)
+        except Rejected as rejection:
+            self._reject(rejection.reason)
+            raise rejection.error from None
+        except LegFailed as failure:
+            self.status = "timeout" if failure.error.status == 504 else "failed"
+            raise failure.error from None
+        except ApiError as error:
+            self.status = "timeout" if error.status == 504 else "failed"
+            raise
+        except Exception:
+            self.status = "failed"
+            raise
+        finally:
+            await self._settle()
+
+    def _work(self) -> LegWork:
+        """The first attempt serves the prompt; a migrated one the prompt plus every token already streamed."""
+        prepared, output = self.prepared, tuple(self.state.output_ids)
+        sampling = dataclasses.replace(self.sampling, max_tokens=prepared.max_tokens - len(output),
+                                       num_sampled=len(output))
+        leg_id = self.request_id if not self.num_migrations else f"{self.request_id}~{self.num_migrations}"
+        token_ids = prepared.prompt_token_ids + output
+        keys = prepared.block_keys if not output else tuple(
+            block_keys(list(token_ids), self.config.kv.block_size, self.backend.namespace))
+        return LegWork(leg_id, token_ids, keys, sampling, prepared.arrival_time, prepared.max_tokens,
+                       prepared.request.client_id)
+
+    async def _serve(self, leg: Leg) -> AsyncIterator[GenerationChunk]:
+        placement = leg.place(frozenset(self.failed_instances))
+        self.first_placement = self.first_placement or placement
+        self.backend.update_queue_metrics()
+        reservation = await leg.reserve()
+        if placement.prefill_instance:
+            reply = await leg.prefill(reservation)
+            self._record_prefill(reply)
+            chunk = self._make_chunk([reply.first_token], "")
+            assert chunk is not None
+            leg.is_decode_owed = chunk.finish_reason is not None
+            leg.open_decode(reply.first_token, 1 if leg.is_decode_owed else leg.work.sampling.max_tokens)
+            self.backend.update_queue_metrics()
+            admitted = await self._admitted_after_prefill(leg) if chunk.finish_reason is None else None
+            yield chunk
+            if chunk.finish_reason is not None:
+                return
+            if admitted is not None:
+                yield admitted
+                if admitted.finish_reason is not None:
+                    return
+        else:
+            leg.open_decode(None, leg.work.sampling.max_tokens)
+            self.backend.update_queue_metrics()
+        while True:
+            next_chunk = await self._next_chunk(leg)
+            if next_chunk is not None:
+                yield next_chunk
+                if next_chunk.finish_reason is not None:
+                    return
+
+    async def _admitted_after_prefill(self, leg: Leg) -> GenerationChunk | None:
+        """`baseline`: DECODE's first item (the decode instance's admission check happens on its arrival)."""
+        if self.config.scheduler.admission != "baseline":
+            return None
+        return await self._next_chunk(leg)
+
+    async def _next_chunk(self, leg: Leg) -> GenerationChunk | None:
+        item = await leg.next_item()
+        if item.num_cached_tokens and leg.placement is not None and not leg.placement.prefill_instance:
+            self._record_prefix(item.num_cached_tokens, 0)
+        return self._make_chunk(item.tokens, item.finish_reason)
+
+    async def _migrate(self, failure: LegFailed) -> None:
+        """Settle the failed attempt; raise its error when the request may not move again."""
+        assert self.leg is not None
+        await self.leg.settle()
+        self.failed_instances.add(failure.instance)
+        if self.num_migrations >= self.config.conductor.max_migrations or self.state.finish_reason is not None:
+            logger.warning("%s; not migrating again (%d migrations)", failure, self.num_migrations)
+            raise failure
+        self.num_migrations += 1
+        self.backend.metrics.requests.observe_migration(failure.cause)
+        logger.warning("%s; migrating after %d streamed tokens (migration %d)", failure,
+                       len(self.state.output_ids), self.num_migrations)
+
+    def _reject(self, reason: str) -> None:
+        self.status = "rejected"
+        self.backend.metrics.requests.observe_rejection(reason)
+        logger.info("rejected: %s", reason)
+
+    # ---- output -------------------------------------------------------------------------------------------
+    def _make_chunk(self, samples: Sequence[TokenSample], decode_finish: str) -> GenerationChunk | None:
+        token_ids: list[int] = []
+        texts: list[str] = []
+        finish_reason: str | None = None
+        for sample in samples:
+            step = self.state.append(sample.token_id)
+            token_ids.append(sample.token_id)
+            texts.append(step.text)
+            if step.finish_reason is not None:
+                finish_reason = step.finish_reason
+                break
+        if finish_reason is None and decode_finish:
+            texts.append(self._flush())
+            finish_reason = FINISH_STOP if decode_finish == FINISH_EOS else FINISH_LENGTH
+            self.state.finish_reason = finish_reason
+        if not token_ids and finish_reason is None:
+            return None
+        is_first = bool(token_ids) and self.first_token_at is None
+        if token_ids:
+            self.last_token_at = time.monotonic()
+            self.first_token_at = self.first_token_at or self.last_token_at
+            if self.leg is not None:
+                self.view.flights.generated(self.leg.work.leg_id, len(self.state.output_ids))
+        if finish_reason is not None:
+            self.status = "ok"
+        logprobs = self._logprobs(samples[: len(token_ids)]) if self.prepared.request.num_logprobs is not None \
+            else None
+        placement = self.first_placement if is_first else None
+        return GenerationChunk(tuple(token_ids), "".join(texts), logprobs, finish_reason,
+                               self.prepared.num_prompt_tokens, self.num_cached_tokens,
+                               placement.predicted_ttft_s if placement else None,
+                               placement.predicted_tbt_s if placement else None)
+
+    def _flush(self) -> str:
+        matcher = self.state.matcher
+        return matcher.feed(self.state.detokenizer.flush()) + matcher.flush()
+
+    def _logprobs(self, samples: Sequence[TokenSample]) -> tuple[TokenLogprob, ...]:
+        decode = self.backend.model.tokenizer.decode
+        return tuple(
+            TokenLogprob(decode([s.token_id], skip_special_tokens=False), s.logprob,
+                         tuple((decode([t], skip_special_tokens=False), lp)
+                               for t, lp in zip(s.top_token_ids, s.top_logprobs)))
+            for s in samples)
+
+    # ---- bookkeeping --------------------------------------------------------------------------------------
+    def _record_prefill(self, reply: PrefillReply) -> None:
+        if not self.num_migrations:  # a migrated attempt's cached tokens include streamed output
+            self._record_prefix(reply.num_cached_tokens, reply.num_fetched_blocks)
+
+    def _record_prefix(self, num_cached_tokens: int, num_fetched_blocks: int) -> None:
+        self.num_cached_tokens = min(num_cached_tokens, self.prepared.num_prompt_tokens)
+        num_blocks = len(self.prepared.block_keys)
+        num_cached_blocks = min(num_cached_tokens // self.config.kv.block_size, num_blocks)
+        num_remote = min(num_fetched_blocks, num_cached_blocks)
+        self.view.record_prefix(num_local=num_cached_blocks - num_remote, num_remote=num_remote,
+                                num_computed=num_blocks - num_cached_blocks)
+        self.backend.metrics.cache.observe_prefix(num_local=num_cached_blocks - num_remote, num_remote=num_remote,
+                                                  num_computed=num_blocks - num_cached_blocks)
+
+    async def _settle(self) -> None:
+        try:
+            if self.leg is not None:
+                await self.leg.settle()
+        finally:
+            num_output_tokens = len(self.state.output_ids)
+            if self.status == "ok":
+                self.view.observe_output_length(self.prepared.max_tokens, self.prepared.num_prompt_tokens,
+                                                self.prepared.request.client_id, num_output_tokens)
+            self._record_prediction_error(num_output_tokens)
+            self.backend.num_active -= 1
+            self.backend.update_queue_metrics()
+            if self.status != "rejected":
+                e2e_s = time.monotonic() - self.prepared.arrival_time
+                ttft_s = None if self.first_token_at is None else self.first_token_at - self.prepared.arrival_time
+                self.backend.metrics.requests.observe_finished(status=self.status, ttft_s=ttft_s, e2e_s=e2e_s,
+                                                               num_output_tokens=num_output_tokens)
+
+    def _record_prediction_error(self, num_output_tokens: int) -> None:
+        placement = self.first_placement
+        if placement is None or self.first_token_at is None:
+            return
+        actual_tbt_s = None
+        if num_output_tokens > 1:
+            actual_tbt_s = (self.last_token_at - self.first_token_at) / (num_output_tokens - 1)
+        self.backend.prediction_errors.record(PredictionRecord(
+            self.request_id, placement.predicted_ttft_s, self.first_token_at - self.prepared.arrival_time,
+            placement.predicted_tbt_s, actual_tbt_s))

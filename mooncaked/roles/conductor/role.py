@@ -1,0 +1,197 @@
+"""The conductor role: the OpenAI-compatible HTTP API in front of the cluster (DESIGN sections 3, 7 and 9).
+
+1. `start()`: load the tokenizer, chat template and model shape (no weights), build the scheduler's policy and
+   default predictors, start the cluster view (index resync from every store's dump, first LOAD round), then
+   serve HTTP on `instance.host:instance.port` and, when `instance.rpc_port` is set, the health/info RPC endpoint.
+2. Requests flow through `ConductorBackend` (see backend.py).
+3. `stop()`: stop accepting HTTP, let in-flight requests finish up to runtime.drain_timeout_s, cancel the rest
+   (their legs are cancelled remotely), then stop the RPC endpoint, the store followers and LOAD pollers, and
+   close the RPC clients, in that order.
+
+Owns the HTTP runner, the RPC endpoint, the peer clients, the metrics, the cluster view and the backend. It holds
+no state that the stores and workers cannot give back: a restarted conductor serves correctly at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+
+from aiohttp import web
+
+from mooncaked.api.app import create_app
+from mooncaked.config import Config, InstanceConfig
+from mooncaked.etcd_membership import EtcdMembership
+from mooncaked.membership import Membership, StaticMembership
+from mooncaked.metrics import Metrics
+from mooncaked.model.loader import ModelFrontendInfo, load_frontend, num_parameters, resolve_dtype
+from mooncaked.roles.base import PeerClients, RoleEndpoint
+from mooncaked.roles.conductor.cluster_view import ClusterView, ClusterViewSettings
+from mooncaked.roles.conductor.backend import ConductorBackend
+from mooncaked.roles.conductor.frontend import ModelFrontend
+from mooncaked.roles.conductor.leader import PdController
+from mooncaked.roles.conductor.live_predictors import LivePredictors
+from mooncaked.roles.conductor.store_follower import FollowerSettings
+from mooncaked.sched.predictors import DecodeStepPredictor, Predictors, PrefillTimePredictor, TransferTimePredictor
+from mooncaked.sched.types import PolicyConfig
+
+logger = logging.getLogger(__name__)
+
+# Throughput assumed, when scheduler.device_flops / device_memory_bandwidth are not set, before measurements
+# replace the predictors: dense FLOP/s and memory bytes/s of a recent datacenter GPU and of a few CPU cores.
+DEFAULT_FLOPS = {"cuda": 3e14, "cpu": 1e11}
+DEFAULT_MEMORY_BANDWIDTH = {"cuda": 2e12, "cpu": 2e10}
+
+
+class ConductorRole:
+    """See the module docstring."""
+
+    name = "conductor"
+
+    def __init__(self, config: Config, instance: InstanceConfig, membership: Membership | None = None) -> None:
+        self.config = config
+        self.instance = instance
+        self.membership = membership or StaticMembership(config, instance)  # borrowed: started by its owner
+        self.name = f"conductor {instance.name}"
+        self.metrics = Metrics()
+        self.peers = PeerClients(config, instance)
+        self.view: ClusterView | None = None
+        self.backend: ConductorBackend | None = None
+        self.runner: web.AppRunner | None = None
+        self.endpoint: RoleEndpoint | None = None
+        self.controller: PdController | None = None
+        self.bound_port = 0
+
+    async def start(self) -> None:
+        config = self.config
+        model = config.model
+        loaded = await asyncio.to_thread(load_frontend, model.source)
+        frontend = model_frontend(config, loaded)
+        predictors = LivePredictors(default_predictors(config, loaded))
+        self.view = ClusterView(config, self.peers, policy_config(config), predictors, view_settings(config),
+                                self.membership)
+        await self.view.start()
+        if isinstance(self.membership, EtcdMembership):
+            self.controller = PdController(config, self.view, self.peers, self.membership)
+            await self.controller.start()
+        self.backend = ConductorBackend(config, frontend, self.view, self.peers, self.metrics, self.controller)
+        app = create_app(self.backend, api_keys=read_api_keys(config.conductor.api_keys_file),
+                         max_body_bytes=config.conductor.max_body_bytes,
+                         request_timeout_s=config.conductor.request_timeout_s)
+        self.runner = web.AppRunner(app, shutdown_timeout=config.runtime.drain_timeout_s, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.instance.host, self.instance.port)
+        await site.start()
+        self.bound_port = _bound_port(self.runner)
+        if self.instance.rpc_port:
+            self.endpoint = RoleEndpoint(config, self.instance, port=self.instance.rpc_port,
+                                         is_healthy=self._is_healthy)
+            await self.endpoint.start()
+        logger.info("conductor %s serving %s on http://%s:%d (%d prefill, %d decode, %d stores)", self.instance.name,
+                    frontend.served_names[0], self.instance.host, self.bound_port, len(self.view.prefill),
+                    len(self.view.decode), len(self.view.followers))
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()  # stop listening, drain up to drain_timeout_s, cancel the rest
+            self.runner = None
+        if self.endpoint is not None:
+            await self.endpoint.stop()
+            self.endpoint = None
+        if self.controller is not None:
+            await self.controller.stop()
+        if self.view is not None:
+            await self.view.stop()
+        await self.peers.close()
+
+    def _is_healthy(self) -> bool:
+        return self.view is not None and any(w.is_up for w in self.view.decode.values())
+
+
+def _bound_port(runner: web.AppRunner) -> int:
+    for address in runner.addresses:
+        if isinstance(address, tuple):
+            return int(address[1])
+    return 0
+
+
+def model_frontend(config: Config, loaded: ModelFrontendInfo) -> ModelFrontend:
+    names = tuple(dict.fromkeys((config.model.name, loaded.model_id)))
+    return ModelFrontend(model_id=loaded.model_id, served_names=names, tokenizer=loaded.tokenizer,
+                         chat_template=loaded.chat_template, eos_token_ids=loaded.eos_token_ids,
+                         vocab_size=loaded.args.vocab_size,
+                         context_length=min(loaded.context_length, config.model.max_model_len))
+
+
+def policy_config(config: Config) -> PolicyConfig:
+    section = config.scheduler
+    return PolicyConfig(scheduler=section.policy, admission=section.admission,
+                        kvcache_balancing_threshold=section.kvcache_balancing_threshold,
+                        ttft_slo_s=section.ttft_slo_ms / 1000, tbt_slo_s=section.tbt_slo_ms / 1000,
+                        block_size=config.kv.block_size, decode_time_s=section.decode_time_s, seed=section.seed,
+                        replication=section.replication, heat_half_life_s=section.heat_half_life_s,
+                        replica_displaced_reuse=section.replica_displaced_reuse, tie_break=section.tie_break)
+
+
+def view_settings(config: Config) -> ClusterViewSettings:
+    conductor = config.conductor
+    follower = FollowerSettings(events_renew_s=conductor.events_renew_s, dump_timeout_s=config.rpc.call_timeout_s,
+                                min_backoff_s=conductor.load_poll_interval_s)
+    return ClusterViewSettings(poll_interval_s=conductor.load_poll_interval_s,
+                               poll_timeout_s=conductor.load_poll_timeout_s,
+                               startup_timeout_s=conductor.startup_sync_timeout_s, follower=follower,
+                               spare_marks_interval_s=conductor.spare_marks_interval_s)
+
+
+def default_predictors(config: Config, loaded: ModelFrontendInfo) -> Predictors:
+    """From the model's shape and an assumed device, or fitted from `scheduler.prefill_profile` when set."""
+    args, section = loaded.args, config.scheduler
+    device = "cuda" if config.model.device.startswith("cuda") else "cpu"
+    itemsize = resolve_dtype(config.model.dtype, config.model.device).itemsize
+    weight_bytes = num_parameters(loaded.args) * itemsize
+    kv_bytes_per_token = args.num_layers * 2 * args.num_kv_heads * args.head_dim * itemsize
+    prefill = PrefillTimePredictor.from_model(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                                              gpu_flops=section.device_flops or DEFAULT_FLOPS[device])
+    decode = DecodeStepPredictor.from_model(weight_bytes=weight_bytes, kv_bytes_per_token=kv_bytes_per_token,
+                                            hbm_bandwidth=section.device_memory_bandwidth
+                                            or DEFAULT_MEMORY_BANDWIDTH[device])
+    if section.prefill_profile:
+        prefill, decode = read_profile(Path(section.prefill_profile), prefill, decode)
+    transfer = TransferTimePredictor(kv_bytes_per_token * config.kv.block_size, section.link_gbps * 1e9 / 8)
+    return Predictors(prefill, decode, transfer)
+
+
+PROFILE_FORMAT = ('{"prefill": [[prompt tokens, prefix tokens, seconds], ...], '
+                  '"decode": [[batch size, context tokens, step seconds], ...]}')
+
+
+def read_profile(path: Path, prefill: PrefillTimePredictor,
+                 decode: DecodeStepPredictor) -> tuple[PrefillTimePredictor, DecodeStepPredictor]:
+    """Fit the predictors a profile (JSON in PROFILE_FORMAT; either list may be absent) measures."""
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or not data or set(data) - {"prefill", "decode"}:
+            raise ValueError("the top level must be an object with a \"prefill\" and/or a \"decode\" list")
+        if "prefill" in data:
+            prefill = PrefillTimePredictor.fit([(int(n), int(p), float(s)) for n, p, s in data["prefill"]])
+        if "decode" in data:
+            decode = DecodeStepPredictor.fit([(int(b), int(t), float(s)) for b, t, s in data["decode"]])
+    except (OSError, ValueError, TypeError) as exc:
+        raise RuntimeError(f"scheduler.prefill_profile {path}: {exc}; expected JSON {PROFILE_FORMAT}") from None
+    return prefill, decode
+
+
+def read_api_keys(path: str | None) -> frozenset[str]:
+    """One key per line; blank lines and lines starting with # are ignored."""
+    if path is None:
+        return frozenset()
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise RuntimeError(f"cannot read conductor.api_keys_file {path}: {exc.strerror}") from None
+    keys = frozenset(line.strip() for line in lines if line.strip() and not line.strip().startswith("#"))
+    if not keys:
+        raise RuntimeError(f"conductor.api_keys_file {path} holds no key")
+    return keys

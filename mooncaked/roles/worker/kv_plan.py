@@ -1,0 +1,187 @@
+"""Where one prompt's KV comes from and goes to on a worker, planned before its forward.
+
+1. `plan_prompt_kv(...)` checks the block keys, optionally fetches a prefix from another host's store into this
+   host's store (hot-block replication: the copy is committed here and becomes local cache), allocates this
+   host's store space for the new full blocks (read leases on the present ones), and reads the reusable prefix
+   into the request's staging buffer.
+2. The forward runs with `kv.load_layer` before each layer and `plan.store_layer` after it: layer i of the new
+   blocks goes to this host's store and, for prefill, to the decode host's reserved destinations.
+3. `close_store(commit)` commits the new blocks (or aborts them) and ends the read leases; `kv.release()` (the
+   plan's owner calls it) frees pages and staging.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from mooncaked.engine.batch import PrefillSeq
+from mooncaked.kv.keys import block_keys
+from mooncaked.kv.messages import WriteHandle
+from mooncaked.roles.worker.messages import Destination
+from mooncaked.roles.worker.request_kv import RequestKv
+from mooncaked.roles.worker.worker import Worker
+from mooncaked.rpc import InvalidArgument, ResourceExhausted
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class KvPlan:
+    """Owns one prompt's store handles and leases on a worker (and, through `kv`, its pages and staging)."""
+
+    kv: RequestKv
+    token_ids: list[int]
+    num_prefix_blocks: int = 0
+    num_fetched_blocks: int = 0
+    local_handles: list[tuple[int, WriteHandle]] = field(default_factory=list)  # (block index, handle)
+    local_lease_ids: list[int] = field(default_factory=list)
+    destinations: dict[str, list[Destination]] = field(default_factory=dict)  # store name -> blocks it wants
+    is_closed: bool = False
+    is_cancelled: bool = False  # set by the event loop; the compute thread then posts no more writes
+
+    def prefill_seq(self) -> PrefillSeq:
+        num_cached = self.num_prefix_blocks * self.kv.worker.block_size
+        return PrefillSeq(token_ids=self.token_ids[num_cached:], num_cached_tokens=num_cached,
+                          page_ids=self.kv.page_ids)
+
+    def store_layer(self, layer: int) -> None:
+        """Compute thread, after layer `layer`: stage the new blocks' KV and send it to every destination."""
+        if self.is_cancelled:
+            return
+        self.kv.store_layer(layer, start=self.num_prefix_blocks)
+        kv, local = self.kv, self.kv.worker.local_store_name
+        kv.post_write_layer(local, [i for i, _ in self.local_handles], [h.offset for _, h in self.local_handles],
+                            layer)
+        for store_name, wanted in self.destinations.items():
+            kv.post_write_layer(store_name, [d.block_index for d in wanted], [d.handle.offset for d in wanted],
+                                layer)
+
+    async def close_store(self, commit: bool) -> None:
+        """Commit (or abort) the new blocks and end the read leases; idempotent, never raises."""
+        if self.is_closed:
+            return
+        self.is_closed = True
+        local = self.kv.worker.local_store
+        handle_ids = [h.handle_id for _, h in self.local_handles]
+        try:
+            if handle_ids:
+                await (local.commit(handle_ids) if commit else local.abort(handle_ids))
+            if self.local_lease_ids:
+                await local.release(self.local_lease_ids)
+        except Exception as exc:  # the store reclaims them when their leases expire
+            logger.warning("ending store handles of %s failed: %s", self.kv.request_id, exc)
+
+    async def close(self, commit: bool) -> None:
+        await self.kv.settle_writes(self.kv.worker.config.transfer.timeout_s)
+        await self.close_store(commit)
+        await self.kv.release()
+
+
+def check_block_keys(worker: Worker, token_ids: Sequence[int], keys: Sequence[bytes]) -> list[bytes]:
+    expected = block_keys(token_ids, worker.block_size, worker.namespace)
+    if list(keys) != expected:
+        raise InvalidArgument("block_keys do not match the token ids under this instance's model namespace "
+                              "(model id, dtype and block size must agree across the cluster)")
+    return expected
+
+
+async def plan_prompt_kv(worker: Worker, request_id: str, token_ids: list[int], keys: Sequence[bytes], *,
+                         timeout_s: float, num_extra_tokens: int = 0, fetch_store: str = "",
+                         num_fetch_blocks: int = 0, decode_store: str = "",
+                         destinations: Sequence[Destination] = ()) -> KvPlan:
+    """Steps 1 of the module docstring; on failure everything taken so far is given back."""
+    _check_prompt(worker, token_ids)
+    keys = check_block_keys(worker, token_ids, keys)
+    for store_name in (fetch_store, decode_store if destinations else ""):
+        if store_name:
+            worker.store_instance(store_name)
+    try:
+        kv = RequestKv(worker, request_id, len(token_ids), num_extra_tokens)
+    except RuntimeError as exc:
+        raise ResourceExhausted(f"not enough KV pages for {len(token_ids)} tokens: {exc}") from None
+    plan = KvPlan(kv, list(token_ids))
+    if destinations:
+        plan.destinations[decode_store] = list(destinations)
+    try:
+        if fetch_store and fetch_store != worker.local_store_name and num_fetch_blocks > 0:
+            await _fetch_prefix(plan, fetch_store, keys[:num_fetch_blocks], timeout_s)
+        await _reserve_local(plan, keys, timeout_s)
+    except BaseException:
+        await plan.close(commit=False)
+        raise
+    return plan
+
+
+def _check_prompt(worker: Worker, token_ids: Sequence[int]) -> None:
+    assert worker.loaded is not None
+    if not token_ids:
+        raise InvalidArgument("the prompt has no tokens")
+    vocab_size = worker.loaded.args.vocab_size
+    if any(not 0 <= t < vocab_size for t in token_ids):
+        raise InvalidArgument(f"token ids must be in [0, {vocab_size})")
+    if len(token_ids) > worker.config.model.max_model_len:
+        raise InvalidArgument(f"prompt of {len(token_ids)} tokens exceeds model.max_model_len "
+                              f"{worker.config.model.max_model_len}")
+
+
+def _lease_ms(worker: Worker, timeout_s: float) -> int:
+    """Outlive the request's deadline (store.default_lease_ms at least), within store.max_lease_ms."""
+    store = worker.config.store
+    return min(max(int(timeout_s * 1000) + 5_000, store.default_lease_ms), store.max_lease_ms)
+
+
+async def _fetch_prefix(plan: KvPlan, fetch_store: str, keys: list[bytes], timeout_s: float) -> None:
+    """Copy the longest prefix of `keys` held by `fetch_store` into this host's store (and staging)."""
+    worker, kv = plan.kv.worker, plan.kv
+    remote = await worker.store_client(fetch_store)
+    found = await remote.lookup(keys, lease_ms=_lease_ms(worker, timeout_s))
+    try:
+        if not found.locations:
+            return
+        num_found = len(found.locations)
+        reply = await worker.local_store.allocate(keys[:num_found], worker.block_nbytes, _lease_ms(worker, timeout_s))
+        index_of = {key: i for i, key in enumerate(keys[:num_found])}
+        indices = [index_of[h.key] for h in reply.handles]
+        offsets = [found.locations[i].offset for i in indices]
+        try:
+            await kv.read_blocks(fetch_store, indices, offsets)
+            await kv.write_blocks(worker.local_store_name, indices, [h.offset for h in reply.handles])
+            if reply.handles:
+                await worker.local_store.commit([h.handle_id for h in reply.handles])
+        except BaseException:
+            if reply.handles:
+                await worker.local_store.abort([h.handle_id for h in reply.handles])
+            raise
+        finally:
+            if reply.read_lease_id:
+                await worker.local_store.release([reply.read_lease_id])
+        plan.num_fetched_blocks = len(indices)
+    finally:
+        if found.read_lease_id:
+            await remote.release([found.read_lease_id])
+
+
+async def _reserve_local(plan: KvPlan, keys: list[bytes], timeout_s: float) -> None:
+    worker, kv = plan.kv.worker, plan.kv
+    local = worker.local_store
+    try:
+        reply = await local.allocate(keys, worker.block_nbytes, _lease_ms(worker, timeout_s))
+        present, handles, lease_id = reply.present, reply.handles, reply.read_lease_id
+    except ResourceExhausted:  # the store is full of pinned or leased blocks: reuse, but do not cache
+        found = await local.lookup(keys, lease_ms=_lease_ms(worker, timeout_s))
+        present, handles, lease_id = found.locations, [], found.read_lease_id
+    if lease_id:
+        plan.local_lease_ids.append(lease_id)
+    index_of = {key: i for i, key in enumerate(keys)}
+    present_indices = sorted(index_of[loc.key] for loc in present)
+    num_prefix = 0
+    while num_prefix < len(present_indices) and present_indices[num_prefix] == num_prefix:
+        num_prefix += 1
+    num_prefix = min(num_prefix, (len(plan.token_ids) - 1) // worker.block_size)  # >= 1 token to compute
+    plan.local_handles = [(index_of[h.key], h) for h in handles]
+    offset_of = {index_of[loc.key]: loc.offset for loc in present}
+    await kv.read_blocks(worker.local_store_name, list(range(num_prefix)), [offset_of[i] for i in range(num_prefix)])
+    kv.num_loaded = num_prefix
+    plan.num_prefix_blocks = num_prefix

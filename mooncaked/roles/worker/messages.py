@@ -1,0 +1,152 @@
+"""RPC messages between the conductor and the prefill and decode instances (DESIGN section 3).
+
+1. RESERVE (conductor -> decode): the decode instance checks its TBT SLO and memory, sets pages aside, and
+   allocates space in its host's store for every prompt block it does not hold; the reply names those
+   destinations. With `is_inline_prefill` it only sets pages aside: it will prefill the prompt itself.
+   UNRESERVE gives a reservation back when the request ends before DECODE claimed it (failed prefill, client
+   gone); otherwise it would be held until its lease runs out.
+2. PREFILL (conductor -> prefill): token ids, block keys, an optional remote prefix to fetch first, and the
+   decode destinations; the reply carries the first token.
+3. DECODE (conductor -> decode, server-streaming): commit the destinations, load the KV into pages, join the
+   continuous batch, stream token ids until EOS, a stop token or max_tokens. Stop strings and detokenization
+   are the conductor's (it holds the tokenizer); it ends the stream by cancelling the call.
+4. LOAD (conductor -> prefill or decode): the instance's load, polled to keep every conductor's view fresh, and
+   its own fitted performance model (the conductor predicts with it from its first request).
+
+Token text never rides these messages; bulk KV bytes go through the store and the transfer engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from mooncaked.kv.messages import WriteHandle
+from mooncaked.rpc import Message, Method
+
+FINISH_EOS = "eos"  # an EOS or stop token id ended the sequence
+FINISH_LENGTH = "length"  # max_tokens reached
+
+
+@dataclass(frozen=True)
+class SamplingSpec(Message):
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: Optional[int] = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    num_logprobs: Optional[int] = None  # None: no logprobs; 0: the sampled token's only
+    num_sampled: int = 0  # output tokens sampled before this leg (a migrated request's seed state)
+
+
+@dataclass(frozen=True)
+class TokenSample(Message):
+    token_id: int
+    logprob: float = 0.0
+    top_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Destination(Message):
+    """Where the decode host wants prompt block `block_index` (== num full blocks: the partial tail block)."""
+
+    block_index: int
+    handle: WriteHandle
+
+
+@dataclass(frozen=True)
+class ReserveRequest(Message):
+    request_id: str
+    block_keys: list[bytes]
+    num_prompt_tokens: int
+    max_tokens: int
+    lease_ms: int
+    is_inline_prefill: bool = False  # the decode instance will prefill itself: reserve pages, no store space
+
+
+@dataclass(frozen=True)
+class ReserveReply(Message):
+    is_accepted: bool
+    reason: str = ""
+    store_instance: str = ""  # the decode host's store, where the destinations live
+    destinations: list[Destination] = field(default_factory=list)
+    num_present_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class UnreserveRequest(Message):
+    request_id: str
+
+
+@dataclass(frozen=True)
+class UnreserveReply(Message):
+    was_reserved: bool
+
+
+@dataclass(frozen=True)
+class PrefillRequest(Message):
+    request_id: str
+    token_ids: list[int]
+    block_keys: list[bytes]
+    sampling: SamplingSpec
+    fetch_store: str = ""  # a store holding a longer prefix worth fetching first ("" for none)
+    num_fetch_blocks: int = 0  # how many prefix blocks to take from fetch_store
+    decode_store: str = ""
+    destinations: list[Destination] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PrefillReply(Message):
+    first_token: TokenSample
+    num_cached_tokens: int  # prompt tokens whose KV was reused (local or fetched)
+    num_fetched_blocks: int  # of those, blocks fetched from another host's store
+    prefill_s: float  # from arrival on this instance to the reply (queueing included)
+    compute_s: float = 0.0  # the forward of the batch this prompt ran in
+
+
+@dataclass(frozen=True)
+class DecodeRequest(Message):
+    request_id: str
+    token_ids: list[int]
+    block_keys: list[bytes]
+    sampling: SamplingSpec
+    first_token: Optional[TokenSample] = None  # None: prefill inline on the decode instance
+
+
+@dataclass(frozen=True)
+class DecodeItem(Message):
+    tokens: list[TokenSample]
+    finish_reason: str = ""  # "" while running, then FINISH_EOS or FINISH_LENGTH
+    num_cached_tokens: int = 0  # set on the first item of an inline prefill
+
+
+@dataclass(frozen=True)
+class LoadRequest(Message):
+    pass
+
+
+@dataclass(frozen=True)
+class LoadReply(Message):
+    role: str
+    num_running: int  # sequences in the batch (decode) or being prefilled
+    num_waiting: int  # queued requests
+    num_queued_tokens: int  # prompt tokens waiting for prefill
+    num_free_pages: int
+    num_pages: int
+    step_time_s: float  # recent mean step time (decode) or prefill time (prefill)
+    num_context_tokens: int = 0  # decode: total context of the running batch
+    prefill_coefficients: list[float] = field(default_factory=list)  # PrefillTimePredictor's; [] until fitted
+    decode_coefficients: list[float] = field(default_factory=list)  # DecodeStepPredictor's; [] until fitted
+    pending_work_s: float = 0.0  # prefill: predicted seconds of work held (rest of the running batch + queue)
+    held_request_ids: list[str] = field(default_factory=list)  # prefill: the requests pending_work_s counts
+    overhead_s: float = 0.0  # recent mean seconds a request spends outside queue and compute (decode: inline prefills)
+
+
+RESERVE = Method("reserve", ReserveRequest, ReserveReply)
+UNRESERVE = Method("unreserve", UnreserveRequest, UnreserveReply)
+PREFILL = Method("prefill", PrefillRequest, PrefillReply)
+DECODE = Method("decode", DecodeRequest, DecodeItem, is_streaming=True)
+LOAD = Method("load", LoadRequest, LoadReply)

@@ -1,0 +1,167 @@
+"""The runtime a prefill or decode instance is built on: one model replica, its KV pages, one compute thread.
+
+1. `Worker(config, instance)`; `await start()`: start the transfer engine, load the model on the compute thread,
+   allocate the KV pages, build the runner, copier and sampler, connect to this host's store (mapping its pool).
+2. `await compute(fn, *args)` runs model work on the single compute thread, keeping the event loop free for RPC,
+   transfers and heartbeats. Layer callbacks run on that thread; they hand bytes to the loop with `post`.
+3. `await store_client(name)` connects to another host's store on first use (bytes then move through the
+   transfer engine); the local store's client maps its shared-memory pool.
+4. `await stop()`: close store clients, stop the engine, shut the compute thread down (after the role has drained).
+
+The worker also owns its performance model (`perf`): the role profiles it before serving (profiler.py) and feeds
+it live samples; LOAD replies report its coefficients, which the conductor predicts with.
+
+The runner does not know which role drives it (DESIGN 11): a decode instance prefills inline with the same code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+import torch
+
+from mooncaked.config import Config, InstanceConfig, WorkerSection
+from mooncaked.engine.kv_copy import KVCopier, new_staging
+from mooncaked.engine.kv_pages import KVPages, PageAllocator
+from mooncaked.engine.runner import ModelRunner
+from mooncaked.kv.client import StoreClient
+from mooncaked.kv.keys import model_namespace
+from mooncaked.membership import Membership, StaticMembership, store_on_host
+from mooncaked.model.loader import LoadedModel, load_model
+from mooncaked.model.sampler import Sampler
+from mooncaked.roles.base import PeerClients, make_transfer_engine
+from mooncaked.rpc import InvalidArgument
+from mooncaked.sched.perf_model import PerformanceModel
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Worker:
+    """Owns the model replica, KV pages and page allocator, compute thread, transfer engine, store clients and the
+    performance model."""
+
+    def __init__(self, config: Config, instance: InstanceConfig, membership: Membership | None = None) -> None:
+        self.config = config
+        self.instance = instance
+        self.membership = membership or StaticMembership(config, instance)  # borrowed
+        self.section: WorkerSection = config.role_section(instance)
+        self.engine = make_transfer_engine(config, instance.host, 0)
+        self.peers = PeerClients(config, instance)
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self._stores: dict[str, StoreClient] = {}
+        self._store_locks: dict[str, asyncio.Lock] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.loaded: LoadedModel | None = None
+        self.kv_pages: KVPages | None = None
+        self.pages: PageAllocator | None = None
+        self.runner: ModelRunner | None = None
+        self.copier: KVCopier | None = None
+        self.sampler: Sampler | None = None
+        self.namespace = b""
+        self.perf = PerformanceModel()
+        self.local_store_name = ""
+
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        await self.engine.start()
+        model = self.config.model
+        self.loaded = await self.compute(load_model, model.source, dtype=model.dtype, device=model.device,
+                                         seed=model.seed, cpu_packed_gemm=model.cpu_packed_gemm)
+        block_size = self.config.kv.block_size
+        self.kv_pages = KVPages.for_model(self.loaded.args, num_pages=self.section.num_kv_pages,
+                                          block_size=block_size, dtype=self.loaded.dtype, device=self.loaded.device)
+        self.pages = PageAllocator(self.section.num_kv_pages)
+        self.runner = ModelRunner(self.loaded.model, self.kv_pages, backend=model.kernel_backend)
+        self.copier = KVCopier(self.loaded.device, backend=model.kernel_backend)
+        self.sampler = Sampler(seed=model.seed, device=self.loaded.device)
+        self.namespace = model_namespace(self.loaded.model_id, model.dtype, block_size)
+        self.local_store_name = await self._find_local_store()
+        await self.store_client(self.local_store_name)
+        logger.info("%s loaded %s: %d KV pages of %d tokens", self.instance.name, self.loaded.model_id,
+                    self.section.num_kv_pages, block_size)
+
+    async def _find_local_store(self) -> str:
+        """The store on this host; with etcd it may register after us, so wait for it up to a deadline."""
+        store = store_on_host(self.membership, self.instance.host)
+        if store is None and self.config.cluster.membership == "etcd":
+            appeared = asyncio.Event()
+            self.membership.add_listener(lambda name, old, new: appeared.set() if new and new.role == "store" else None)
+            deadline = asyncio.get_running_loop().time() + self.config.cluster.etcd.startup_timeout_s
+            while store is None and asyncio.get_running_loop().time() < deadline:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(appeared.wait(), deadline - asyncio.get_running_loop().time())
+                appeared.clear()
+                store = store_on_host(self.membership, self.instance.host)
+        if store is None:
+            raise RuntimeError(f"no store instance is configured on host {self.instance.host}; "
+                               "every prefill and decode host needs one")
+        return store.name
+
+    async def stop(self) -> None:
+        stores, self._stores = list(self._stores.values()), {}
+        for store in stores:
+            await store.close()
+        await self.peers.close()
+        await self.engine.stop()
+        # off the event loop: a forward still running may need the loop (its writes) to reach its end
+        await asyncio.to_thread(self._executor.shutdown, True, cancel_futures=True)
+
+    async def compute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+
+    def post(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """From the compute thread: run `coro` on the event loop; the caller awaits the future later."""
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    async def store_client(self, store_name: str) -> StoreClient:
+        client = self._stores.get(store_name)
+        if client is not None:
+            return client
+        lock = self._store_locks.setdefault(store_name, asyncio.Lock())
+        async with lock:
+            if store_name not in self._stores:
+                peer = self.store_instance(store_name)
+                rpc = self.peers.for_instance(peer)
+                self._stores[store_name] = await StoreClient.connect(
+                    rpc, host=self.instance.host, engine=self.engine, timeout_s=self.config.transfer.timeout_s)
+            return self._stores[store_name]
+
+    def store_instance(self, store_name: str) -> InstanceConfig:
+        """The configured store called `store_name`; InvalidArgument for anything else (it came off the wire)."""
+        record = self.membership.members().get(store_name)
+        if record is None or record.role != "store":
+            raise InvalidArgument(f"{store_name!r} is not a store instance of this cluster")
+        return record.instance_config()
+
+    @property
+    def local_store(self) -> StoreClient:
+        return self._stores[self.local_store_name]
+
+    @property
+    def block_size(self) -> int:
+        return self.config.kv.block_size
+
+    @property
+    def block_nbytes(self) -> int:
+        assert self.kv_pages is not None
+        return self.kv_pages.block_nbytes
+
+    @property
+    def layer_nbytes(self) -> int:
+        assert self.kv_pages is not None
+        return self.kv_pages.layer_block_nbytes
+
+    def new_staging(self, num_blocks: int) -> torch.Tensor:
+        """Host staging for `num_blocks` store objects: [N, layers, 2, block_size, kv_heads, head_dim]."""
+        assert self.kv_pages is not None
+        return new_staging(self.kv_pages, num_blocks, device="cpu")
