@@ -115,6 +115,10 @@ class SchedulerSection:
     device_flops: Optional[float] = bounded(None, min=1.0)
     device_memory_bandwidth: Optional[float] = bounded(None, min=1.0)
     seed: int = 0
+    replication: str = bounded("by_reuse", choices=("always", "by_reuse"))
+    heat_half_life_s: float = bounded(60.0, min=0.001)
+    replica_displaced_reuse: float = bounded(0.5, min=0.0)
+    tie_break: str = bounded("coldest_store", choices=("first", "coldest_store"))
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,7 @@ class ConductorSection:
     load_poll_timeout_s: float = bounded(1.0, min=0.01)
     startup_sync_timeout_s: float = bounded(5.0, min=0.0)
     events_renew_s: float = bounded(30.0, min=0.1)
+    spare_marks_interval_s: float = bounded(0.5, min=0.01)
     max_migrations: int = bounded(2, min=0, max=16)
 
 

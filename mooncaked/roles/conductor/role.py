@@ -130,7 +130,9 @@ def policy_config(config: Config) -> PolicyConfig:
     return PolicyConfig(scheduler=section.policy, admission=section.admission,
                         kvcache_balancing_threshold=section.kvcache_balancing_threshold,
                         ttft_slo_s=section.ttft_slo_ms / 1000, tbt_slo_s=section.tbt_slo_ms / 1000,
-                        block_size=config.kv.block_size, decode_time_s=section.decode_time_s, seed=section.seed)
+                        block_size=config.kv.block_size, decode_time_s=section.decode_time_s, seed=section.seed,
+                        replication=section.replication, heat_half_life_s=section.heat_half_life_s,
+                        replica_displaced_reuse=section.replica_displaced_reuse, tie_break=section.tie_break)
 
 
 def view_settings(config: Config) -> ClusterViewSettings:
@@ -139,7 +141,8 @@ def view_settings(config: Config) -> ClusterViewSettings:
                                 min_backoff_s=conductor.load_poll_interval_s)
     return ClusterViewSettings(poll_interval_s=conductor.load_poll_interval_s,
                                poll_timeout_s=conductor.load_poll_timeout_s,
-                               startup_timeout_s=conductor.startup_sync_timeout_s, follower=follower)
+                               startup_timeout_s=conductor.startup_sync_timeout_s, follower=follower,
+                               spare_marks_interval_s=conductor.spare_marks_interval_s)
 
 
 def default_predictors(config: Config, loaded: ModelFrontendInfo) -> Predictors:
