@@ -1,8 +1,8 @@
 """What a prefill instance measures of itself and reports in LOAD: samples for its model, held work, overhead.
 
 1. `batch_started(prompts, now)`: the running batch's predicted seconds (its model, per prompt).
-2. `batch_finished(prompts, elapsed_s)`: the batch's time split over its prompts by compute share
-   (`attribute_batch_time`), one honest per-request sample each into the worker's performance model.
+2. `batch_finished(prompts, elapsed_s)`: the batch's time against the fit's prediction (the model's scale), and
+   split over its prompts by compute share (`attribute_batch_time`), one honest per-request sample each.
 3. `replied(total_s, wait_s, compute_s)`: a request's seconds on this instance outside queueing and compute
    (KV planning, fetches, write confirmation), averaged into `overhead_s`.
 4. `pending_work_s(queued, now)`: what the instance still holds, in predicted seconds: the rest of the running
@@ -25,6 +25,7 @@ class PrefillLoad:
         self.overhead = RecentMean()
         self.mean_batch_s = 0.0
         self._batch_predicted_s = 0.0
+        self._batch_fit_s = 0.0
         self._batch_started = 0.0
 
     def predict(self, num_tokens: int, num_prefix_tokens: int) -> float:
@@ -34,9 +35,12 @@ class PrefillLoad:
 
     def batch_started(self, prompts: Sequence[tuple[int, int]], now: float) -> None:
         self._batch_predicted_s = sum(self.predict(n, p) for n, p in prompts)
+        fit = self.perf.prefill_fit
+        self._batch_fit_s = sum(fit.predict(n, p) for n, p in prompts) if fit is not None else 0.0
         self._batch_started = now
 
     def batch_finished(self, prompts: Sequence[tuple[int, int]], elapsed_s: float) -> None:
+        self.perf.observe_prefill_batch(self._batch_fit_s, elapsed_s)
         self._batch_predicted_s = 0.0
         self.mean_batch_s = elapsed_s if not self.mean_batch_s else 0.8 * self.mean_batch_s + 0.2 * elapsed_s
         for (n, p), seconds in zip(prompts, attribute_batch_time(elapsed_s, prompts, self.hidden_size)):
