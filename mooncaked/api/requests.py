@@ -23,6 +23,7 @@ from mooncaked.api.fields import (
 
 MAX_STOP_SEQUENCES = 16
 MAX_LOGPROBS = 20
+MAX_CACHE_SALT_CHARS = 1024
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
@@ -48,6 +49,7 @@ class CompletionRequest:
     include_usage: bool
     logprobs: int | None  # alternatives per token; None: no logprobs
     client_id: str = ""  # who sent it: a digest of the API key ("" without keys), never the key itself
+    cache_salt: str | None = None  # vLLM's: requests with different salts never share KV
 
     @property
     def num_logprobs(self) -> int | None:
@@ -71,6 +73,7 @@ class ChatRequest:
     logprobs: bool
     top_logprobs: int
     client_id: str = ""  # who sent it: a digest of the API key ("" without keys), never the key itself
+    cache_salt: str | None = None  # vLLM's: requests with different salts never share KV
 
     @property
     def num_logprobs(self) -> int | None:
@@ -105,6 +108,7 @@ def parse_completion_request(
         include_usage=_read_include_usage(body, stream),
         logprobs=read_int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS),
         client_id=client_id,
+        cache_salt=_read_cache_salt(body),
     )
 
 
@@ -130,7 +134,16 @@ def parse_chat_request(body: Mapping[str, Any], *, request_id: str, model_ids: S
         logprobs=logprobs,
         top_logprobs=top_logprobs or 0,
         client_id=client_id,
+        cache_salt=_read_cache_salt(body),
     )
+
+
+def _read_cache_salt(body: Mapping[str, Any]) -> str | None:
+    salt = read_str(body, "cache_salt")
+    if salt is not None and not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise invalid_field("cache_salt", f"cache_salt must be a non-empty string of at most "
+                            f"{MAX_CACHE_SALT_CHARS} characters")
+    return salt
 
 
 def _reject_unsupported(body: Mapping[str, Any]) -> None:

@@ -17,7 +17,7 @@ from mooncaked.api.backend import GenerationChunk, PreparedRequest
 from mooncaked.api.errors import ApiError, context_too_long, invalid_field
 from mooncaked.api.requests import ChatRequest, CompletionRequest
 from mooncaked.config import Config
-from mooncaked.kv.keys import block_keys, model_namespace
+from mooncaked.kv.keys import block_keys, isolated_namespace, isolation_tag, model_namespace
 from mooncaked.logs import request_id_var
 from mooncaked.metrics import Metrics
 from mooncaked.model.chat_template import ChatTemplateError
@@ -61,8 +61,10 @@ class ConductorBackend:
         except ApiError:
             self.metrics.requests.requests_total.labels(status="invalid").inc()
             raise
-        keys = block_keys(token_ids, self.config.kv.block_size, self.namespace)
-        return ConductorRequest(request.request_id, request, tuple(token_ids), max_tokens, tuple(keys), arrival_time)
+        isolation = isolation_tag(cache_salt=request.cache_salt)
+        keys = block_keys(token_ids, self.config.kv.block_size, isolated_namespace(self.namespace, isolation))
+        return ConductorRequest(request.request_id, request, tuple(token_ids), max_tokens, tuple(keys), arrival_time,
+                                isolation)
 
     def _prompt_ids(self, request: CompletionRequest | ChatRequest) -> list[int]:
         tokenizer = self.model.tokenizer

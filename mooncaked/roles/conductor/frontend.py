@@ -34,6 +34,7 @@ class ModelFrontend:
 class ConductorRequest(PreparedRequest):
     block_keys: tuple[bytes, ...] = ()
     arrival_time: float = 0.0  # time.monotonic()
+    key_isolation: bytes = b""  # who may share its KV (kv/keys.py isolation_tag): b"" everyone
 
 
 def sampling_spec(prepared: ConductorRequest, max_tokens: int) -> SamplingSpec:

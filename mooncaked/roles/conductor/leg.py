@@ -46,6 +46,7 @@ class LegWork:
     arrival_time: float
     max_tokens: int  # the request's own max_tokens (the output-length predictor's key)
     client_id: str
+    key_isolation: bytes = b""  # who may share its KV (kv/keys.py)
 
 
 class LegFailed(Exception):
@@ -137,7 +138,8 @@ class Leg:
         request = PrefillRequest(
             work.leg_id, list(work.token_ids), list(work.block_keys), work.sampling, fetch_store=fetch_store,
             num_fetch_blocks=placement.num_prefix_blocks if fetch_store else 0,
-            decode_store=reservation.store_instance, destinations=list(reservation.destinations))
+            decode_store=reservation.store_instance, destinations=list(reservation.destinations),
+            key_isolation=work.key_isolation)
         try:
             reply = await self._client(placement.prefill_instance).call(
                 PREFILL, request, timeout_s=self.config.conductor.prefill_timeout_s)
@@ -149,7 +151,8 @@ class Leg:
     def open_decode(self, first_token: TokenSample | None, max_tokens: int) -> None:
         placement, work, conductor = self._placed(), self.work, self.config.conductor
         request = DecodeRequest(work.leg_id, list(work.token_ids), list(work.block_keys),
-                                dataclasses.replace(work.sampling, max_tokens=max_tokens), first_token)
+                                dataclasses.replace(work.sampling, max_tokens=max_tokens), first_token,
+                                key_isolation=work.key_isolation)
         stream_s = conductor.first_token_timeout_s + max_tokens * conductor.token_timeout_s
         self.decode_stream = self._client(placement.decode_instance).stream(DECODE, request, timeout_s=stream_s)
         self.view.flights.decode_started(work.leg_id, time.monotonic())

@@ -28,7 +28,7 @@ from typing import Protocol
 from mooncaked.api.backend import GenerationChunk, TokenLogprob
 from mooncaked.api.errors import ApiError
 from mooncaked.config import Config
-from mooncaked.kv.keys import block_keys
+from mooncaked.kv.keys import block_keys, isolated_namespace
 from mooncaked.logs import request_id_var
 from mooncaked.metrics import Metrics
 from mooncaked.model.stopping import FINISH_LENGTH, FINISH_STOP, GenerationState
@@ -113,10 +113,11 @@ class RequestRun:
                                        num_sampled=len(output))
         leg_id = self.request_id if not self.num_migrations else f"{self.request_id}~{self.num_migrations}"
         token_ids = prepared.prompt_token_ids + output
+        namespace = isolated_namespace(self.backend.namespace, prepared.key_isolation)
         keys = prepared.block_keys if not output else tuple(
-            block_keys(list(token_ids), self.config.kv.block_size, self.backend.namespace))
+            block_keys(list(token_ids), self.config.kv.block_size, namespace))
         return LegWork(leg_id, token_ids, keys, sampling, prepared.arrival_time, prepared.max_tokens,
-                       prepared.request.client_id)
+                       prepared.request.client_id, prepared.key_isolation)
 
     async def _serve(self, leg: Leg) -> AsyncIterator[GenerationChunk]:
         placement = leg.place(frozenset(self.failed_instances))

@@ -175,7 +175,7 @@ class DecodeRole:
             raise NotFound(f"no reservation for request {request.request_id}: reserve first (or it expired)")
         if len(request.token_ids) != reservation.request.num_prompt_tokens:
             raise InvalidArgument("token_ids do not match the reserved num_prompt_tokens")
-        check_block_keys(self.worker, request.token_ids, request.block_keys)
+        check_block_keys(self.worker, request.token_ids, request.block_keys, request.key_isolation)
         return reservation
 
     async def _load_prefilled(self, request: DecodeRequest, reservation: Reservation) -> RequestKv:
@@ -204,7 +204,7 @@ class DecodeRole:
         worker, started = self.worker, time.monotonic()
         plan = await plan_prompt_kv(worker, request.request_id, list(request.token_ids), request.block_keys,
                                     timeout_s=max(ctx.deadline - time.monotonic(), 0.001),
-                                    num_extra_tokens=request.sampling.max_tokens)
+                                    num_extra_tokens=request.sampling.max_tokens, key_isolation=request.key_isolation)
         self._num_prefilling += 1
         try:
             samples, forward_s = await worker.compute(_timed_forward, worker, plan, request.sampling)

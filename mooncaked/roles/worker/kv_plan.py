@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from mooncaked.engine.batch import PrefillSeq
-from mooncaked.kv.keys import block_keys
+from mooncaked.kv.keys import KEY_BYTES, block_keys, isolated_namespace
 from mooncaked.kv.messages import WriteHandle
 from mooncaked.roles.worker.messages import Destination
 from mooncaked.roles.worker.request_kv import RequestKv
@@ -79,8 +79,11 @@ class KvPlan:
         await self.kv.release()
 
 
-def check_block_keys(worker: Worker, token_ids: Sequence[int], keys: Sequence[bytes]) -> list[bytes]:
-    expected = block_keys(token_ids, worker.block_size, worker.namespace)
+def check_block_keys(worker: Worker, token_ids: Sequence[int], keys: Sequence[bytes],
+                     isolation: bytes = b"") -> list[bytes]:
+    if isolation and len(isolation) != KEY_BYTES:
+        raise InvalidArgument(f"key_isolation must be {KEY_BYTES} bytes or empty, got {len(isolation)}")
+    expected = block_keys(token_ids, worker.block_size, isolated_namespace(worker.namespace, isolation))
     if list(keys) != expected:
         raise InvalidArgument("block_keys do not match the token ids under this instance's model namespace "
                               "(model id, dtype and block size must agree across the cluster)")
@@ -90,10 +93,10 @@ def check_block_keys(worker: Worker, token_ids: Sequence[int], keys: Sequence[by
 async def plan_prompt_kv(worker: Worker, request_id: str, token_ids: list[int], keys: Sequence[bytes], *,
                          timeout_s: float, num_extra_tokens: int = 0, fetch_store: str = "",
                          num_fetch_blocks: int = 0, decode_store: str = "",
-                         destinations: Sequence[Destination] = ()) -> KvPlan:
+                         destinations: Sequence[Destination] = (), key_isolation: bytes = b"") -> KvPlan:
     """Steps 1 of the module docstring; on failure everything taken so far is given back."""
     _check_prompt(worker, token_ids)
-    keys = check_block_keys(worker, token_ids, keys)
+    keys = check_block_keys(worker, token_ids, keys, key_isolation)
     for store_name in (fetch_store, decode_store if destinations else ""):
         if store_name:
             worker.store_instance(store_name)

@@ -96,6 +96,7 @@ class PrefillRequest(Message):
     num_fetch_blocks: int = 0  # how many prefix blocks to take from fetch_store
     decode_store: str = ""
     destinations: list[Destination] = field(default_factory=list)
+    key_isolation: bytes = b""  # the request's isolation tag (kv/keys.py): its keys' namespace
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,7 @@ class DecodeRequest(Message):
     block_keys: list[bytes]
     sampling: SamplingSpec
     first_token: Optional[TokenSample] = None  # None: prefill inline on the decode instance
+    key_isolation: bytes = b""  # the request's isolation tag (kv/keys.py): its keys' namespace
 
 
 @dataclass(frozen=True)
