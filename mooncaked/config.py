@@ -124,6 +124,7 @@ class SchedulerSection:
 @dataclass(frozen=True)
 class ConductorSection:
     api_keys_file: Optional[str] = None
+    tenants_file: Optional[str] = None
     max_body_bytes: int = bounded(8 << 20, min=1024)
     request_timeout_s: float = bounded(600.0, min=0.1)
     prefill_timeout_s: float = bounded(120.0, min=0.1)
@@ -347,6 +348,9 @@ def validate(config: Config) -> list[ConfigIssue]:
         if transport not in ("local", "tcp", "rdma"):
             issues.append(ConfigIssue("transfer.transports", f"unknown transport {transport!r}"
                                       + suggest(transport, ["local", "tcp", "rdma"])))
+    if config.conductor.tenants_file is not None and config.conductor.api_keys_file is not None:
+        issues.append(ConfigIssue("conductor.tenants_file", "set either tenants_file or api_keys_file, not both "
+                                  "(a tenant's api_keys list replaces the keys file)"))
     issues.extend(_validate_instances(config))
     issues.extend(_validate_membership(config))
     return issues

@@ -3,7 +3,9 @@
 1. A role makes one `Metrics()` at start and hands its groups to the components that record into them:
    `requests` (conductor: latencies, outcomes, rejections, tokens), `queues` (conductor and workers),
    `engine` (prefill and decode workers: batch size, step time), `cache` (prefix reuse, transfers, store),
-   `predictions` (conductor: relative error of predicted TTFT and TBT against what happened).
+   `predictions` (conductor: relative error of predicted TTFT and TBT against what happened), `tenants`
+   (conductor: requests, tokens and rejections per tenant; tenant ids come from the tenants file only, so the
+   label's values are bounded).
 2. Components record with the groups' methods; label values that form a closed set are checked.
 3. GET /metrics serves `render()` with `CONTENT_TYPE`.
 Every name starts with `mooncaked_`; times are in seconds, sizes in bytes (Prometheus conventions).
@@ -175,6 +177,30 @@ class PredictionMetrics:
             self.tbt_error.observe(tbt_error)
 
 
+class TenantMetrics:
+    """Per-tenant use, labelled by the ids of the tenants file."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests_total = Counter("mooncaked_tenant_requests", "Finished requests by tenant and outcome.",
+                                      ["tenant", "status"], registry=registry)
+        self.tokens_total = Counter("mooncaked_tenant_tokens", "Tokens by tenant: prompt, cached (prompt tokens "
+                                    "served from KVCache) and generated.", ["tenant", "kind"], registry=registry)
+        self.rejections_total = Counter("mooncaked_tenant_rejections", "Requests rejected (429) by tenant and "
+                                        "reason; rate_limit: the tenant's own limits.", ["tenant", "reason"],
+                                        registry=registry)
+
+    def observe_finished(self, tenant: str, *, status: str, num_prompt_tokens: int, num_cached_tokens: int,
+                         num_output_tokens: int) -> None:
+        _check("status", status, REQUEST_STATUSES)
+        self.requests_total.labels(tenant=tenant, status=status).inc()
+        self.tokens_total.labels(tenant=tenant, kind="prompt").inc(num_prompt_tokens)
+        self.tokens_total.labels(tenant=tenant, kind="cached").inc(num_cached_tokens)
+        self.tokens_total.labels(tenant=tenant, kind="generated").inc(num_output_tokens)
+
+    def observe_rejection(self, tenant: str, reason: str) -> None:
+        self.rejections_total.labels(tenant=tenant, reason=reason).inc()
+
+
 class Metrics:
     """Owns one process's registry and every metric group on it."""
 
@@ -185,6 +211,7 @@ class Metrics:
         self.engine = EngineMetrics(self.registry)
         self.cache = CacheMetrics(self.registry)
         self.predictions = PredictionMetrics(self.registry)
+        self.tenants = TenantMetrics(self.registry)
         self.role_switches_total = Counter("mooncaked_role_switches", "Role switches of this instance (P/D ratio "
                                            "controller).", ["from_role", "to_role"], registry=self.registry)
 

@@ -20,6 +20,7 @@ from mooncaked.api.errors import ApiError, invalid_field, model_not_found
 from mooncaked.api.fields import (
     is_int, json_type, read_bool, read_float, read_int, read_stop, read_str, read_token_ids,
 )
+from mooncaked.api.tenants import Tenant
 
 MAX_STOP_SEQUENCES = 16
 MAX_LOGPROBS = 20
@@ -50,6 +51,7 @@ class CompletionRequest:
     logprobs: int | None  # alternatives per token; None: no logprobs
     client_id: str = ""  # who sent it: a digest of the API key ("" without keys), never the key itself
     cache_salt: str | None = None  # vLLM's: requests with different salts never share KV
+    tenant: Tenant | None = None  # the caller's tenant (None: tenants are not configured)
 
     @property
     def num_logprobs(self) -> int | None:
@@ -74,6 +76,7 @@ class ChatRequest:
     top_logprobs: int
     client_id: str = ""  # who sent it: a digest of the API key ("" without keys), never the key itself
     cache_salt: str | None = None  # vLLM's: requests with different salts never share KV
+    tenant: Tenant | None = None  # the caller's tenant (None: tenants are not configured)
 
     @property
     def num_logprobs(self) -> int | None:
@@ -91,7 +94,8 @@ def decode_json_body(raw: bytes) -> dict[str, Any]:
 
 
 def parse_completion_request(
-    body: Mapping[str, Any], *, request_id: str, model_ids: Sequence[str], client_id: str = ""
+    body: Mapping[str, Any], *, request_id: str, model_ids: Sequence[str], client_id: str = "",
+    tenant: Tenant | None = None
 ) -> CompletionRequest:
     _reject_unsupported(body)
     if body.get("echo") not in (None, False):
@@ -109,11 +113,12 @@ def parse_completion_request(
         logprobs=read_int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS),
         client_id=client_id,
         cache_salt=_read_cache_salt(body),
+        tenant=tenant,
     )
 
 
 def parse_chat_request(body: Mapping[str, Any], *, request_id: str, model_ids: Sequence[str],
-                       client_id: str = "") -> ChatRequest:
+                       client_id: str = "", tenant: Tenant | None = None) -> ChatRequest:
     _reject_unsupported(body)
     if body.get("tools"):
         raise invalid_field("tools", "tool calling is not supported")
@@ -135,6 +140,7 @@ def parse_chat_request(body: Mapping[str, Any], *, request_id: str, model_ids: S
         top_logprobs=top_logprobs or 0,
         client_id=client_id,
         cache_salt=_read_cache_salt(body),
+        tenant=tenant,
     )
 
 

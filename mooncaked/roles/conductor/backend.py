@@ -61,7 +61,9 @@ class ConductorBackend:
         except ApiError:
             self.metrics.requests.requests_total.labels(status="invalid").inc()
             raise
-        isolation = isolation_tag(cache_salt=request.cache_salt)
+        tenant = request.tenant
+        isolation = isolation_tag(tenant=tenant.id if tenant is not None and tenant.is_kv_private else None,
+                                  cache_salt=request.cache_salt)
         keys = block_keys(token_ids, self.config.kv.block_size, isolated_namespace(self.namespace, isolation))
         return ConductorRequest(request.request_id, request, tuple(token_ids), max_tokens, tuple(keys), arrival_time,
                                 isolation)

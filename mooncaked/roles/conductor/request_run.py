@@ -178,6 +178,9 @@ class RequestRun:
     def _reject(self, reason: str) -> None:
         self.status = "rejected"
         self.backend.metrics.requests.observe_rejection(reason)
+        tenant = self.prepared.request.tenant
+        if tenant is not None:
+            self.backend.metrics.tenants.observe_rejection(tenant.id, reason)
         logger.info("rejected: %s", reason)
 
     # ---- output -------------------------------------------------------------------------------------------
@@ -253,6 +256,11 @@ class RequestRun:
             self._record_prediction_error(num_output_tokens)
             self.backend.num_active -= 1
             self.backend.update_queue_metrics()
+            tenant = self.prepared.request.tenant
+            if tenant is not None:
+                self.backend.metrics.tenants.observe_finished(
+                    tenant.id, status=self.status, num_prompt_tokens=self.prepared.num_prompt_tokens,
+                    num_cached_tokens=self.num_cached_tokens, num_output_tokens=num_output_tokens)
             if self.status != "rejected":
                 e2e_s = time.monotonic() - self.prepared.arrival_time
                 ttft_s = None if self.first_token_at is None else self.first_token_at - self.prepared.arrival_time

@@ -17,11 +17,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 from pathlib import Path
 
 from aiohttp import web
 
 from mooncaked.api.app import create_app
+from mooncaked.api.tenant_gate import TenantGate
 from mooncaked.config import Config, InstanceConfig
 from mooncaked.etcd_membership import EtcdMembership
 from mooncaked.membership import Membership, StaticMembership
@@ -34,6 +36,8 @@ from mooncaked.roles.conductor.frontend import ModelFrontend
 from mooncaked.roles.conductor.leader import PdController
 from mooncaked.roles.conductor.live_predictors import LivePredictors
 from mooncaked.roles.conductor.store_follower import FollowerSettings
+from mooncaked.roles.conductor.tenancy import make_gate
+from mooncaked.roles.conductor.tenancy import reload as reload_tenants
 from mooncaked.sched.predictors import DecodeStepPredictor, Predictors, PrefillTimePredictor, TransferTimePredictor
 from mooncaked.sched.types import PolicyConfig
 
@@ -62,7 +66,9 @@ class ConductorRole:
         self.runner: web.AppRunner | None = None
         self.endpoint: RoleEndpoint | None = None
         self.controller: PdController | None = None
+        self.gate: TenantGate | None = None
         self.bound_port = 0
+        self._is_watching_sighup = False
 
     async def start(self) -> None:
         config = self.config
@@ -77,9 +83,10 @@ class ConductorRole:
             self.controller = PdController(config, self.view, self.peers, self.membership)
             await self.controller.start()
         self.backend = ConductorBackend(config, frontend, self.view, self.peers, self.metrics, self.controller)
-        app = create_app(self.backend, api_keys=read_api_keys(config.conductor.api_keys_file),
-                         max_body_bytes=config.conductor.max_body_bytes,
+        self.gate = make_gate(config, self.metrics)
+        app = create_app(self.backend, gate=self.gate, max_body_bytes=config.conductor.max_body_bytes,
                          request_timeout_s=config.conductor.request_timeout_s)
+        self._watch_sighup()
         self.runner = web.AppRunner(app, shutdown_timeout=config.runtime.drain_timeout_s, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.instance.host, self.instance.port)
@@ -93,7 +100,21 @@ class ConductorRole:
                     frontend.served_names[0], self.instance.host, self.bound_port, len(self.view.prefill),
                     len(self.view.decode), len(self.view.followers))
 
+    def reload_tenants(self) -> bool:
+        """Re-read the tenants file (SIGHUP): requests in flight are untouched; a bad file changes nothing."""
+        return self.gate is not None and reload_tenants(self.gate, self.config)
+
+    def _watch_sighup(self) -> None:
+        try:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload_tenants)
+            self._is_watching_sighup = True
+        except (RuntimeError, ValueError):  # not the main thread (an in-process test): reload_tenants() by hand
+            logger.debug("SIGHUP not watched: the event loop is not in the main thread")
+
     async def stop(self) -> None:
+        if self._is_watching_sighup:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+            self._is_watching_sighup = False
         if self.runner is not None:
             await self.runner.cleanup()  # stop listening, drain up to drain_timeout_s, cancel the rest
             self.runner = None
@@ -181,17 +202,3 @@ def read_profile(path: Path, prefill: PrefillTimePredictor,
     except (OSError, ValueError, TypeError) as exc:
         raise RuntimeError(f"scheduler.prefill_profile {path}: {exc}; expected JSON {PROFILE_FORMAT}") from None
     return prefill, decode
-
-
-def read_api_keys(path: str | None) -> frozenset[str]:
-    """One key per line; blank lines and lines starting with # are ignored."""
-    if path is None:
-        return frozenset()
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as exc:
-        raise RuntimeError(f"cannot read conductor.api_keys_file {path}: {exc.strerror}") from None
-    keys = frozenset(line.strip() for line in lines if line.strip() and not line.strip().startswith("#"))
-    if not keys:
-        raise RuntimeError(f"conductor.api_keys_file {path} holds no key")
-    return keys
