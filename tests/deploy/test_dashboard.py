@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import runpy
 import shutil
 import subprocess
 import time
@@ -35,8 +36,10 @@ def test_the_dashboard_and_scrape_config_are_well_formed() -> None:
     dashboard = json.loads(DASHBOARD.read_text())
     queries = list(panel_queries(dashboard))
     assert len(queries) >= 20 and all(expr.strip() for _, expr in queries)
+    generated = json.loads(json.dumps(runpy.run_path(str(REPO / "scripts" / "dashboard.py"))["dashboard"]()))
+    assert generated == dashboard, "deploy/grafana/mooncaked.json is stale: run python scripts/dashboard.py"
     titles = " ".join(p["title"] for p in dashboard["panels"])
-    for topic in ("first token", "TBT", "SLO", "hit rate", "Pool use by tier", "Transfer", "Rejections"):
+    for topic in ("first token", "TBT", "SLO", "hit rate", "Pool use by tier", "Transfer", "Rejections", "tenant"):
         assert topic in titles
     jobs = yaml.safe_load(SCRAPE_CONFIG.read_text())["scrape_configs"]
     ports = {t.split(":")[1] for job in jobs for entry in job["static_configs"] for t in entry["targets"]}
@@ -45,14 +48,17 @@ def test_the_dashboard_and_scrape_config_are_well_formed() -> None:
 
 @pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary (make debs installs Debian's prometheus)")
 async def test_every_panel_returns_data_from_a_scraped_cluster(tmp_path: Path) -> None:
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text("tenants:\n  - id: team-a\n    api_keys: [key-a]\n")
     config = cluster_config(tmp_path, [
         instance("s0", "store", metrics_port=free_port()), instance("p0", "prefill", metrics_port=free_port()),
         instance("d0", "decode", metrics_port=free_port()), instance("c0", "conductor")],
-        worker={"inline_prefill_max_tokens": 0})
+        worker={"inline_prefill_max_tokens": 0}, conductor={"tenants_file": str(tenants)})
     targets = [f"127.0.0.1:{config.instance_named('c0').port}"] + [
         f"127.0.0.1:{config.instance_named(n).metrics_port}" for n in ("s0", "p0", "d0")]
     port = free_port()
-    async with running_roles(config, ["s0", "p0", "d0", "c0"]), aiohttp.ClientSession() as http:
+    async with running_roles(config, ["s0", "p0", "d0", "c0"]), \
+            aiohttp.ClientSession(headers={"Authorization": "Bearer key-a"}) as http:
         with prometheus(tmp_path, targets, port):
             base = f"http://127.0.0.1:{port}"
             await wait_for(http, base, "count(up == 1)", lambda r: r and float(r[0]["value"][1]) == 4)
