@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 from collections.abc import Callable
 
 from mooncaked import __version__
 from mooncaked.config import ROLES, Config, ConfigError, config_as_dict, load_config
+
+logger = logging.getLogger(__name__)
 
 BENCHMARKS = ("rpc", "model", "kernels", "transfer", "store", "sched", "serve", "pd", "prefix", "layerwise",
               "elastic", "chaos")
@@ -121,6 +124,7 @@ def _run_role(args: argparse.Namespace, config: Config) -> int:
         return run_role(lambda: supervisor, notifier, interval)
     instance = config.instance_for(args.role, name=args.instance)
     setup_logging(config.runtime.log_level, config.runtime.log_format, instance.name)
+    warn_if_unauthenticated(config)
     if instance.cpus:
         from mooncaked.cpu_affinity import CpuAffinityError, pin_to_cpus
 
@@ -133,6 +137,14 @@ def _run_role(args: argparse.Namespace, config: Config) -> int:
     from mooncaked.roles import make_role
 
     return run_role(lambda: make_role(config, instance), notifier, interval)
+
+
+def warn_if_unauthenticated(config: Config) -> None:
+    """One warning at start when the cluster has no secret: its RPC and data ports serve anyone."""
+    if config.cluster.secret_file is None:
+        logger.warning("cluster.secret_file is not set: this cluster is unauthenticated, and anyone who can reach "
+                       "its RPC and data ports can read and write its KVCache (other users' prompts, in effect); "
+                       "set cluster.secret_file to a file holding a shared secret")
 
 
 def _set_torch_threads(num_threads: int) -> None:

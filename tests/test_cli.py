@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from mooncaked import __version__
-from mooncaked.cli import main
+from mooncaked.cli import main, warn_if_unauthenticated
+from mooncaked.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = str(ROOT / "config.example.yaml")
@@ -51,3 +53,16 @@ def test_user_errors_exit_2_with_one_line(args: list[str], message: str, capsys:
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_an_unauthenticated_cluster_is_warned_about_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    open_cluster = load_config(EXAMPLE)
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\n")
+    closed_cluster = load_config(EXAMPLE, [f"cluster.secret_file={secret}"])
+    with caplog.at_level(logging.WARNING, logger="mooncaked.cli"):
+        warn_if_unauthenticated(closed_cluster)
+        assert not caplog.records
+        warn_if_unauthenticated(open_cluster)
+    assert len(caplog.records) == 1 and "unauthenticated" in caplog.records[0].getMessage()
+    assert "s3cret" not in caplog.text

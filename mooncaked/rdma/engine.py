@@ -1,6 +1,8 @@
 """The transfer engine (the paper's Listing 1): register memory, submit batches, poll or await them.
 
-1. `start` binds the data listener (its "host:port" is `endpoint`) and captures the event loop.
+1. `start` binds the data listener (its "host:port" is `endpoint`) and captures the event loop. Every data
+   connection, both ways, starts with the handshake of handshake.py under this engine's `cluster_id` and, when
+   given, its `secret`: a peer without them reads and writes nothing here.
 2. `register(name, buffer, location)` makes memory addressable as `SegmentRef(endpoint, name)`.
 3. `submit(requests)` validates every request (bounds of local and same-host segments, known segments, endpoint
    syntax), then routes each one: `local` (memcpy) when the remote segment is on this host, else `tcp` (or
@@ -28,6 +30,7 @@ from typing import Any
 from mooncaked.rdma.batch import BatchTable
 from mooncaked.rdma.control import DescribeReply, DescribeRequest, QpExchange, decode_control, encode_control
 from mooncaked.rdma.dispatch import Piece, run_bytes_for
+from mooncaked.rdma.handshake import DataCredentials
 from mooncaked.rdma.local import LocalTransport
 from mooncaked.rdma.options import TransferOptions
 from mooncaked.rdma.segments import DEFAULT_LOCATION, SegmentTable
@@ -82,9 +85,12 @@ class TransferEngine:
         rdma_slices_per_run: int = 16,
         verbs: VerbsProvider | None = None,
         qp_exchange: QpExchange | None = None,
+        cluster_id: str = "",
+        secret: bytes | None = None,
     ) -> None:
         """Options as in TransferOptions; `verbs` replaces pyverbs (tests pass a fake); `qp_exchange` carries
-        RDMA control messages over RPC instead of this engine's data listener."""
+        RDMA control messages over RPC instead of this engine's data listener; `cluster_id` and `secret` are
+        what the data handshake checks (peers must have the same)."""
         self.options = TransferOptions(
             transports=tuple(transports), slice_bytes=slice_bytes, num_connections_per_peer=num_connections_per_peer,
             max_retries=max_retries, path_cooldown_s=path_cooldown_s, topology=topology,
@@ -100,10 +106,12 @@ class TransferEngine:
         self._verbs = verbs
         self._qp_exchange = qp_exchange
         self._port = port
+        self._credentials = DataCredentials(cluster_id, secret)
         self._segments = SegmentTable()
         self._batches = BatchTable()
         self._server = DataServer(
             host, port, self._segments, lambda payload: self.handle_control(payload).decode(),
+            credentials=self._credentials, handshake_timeout_s=connect_timeout_s,
             send_buffer_bytes=tcp_send_buffer_bytes,
         )
         self._links: dict[str, TcpPeerLink] = {}
@@ -128,6 +136,7 @@ class TransferEngine:
                     self.options, endpoint=self.endpoint, segments=self._segments, loop=self._loop,
                     verbs=self._verbs, qp_exchange=self._qp_exchange,
                     fallback=self._tcp_fallback if "tcp" in self.transports else None,
+                    credentials=self._credentials,
                 )
             except RdmaUnavailable as exc:
                 self.rdma_unavailable_reason = str(exc)
@@ -297,7 +306,7 @@ class TransferEngine:
     def _link_locked(self, endpoint: str) -> TcpPeerLink:
         link = self._links.get(endpoint)
         if link is None:
-            link = TcpPeerLink(endpoint, self.options)
+            link = TcpPeerLink(endpoint, self.options, self._credentials)
             link.start()
             self._links[endpoint] = link
         return link

@@ -34,6 +34,7 @@ from mooncaked.rdma.control import (
 )
 from mooncaked.rdma.dispatch import Piece
 from mooncaked.rdma.endpoints import Endpoint, EndpointKey, EndpointPool
+from mooncaked.rdma.handshake import DataCredentials
 from mooncaked.rdma.options import TransferOptions
 from mooncaked.rdma.paths import PathHealth
 from mooncaked.rdma.pyverbs_provider import PyverbsProvider
@@ -68,6 +69,7 @@ class RdmaTransport:
     def open(
         cls, options: TransferOptions, *, endpoint: str, segments: SegmentTable, loop: asyncio.AbstractEventLoop,
         verbs: VerbsProvider | None, qp_exchange: QpExchange | None, fallback: Fallback | None,
+        credentials: DataCredentials,
     ) -> RdmaTransport:
         """Pick the verbs provider (pyverbs unless given), the topology (sysfs unless given) and the control
         channel (RPC when `qp_exchange` is given, else the peer's data listener); register existing segments."""
@@ -75,7 +77,7 @@ class RdmaTransport:
         topology = options.topology if options.topology is not None else discover_topology(options.sysfs_root)
         if not topology.nics:
             raise RdmaUnavailable(f"no RDMA NICs in the topology (sysfs root {options.sysfs_root})")
-        control: ControlChannel = TcpControlChannel()
+        control: ControlChannel = TcpControlChannel(credentials)
         if qp_exchange is not None:
             control = AsyncControlChannel(qp_exchange, loop)
         transport = cls(

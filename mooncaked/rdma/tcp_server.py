@@ -1,10 +1,13 @@
 """The engine's data listener: serves READ/WRITE frames against registered segments (TCP transport).
 
 1. `start` binds the listening socket and starts the accept thread; it returns the bound port.
-2. Each accepted connection gets one thread with a blocking socket: it reads a frame header, then receives the
-   payload straight into the segment (`recv_into`) or sends straight from it (`sendall` of a memoryview).
-3. A frame outside a segment, or for an unknown segment, gets an error reply; the connection stays usable.
-4. `stop` closes the listener, shuts every connection down, and joins the threads within a deadline.
+2. Each accepted connection gets one thread with a blocking socket. It first runs the server side of the
+   handshake (handshake.py: cluster id, and the cluster secret when one is configured) within
+   `handshake_timeout_s`; a peer that fails it gets one error reply and is closed before any frame is read.
+3. Then, frame by frame: read a frame header, receive the payload straight into the segment (`recv_into`) or
+   send straight from it (`sendall` of a memoryview).
+4. A frame outside a segment, or for an unknown segment, gets an error reply; the connection stays usable.
+5. `stop` closes the listener, shuts every connection down, and joins the threads within a deadline.
 
 Blocking sockets on threads rather than asyncio streams: the GIL is released in every send/recv, so copies
 run in parallel, and a whole payload moves in one call (`MSG_WAITALL`, see wire.py) with no per-chunk Python
@@ -21,6 +24,7 @@ import time
 from collections.abc import Callable
 
 from mooncaked.rdma import wire
+from mooncaked.rdma.handshake import DataCredentials, serve_handshake
 from mooncaked.rdma.segments import SegmentTable
 
 logger = logging.getLogger(__name__)
@@ -40,10 +44,14 @@ class DataServer:
         segments: SegmentTable,
         control: ControlHandler | None = None,
         *,
+        credentials: DataCredentials,
+        handshake_timeout_s: float,
         send_buffer_bytes: int = 0,
     ) -> None:
         """`send_buffer_bytes`: SO_SNDBUF of each connection, which carries READ payloads (0: kernel default)."""
         self._host = host
+        self._credentials = credentials
+        self._handshake_timeout_s = handshake_timeout_s
         self._send_buffer_bytes = send_buffer_bytes
         self._port = port
         self._segments = segments
@@ -97,11 +105,13 @@ class DataServer:
             wire.set_send_buffer(conn, self._send_buffer_bytes)
             with self._lock:
                 self._connections.add(conn)
-            self._spawn(self._serve_connection, f"rdma-serve-{peer[0]}:{peer[1]}", conn)
+            self._spawn(self._serve_connection, f"rdma-serve-{peer[0]}:{peer[1]}", conn, f"{peer[0]}:{peer[1]}")
 
-    def _serve_connection(self, conn: socket.socket) -> None:
+    def _serve_connection(self, conn: socket.socket, peer: str) -> None:
         scratch = bytearray(wire.REQUEST.size + wire.MAX_NAME_BYTES)
         try:
+            if not self._is_authenticated(conn, peer):
+                return
             while not self._is_stopping.is_set():
                 header = wire.recv_request_header(conn, scratch)
                 if header is None or not self._serve_frame(conn, header):
@@ -112,6 +122,19 @@ class DataServer:
             with self._lock:
                 self._connections.discard(conn)
             conn.close()
+
+    def _is_authenticated(self, conn: socket.socket, peer: str) -> bool:
+        wire.set_io_timeout(conn, self._handshake_timeout_s)
+        try:
+            refusal = serve_handshake(conn, self._credentials)
+        except OSError as exc:
+            logger.warning("data connection from %s closed during the handshake: %s", peer, exc)
+            return False
+        if refusal:
+            logger.warning("data connection from %s refused: %s", peer, refusal)
+            return False
+        wire.clear_io_timeout(conn)
+        return True
 
     def _serve_frame(self, conn: socket.socket, header: wire.RequestHeader) -> bool:
         """Serve one frame; False when the connection must close."""

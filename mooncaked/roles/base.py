@@ -34,7 +34,8 @@ def make_transfer_engine(config: Config, host: str, port: int) -> TransferEngine
         tcp_frame_bytes=transfer.tcp_frame_bytes, tcp_send_buffer_bytes=transfer.tcp_send_buffer_bytes,
         connect_timeout_s=config.rpc.connect_timeout_s,
         io_timeout_s=transfer.io_timeout_s, topology=topology, sysfs_root=transfer.sysfs_root,
-        max_endpoints=transfer.max_endpoints)
+        max_endpoints=transfer.max_endpoints, cluster_id=config.cluster.id,
+        secret=read_secret(config.cluster.secret_file))
 
 
 def read_secret(path: str | None) -> bytes | None:
