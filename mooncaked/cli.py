@@ -110,7 +110,7 @@ def _check_config(path: str, overrides: list[str]) -> int:
 
 
 def _run_role(args: argparse.Namespace, config: Config) -> int:
-    from mooncaked.lifecycle import run_role, watchdog_interval
+    from mooncaked.lifecycle import EXIT_FATAL, run_role, watchdog_interval
     from mooncaked.logs import setup_logging
     from mooncaked.sdnotify import Notifier
 
@@ -121,7 +121,8 @@ def _run_role(args: argparse.Namespace, config: Config) -> int:
 
         setup_logging(config.runtime.log_level, config.runtime.log_format, "supervisor")
         supervisor = Supervisor(config, config_path=args.config, overrides=args.overrides)
-        return run_role(lambda: supervisor, notifier, interval)
+        exit_code = run_role(lambda: supervisor, notifier, interval, supervisor.stop_requested)
+        return EXIT_FATAL if supervisor.fatal_error else exit_code
     instance = config.instance_for(args.role, name=args.instance)
     setup_logging(config.runtime.log_level, config.runtime.log_format, instance.name)
     warn_if_unauthenticated(config)

@@ -19,12 +19,13 @@ from typing import Any, Literal, Optional
 import yaml
 
 from mooncaked.config_schema import ConfigIssue, bounded, build, suggest
+from mooncaked.errors import StartupError
 
 ROLES = ("conductor", "prefill", "decode", "store")
 Role = Literal["conductor", "prefill", "decode", "store"]
 
 
-class ConfigError(Exception):
+class ConfigError(StartupError):
     """Every problem found in a configuration, one per line."""
 
     def __init__(self, issues: list[ConfigIssue]) -> None:

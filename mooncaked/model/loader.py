@@ -15,6 +15,9 @@ Sources:
 4. fp32 on CPU: MKL-pack the projections for decode-sized GEMMs (unless cpu_packed_gemm is off).
 5. Cache the LoadedModel per process and (source, dtype, device, seed, packing): the model holds no
    per-request state, so every runner in the process can share it.
+
+Any failure of `load_model` or `load_frontend` (a missing file, an unsupported architecture, a corrupt weight
+file, too little memory) is a `ModelLoadError` naming the source: a restart cannot fix it (see errors.py).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 
 import torch
 
+from mooncaked.errors import StartupError
 from mooncaked.model.chat_template import CHATML_TEMPLATE, ChatTemplate
 from mooncaked.model.config import ModelArgs, random_preset
 from mooncaked.model.llama import LlamaForCausalLM
@@ -51,6 +55,10 @@ SMOLLM2_MODEL_ID = "smollm2-135m"
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+class ModelLoadError(StartupError, ValueError):
+    """The model source cannot be loaded; the message names the source and the cause."""
 
 
 @dataclass(frozen=True)
@@ -110,8 +118,11 @@ def load_model(source: str, *, dtype: str | torch.dtype = "auto", device: str | 
 
     cpu_packed_gemm: for fp32 on CPU, also keep an MKL-packed copy of every projection (model.packed_gemm).
     """
-    torch_device = torch.device(device)
-    return _load_cached(source, resolve_dtype(dtype, torch_device), str(torch_device), seed, cpu_packed_gemm)
+    try:
+        torch_device = torch.device(device)
+        return _load_cached(source, resolve_dtype(dtype, torch_device), str(torch_device), seed, cpu_packed_gemm)
+    except Exception as exc:
+        raise _load_error(source, exc) from exc
 
 
 def clear_model_cache() -> None:
@@ -120,6 +131,19 @@ def clear_model_cache() -> None:
 
 def load_frontend(source: str) -> ModelFrontendInfo:
     """Hyperparameters, tokenizer, chat template and EOS ids of `source`, reading no weights."""
+    try:
+        return _load_frontend(source)
+    except Exception as exc:
+        raise _load_error(source, exc) from exc
+
+
+def _load_error(source: str, exc: Exception) -> ModelLoadError:
+    if isinstance(exc, ModelLoadError):
+        return exc
+    return ModelLoadError(f"cannot load model {source!r}: {exc}")
+
+
+def _load_frontend(source: str) -> ModelFrontendInfo:
     if source == EMBEDDED_SMOLLM2 or source.endswith(".gguf"):
         path = embedded_smollm2_path() if source == EMBEDDED_SMOLLM2 else Path(source)
         model_id = SMOLLM2_MODEL_ID if source == EMBEDDED_SMOLLM2 else path.stem

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from mooncaked import __version__
-from mooncaked.config import Config, InstanceConfig
+from mooncaked.config import Config, ConfigError, InstanceConfig
+from mooncaked.config_schema import ConfigIssue
 from mooncaked.rdma import TransferEngine
 from mooncaked.rdma.topology import Topology
 from mooncaked.rpc import (HEALTH, INFO, CallContext, HealthReply, HealthRequest, InfoReply, InfoRequest, Method,
@@ -45,9 +46,9 @@ def read_secret(path: str | None) -> bytes | None:
     try:
         secret = Path(path).read_bytes().strip()
     except OSError as exc:
-        raise RuntimeError(f"cannot read cluster.secret_file {path}: {exc.strerror}") from None
+        raise ConfigError([ConfigIssue("cluster.secret_file", f"cannot read {path}: {exc.strerror}")]) from None
     if not secret:
-        raise RuntimeError(f"cluster.secret_file {path} is empty")
+        raise ConfigError([ConfigIssue("cluster.secret_file", f"{path} is empty")])
     return secret
 
 

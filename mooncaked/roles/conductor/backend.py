@@ -103,13 +103,22 @@ class ConductorBackend:
                           sampling_spec(prepared, prepared.max_tokens)).chunks()
 
     async def health(self) -> dict[str, Any]:
+        """Status, counts of instances up, and per instance: up or not, outages in the last
+        outages.WINDOW_S, the last error; `crash_looping` names those down CRASH_LOOP_OUTAGES times in it."""
         up = {role: sum(1 for w in workers.values() if w.is_up)
               for role, workers in (("prefill", self.view.prefill), ("decode", self.view.decode))}
         is_ok = up["decode"] > 0 and (up["prefill"] > 0 or not self.view.prefill)
+        now = time.monotonic()
+        states = [(w.instance, w.is_up, w.outages, w.last_error) for w in self.view.workers]
+        states += [(f.store, f.is_up, f.outages, f.last_error) for f in self.view.followers.values()]
+        instances = {instance.name: {"role": instance.role, "is_up": is_up, "recent_outages": outages.num_recent(now),
+                                     "last_error": last_error} for instance, is_up, outages, last_error in states}
+        looping = sorted(instance.name for instance, _, outages, _ in states if outages.is_crash_looping(now))
         return {"status": "ok" if is_ok else "unavailable", "instances_up": up,
                 "stores_up": sum(1 for f in self.view.followers.values() if f.is_up),
                 "membership": self.view.membership.status().as_dict(),
-                "leader": None if self.controller is None else self.controller.membership.leader()}
+                "leader": None if self.controller is None else self.controller.membership.leader(),
+                "instances": instances, "crash_looping": looping}
 
     async def cluster_info(self) -> dict[str, Any]:
         info = await describe_cluster(self.view)

@@ -241,6 +241,7 @@ class ClusterView:
             return
         if worker.is_up:
             logger.warning("%s %s is down: %s", worker.instance.role, instance_name, reason)
+            worker.outages.record(time.monotonic())
         worker.is_up, worker.last_error = False, reason
 
     # ---- placement ----------------------------------------------------------------------------------------
