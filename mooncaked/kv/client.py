@@ -8,6 +8,8 @@
 3. Put: `allocate(keys, block_bytes, lease_ms)` → `write_layer(...)` per layer (or `write_blocks`) → `commit`.
    Get: `lookup(keys, lease_ms)` → `read_blocks(...)` (or `read_layer`) → `release([lease_id])`.
 4. `close()` unmaps the pool and unregisters staging segments; the RPC client and engine are the caller's.
+5. A same-host store that restarted made a new pool file at the same path: the next move maps it and drops the
+   old mapping (`ShmPool.is_current`), so a worker keeps working across a store restart.
 
 A block is `[layer][k|v][token][kv_head][head_dim]`; one layer's slice is `layer_bytes` long at
 `layer_index * layer_bytes` inside the block (DESIGN section 5).
@@ -16,6 +18,7 @@ A block is `[layer][k|v][token][kv_head][head_dim]`; one layer's slice is `layer
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -27,6 +30,8 @@ from mooncaked.kv import messages as msg
 from mooncaked.kv.shm_pool import ShmPool
 from mooncaked.rpc import Message, Method
 from mooncaked.rdma import SegmentRef, TransferEngine, TransferOp, TransferRequest
+
+logger = logging.getLogger(__name__)
 
 _THREAD_COPY_BYTES = 4 << 20  # local copies at least this large run off the event loop
 
@@ -69,6 +74,7 @@ class StoreClient:
         self.segment = segment
         self.timeout_s = timeout_s
         self._staging_names: list[str] = []
+        self._remap_lock = asyncio.Lock()
 
     @classmethod
     async def connect(cls, rpc: RpcCaller, *, host: str, engine: TransferEngine | None = None,
@@ -191,10 +197,11 @@ class StoreClient:
         if not spans:
             return
         if self.pool is not None:
+            pool = await self._current_pool(self.pool)
             if sum(span.num_bytes for span in spans) >= _THREAD_COPY_BYTES:
-                await asyncio.to_thread(_copy_spans, self.pool.array, staging.array, op, spans)
+                await asyncio.to_thread(_copy_spans, pool.array, staging.array, op, spans)
             else:
-                _copy_spans(self.pool.array, staging.array, op, spans)
+                _copy_spans(pool.array, staging.array, op, spans)
             return
         assert self.engine is not None
         requests = [TransferRequest(op, staging.name, span.staging_offset, self.segment, span.pool_offset,
@@ -204,6 +211,20 @@ class StoreClient:
 
     async def _call(self, method: Method, request: Message) -> Any:
         return await self.rpc.call(method, request, timeout_s=self.timeout_s)
+
+
+    async def _current_pool(self, pool: ShmPool) -> ShmPool:
+        """The mapping of the store's pool file as it is now: after a store restart the file at the same path is a
+        new one (the offsets the store hands out refer to it), so map that one and drop the old mapping."""
+        if pool.is_current():
+            return pool
+        async with self._remap_lock:
+            if self.pool is pool:
+                logger.info("store pool %s was replaced (the store restarted): mapping the new one", pool.path)
+                self.pool = await asyncio.to_thread(ShmPool.attach, pool.path)
+                pool.close()
+        assert self.pool is not None
+        return self.pool
 
 
 def _copy_spans(pool: np.ndarray, staging: np.ndarray, op: TransferOp, spans: Sequence[Span]) -> None:

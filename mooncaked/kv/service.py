@@ -7,8 +7,10 @@
    blocks that are only on SSD promotes them back into DRAM before the reply.
 3. The maintenance task (owned here) reclaims expired leases and pins and evicts from the high watermark down
    to the low one, every `maintenance_interval_s`.
-4. `stop()`: stop the maintenance task, end event streams, unregister the segment, let the SSD writer finish its
-   backlog within the deadline, close (and unlink) the pool.
+4. `stop()`: stop the maintenance task, end event streams, unregister the segment; with an SSD tier, queue every
+   committed DRAM block SSD does not hold yet, most recently used first, ahead of the write-behind backlog (a warm
+   restart: the next start indexes them); let the SSD writer work until `stop_timeout_s`; close (and unlink) the
+   pool.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any, Protocol
 from mooncaked.kv import messages as msg
 from mooncaked.kv.shm_pool import ShmPool
 from mooncaked.kv.ssd import SsdConfig, SsdTier
-from mooncaked.kv.store_core import TIER_DRAM, Location, StoreConfig, StoreCore, StoreFull, UnknownHandle
+from mooncaked.kv.store_core import TIER_DRAM, Grant, Location, StoreConfig, StoreCore, StoreFull, UnknownHandle
 from mooncaked.rdma import TransferEngine
 from mooncaked.rpc import InvalidArgument, Method, NotFound, ResourceExhausted, RpcError
 
@@ -106,10 +108,31 @@ class StoreService:
         if self.engine is not None and self.pool is not None:
             self.engine.unregister(self.config.segment_name)
         if self.ssd is not None:
+            persisted = self._persist_dram() if self.pool is not None else []
+            started = time.monotonic()
             await asyncio.to_thread(self.ssd.stop, self.config.stop_timeout_s)
+            if persisted:
+                num_lost = self.ssd.num_unwritten(persisted)
+                logger.info("store: %d of %d DRAM blocks written to the ssd tier for the next start in %.2f s",
+                            len(persisted) - num_lost, len(persisted), time.monotonic() - started)
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+
+    def _persist_dram(self) -> list[bytes]:
+        """Queue the DRAM blocks for SSD, most recently used first, writing from the pool (mapped until stop)."""
+        assert self.ssd is not None and self.pool is not None
+        self._flush_evictions()
+        locations = self.core.dram_blocks_by_recency()
+        pool_view = self.pool.view
+        blocks = [(loc.key, pool_view[loc.offset : loc.offset + loc.num_bytes]) for loc in locations]
+        queued = self.ssd.persist(blocks, self.clock())
+        if locations:
+            num_bytes = sum(loc.num_bytes for loc in locations[: len(queued)])
+            logger.info("store: writing %d of its %d DRAM blocks (%.1f MiB) to the ssd tier within %.1f s, most "
+                        "recently used first", len(queued), len(locations), num_bytes / (1 << 20),
+                        self.config.stop_timeout_s)
+        return queued
 
     def add_methods(self, server: MethodRegistry) -> None:
         handlers: dict[Method, Callable[..., Any]] = {
@@ -130,8 +153,34 @@ class StoreService:
                                        request.first_position))
         if any(location.tier != TIER_DRAM for location in present):
             present = await self._promote(present)
+            try:
+                grants += self._grant_dropped(request, present)
+            except RpcError:
+                self.core.release([lease_id])
+                self._call(lambda: self.core.abort([g.handle_id for g in grants]))
+                raise
+            present = [location for location in present if location.tier == TIER_DRAM]
         handles = [msg.WriteHandle(g.handle_id, g.key, g.offset, g.num_bytes) for g in grants]
         return msg.AllocateReply(handles, [_location_message(loc) for loc in present], lease_id)
+
+    def _grant_dropped(self, request: msg.AllocateRequest, present: Sequence[Location]) -> list[Grant]:
+        """Every key must come back present in DRAM or with a write handle: a key whose SSD copy was found corrupt
+        while promoting is absent now and gets a handle; one that stays on SSD (no DRAM room) fails the call."""
+        if any(loc.tier != TIER_DRAM and self.core.location(loc.key) is not None for loc in present):
+            raise ResourceExhausted("store full: blocks on SSD cannot be brought back into DRAM (nothing "
+                                    "evictable left); retry later")
+        position_of = {key: request.first_position + i for i, key in enumerate(request.keys)}
+        grants: list[Grant] = []
+        try:
+            for location in present:
+                if location.tier != TIER_DRAM:
+                    key = location.key
+                    grants += self._call(lambda: self.core.allocate([key], request.num_bytes, request.lease_ms,
+                                                                    self.clock(), position_of[key]))[0]
+        except RpcError:
+            self._call(lambda: self.core.abort([g.handle_id for g in grants]))
+            raise
+        return grants
 
     async def commit(self, request: msg.CommitRequest, ctx: object) -> msg.CommitReply:
         num_new, num_duplicates = self._call(lambda: self.core.commit(request.handle_ids, self.clock()))

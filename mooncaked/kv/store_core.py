@@ -11,6 +11,7 @@
    never touches a leased or uncommitted block; a pinned block only moves to SSD. Each eviction is queued for the
    service (`drain_evictions`), which copies the bytes out to SSD before the space can be handed out again.
 5. `lookup`, `pin`/`unpin`, `dump`, `stats`; the SSD tier reports what it dropped with `ssd_dropped`.
+6. `dram_blocks_by_recency()`: what a store stopping for a warm restart writes to SSD, most recently used first.
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ class StoreCore:
                 block.dram_offset = grant.offset
                 self.num_duplicates += 1
             self.policy.on_insert(grant.key, now, pending.position)
+            self._blocks[grant.key].last_used = now
         return num_new, len(handle_ids) - num_new
 
     def abort(self, handle_ids: Sequence[int]) -> int:
@@ -129,6 +131,7 @@ class StoreCore:
         except StoreFull:
             return None
         block.dram_offset = offset
+        block.last_used = now
         self.policy.on_insert(key, now, block.position)
         return offset
 
@@ -147,6 +150,7 @@ class StoreCore:
         self.num_misses += len(keys) - len(prefix)
         for key in prefix:
             self.policy.on_access(key, now, self._blocks[key].position)
+            self._blocks[key].last_used = now
         lease_id = self._open_read_lease(prefix, now + lease_ms / 1000.0, now) if prefix and lease_ms else 0
         return [self._location(key) for key in prefix], lease_id
 
@@ -246,6 +250,13 @@ class StoreCore:
         if key not in self._blocks:
             self._blocks[key] = BlockRecord(num_bytes, None, True, 0)
             self.events.append(BLOCK_STORED, key)
+
+    def dram_blocks_by_recency(self) -> list[Location]:
+        """Committed blocks in DRAM that SSD does not hold yet, most recently used first."""
+        blocks = [(block.last_used, key) for key, block in self._blocks.items()
+                  if block.dram_offset is not None and not block.is_on_ssd]
+        blocks.sort(key=lambda item: item[0], reverse=True)
+        return [self._location(key) for _, key in blocks]
 
     def is_ssd_evictable(self, key: Hashable) -> bool:
         block = self._blocks.get(key)  # type: ignore[call-overload]
@@ -354,6 +365,7 @@ class StoreCore:
         self._leases[lease_id] = ReadLease(list(keys), deadline)
         for key in keys:
             self._blocks[key].num_readers += 1
+            self._blocks[key].last_used = now
         return lease_id
 
     def _unread(self, keys: list[bytes]) -> None:

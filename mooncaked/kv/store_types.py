@@ -66,6 +66,7 @@ class BlockRecord:
     position: int
     num_readers: int = 0
     pinned_until: float = 0.0
+    last_used: float = 0.0  # `now` of its commit, promotion, last lookup or read lease
 
 
 @dataclass
