@@ -10,7 +10,8 @@
    - any other exit is a crash: restarted with exponential backoff (reset once the child has stayed up for
      `stable_after_s`); CRASH_LOOP_CRASHES crashes within CRASH_LOOP_WINDOW_S are logged as a crash loop.
 3. stop(): SIGTERM to the children in reverse start order (conductors first, so no new work arrives), wait for them
-   up to the drain deadline plus a margin, SIGKILL what is left; then the monitor task is cancelled and awaited.
+   up to twice the drain deadline (a store's RPC drain, then its DRAM written to SSD) plus a margin, SIGKILL what
+   is left; then the monitor task is cancelled and awaited.
    Children also get PR_SET_PDEATHSIG, so even a SIGKILLed supervisor leaves no child behind.
 """
 
@@ -202,7 +203,7 @@ class Supervisor:
 
     async def stop(self) -> None:
         self._is_stopping = True
-        deadline_s = self.config.runtime.drain_timeout_s + 10.0
+        deadline_s = 2 * self.config.runtime.drain_timeout_s + 10.0  # a store drains, then writes DRAM to SSD
         for tier in reversed(_START_TIERS):
             tier_children = [c for c in self.children if c.instance.role in tier]
             await asyncio.gather(*(self._terminate(c, deadline_s) for c in tier_children))
