@@ -139,6 +139,8 @@ class ConductorSection:
     events_renew_s: float = bounded(30.0, min=0.1)
     spare_marks_interval_s: float = bounded(0.5, min=0.01)
     max_migrations: int = bounded(2, min=0, max=16)
+    client_timeout_s: float = bounded(30.0, min=0.1)
+    max_connections_per_client: int = bounded(256, min=1)
 
 
 @dataclass(frozen=True)

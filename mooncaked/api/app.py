@@ -1,7 +1,8 @@
 """The OpenAI-compatible aiohttp application in front of a `GenerationBackend`.
 
 1. `create_app` builds the application; the caller owns its runner (start/stop) and the backend.
-2. Per request, middlewares in order: take the `X-Request-Id` header (or make one) and log the outcome;
+2. Per request, middlewares in order: with a client guard, stop the request's header clock (client_guard.py);
+   take the `X-Request-Id` header (or make one) and log the outcome;
    turn `ApiError` and aiohttp's HTTP errors into OpenAI error JSON; on /v1 routes, find the caller's tenant by
    its Bearer key when tenants or keys are configured (tenant_gate.py; /health and /metrics stay open for
    probes and scrapers); a generation request also passes its tenant's rate and concurrency limits.
@@ -22,6 +23,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from mooncaked.api.backend import GenerationBackend
+from mooncaked.api.client_guard import ClientGuard
 from mooncaked.api.errors import ApiError, error_response, internal_error
 from mooncaked.api.generation import request_log, serve_generation
 from mooncaked.api.requests import decode_json_body, parse_chat_request, parse_completion_request
@@ -41,18 +43,21 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 def create_app(
     backend: GenerationBackend, *, api_keys: frozenset[str] = frozenset(), gate: TenantGate | None = None,
-    max_body_bytes: int, request_timeout_s: float
+    max_body_bytes: int, request_timeout_s: float, client_guard: ClientGuard | None = None,
 ) -> web.Application:
     """`request_timeout_s` bounds every wait without progress: admission, then each next chunk. `gate` (the
-    tenants; the caller keeps it to reload them) defaults to one tenant holding `api_keys` (none: open)."""
+    tenants; the caller keeps it to reload them) defaults to one tenant holding `api_keys` (none: open). With
+    `client_guard` (served through its GuardedSite) a request's headers and body must arrive in time."""
     if max_body_bytes <= 0 or request_timeout_s <= 0:
         raise ValueError("max_body_bytes and request_timeout_s must be positive")
     gate = gate or TenantGate(from_api_keys(api_keys))
+    middlewares: list[Middleware] = [_request_id_middleware, _error_middleware, _auth_middleware(gate)]
     app = web.Application(
         client_max_size=max_body_bytes,
-        middlewares=[_request_id_middleware, _error_middleware, _auth_middleware(gate)],
+        middlewares=[client_guard.middleware, *middlewares] if client_guard is not None else middlewares,
     )
-    routes = _Routes(backend, gate, max_body_bytes=max_body_bytes, request_timeout_s=request_timeout_s)
+    routes = _Routes(backend, gate, max_body_bytes=max_body_bytes, request_timeout_s=request_timeout_s,
+                     client_guard=client_guard)
     app.router.add_post("/v1/completions", routes.completions)
     app.router.add_post("/v1/chat/completions", routes.chat_completions)
     app.router.add_get("/v1/models", routes.models)
@@ -117,11 +122,12 @@ class _Routes:
     """Request handlers; holds no per-request state."""
 
     def __init__(self, backend: GenerationBackend, gate: TenantGate, *, max_body_bytes: int,
-                 request_timeout_s: float) -> None:
+                 request_timeout_s: float, client_guard: ClientGuard | None) -> None:
         self.backend = backend
         self.gate = gate
         self.max_body_bytes = max_body_bytes
         self.request_timeout_s = request_timeout_s
+        self.client_guard = client_guard
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = decode_json_body(await self._read_body(request))
@@ -163,4 +169,10 @@ class _Routes:
                 413, f"The request body is {request.content_length} bytes; the limit is {self.max_body_bytes}.",
                 code="request_too_large",
             )
-        return await request.read()
+        try:
+            if self.client_guard is not None:
+                return await self.client_guard.read_body(request)
+            return await request.read()
+        except ConnectionResetError:  # nobody is left to answer; say so in the log, not as a server error
+            raise ApiError(400, "The client closed the connection before sending the whole body.",
+                           code="client_closed") from None

@@ -18,13 +18,14 @@ from typing import Any
 
 from mooncaked.api.errors import ApiError, invalid_field, model_not_found
 from mooncaked.api.fields import (
-    is_int, json_type, read_bool, read_float, read_int, read_stop, read_str, read_token_ids,
+    check_text, is_int, json_type, read_bool, read_float, read_int, read_stop, read_str, read_token_ids,
 )
 from mooncaked.api.tenants import Tenant
 
 MAX_STOP_SEQUENCES = 16
 MAX_LOGPROBS = 20
 MAX_CACHE_SALT_CHARS = 1024
+MAX_SEED = 2**63 - 1  # a torch generator's seed
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
@@ -86,7 +87,10 @@ class ChatRequest:
 def decode_json_body(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except RecursionError:
+        raise ApiError(400, "The request body is not valid JSON: it is nested too deeply; send a JSON object.") \
+            from None
+    except ValueError as exc:  # not JSON, not UTF-8, or an integer of more digits than Python converts
         raise ApiError(400, f"The request body is not valid JSON: {exc}; send a JSON object.") from exc
     if not isinstance(body, dict):
         raise ApiError(400, f"The request body must be a JSON object, got {json_type(body)}.")
@@ -176,7 +180,7 @@ def _read_sampling(body: Mapping[str, Any], max_tokens: int | None) -> SamplingO
         temperature=read_float(body, "temperature", 1.0, lo=0.0, hi=2.0),
         top_p=read_float(body, "top_p", 1.0, lo=0.0, hi=1.0, is_lo_open=True),
         top_k=max(0, top_k or 0),
-        seed=read_int(body, "seed", None),
+        seed=read_int(body, "seed", None, lo=0, hi=MAX_SEED),
         stop=read_stop(body, MAX_STOP_SEQUENCES),
         ignore_eos=read_bool(body, "ignore_eos", False),
     )
@@ -205,7 +209,7 @@ def _read_prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
     if isinstance(prompt, str):
         if not prompt:
             raise invalid_field("prompt", "the prompt is empty")
-        return prompt
+        return check_text(prompt, "prompt")
     if isinstance(prompt, list):
         if prompt and not all(is_int(item) for item in prompt):
             raise invalid_field("prompt", "one prompt per request: a string or a list of token ids")
@@ -234,7 +238,7 @@ def _read_message(message: object, param: str) -> ChatMessage:
 
 def _read_content(content: object, param: str) -> str:
     if isinstance(content, str):
-        return content
+        return check_text(content, param)
     if not isinstance(content, list):
         raise invalid_field(param, f"expected a string or a list of text parts, got {json_type(content)}")
     texts = []
@@ -244,5 +248,5 @@ def _read_content(content: object, param: str) -> str:
         text = part.get("text")
         if not isinstance(text, str):
             raise invalid_field(f"{param}[{j}].text", f"expected a string, got {json_type(text)}")
-        texts.append(text)
+        texts.append(check_text(text, f"{param}[{j}].text"))
     return "\n".join(texts)

@@ -79,3 +79,29 @@ def test_decode_json_body() -> None:
         with pytest.raises(ApiError) as info:
             decode_json_body(raw)
         assert info.value.status == 400
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt": "a\ud800b"}, "prompt"),
+    ({"prompt": "x", "stop": ["ok", "\udfff"]}, "stop"),
+    ({"prompt": "x", "seed": -1}, "seed"),
+    ({"prompt": "x", "seed": 2**63}, "seed"),
+])
+def test_text_the_model_cannot_take_is_a_400_naming_the_field(body: dict[str, object], param: str) -> None:
+    with pytest.raises(ApiError) as raised:
+        parse_completion_request(body, request_id="r", model_ids=MODELS)
+    assert raised.value.status == 400 and raised.value.param == param
+
+
+def test_a_surrogate_in_a_chat_message_names_the_message() -> None:
+    with pytest.raises(ApiError, match="unpaired surrogate .U\\+D83D.") as raised:
+        parse_chat_request({"messages": [{"role": "user", "content": "hi \ud83d"}]}, request_id="r",
+                           model_ids=MODELS)
+    assert raised.value.param == "messages[0].content"
+
+
+@pytest.mark.parametrize("raw", [b"[" * 100_000 + b"]" * 100_000, b'{"n": ' + b"9" * 5000 + b"}"])
+def test_json_python_cannot_decode_is_a_400(raw: bytes) -> None:
+    with pytest.raises(ApiError, match="not valid JSON") as raised:
+        decode_json_body(raw)
+    assert raised.value.status == 400

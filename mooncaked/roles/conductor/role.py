@@ -23,8 +23,10 @@ from pathlib import Path
 from aiohttp import web
 
 from mooncaked.api.app import create_app
+from mooncaked.api.client_guard import ClientGuard, GuardedSite
 from mooncaked.api.tenant_gate import TenantGate
-from mooncaked.config import Config, InstanceConfig
+from mooncaked.config import Config, ConfigError, InstanceConfig
+from mooncaked.config_schema import ConfigIssue
 from mooncaked.etcd_membership import EtcdMembership
 from mooncaked.membership import Membership, StaticMembership
 from mooncaked.metrics import Metrics
@@ -84,12 +86,14 @@ class ConductorRole:
             await self.controller.start()
         self.backend = ConductorBackend(config, frontend, self.view, self.peers, self.metrics, self.controller)
         self.gate = make_gate(config, self.metrics)
+        guard = ClientGuard(client_timeout_s=config.conductor.client_timeout_s,
+                            max_connections_per_client=config.conductor.max_connections_per_client)
         app = create_app(self.backend, gate=self.gate, max_body_bytes=config.conductor.max_body_bytes,
-                         request_timeout_s=config.conductor.request_timeout_s)
+                         request_timeout_s=config.conductor.request_timeout_s, client_guard=guard)
         self._watch_sighup()
         self.runner = web.AppRunner(app, shutdown_timeout=config.runtime.drain_timeout_s, access_log=None)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, self.instance.host, self.instance.port)
+        site = GuardedSite(self.runner, self.instance.host, self.instance.port, guard)
         await site.start()
         self.bound_port = _bound_port(self.runner)
         if self.instance.rpc_port:
@@ -200,5 +204,6 @@ def read_profile(path: Path, prefill: PrefillTimePredictor,
         if "decode" in data:
             decode = DecodeStepPredictor.fit([(int(b), int(t), float(s)) for b, t, s in data["decode"]])
     except (OSError, ValueError, TypeError) as exc:
-        raise RuntimeError(f"scheduler.prefill_profile {path}: {exc}; expected JSON {PROFILE_FORMAT}") from None
+        raise ConfigError([ConfigIssue("scheduler.prefill_profile",
+                                       f"{path}: {exc}; expected JSON {PROFILE_FORMAT}")]) from None
     return prefill, decode
