@@ -4,6 +4,7 @@ nothing and harm no other connection."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import struct
 import threading
@@ -19,6 +20,7 @@ from mooncaked.rdma import SegmentRef, TransferEngine, TransferError, TransferOp
 from mooncaked.rdma.control import DescribeRequest, TcpControlChannel, encode_control
 from mooncaked.rdma.handshake import (DATA_AUTH_LABEL, HANDSHAKE_TAG, HELLO, MAGIC, DataCredentials, HandshakeRefused,
                                       client_handshake, serve_handshake)
+from mooncaked.rdma.tcp_server import MAX_HANDSHAKES_PER_ADDRESS
 from mooncaked.rdma.types import split_endpoint
 
 SECRET = b"correct horse battery staple"
@@ -236,3 +238,27 @@ def _authenticated_read(engine: TransferEngine) -> bytes:
 
 def test_hello_layout_is_stable() -> None:
     assert HELLO.size == 24 and struct.calcsize("<B32s") == 33
+
+
+async def test_silent_connections_from_one_address_are_capped(server: TransferEngine,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="mooncaked.rdma.tcp_server")
+    silent = [raw_connection(server) for _ in range(MAX_HANDSHAKES_PER_ADDRESS)]
+    try:
+        time.sleep(0.2)  # the accept thread has counted them
+        with raw_connection(server) as extra:
+            started = time.monotonic()
+            assert read_until_closed(extra) == b""
+            assert time.monotonic() - started < 0.5, "closed as accepted, not at the handshake deadline"
+        assert sum("have not completed the handshake" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        for sock in silent:
+            sock.close()
+    deadline = time.monotonic() + 5
+    while True:  # once they are gone, the address is served again
+        try:
+            assert _authenticated_read(server) == SEGMENT[:16]
+            break
+        except (HandshakeRefused, OSError):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
