@@ -16,8 +16,9 @@ Sources:
 5. Cache the LoadedModel per process and (source, dtype, device, seed, packing): the model holds no
    per-request state, so every runner in the process can share it.
 
-Any failure of `load_model` or `load_frontend` (a missing file, an unsupported architecture, a corrupt weight
-file, too little memory) is a `ModelLoadError` naming the source: a restart cannot fix it (see errors.py).
+Every failure of `load_model` or `load_frontend` is a StartupError (errors.py: a restart cannot fix it): the
+named ones (UnsupportedModel, CheckpointError, ModelDoesNotFit, ...) as they are, anything else (a missing file,
+a malformed header) as a `ModelLoadError` naming the source.
 """
 
 from __future__ import annotations
@@ -121,8 +122,10 @@ def load_model(source: str, *, dtype: str | torch.dtype = "auto", device: str | 
     try:
         torch_device = torch.device(device)
         return _load_cached(source, resolve_dtype(dtype, torch_device), str(torch_device), seed, cpu_packed_gemm)
+    except StartupError:
+        raise  # already names what is wrong (an unsupported model, a damaged checkpoint, too little memory)
     except Exception as exc:
-        raise _load_error(source, exc) from exc
+        raise ModelLoadError(f"cannot load model {source!r}: {exc}") from exc
 
 
 def clear_model_cache() -> None:
@@ -133,14 +136,10 @@ def load_frontend(source: str) -> ModelFrontendInfo:
     """Hyperparameters, tokenizer, chat template and EOS ids of `source`, reading no weights."""
     try:
         return _load_frontend(source)
+    except StartupError:
+        raise  # already names what is wrong (an unsupported model, a damaged checkpoint, too little memory)
     except Exception as exc:
-        raise _load_error(source, exc) from exc
-
-
-def _load_error(source: str, exc: Exception) -> ModelLoadError:
-    if isinstance(exc, ModelLoadError):
-        return exc
-    return ModelLoadError(f"cannot load model {source!r}: {exc}")
+        raise ModelLoadError(f"cannot load model {source!r}: {exc}") from exc
 
 
 def _load_frontend(source: str) -> ModelFrontendInfo:
