@@ -143,7 +143,7 @@ def store_call_args(method: Any) -> st.SearchStrategy[list[Any]]:
 
 STORE_METHODS = [store_messages.ALLOCATE, store_messages.COMMIT, store_messages.ABORT, store_messages.LOOKUP,
                  store_messages.RELEASE, store_messages.PIN, store_messages.UNPIN, store_messages.STATS,
-                 store_messages.DUMP, store_messages.EVENTS]
+                 store_messages.DUMP, store_messages.EVENTS, store_messages.MARK_SPARE]
 store_calls = st.sampled_from(STORE_METHODS).flatmap(
     lambda method: st.tuples(st.just(method.name), store_call_args(method), st.floats(0.001, 2.0)))
 
