@@ -13,14 +13,15 @@ from pathlib import Path
 
 from mooncaked.api.tenant_gate import TenantGate
 from mooncaked.api.tenants import TenantDirectory, TenantsError, from_api_keys, load_tenants
-from mooncaked.config import Config
+from mooncaked.config import Config, ConfigError
+from mooncaked.config_schema import ConfigIssue
 from mooncaked.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 
 
 def read_directory(config: Config) -> TenantDirectory:
-    """The tenants the config names; raises TenantsError (a bad tenants file) or RuntimeError (bad keys file)."""
+    """The tenants the config names; raises TenantsError (a bad tenants file) or ConfigError (bad keys file)."""
     section = config.conductor
     if section.tenants_file is not None:
         return load_tenants(section.tenants_file)
@@ -31,7 +32,7 @@ def make_gate(config: Config, metrics: Metrics) -> TenantGate:
     try:
         directory = read_directory(config)
     except TenantsError as exc:
-        raise RuntimeError(f"conductor.tenants_file: {exc}") from None
+        raise ConfigError([ConfigIssue("conductor.tenants_file", str(exc))]) from None
     if directory.tenants:
         logger.info("%d tenant(s): %s", len(directory.tenants), ", ".join(sorted(directory.tenants)))
     return TenantGate(directory, on_rejected=metrics.tenants.observe_rejection)
@@ -41,7 +42,7 @@ def reload(gate: TenantGate, config: Config) -> bool:
     """Re-read the tenants (SIGHUP); False, with the old tenants kept and the reason logged, when it fails."""
     try:
         directory = read_directory(config)
-    except (TenantsError, RuntimeError) as exc:
+    except (TenantsError, ConfigError) as exc:
         logger.error("tenants not reloaded, keeping the %d current ones: %s", len(gate.directory.tenants), exc)
         return False
     gate.reload(directory)
@@ -56,8 +57,8 @@ def read_api_keys(path: str | None) -> frozenset[str]:
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as exc:
-        raise RuntimeError(f"cannot read conductor.api_keys_file {path}: {exc.strerror}") from None
+        raise ConfigError([ConfigIssue("conductor.api_keys_file", f"cannot read {path}: {exc.strerror}")]) from None
     keys = frozenset(line.strip() for line in lines if line.strip() and not line.strip().startswith("#"))
     if not keys:
-        raise RuntimeError(f"conductor.api_keys_file {path} holds no key")
+        raise ConfigError([ConfigIssue("conductor.api_keys_file", f"{path} holds no key")])
     return keys
