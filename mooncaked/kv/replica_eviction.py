@@ -15,6 +15,7 @@ the conductor's `ReplicaTracker` (`mooncaked.sched.replicas`) decides which copi
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from typing import Protocol
@@ -133,8 +134,15 @@ class SpareFirstHeap(HeapPolicy):
                 self._spare.add(key)
             else:
                 self._spare.discard(key)
-            self._push(key)
+            self._requeue(key)
         return True
+
+    def _requeue(self, key: Hashable) -> None:
+        """Its group changed, not its use: it keeps its sequence number, so ties break as in the base policy."""
+        _, seq = self._rank[key]
+        priority = self._priority(key)
+        self._rank[key] = (priority, seq)
+        heapq.heappush(self._heap, (priority, seq, key))
 
     def is_spare(self, key: Hashable) -> bool:
         return key in self._spare
