@@ -188,6 +188,20 @@ class TenantMetrics:
         self.rejections_total = Counter("mooncaked_tenant_rejections", "Requests rejected (429) by tenant and "
                                         "reason; rate_limit: the tenant's own limits.", ["tenant", "reason"],
                                         registry=registry)
+        self.pool_bytes = Gauge("mooncaked_tenant_pool_bytes", "Bytes a tenant's blocks hold in a store, by tier "
+                                "(stores).", ["tenant", "tier"], registry=registry)
+        self._pool_labels: set[tuple[str, str]] = set()
+
+    def set_pool_bytes(self, tier: str, bytes_by_tenant: dict[str, int]) -> None:
+        """The store's bytes per tenant in `tier`, replacing the last values (blocks of no tenant are left out)."""
+        _check("tier", tier, TIERS)
+        for tenant, seen_tier in self._pool_labels:  # tenants whose blocks are gone read 0, not their last value
+            if seen_tier == tier and tenant not in bytes_by_tenant:
+                self.pool_bytes.labels(tenant=tenant, tier=tier).set(0)
+        for tenant, num_bytes in bytes_by_tenant.items():
+            if tenant:
+                self.pool_bytes.labels(tenant=tenant, tier=tier).set(num_bytes)
+                self._pool_labels.add((tenant, tier))
 
     def observe_finished(self, tenant: str, *, status: str, num_prompt_tokens: int, num_cached_tokens: int,
                          num_output_tokens: int) -> None:

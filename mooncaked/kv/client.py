@@ -28,6 +28,7 @@ import numpy as np
 
 from mooncaked.kv import messages as msg
 from mooncaked.kv.shm_pool import ShmPool
+from mooncaked.kv.tenant_quota import TenantShare
 from mooncaked.rpc import Message, Method
 from mooncaked.rdma import SegmentRef, TransferEngine, TransferOp, TransferRequest
 
@@ -101,9 +102,12 @@ class StoreClient:
             self.pool = None
 
     # ---- metadata calls -----------------------------------------------------------------------------------
-    async def allocate(self, keys: Sequence[bytes], block_bytes: int, lease_ms: int,
-                       first_position: int = 0) -> msg.AllocateReply:
-        request = msg.AllocateRequest(list(keys), block_bytes, lease_ms, first_position)
+    async def allocate(self, keys: Sequence[bytes], block_bytes: int, lease_ms: int, first_position: int = 0,
+                       tenant: str = "", share: TenantShare | None = None) -> msg.AllocateReply:
+        """`tenant` owns the new blocks within `share` of the store (kv/tenant_quota.py)."""
+        share = share or TenantShare()
+        request = msg.AllocateRequest(list(keys), block_bytes, lease_ms, first_position, tenant, share.pool_share,
+                                      share.min_pool_share)
         reply: msg.AllocateReply = await self._call(msg.ALLOCATE, request)
         return reply
 

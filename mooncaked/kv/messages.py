@@ -42,6 +42,9 @@ class AllocateRequest(Message):
     num_bytes: int  # every object of one call has the same size (one model's block)
     lease_ms: int
     first_position: int = 0  # position of keys[0] within its request (length-aware eviction)
+    tenant: str = ""  # the writer's tenant: it owns the new blocks ("" for none)
+    pool_share: float = 0.0  # the tenant's cap on this store (0: none) and its floor (kv/tenant_quota.py)
+    min_pool_share: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,13 @@ from mooncaked.kv import messages as msg
 from mooncaked.kv.shm_pool import ShmPool
 from mooncaked.kv.ssd import SsdConfig, SsdTier
 from mooncaked.kv.store_core import TIER_DRAM, Grant, Location, StoreConfig, StoreCore, StoreFull, UnknownHandle
+from mooncaked.kv.tenant_quota import TenantShare
 from mooncaked.rdma import TransferEngine
 from mooncaked.rpc import InvalidArgument, Method, NotFound, ResourceExhausted, RpcError
 
 logger = logging.getLogger(__name__)
+
+MAX_TENANT_CHARS = 64  # tenant ids are metric labels: bounded (api/tenants.py)
 
 
 class MethodRegistry(Protocol):
@@ -148,9 +151,11 @@ class StoreService:
     async def allocate(self, request: msg.AllocateRequest, ctx: object) -> msg.AllocateReply:
         self._check_lease(request.lease_ms)
         now = self.clock()
+        if len(request.tenant) > MAX_TENANT_CHARS:
+            raise InvalidArgument(f"tenant must be at most {MAX_TENANT_CHARS} characters")
         grants, present, lease_id = self._call(
             lambda: self.core.allocate(request.keys, request.num_bytes, request.lease_ms, now,
-                                       request.first_position))
+                                       request.first_position, request.tenant, _share(request)))
         if any(location.tier != TIER_DRAM for location in present):
             present = await self._promote(present)
             try:
@@ -176,7 +181,8 @@ class StoreService:
                 if location.tier != TIER_DRAM:
                     key = location.key
                     grants += self._call(lambda: self.core.allocate([key], request.num_bytes, request.lease_ms,
-                                                                    self.clock(), position_of[key]))[0]
+                                                                    self.clock(), position_of[key], request.tenant,
+                                                                    _share(request)))[0]
         except RpcError:
             self._call(lambda: self.core.abort([g.handle_id for g in grants]))
             raise
@@ -327,3 +333,9 @@ class StoreService:
 def _location_message(location: Location) -> msg.BlockLocation:
     return msg.BlockLocation(location.key, location.tier, location.offset, location.num_bytes)
 
+
+def _share(request: msg.AllocateRequest) -> TenantShare | None:
+    """The request's tenant shares (None without a tenant); bad values raise ValueError (InvalidArgument)."""
+    if not request.tenant:
+        return None
+    return TenantShare(request.pool_share, request.min_pool_share)

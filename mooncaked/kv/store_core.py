@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from mooncaked.kv.allocator import ExtentAllocator, OutOfSpace
 from mooncaked.kv.eviction import blocks_to_free
@@ -39,6 +39,7 @@ from mooncaked.kv.store_types import (
     check_keys,
     check_lease_ms,
 )
+from mooncaked.kv.tenant_quota import TenantShare, TenantUsage
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +47,13 @@ __all__ = ["TIER_DRAM", "TIER_SSD", "Eviction", "Grant", "Location", "StoreConfi
            "UnknownHandle", "check_keys"]
 
 
+def _anyone(owner: str) -> bool:
+    return True
+
+
 class StoreCore:
-    """All metadata of one store. Owner: the `StoreService`; the allocator, policy and event log are its own."""
+    """All metadata of one store. Owner: the `StoreService`; the allocator, policy, event log and the bytes per
+    tenant are its own."""
 
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
@@ -59,6 +65,7 @@ class StoreCore:
         self._pending: dict[int, PendingWrite] = {}
         self._leases: dict[int, ReadLease] = {}
         self._evictions: list[Eviction] = []
+        self.tenants = TenantUsage()
         self._ids = itertools.count(1)
         self.num_hits = 0
         self.num_misses = 0
@@ -68,10 +75,13 @@ class StoreCore:
 
     # ---- writes -------------------------------------------------------------------------------------------
     def allocate(
-        self, keys: Sequence[bytes], num_bytes: int, lease_ms: int, now: float, first_position: int = 0
+        self, keys: Sequence[bytes], num_bytes: int, lease_ms: int, now: float, first_position: int = 0,
+        tenant: str = "", share: TenantShare | None = None,
     ) -> tuple[list[Grant], list[Location], int]:
-        """(write grants for absent keys, locations of present keys, read lease id or 0 if none present)."""
+        """(write grants for absent keys, locations of present keys, read lease id or 0 if none present).
+        `tenant` will own the new blocks, within `share` of the capacity (tenant_quota.py)."""
         check_keys(keys)
+        self.tenants.state(tenant, share)
         check_lease_ms(lease_ms)
         if num_bytes <= 0:
             raise ValueError(f"num_bytes must be positive, got {num_bytes}")
@@ -81,7 +91,7 @@ class StoreCore:
             if self._blocks[key].num_bytes != num_bytes:
                 raise ValueError(f"key {key.hex()} is stored with {self._blocks[key].num_bytes} bytes, not {num_bytes}")
         absent = [(first_position + i, key) for i, key in enumerate(keys) if key not in self._blocks]
-        grants = self._reserve(absent, num_bytes, deadline, now, protected=set(present))
+        grants = self._reserve(absent, num_bytes, deadline, now, protected=set(present), tenant=tenant)
         lease_id = self._open_read_lease(present, deadline, now) if present else 0
         return grants, [self._location(key) for key in present], lease_id
 
@@ -95,14 +105,18 @@ class StoreCore:
             block = self._blocks.get(grant.key)
             if block is not None and block.dram_offset is not None:
                 self.allocator.free(grant.offset, grant.num_bytes)  # another writer won: keep the first object
+                self.tenants.add(pending.tenant, TIER_DRAM, -grant.num_bytes)
                 self.num_duplicates += 1
                 continue
             if block is None:
-                self._blocks[grant.key] = BlockRecord(grant.num_bytes, grant.offset, False, pending.position)
+                block = self._blocks[grant.key] = BlockRecord(grant.num_bytes, grant.offset, False,
+                                                              pending.position, tenant=pending.tenant)
                 self.events.append(BLOCK_STORED, grant.key)
                 num_new += 1
-            else:  # present only on SSD: this copy becomes its DRAM copy
+            else:  # present only on SSD: this copy becomes its DRAM copy, its owner's
                 block.dram_offset = grant.offset
+                self.tenants.add(pending.tenant, TIER_DRAM, -grant.num_bytes)
+                self.tenants.add(block.tenant, TIER_DRAM, grant.num_bytes)
                 self.num_duplicates += 1
             self.policy.on_insert(grant.key, now, pending.position)
             self._blocks[grant.key].last_used = now
@@ -115,6 +129,7 @@ class StoreCore:
             pending = self._pending.pop(handle_id, None)
             if pending is not None:
                 self.allocator.free(pending.grant.offset, pending.grant.num_bytes)
+                self.tenants.add(pending.tenant, TIER_DRAM, -pending.grant.num_bytes)
                 num_freed += 1
         return num_freed
 
@@ -132,6 +147,7 @@ class StoreCore:
             return None
         block.dram_offset = offset
         block.last_used = now
+        self.tenants.add(block.tenant, TIER_DRAM, block.num_bytes)
         self.policy.on_insert(key, now, block.position)
         return offset
 
@@ -242,6 +258,7 @@ class StoreCore:
         if block is None or not block.is_on_ssd:
             return
         block.is_on_ssd = False
+        self.tenants.add(block.tenant, TIER_SSD, -block.num_bytes)
         if block.dram_offset is None:
             self._remove_block(key)
 
@@ -249,6 +266,7 @@ class StoreCore:
         """A block found on SSD at start-up (after a restart) becomes present."""
         if key not in self._blocks:
             self._blocks[key] = BlockRecord(num_bytes, None, True, 0)
+            self.tenants.add("", TIER_SSD, num_bytes)
             self.events.append(BLOCK_STORED, key)
 
     def dram_blocks_by_recency(self) -> list[Location]:
@@ -292,40 +310,48 @@ class StoreCore:
 
     # ---- internals ----------------------------------------------------------------------------------------
     def _reserve(self, absent: list[tuple[int, bytes]], num_bytes: int, deadline: float, now: float,
-                 protected: set[bytes]) -> list[Grant]:
+                 protected: set[bytes], tenant: str = "") -> list[Grant]:
         grants: list[Grant] = []
         try:
             for position, key in absent:
-                offset = self._make_room_and_allocate(num_bytes, protected, now)
+                offset = self._make_room_and_allocate(num_bytes, protected, now, tenant)
+                self.tenants.add(tenant, TIER_DRAM, num_bytes)  # counted from the grant: writes in flight too
                 grant = Grant(next(self._ids), key, offset, num_bytes)
-                self._pending[grant.handle_id] = PendingWrite(grant, deadline, position)
+                self._pending[grant.handle_id] = PendingWrite(grant, deadline, position, tenant)
                 grants.append(grant)
         except StoreFull:
             self.abort([grant.handle_id for grant in grants])
             raise
         return grants
 
-    def _make_room_and_allocate(self, num_bytes: int, protected: set[bytes], now: float) -> int:
+    def _make_room_and_allocate(self, num_bytes: int, protected: set[bytes], now: float, tenant: str = "") -> int:
+        capacity = self.allocator.capacity_bytes
+        while self.tenants.is_over_share(tenant, num_bytes, capacity):  # its own blocks go first, room or not
+            if not self._evict_one(protected, now, self.tenants.may_evict(tenant, num_bytes, capacity)):
+                raise StoreFull(f"tenant {tenant} is at its pool_share of this store and holds nothing evictable")
         while True:
             try:
                 return self.allocator.allocate(num_bytes)
             except OutOfSpace:
-                if not self._evict_one(protected, now):
+                if not self._evict_one(protected, now, self.tenants.may_evict(tenant, num_bytes, capacity)):
                     raise StoreFull(
                         f"store full: {num_bytes} bytes do not fit ({self.allocator.num_used_bytes} of "
-                        f"{self.allocator.capacity_bytes} used, nothing evictable left)"
+                        f"{capacity} used, nothing evictable left)"
                     ) from None
 
-    def _evict_one(self, protected: set[bytes], now: float) -> int:
-        """Evict one DRAM block (unpinned first; pinned ones only when they can go to SSD); bytes freed."""
+    def _evict_one(self, protected: set[bytes], now: float, may_evict: Callable[[str], bool] = _anyone) -> int:
+        """Evict one DRAM block (unpinned first; pinned ones only when they can go to SSD); bytes freed.
+        `may_evict`: whose blocks this allocation may take (tenant shares)."""
         def is_evictable(key: Hashable) -> bool:
             block = self._blocks[key]  # type: ignore[index]
-            return block.num_readers == 0 and key not in protected and block.pinned_until <= now
+            return (block.num_readers == 0 and key not in protected and block.pinned_until <= now
+                    and may_evict(block.tenant))
 
         victim = next(iter(self.policy.victims(is_evictable)), None)
         if victim is None and self.config.has_ssd:
             def is_movable(key: Hashable) -> bool:
-                return self._blocks[key].num_readers == 0 and key not in protected  # type: ignore[index]
+                block = self._blocks[key]  # type: ignore[index]
+                return block.num_readers == 0 and key not in protected and may_evict(block.tenant)
             victim = next(iter(self.policy.victims(is_movable)), None)
         if victim is None:
             return 0
@@ -340,7 +366,10 @@ class StoreCore:
         self.allocator.free(block.dram_offset, block.num_bytes)
         block.dram_offset = None
         self.num_evicted += 1
+        self.tenants.add(block.tenant, TIER_DRAM, -block.num_bytes)
         if self.config.has_ssd:
+            if not block.is_on_ssd:
+                self.tenants.add(block.tenant, TIER_SSD, block.num_bytes)
             block.is_on_ssd = True  # optimistic: the service writes it behind; failures come back as ssd_dropped
         else:
             self._remove_block(key)

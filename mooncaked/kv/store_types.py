@@ -54,6 +54,7 @@ class PendingWrite:
     grant: Grant
     deadline: float
     position: int
+    tenant: str = ""  # the writer's tenant: it will own the block
 
 
 @dataclass
@@ -67,6 +68,7 @@ class BlockRecord:
     num_readers: int = 0
     pinned_until: float = 0.0
     last_used: float = 0.0  # `now` of its commit, promotion, last lookup or read lease
+    tenant: str = ""  # the tenant whose write made it ("" for none: shared, or found on SSD at start)
 
 
 @dataclass

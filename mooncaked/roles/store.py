@@ -85,6 +85,9 @@ class StoreRole:
         if self.service.ssd is not None:
             cache.set_store_usage("ssd", used_bytes=self.service.ssd.num_used_bytes,
                                   capacity_bytes=self.service.config.ssd_bytes, num_blocks=stats["num_ssd_blocks"])
+        tenants = self.service.core.tenants
+        self.metrics.tenants.set_pool_bytes("dram", tenants.dram_bytes)
+        self.metrics.tenants.set_pool_bytes("ssd", tenants.ssd_bytes)
         cache.observe_evictions("dram", stats["num_evicted"] - self._num_evicted_seen)
         self._num_evicted_seen = stats["num_evicted"]
 

@@ -71,3 +71,42 @@ async def test_tenants_share_kv_only_inside_and_hit_their_own_limits(tmp_path: P
         assert conductor.reload_tenants()
         assert (await post(http, address, "key-b", {"prompt": prompt(99, 8), "max_tokens": 1})).status == 401
         assert (await post(http, address, "key-b2", {"prompt": prompt(99, 8), "max_tokens": 1})).status == 200
+
+
+FLOODED = """\
+tenants:
+  - id: flood
+    api_keys: [key-flood]
+    pool_share: 0.5
+  - id: warm
+    api_keys: [key-warm]
+    min_pool_share: 0.1
+"""
+
+
+async def test_a_tenant_flooding_the_pool_leaves_anothers_warm_prefix_alone(tmp_path: Path) -> None:
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(FLOODED)
+    # 160 blocks of 8 KiB (tiny model, 16-token blocks): the flood writes ~350 blocks
+    config = make_config(tmp_path, conductor={"tenants_file": str(tenants)}, store={"dram_bytes": 160 * 8192})
+    address = url(config, "/v1/completions")
+    warm = prompt(120, 70)
+
+    async def cached(key: str, tokens: list[int]) -> int:
+        async with http.post(address, json={"prompt": tokens, "max_tokens": 1, **GREEDY},
+                             headers={"Authorization": f"Bearer {key}"}) as response:
+            data = await response.json()
+            assert response.status == 200, data
+        return int(data["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    async with running_roles(config, ["s0", "p0", "d0", "c0"]) as roles, aiohttp.ClientSession() as http:
+        assert await cached("key-warm", warm) == 0
+        for i in range(30):
+            await cached("key-flood", prompt(121 + i, 190))
+        store = roles["s0"]
+        usage = store.service.core.tenants.dram_bytes  # type: ignore[attr-defined]
+        capacity = store.service.core.allocator.capacity_bytes  # type: ignore[attr-defined]
+        assert usage["flood"] <= capacity // 2 + 8192 and usage["warm"] == 4 * 8192
+        assert await cached("key-warm", warm) == 64  # still a hit after the flood
+        async with http.get(f"http://127.0.0.1:{config.instance_named('c0').port}/metrics") as response:
+            assert 'mooncaked_tenant_tokens_total{kind="cached",tenant="warm"} 64.0' in await response.text()

@@ -37,7 +37,7 @@ from mooncaked.roles.conductor.cluster_view import ClusterView
 from mooncaked.roles.conductor.frontend import ConductorRequest, ModelFrontend
 from mooncaked.roles.conductor.leg import Leg, LegFailed, LegWork, Rejected
 from mooncaked.roles.conductor.prediction_errors import PredictionErrors, PredictionRecord
-from mooncaked.roles.worker.messages import FINISH_EOS, PrefillReply, SamplingSpec, TokenSample
+from mooncaked.roles.worker.messages import FINISH_EOS, PrefillReply, SamplingSpec, StoreTenant, TokenSample
 from mooncaked.sched.types import Placement
 
 logger = logging.getLogger(__name__)
@@ -116,8 +116,10 @@ class RequestRun:
         namespace = isolated_namespace(self.backend.namespace, prepared.key_isolation)
         keys = prepared.block_keys if not output else tuple(
             block_keys(list(token_ids), self.config.kv.block_size, namespace))
+        tenant = prepared.request.tenant
+        owner = StoreTenant(tenant.id, tenant.pool_share or 0.0, tenant.min_pool_share) if tenant else None
         return LegWork(leg_id, token_ids, keys, sampling, prepared.arrival_time, prepared.max_tokens,
-                       prepared.request.client_id, prepared.key_isolation)
+                       prepared.request.client_id, prepared.key_isolation, owner)
 
     async def _serve(self, leg: Leg) -> AsyncIterator[GenerationChunk]:
         placement = leg.place(frozenset(self.failed_instances))

@@ -204,7 +204,8 @@ class DecodeRole:
         worker, started = self.worker, time.monotonic()
         plan = await plan_prompt_kv(worker, request.request_id, list(request.token_ids), request.block_keys,
                                     timeout_s=max(ctx.deadline - time.monotonic(), 0.001),
-                                    num_extra_tokens=request.sampling.max_tokens, key_isolation=request.key_isolation)
+                                    num_extra_tokens=request.sampling.max_tokens, key_isolation=request.key_isolation,
+                                    tenant=request.tenant)
         self._num_prefilling += 1
         try:
             samples, forward_s = await worker.compute(_timed_forward, worker, plan, request.sampling)

@@ -15,11 +15,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from mooncaked.engine.batch import PrefillSeq
 from mooncaked.kv.keys import KEY_BYTES, block_keys, isolated_namespace
 from mooncaked.kv.messages import WriteHandle
-from mooncaked.roles.worker.messages import Destination
+from mooncaked.kv.tenant_quota import TenantShare
+from mooncaked.roles.worker.messages import Destination, StoreTenant
 from mooncaked.roles.worker.request_kv import RequestKv
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import InvalidArgument, ResourceExhausted
@@ -40,6 +42,7 @@ class KvPlan:
     destinations: dict[str, list[Destination]] = field(default_factory=dict)  # store name -> blocks it wants
     is_closed: bool = False
     is_cancelled: bool = False  # set by the event loop; the compute thread then posts no more writes
+    owner: dict[str, Any] = field(default_factory=dict)  # allocate()'s tenant and share (store_owner)
 
     def prefill_seq(self) -> PrefillSeq:
         num_cached = self.num_prefix_blocks * self.kv.worker.block_size
@@ -93,10 +96,12 @@ def check_block_keys(worker: Worker, token_ids: Sequence[int], keys: Sequence[by
 async def plan_prompt_kv(worker: Worker, request_id: str, token_ids: list[int], keys: Sequence[bytes], *,
                          timeout_s: float, num_extra_tokens: int = 0, fetch_store: str = "",
                          num_fetch_blocks: int = 0, decode_store: str = "",
-                         destinations: Sequence[Destination] = (), key_isolation: bytes = b"") -> KvPlan:
+                         destinations: Sequence[Destination] = (), key_isolation: bytes = b"",
+                         tenant: StoreTenant | None = None) -> KvPlan:
     """Steps 1 of the module docstring; on failure everything taken so far is given back."""
     _check_prompt(worker, token_ids)
     keys = check_block_keys(worker, token_ids, keys, key_isolation)
+    owner = store_owner(tenant)
     for store_name in (fetch_store, decode_store if destinations else ""):
         if store_name:
             worker.store_instance(store_name)
@@ -104,7 +109,7 @@ async def plan_prompt_kv(worker: Worker, request_id: str, token_ids: list[int], 
         kv = RequestKv(worker, request_id, len(token_ids), num_extra_tokens)
     except RuntimeError as exc:
         raise ResourceExhausted(f"not enough KV pages for {len(token_ids)} tokens: {exc}") from None
-    plan = KvPlan(kv, list(token_ids))
+    plan = KvPlan(kv, list(token_ids), owner=owner)
     if destinations:
         plan.destinations[decode_store] = list(destinations)
     try:
@@ -115,6 +120,16 @@ async def plan_prompt_kv(worker: Worker, request_id: str, token_ids: list[int], 
         await plan.close(commit=False)
         raise
     return plan
+
+
+def store_owner(tenant: StoreTenant | None) -> dict[str, Any]:
+    """StoreClient.allocate's `tenant` and `share` for a request's new blocks ({} without a tenant)."""
+    if tenant is None:
+        return {}
+    try:
+        return {"tenant": tenant.id, "share": TenantShare(tenant.pool_share, tenant.min_pool_share)}
+    except ValueError as exc:
+        raise InvalidArgument(f"tenant: {exc}") from None
 
 
 def _check_prompt(worker: Worker, token_ids: Sequence[int]) -> None:
@@ -144,7 +159,8 @@ async def _fetch_prefix(plan: KvPlan, fetch_store: str, keys: list[bytes], timeo
         if not found.locations:
             return
         num_found = len(found.locations)
-        reply = await worker.local_store.allocate(keys[:num_found], worker.block_nbytes, _lease_ms(worker, timeout_s))
+        reply = await worker.local_store.allocate(keys[:num_found], worker.block_nbytes, _lease_ms(worker, timeout_s),
+                                                  **plan.owner)
         index_of = {key: i for i, key in enumerate(keys[:num_found])}
         indices = [index_of[h.key] for h in reply.handles]
         offsets = [found.locations[i].offset for i in indices]
@@ -170,7 +186,7 @@ async def _reserve_local(plan: KvPlan, keys: list[bytes], timeout_s: float) -> N
     worker, kv = plan.kv.worker, plan.kv
     local = worker.local_store
     try:
-        reply = await local.allocate(keys, worker.block_nbytes, _lease_ms(worker, timeout_s))
+        reply = await local.allocate(keys, worker.block_nbytes, _lease_ms(worker, timeout_s), **plan.owner)
         present, handles, lease_id = reply.present, reply.handles, reply.read_lease_id
     except ResourceExhausted:  # the store is full of pinned or leased blocks: reuse, but do not cache
         found = await local.lookup(keys, lease_ms=_lease_ms(worker, timeout_s))

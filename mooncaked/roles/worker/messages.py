@@ -58,6 +58,15 @@ class Destination(Message):
 
 
 @dataclass(frozen=True)
+class StoreTenant(Message):
+    """The tenant a request's new blocks belong to in the stores, and its shares of each (kv/tenant_quota.py)."""
+
+    id: str
+    pool_share: float = 0.0  # 0: no cap
+    min_pool_share: float = 0.0
+
+
+@dataclass(frozen=True)
 class ReserveRequest(Message):
     request_id: str
     block_keys: list[bytes]
@@ -65,6 +74,7 @@ class ReserveRequest(Message):
     max_tokens: int
     lease_ms: int
     is_inline_prefill: bool = False  # the decode instance will prefill itself: reserve pages, no store space
+    tenant: Optional[StoreTenant] = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +107,7 @@ class PrefillRequest(Message):
     decode_store: str = ""
     destinations: list[Destination] = field(default_factory=list)
     key_isolation: bytes = b""  # the request's isolation tag (kv/keys.py): its keys' namespace
+    tenant: Optional[StoreTenant] = None
 
 
 @dataclass(frozen=True)
@@ -116,6 +127,7 @@ class DecodeRequest(Message):
     sampling: SamplingSpec
     first_token: Optional[TokenSample] = None  # None: prefill inline on the decode instance
     key_isolation: bytes = b""  # the request's isolation tag (kv/keys.py): its keys' namespace
+    tenant: Optional[StoreTenant] = None
 
 
 @dataclass(frozen=True)

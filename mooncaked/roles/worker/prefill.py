@@ -164,7 +164,7 @@ class PrefillRole:
                                     fetch_store=request.fetch_store, num_fetch_blocks=request.num_fetch_blocks,
                                     decode_store=request.decode_store, destinations=request.destinations,
                                     timeout_s=max(ctx.deadline - time.monotonic(), 0.001),
-                                    key_isolation=request.key_isolation)
+                                    key_isolation=request.key_isolation, tenant=request.tenant)
         job = PrefillJob(request, plan, arrived_at, time.monotonic(), asyncio.get_running_loop().create_future())
         job.idle.set()
         try:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from mooncaked.kv.messages import BlockLocation, WriteHandle
 from mooncaked.roles.worker.decode_admission import Room
+from mooncaked.roles.worker.kv_plan import store_owner
 from mooncaked.roles.worker.messages import Destination, ReserveReply, ReserveRequest
 from mooncaked.roles.worker.worker import Worker
 
@@ -79,12 +80,13 @@ class ReservationBook:
 
     async def allocate(self, reservation: Reservation) -> None:
         request, store = reservation.request, self.worker.local_store
-        reply = await store.allocate(request.block_keys, self.worker.block_nbytes, request.lease_ms)
+        owner = store_owner(request.tenant)
+        reply = await store.allocate(request.block_keys, self.worker.block_nbytes, request.lease_ms, **owner)
         reservation.handles, reservation.present, reservation.lease_id = reply.handles, reply.present, \
             reply.read_lease_id
         if request.num_prompt_tokens % self.worker.block_size:
             tail_key = hashlib.blake2b(request.request_id.encode() + os.urandom(8), digest_size=16).digest()
-            tail = await store.allocate([tail_key], self.worker.block_nbytes, request.lease_ms)
+            tail = await store.allocate([tail_key], self.worker.block_nbytes, request.lease_ms, **owner)
             reservation.tail = tail.handles[0]
 
     def reply(self, reservation: Reservation) -> ReserveReply:
