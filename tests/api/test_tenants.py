@@ -112,3 +112,23 @@ def test_a_concurrency_cap_holds_until_a_slot_is_released_and_a_reload_keeps_buc
     assert limits.try_admit("a", 1.0) == 1.0  # still two in flight after the reload
     limits.update({})
     assert limits.try_admit("a", 1.0) is None  # a tenant that left is not limited here (its key no longer works)
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                                         max_size=3),
+                           max_leaves=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(json_values)
+def test_any_cache_salt_is_either_used_or_a_clear_400(salt: object) -> None:
+    from mooncaked.api.errors import ApiError
+    from mooncaked.api.requests import parse_completion_request
+
+    try:
+        request = parse_completion_request({"prompt": "hi", "cache_salt": salt}, request_id="r", model_ids=["m"])
+    except ApiError as error:
+        assert error.status == 400 and error.param == "cache_salt"
+        return
+    assert request.cache_salt == salt or salt is None
