@@ -22,6 +22,7 @@ from pathlib import Path
 from aiohttp import web
 
 from mooncaked.api.app import create_app
+from mooncaked.api.cache_routes import add_cache_routes
 from mooncaked.config import Config, InstanceConfig
 from mooncaked.etcd_membership import EtcdMembership
 from mooncaked.membership import Membership, StaticMembership
@@ -30,6 +31,8 @@ from mooncaked.model.loader import ModelFrontendInfo, load_frontend, num_paramet
 from mooncaked.roles.base import PeerClients, RoleEndpoint
 from mooncaked.roles.conductor.cluster_view import ClusterView, ClusterViewSettings
 from mooncaked.roles.conductor.backend import ConductorBackend
+from mooncaked.roles.conductor.caches import CacheRegistry
+from mooncaked.roles.conductor.completion import complete
 from mooncaked.roles.conductor.frontend import ModelFrontend
 from mooncaked.roles.conductor.leader import PdController
 from mooncaked.roles.conductor.live_predictors import LivePredictors
@@ -62,6 +65,7 @@ class ConductorRole:
         self.runner: web.AppRunner | None = None
         self.endpoint: RoleEndpoint | None = None
         self.controller: PdController | None = None
+        self.caches: CacheRegistry | None = None
         self.bound_port = 0
 
     async def start(self) -> None:
@@ -77,9 +81,15 @@ class ConductorRole:
             self.controller = PdController(config, self.view, self.peers, self.membership)
             await self.controller.start()
         self.backend = ConductorBackend(config, frontend, self.view, self.peers, self.metrics, self.controller)
+        backend, section = self.backend, config.conductor
+        self.caches = CacheRegistry(config, frontend, self.view, self.peers, backend.namespace,
+                                    lambda request: complete(backend, request, section.request_timeout_s))
+        await self.caches.start()
         app = create_app(self.backend, api_keys=read_api_keys(config.conductor.api_keys_file),
                          max_body_bytes=config.conductor.max_body_bytes,
                          request_timeout_s=config.conductor.request_timeout_s)
+        add_cache_routes(app, self.caches, list(frontend.served_names), default_ttl_s=section.default_cache_ttl_s,
+                         max_ttl_s=section.max_cache_ttl_s)
         self.runner = web.AppRunner(app, shutdown_timeout=config.runtime.drain_timeout_s, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.instance.host, self.instance.port)
@@ -100,6 +110,8 @@ class ConductorRole:
         if self.endpoint is not None:
             await self.endpoint.stop()
             self.endpoint = None
+        if self.caches is not None:
+            await self.caches.stop()
         if self.controller is not None:
             await self.controller.stop()
         if self.view is not None:
