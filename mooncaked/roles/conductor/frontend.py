@@ -40,7 +40,8 @@ def sampling_spec(prepared: ConductorRequest, max_tokens: int) -> SamplingSpec:
     options = prepared.request.sampling
     return SamplingSpec(max_tokens=max_tokens, temperature=options.temperature, top_p=options.top_p,
                         top_k=options.top_k, seed=options.seed, ignore_eos=options.ignore_eos,
-                        num_logprobs=prepared.request.num_logprobs)
+                        num_logprobs=prepared.request.num_logprobs, priority=prepared.request.priority,
+                        is_batch=prepared.request.is_batch)
 
 
 def generation_state(model: ModelFrontend, prepared: ConductorRequest) -> GenerationState:
