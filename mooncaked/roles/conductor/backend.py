@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from mooncaked.api.backend import GenerationChunk, PreparedRequest
@@ -22,12 +22,14 @@ from mooncaked.logs import request_id_var
 from mooncaked.metrics import Metrics
 from mooncaked.model.chat_template import ChatTemplateError
 from mooncaked.roles.base import PeerClients
+from mooncaked.roles.conductor.class_metrics import ClassMetrics
 from mooncaked.roles.conductor.cluster_info import describe_cluster
 from mooncaked.roles.conductor.cluster_view import ClusterView
 from mooncaked.roles.conductor.frontend import ConductorRequest, ModelFrontend, generation_state, sampling_spec
 from mooncaked.roles.conductor.prediction_errors import PredictionErrors
 from mooncaked.roles.conductor.leader import PdController
 from mooncaked.roles.conductor.request_run import RequestRun
+from mooncaked.sched.types import REASON_NO_DECODE, REASON_NO_PREFILL
 
 
 class ConductorBackend:
@@ -45,6 +47,8 @@ class ConductorBackend:
         self.namespace = model_namespace(model.model_id, config.model.dtype, config.kv.block_size)
         self.num_active = 0
         self.prediction_errors = PredictionErrors(metrics.predictions)
+        self.class_metrics = ClassMetrics(metrics)
+        self.on_interactive_rejection: Callable[[], None] = lambda: None  # set by the batch manager: yield
 
     def model_ids(self) -> list[str]:
         return list(self.model.served_names)
@@ -117,6 +121,11 @@ class ConductorBackend:
 
     def metrics_text(self) -> bytes:
         return self.metrics.render()
+
+    def interactive_rejected(self, reason: str) -> None:
+        """An interactive request was turned away: for load, batch lines yield (not for a missing instance)."""
+        if reason not in (REASON_NO_PREFILL, REASON_NO_DECODE):
+            self.on_interactive_rejection()
 
     def update_queue_metrics(self) -> None:
         prefill_waiting, decode_incoming = self.view.num_waiting()

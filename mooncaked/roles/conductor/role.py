@@ -22,6 +22,7 @@ from pathlib import Path
 from aiohttp import web
 
 from mooncaked.api.app import create_app
+from mooncaked.api.batch_routes import add_batch_routes, add_disabled_routes
 from mooncaked.api.cache_routes import add_cache_routes
 from mooncaked.config import Config, InstanceConfig
 from mooncaked.etcd_membership import EtcdMembership
@@ -31,6 +32,7 @@ from mooncaked.model.loader import ModelFrontendInfo, load_frontend, num_paramet
 from mooncaked.roles.base import PeerClients, RoleEndpoint
 from mooncaked.roles.conductor.cluster_view import ClusterView, ClusterViewSettings
 from mooncaked.roles.conductor.backend import ConductorBackend
+from mooncaked.roles.conductor.batches import BatchManager
 from mooncaked.roles.conductor.caches import CacheRegistry
 from mooncaked.roles.conductor.completion import complete
 from mooncaked.roles.conductor.frontend import ModelFrontend
@@ -66,6 +68,7 @@ class ConductorRole:
         self.endpoint: RoleEndpoint | None = None
         self.controller: PdController | None = None
         self.caches: CacheRegistry | None = None
+        self.batches: BatchManager | None = None
         self.bound_port = 0
 
     async def start(self) -> None:
@@ -90,6 +93,13 @@ class ConductorRole:
                          request_timeout_s=config.conductor.request_timeout_s)
         add_cache_routes(app, self.caches, list(frontend.served_names), default_ttl_s=section.default_cache_ttl_s,
                          max_ttl_s=section.max_cache_ttl_s)
+        if section.batch_dir is None:
+            add_disabled_routes(app)
+        else:
+            self.batches = BatchManager(config, backend, self.view, Path(section.batch_dir))
+            backend.on_interactive_rejection = self.batches.interactive_rejected
+            await self.batches.start()
+            add_batch_routes(app, self.batches.files, self.batches, section.max_file_bytes)
         self.runner = web.AppRunner(app, shutdown_timeout=config.runtime.drain_timeout_s, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.instance.host, self.instance.port)
@@ -110,6 +120,8 @@ class ConductorRole:
         if self.endpoint is not None:
             await self.endpoint.stop()
             self.endpoint = None
+        if self.batches is not None:
+            await self.batches.stop()  # running lines are cancelled: a restarted conductor runs them again
         if self.caches is not None:
             await self.caches.stop()
         if self.controller is not None:
