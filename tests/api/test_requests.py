@@ -79,3 +79,15 @@ def test_decode_json_body() -> None:
         with pytest.raises(ApiError) as info:
             decode_json_body(raw)
         assert info.value.status == 400
+
+
+@pytest.mark.parametrize("parse", [parse_completion_request, parse_chat_request])
+def test_priority_is_an_int32_lower_first_and_never_set_to_batch_by_a_client(parse: object) -> None:
+    body = {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}
+    assert parse({**body, "priority": -7}, request_id="r", model_ids=MODELS).priority == -7  # type: ignore[operator]
+    request = parse({**body, "is_batch": True}, request_id="r", model_ids=MODELS)  # type: ignore[operator]
+    assert request.priority == 0 and not request.is_batch
+    for bad in (1.5, "high", True, 2**31):
+        with pytest.raises(ApiError) as error:
+            parse({**body, "priority": bad}, request_id="r", model_ids=MODELS)  # type: ignore[operator]
+        assert error.value.status == 400 and error.value.param == "priority"

@@ -119,8 +119,9 @@ class BatchQueue:
     # ---- dispatch ----------------------------------------------------------------------------------------
     async def _dispatch(self) -> None:
         while True:
-            try:
-                await asyncio.wait_for(self._wakeup.wait(), self.poll_s)
+            try:  # asyncio.timeout, not wait_for: 3.11's wait_for may swallow a cancel that meets a wakeup
+                async with asyncio.timeout(self.poll_s):
+                    await self._wakeup.wait()
             except TimeoutError:
                 pass
             self._wakeup.clear()

@@ -244,7 +244,8 @@ class BatchRun:
                 await self._expire(queued)
                 return
             try:
-                await asyncio.wait_for(self._changed.wait(), left_s)
+                async with asyncio.timeout(left_s):
+                    await self._changed.wait()
             except TimeoutError:
                 pass
         await queue.withdraw(record.batch_id)
