@@ -10,10 +10,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 
 from mooncaked.config import Config
+from mooncaked.roles.conductor.batches import BatchManager
+from mooncaked.roles.conductor.role import ConductorRole
 from tests.roles.cluster_fixtures import running_roles
 from tests.roles.test_conductor_flow import make_config, url
 
@@ -83,6 +86,10 @@ async def test_a_batch_runs_end_to_end_with_output_and_error_files(tmp_path: Pat
         assert errors[1]["error"]["param"] == "url" and errors[0]["response"] is None
         listing = await api.batches.list()
         assert [b.id for b in listing.data] == [created.id]
+        async with aiohttp.ClientSession() as http, http.get(url(config, "/metrics")) as response:
+            metrics = await response.text()
+        assert 'mooncaked_class_requests_total{request_class="batch",status="ok"} 4.0' in metrics
+        assert 'mooncaked_class_requests_total{request_class="interactive",status="ok"} 1.0' in metrics
         assert (await api.files.delete(uploaded.id)).deleted
         with pytest.raises(openai.NotFoundError):
             await api.files.retrieve(uploaded.id)
@@ -136,7 +143,12 @@ async def test_a_restarted_conductor_finishes_the_batch_answering_every_line_onc
 
 async def test_bad_uploads_and_unknown_ids_get_openai_errors(tmp_path: Path) -> None:
     config = batch_config(tmp_path, max_file_bytes=4096)
-    async with running_roles(config, ["s0", "d0", "c0"]):
+    async with running_roles(config, ["s0", "d0", "c0"]) as roles:
+        conductor = roles["c0"]
+        assert isinstance(conductor, ConductorRole) and conductor.backend is not None and conductor.view is not None
+        second = BatchManager(config, conductor.backend, conductor.view, tmp_path / "batches")
+        with pytest.raises(RuntimeError, match="in use by another conductor"):
+            await second.start()
         api = client(config)
         with pytest.raises(openai.BadRequestError, match="purpose"):
             await api.files.create(file=("x.jsonl", jsonl([chat_line("a", "x")])), purpose="fine-tune")

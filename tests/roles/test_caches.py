@@ -105,6 +105,8 @@ async def test_quota_bad_input_and_expiry(tmp_path: Path) -> None:
             assert status in (400, 404) and error["error"]["param"] == param, (body, error)
         status, error = await call(http, "PATCH", config, "/v1/caches/cache-nothere", body={"ttl_s": 5})
         assert status == 404 and error["error"]["type"] == "invalid_request_error"
+        status, error = await call(http, "GET", config, "/v1/batches")  # no conductor.batch_dir here
+        assert status == 404 and "conductor.batch_dir" in error["error"]["message"]
         context = prompt(4, 40)
         status, short = await call(http, "POST", config, "/v1/caches", who="bob",
                                    body={"messages": [{"role": "user", "content": "hi " * 5}], "ttl_s": 0.5})

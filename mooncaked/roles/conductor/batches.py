@@ -15,15 +15,18 @@ A batch's life (statuses as OpenAI's):
 4. A conductor that stops cancels its running lines (not answered: not journaled); the next one to start on
    the same `conductor.batch_dir` resumes every unfinished batch from its journal, so no answered line runs
    twice and every line is answered once.
-The BatchManager owns the file store, the queue, the runs and every batch record; a BatchRun owns its journal.
+The BatchManager owns the file store, the queue, the runs, every batch record and the lock that keeps a second
+conductor off the same batch_dir; a BatchRun owns its journal.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import fcntl
 import json
 import logging
+import os
 import time
 import uuid
 from pathlib import Path
@@ -65,10 +68,12 @@ class BatchManager:
         self.runs: dict[str, BatchRun] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._num_created = 0
+        self._lock_fd: int | None = None
 
     async def start(self) -> None:
-        self.files.start()
         self.root.mkdir(parents=True, exist_ok=True)
+        self._lock_dir()
+        self.files.start()
         await self.queue.start()
         for record in bj.load_records(self.root):
             self.records[record.batch_id] = record
@@ -82,6 +87,20 @@ class BatchManager:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
+
+    def _lock_dir(self) -> None:
+        """One conductor per batch_dir: two would run the same batches (and answer their lines twice)."""
+        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise RuntimeError(f"conductor.batch_dir {self.root.parent} is in use by another conductor; give each "
+                               "conductor its own batch_dir") from None
+        self._lock_fd = fd
 
     def interactive_rejected(self) -> None:
         self.queue.interactive_rejected(time.monotonic())

@@ -1,14 +1,19 @@
 """The conductor role: the OpenAI-compatible HTTP API in front of the cluster (DESIGN sections 3, 7 and 9).
 
 1. `start()`: load the tokenizer, chat template and model shape (no weights), build the scheduler's policy and
-   default predictors, start the cluster view (index resync from every store's dump, first LOAD round), then
-   serve HTTP on `instance.host:instance.port` and, when `instance.rpc_port` is set, the health/info RPC endpoint.
-2. Requests flow through `ConductorBackend` (see backend.py).
+   default predictors, start the cluster view (index resync from every store's dump, first LOAD round), the
+   context-cache registry (caches.py) and, with `conductor.batch_dir`, the batch manager (batches.py: it resumes
+   unfinished batches), then serve HTTP on `instance.host:instance.port` and, when `instance.rpc_port` is set,
+   the health/info RPC endpoint.
+2. Requests flow through `ConductorBackend` (see backend.py); /v1/caches through the cache registry, /v1/files
+   and /v1/batches through the batch manager.
 3. `stop()`: stop accepting HTTP, let in-flight requests finish up to runtime.drain_timeout_s, cancel the rest
-   (their legs are cancelled remotely), then stop the RPC endpoint, the store followers and LOAD pollers, and
-   close the RPC clients, in that order.
+   (their legs are cancelled remotely), then stop the RPC endpoint, the batch manager (running lines cancelled,
+   not answered), the cache registry, the store followers and LOAD pollers, and close the RPC clients, in that
+   order.
 
-Owns the HTTP runner, the RPC endpoint, the peer clients, the metrics, the cluster view and the backend. It holds
+Owns the HTTP runner, the RPC endpoint, the peer clients, the metrics, the cluster view, the backend, the cache
+registry and the batch manager. Besides the Batch API's files and journals under `conductor.batch_dir`, it holds
 no state that the stores and workers cannot give back: a restarted conductor serves correctly at once.
 """
 
