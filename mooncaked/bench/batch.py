@@ -8,7 +8,7 @@
    prompts: nothing is served from the first run's cache), with a `--batch-lines`-line batch uploaded and
    created at its start (each line an instruction of `--batch-prefix-tokens` shared by all, as a batch job's
    lines usually are, then its own `--batch-prompt-tokens`). The run lasts `--duration-s` plus `--tail-s`; the
-   batch must finish in it.
+   batch must finish in it (one that did not is cancelled before the next repeat).
 3. Report per repeat and as median (min..max) over repeats: interactive TTFT p90 and TBT p90 in both runs and
    their ratios (`interactive_ttft_p90_ratio`, `interactive_tbt_p90_ratio`: with batch / alone; target <= 1.2),
    the batch's lines per second and whether it finished within the run.
@@ -39,9 +39,9 @@ TERMINAL = ("completed", "failed", "expired", "cancelled")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="embedded:smollm2", help="model source (default: the embedded SmolLM2)")
-    parser.add_argument("--rate", type=float, default=1.0, help="interactive requests per second (Poisson)")
-    parser.add_argument("--duration-s", type=float, default=60.0, help="interactive arrivals span this long")
-    parser.add_argument("--tail-s", type=float, default=60.0, help="a run ends this long after the last arrival")
+    parser.add_argument("--rate", type=float, default=0.5, help="interactive requests per second (Poisson)")
+    parser.add_argument("--duration-s", type=float, default=90.0, help="interactive arrivals span this long")
+    parser.add_argument("--tail-s", type=float, default=90.0, help="a run ends this long after the last arrival")
     parser.add_argument("--chat-tokens", type=int, default=100, help="prompt tokens of an interactive chat")
     parser.add_argument("--output-tokens", type=int, default=32, help="output tokens of an interactive chat")
     parser.add_argument("--batch-lines", type=int, default=200)
@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-output-tokens", type=int, default=16)
     parser.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     parser.add_argument("--tbt-slo-ms", type=float, default=500.0)
-    parser.add_argument("--batch-max-in-flight", type=int, default=8)
+    parser.add_argument("--batch-max-in-flight", type=int, default=4)
     parser.add_argument("--batch-slo-margin", type=float, default=0.5)
     parser.add_argument("--repeats", type=int, default=1, help="alone/with-batch pairs on the same cluster")
     parser.add_argument("--start-timeout-s", type=float, default=240.0)
@@ -153,6 +153,10 @@ async def run_pair(args: argparse.Namespace, url: str, repeat: int) -> dict[str,
         with_batch = await run_benchmark(_serve_config(args, url, interactive_requests(args, seed=1001 + 2 * repeat)))
         interactive_s = time.monotonic() - started
         batch = await watch
+        if batch["status"] not in TERMINAL:  # the next repeat's `alone` run must have the cluster to itself
+            async with http.post(f"{url}/v1/batches/{batch_id}/cancel") as response:
+                response.raise_for_status()
+            await _watch_batch(http, url, batch_id, started, time.monotonic() + args.tail_s)
     done_s = batch["finished_after_s"]
     counts = batch["request_counts"] or {}
     pair: dict[str, Any] = {"alone": _kept(alone), "with_batch": _kept(with_batch), "batch": {

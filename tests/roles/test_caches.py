@@ -4,17 +4,21 @@ the official `openai` client: pins in the store, reuse reported in cached_tokens
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import openai
+import pytest
 
 from mooncaked.config import Config
 from mooncaked.kv.keys import block_keys
 from mooncaked.lifecycle import Role
-from tests.roles.cluster_fixtures import running_roles
+from mooncaked.roles.conductor.role import ConductorRole
+from mooncaked.roles.store import StoreRole
+from tests.roles.cluster_fixtures import cluster_config, instance, running_roles
 from tests.roles.test_conductor_flow import make_config, prompt, url
 
 KEYS = {"alice": "sk-alice", "bob": "sk-bob"}
@@ -120,3 +124,41 @@ async def test_quota_bad_input_and_expiry(tmp_path: Path) -> None:
             return status == 404 and pinned_keys(roles, context) == [False, False]
 
         await until(expired, timeout_s=10.0)
+
+
+async def test_a_replica_gets_pinned_and_a_cache_is_lost_only_with_its_last_store(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A second store (another host) that comes to hold every block of a cache, as Algorithm 1's fetch of a hot
+    prefix makes it, is pinned too at the next refresh; the cache outlives one store forgetting it, not both."""
+    config = cluster_config(tmp_path, [instance("s0", "store"), instance("p0", "prefill"), instance("d0", "decode"),
+                                       instance("s1", "store", "127.0.0.2"), instance("c0", "conductor")],
+                            worker={"inline_prefill_max_tokens": 0})
+    context = prompt(21, 48)
+    async with running_roles(config, ["s0", "s1", "p0", "d0", "c0"]) as roles, aiohttp.ClientSession() as http:
+        async with http.post(url(config, "/v1/caches"), json={"prompt": context}) as response:
+            cache = await response.json()
+            assert response.status == 200, cache
+        conductor, replica = roles["c0"], roles["s1"]
+        assert isinstance(conductor, ConductorRole) and isinstance(replica, StoreRole)
+        registry, view = conductor.caches, conductor.view
+        assert registry is not None and view is not None
+        listed = registry.listed[cache["id"]]
+        assert listed.holders == {"s0"}
+        core, now = replica.service.core, time.monotonic()
+        grants, _, _ = core.allocate(list(listed.keys), 4096, 10_000, now)  # the copy a fetch would make
+        core.commit([g.handle_id for g in grants], now)
+
+        async def indexed() -> bool:
+            return view.index.prefix_lengths(listed.keys).get("s1", 0) == len(listed.keys)
+
+        await until(indexed, timeout_s=10.0)
+        await registry.refresh()
+        assert registry.listed[cache["id"]].holders == {"s0", "s1"}
+        assert all(core.is_pinned(key, time.monotonic()) for key in listed.keys)
+        roles["s0"].caches.records.drop(cache["id"])  # type: ignore[attr-defined]  # as a restarted store would
+        await registry.refresh()
+        assert registry.listed[cache["id"]].holders == {"s1"} and "lost" not in caplog.text
+        replica.caches.records.drop(cache["id"])
+        with caplog.at_level(logging.WARNING):
+            await registry.refresh()
+        assert cache["id"] not in registry.listed and f"cache {cache['id']} lost" in caplog.text

@@ -4,7 +4,8 @@
    also hot-block replication), allocate store space for the new blocks, read the cached prefix into staging.
 2. The job joins the queue; the batch loop takes as many queued jobs as fit `max_batch_tokens` (a prompt longer
    than `prefill_chunk` runs alone, in chunks), interactive before batch, then by priority and arrival
-   (sched/priority.py), and runs one forward on the compute thread.
+   (sched/priority.py), never a batch line in the forward of an interactive prompt, and runs one forward on the
+   compute thread.
 3. Layer by layer: before layer i, the prefix KV of layer i goes into pages; after layer i, layer i's new KV is
    copied to staging and written into this host's store and into the decode host's reserved blocks.
 4. After the last layer: wait for every write, commit the new blocks (they become cache), sample the first
@@ -187,8 +188,9 @@ class PrefillRole:
         num_tokens = 0
         for job in sorted(self._queue, key=_queue_rank):
             if batch and (job.num_new_tokens > section.prefill_chunk
-                          or num_tokens + job.num_new_tokens > section.max_batch_tokens):
-                break
+                          or num_tokens + job.num_new_tokens > section.max_batch_tokens
+                          or job.request.sampling.is_batch > batch[0].request.sampling.is_batch):
+                break  # a batch line never lengthens an interactive prompt's forward
             batch.append(job)
             self._queue.remove(job)
             num_tokens += job.num_new_tokens

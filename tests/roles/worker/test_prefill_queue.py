@@ -1,5 +1,5 @@
 """A prefill instance's queue: interactive prompts before batch lines, then priority, then arrival, within the
-batch token budget (PrefillRole._take_batch over queued jobs)."""
+batch token budget, batch lines never in an interactive prompt's forward (PrefillRole._take_batch)."""
 
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ async def test_batches_are_taken_by_class_priority_and_arrival(tmp_path: Path) -
                                                                           "prefill_chunk": 128})
     role = PrefillRole(config, config.instance_named("p0"))
     role._queue = [job("batch-early", 100, 0.0, is_batch=True, priority=-5), job("low", 100, 1.0, priority=3),
-                   job("urgent", 100, 2.0, priority=-1), job("normal", 100, 3.0), job("batch", 60, 4.0, is_batch=True)]
+                   job("urgent", 100, 2.0, priority=-1), job("normal", 100, 3.0), job("batch", 50, 4.0, is_batch=True)]
     taken = []
     while role._queue:
         taken.append([j.request.request_id for j in role._take_batch()])
-    assert taken == [["urgent", "normal"], ["low", "batch-early"], ["batch"]]
+    assert taken == [["urgent", "normal"], ["low"], ["batch-early", "batch"]]  # never mixed into interactive work
     await role.worker.stop()
