@@ -141,6 +141,18 @@ class ConductorSection:
     max_migrations: int = bounded(2, min=0, max=16)
     client_timeout_s: float = bounded(30.0, min=0.1)
     max_connections_per_client: int = bounded(256, min=1)
+    max_cache_ttl_s: float = bounded(86_400.0, min=1.0, doc="longest ttl_s of a context cache (POST /v1/caches)")
+    default_cache_ttl_s: float = bounded(3600.0, min=1.0, doc="ttl_s of a context cache that names none")
+    cache_quota_tokens: int = bounded(1_000_000, min=0, doc="context-cache tokens one API key may hold")
+    cache_refresh_s: float = bounded(5.0, min=0.05, doc="how often the cache listing is rebuilt from the stores")
+    batch_dir: Optional[str] = None  # files and batch state of the Batch API; None: /v1/files and /v1/batches off
+    max_file_bytes: int = bounded(200 << 20, min=1024, doc="largest upload to POST /v1/files")
+    max_batch_lines: int = bounded(50_000, min=1, doc="most lines in one batch input file")
+    batch_max_in_flight: int = bounded(4, min=1, doc="batch lines being served at once")
+    batch_slo_margin: float = bounded(0.5, min=0.01, max=1.0,
+                                      doc="a batch line starts only when predicted TTFT and TBT stay under this "
+                                      "fraction of their SLOs")
+    batch_backoff_s: float = bounded(2.0, min=0.0, doc="pause of batch lines after an interactive rejection")
 
 
 @dataclass(frozen=True)
@@ -347,6 +359,8 @@ def validate(config: Config) -> list[ConfigIssue]:
     issues: list[ConfigIssue] = []
     if config.store.low_watermark > config.store.high_watermark:
         issues.append(ConfigIssue("store.low_watermark", "must not exceed store.high_watermark"))
+    if config.conductor.default_cache_ttl_s > config.conductor.max_cache_ttl_s:
+        issues.append(ConfigIssue("conductor.default_cache_ttl_s", "must not exceed conductor.max_cache_ttl_s"))
     for transport in config.transfer.transports:
         if transport not in ("local", "tcp", "rdma"):
             issues.append(ConfigIssue("transfer.transports", f"unknown transport {transport!r}"

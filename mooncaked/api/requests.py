@@ -2,8 +2,8 @@
 
 1. `decode_json_body` turns the raw body into a JSON object (400 when it is not one).
 2. `parse_completion_request` / `parse_chat_request` read every supported OpenAI field (plus vLLM's
-   `ignore_eos` and `top_k`), check types and ranges, and return a frozen request; the first bad field raises
-   `ApiError(400, param=<field>)`; an unknown model raises 404 `model_not_found`.
+   `ignore_eos`, `top_k` and `priority`), check types and ranges, and return a frozen request; the first bad
+   field raises `ApiError(400, param=<field>)`; an unknown model raises 404 `model_not_found`.
 Fields keep their wire names (`stream`, `include_usage`, `logprobs`) so they read like the API docs.
 Unknown fields are ignored, as OpenAI-compatible servers do; fields that would change the output in a way
 this server cannot honour (`n` > 1, `best_of` > 1, `echo`, `suffix`, `tools`) are rejected.
@@ -27,6 +27,7 @@ MAX_LOGPROBS = 20
 MAX_CACHE_SALT_CHARS = 1024
 MAX_SEED = 2**63 - 1  # a torch generator's seed
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1  # `priority` is an int32, as vLLM's
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
@@ -53,6 +54,8 @@ class CompletionRequest:
     client_id: str = ""  # who sent it: a digest of the API key ("" without keys), never the key itself
     cache_salt: str | None = None  # vLLM's: requests with different salts never share KV
     tenant: Tenant | None = None  # the caller's tenant (None: tenants are not configured)
+    priority: int = 0  # lower runs first within its class (vLLM's `priority`)
+    is_batch: bool = False  # a Batch API line (the batch class), never an HTTP request
 
     @property
     def num_logprobs(self) -> int | None:
@@ -78,6 +81,8 @@ class ChatRequest:
     client_id: str = ""  # who sent it: a digest of the API key ("" without keys), never the key itself
     cache_salt: str | None = None  # vLLM's: requests with different salts never share KV
     tenant: Tenant | None = None  # the caller's tenant (None: tenants are not configured)
+    priority: int = 0  # lower runs first within its class (vLLM's `priority`)
+    is_batch: bool = False  # a Batch API line (the batch class), never an HTTP request
 
     @property
     def num_logprobs(self) -> int | None:
@@ -118,6 +123,7 @@ def parse_completion_request(
         client_id=client_id,
         cache_salt=_read_cache_salt(body),
         tenant=tenant,
+        priority=_read_priority(body),
     )
 
 
@@ -145,6 +151,7 @@ def parse_chat_request(body: Mapping[str, Any], *, request_id: str, model_ids: S
         client_id=client_id,
         cache_salt=_read_cache_salt(body),
         tenant=tenant,
+        priority=_read_priority(body),
     )
 
 
@@ -160,6 +167,12 @@ def _reject_unsupported(body: Mapping[str, Any]) -> None:
     read_int(body, "n", 1, lo=1, hi=1)
     read_int(body, "best_of", 1, lo=1, hi=1)
     read_str(body, "user")
+
+
+def _read_priority(body: Mapping[str, Any]) -> int:
+    priority = read_int(body, "priority", 0, lo=MIN_PRIORITY, hi=MAX_PRIORITY)
+    assert priority is not None
+    return priority
 
 
 def _read_model(body: Mapping[str, Any], model_ids: Sequence[str]) -> str:

@@ -1,8 +1,9 @@
 """StoreRole: one host's KVCache pool behind RPC (DESIGN section 6).
 
 1. Build: the transfer engine (data endpoint on `instance.host:instance.data_port`), the StoreService (pool file
-   `<shm_dir>/mooncaked-<cluster>-<instance>`, SSD directory `<ssd_dir>/<instance>` when configured) and the RPC
-   endpoint (health, info, and the store methods of kv/messages.py).
+   `<shm_dir>/mooncaked-<cluster>-<instance>`, SSD directory `<ssd_dir>/<instance>` when configured), its named
+   context caches (StoreCaches) and the RPC endpoint (health, info, the methods of kv/messages.py and
+   kv/cache_messages.py).
 2. `start()`: engine, then service (pool, SSD index, segment, maintenance), then RPC: nothing is served before
    the pool exists.
 3. `stop()`: end event streams, then RPC (stop accepting, drain within runtime.drain_timeout_s, cancel the rest),
@@ -15,6 +16,7 @@ import logging
 import os
 
 from mooncaked.config import Config, InstanceConfig, StoreSection
+from mooncaked.kv.cache_service import StoreCaches
 from mooncaked.kv.service import StoreService, StoreServiceConfig
 from mooncaked.kv.shm_pool import pool_path
 from mooncaked.metrics import Metrics
@@ -44,7 +46,7 @@ def service_config(config: Config, instance: InstanceConfig, section: StoreSecti
 
 
 class StoreRole:
-    """Owns the store's transfer engine, service and RPC endpoint."""
+    """Owns the store's transfer engine, service, context caches and RPC endpoint."""
 
     name = "store"
 
@@ -55,6 +57,8 @@ class StoreRole:
         self.service = StoreService(service_config(config, instance, section), self.engine)
         self.endpoint = RoleEndpoint(config, instance, is_healthy=self._is_healthy, extra_info=self._info)
         self.service.add_methods(self.endpoint.server)
+        self.caches = StoreCaches(self.service.core, self.service.clock, int(config.conductor.max_cache_ttl_s * 1000))
+        self.caches.add_methods(self.endpoint.server)
         self.metrics = Metrics()
         self.metrics_endpoint = MetricsEndpoint(instance.host, instance.metrics_port, self.metrics,
                                                 self._refresh_metrics)

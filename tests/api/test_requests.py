@@ -105,3 +105,15 @@ def test_json_python_cannot_decode_is_a_400(raw: bytes) -> None:
     with pytest.raises(ApiError, match="not valid JSON") as raised:
         decode_json_body(raw)
     assert raised.value.status == 400
+
+
+@pytest.mark.parametrize("parse", [parse_completion_request, parse_chat_request])
+def test_priority_is_an_int32_lower_first_and_never_set_to_batch_by_a_client(parse: object) -> None:
+    body = {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}
+    assert parse({**body, "priority": -7}, request_id="r", model_ids=MODELS).priority == -7  # type: ignore[operator]
+    request = parse({**body, "is_batch": True}, request_id="r", model_ids=MODELS)  # type: ignore[operator]
+    assert request.priority == 0 and not request.is_batch
+    for bad in (1.5, "high", True, 2**31):
+        with pytest.raises(ApiError) as error:
+            parse({**body, "priority": bad}, request_id="r", model_ids=MODELS)  # type: ignore[operator]
+        assert error.value.status == 400 and error.value.param == "priority"

@@ -110,3 +110,18 @@ async def test_a_tenant_flooding_the_pool_leaves_anothers_warm_prefix_alone(tmp_
         assert await cached("key-warm", warm) == 64  # still a hit after the flood
         async with http.get(f"http://127.0.0.1:{config.instance_named('c0').port}/metrics") as response:
             assert 'mooncaked_tenant_tokens_total{kind="cached",tenant="warm"} 64.0' in await response.text()
+
+
+async def test_a_tenants_context_cache_serves_that_tenant_only(tmp_path: Path) -> None:
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(TENANTS)
+    config = make_config(tmp_path, conductor={"tenants_file": str(tenants)})
+    context = prompt(130, 70)
+    async with running_roles(config, ["s0", "p0", "d0", "c0"]), aiohttp.ClientSession() as http:
+        created = await post(http, url(config, "/v1/caches"), "key-a", {"prompt": context, "ttl_s": 600})
+        assert created.status == 200
+        for key, expected in (("key-a", 64), ("key-b", 0)):
+            async with http.post(url(config, "/v1/completions"), headers={"Authorization": f"Bearer {key}"},
+                                 json={"prompt": context, "max_tokens": 1, **GREEDY}) as response:
+                usage = (await response.json())["usage"]
+            assert usage["prompt_tokens_details"]["cached_tokens"] == expected, key

@@ -10,24 +10,27 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from mooncaked.api.backend import GenerationChunk, PreparedRequest
 from mooncaked.api.errors import ApiError, context_too_long, invalid_field
 from mooncaked.api.requests import ChatRequest, CompletionRequest
 from mooncaked.config import Config
-from mooncaked.kv.keys import block_keys, isolated_namespace, isolation_tag, model_namespace
+from mooncaked.kv.keys import block_keys, isolated_namespace, model_namespace
 from mooncaked.logs import request_id_var
 from mooncaked.metrics import Metrics
 from mooncaked.model.chat_template import ChatTemplateError
 from mooncaked.roles.base import PeerClients
+from mooncaked.roles.conductor.class_metrics import ClassMetrics
 from mooncaked.roles.conductor.cluster_info import describe_cluster
 from mooncaked.roles.conductor.cluster_view import ClusterView
-from mooncaked.roles.conductor.frontend import ConductorRequest, ModelFrontend, generation_state, sampling_spec
+from mooncaked.roles.conductor.frontend import (ConductorRequest, ModelFrontend, generation_state, key_isolation,
+                                                sampling_spec)
 from mooncaked.roles.conductor.prediction_errors import PredictionErrors
 from mooncaked.roles.conductor.leader import PdController
 from mooncaked.roles.conductor.request_run import RequestRun
+from mooncaked.sched.types import REASON_NO_DECODE, REASON_NO_PREFILL
 
 
 class ConductorBackend:
@@ -45,6 +48,8 @@ class ConductorBackend:
         self.namespace = model_namespace(model.model_id, config.model.dtype, config.kv.block_size)
         self.num_active = 0
         self.prediction_errors = PredictionErrors(metrics.predictions)
+        self.class_metrics = ClassMetrics(metrics)
+        self.on_interactive_rejection: Callable[[], None] = lambda: None  # set by the batch manager: yield
 
     def model_ids(self) -> list[str]:
         return list(self.model.served_names)
@@ -61,9 +66,7 @@ class ConductorBackend:
         except ApiError:
             self.metrics.requests.requests_total.labels(status="invalid").inc()
             raise
-        tenant = request.tenant
-        isolation = isolation_tag(tenant=tenant.id if tenant is not None and tenant.is_kv_private else None,
-                                  cache_salt=request.cache_salt)
+        isolation = key_isolation(request)
         keys = block_keys(token_ids, self.config.kv.block_size, isolated_namespace(self.namespace, isolation))
         return ConductorRequest(request.request_id, request, tuple(token_ids), max_tokens, tuple(keys), arrival_time,
                                 isolation)
@@ -130,6 +133,11 @@ class ConductorBackend:
 
     def metrics_text(self) -> bytes:
         return self.metrics.render()
+
+    def interactive_rejected(self, reason: str) -> None:
+        """An interactive request was turned away: for load, batch lines yield (not for a missing instance)."""
+        if reason not in (REASON_NO_PREFILL, REASON_NO_DECODE):
+            self.on_interactive_rejection()
 
     def update_queue_metrics(self) -> None:
         prefill_waiting, decode_incoming = self.view.num_waiting()

@@ -14,7 +14,9 @@
    stores hold. The client's stream goes on: no token repeated or missing, usage counted once. At most
    `conductor.max_migrations` times; then, or with no instance left, the client gets the error.
 4. Settle, however the request ended: settle the open attempt, teach the output-length predictor a naturally
-   ended request's length, record how far the predictions were from what happened, and count it.
+   ended request's length, record how far the predictions were from what happened, and count it (also by
+   class). A rejected batch line is no answer: it is not counted as a rejection, and the batch queue runs it
+   again; a rejected interactive request tells the batch queue to yield.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from mooncaked.logs import request_id_var
 from mooncaked.metrics import Metrics
 from mooncaked.model.stopping import FINISH_LENGTH, FINISH_STOP, GenerationState
 from mooncaked.roles.base import PeerClients
+from mooncaked.roles.conductor.class_metrics import ClassMetrics
 from mooncaked.roles.conductor.cluster_view import ClusterView
 from mooncaked.roles.conductor.frontend import ConductorRequest, ModelFrontend
 from mooncaked.roles.conductor.leg import Leg, LegFailed, LegWork, Rejected
@@ -55,7 +58,11 @@ class RunServices(Protocol):
     namespace: bytes
     num_active: int
 
+    class_metrics: ClassMetrics
+
     def update_queue_metrics(self) -> None: ...
+
+    def interactive_rejected(self, reason: str) -> None: ...
 
 
 class RequestRun:
@@ -179,10 +186,14 @@ class RequestRun:
 
     def _reject(self, reason: str) -> None:
         self.status = "rejected"
+        if self.prepared.request.is_batch:  # not an answer: the batch queue runs the line again later
+            logger.info("batch line deferred: %s", reason)
+            return
         self.backend.metrics.requests.observe_rejection(reason)
         tenant = self.prepared.request.tenant
         if tenant is not None:
             self.backend.metrics.tenants.observe_rejection(tenant.id, reason)
+        self.backend.interactive_rejected(reason)
         logger.info("rejected: %s", reason)
 
     # ---- output -------------------------------------------------------------------------------------------
@@ -263,9 +274,12 @@ class RequestRun:
                 self.backend.metrics.tenants.observe_finished(
                     tenant.id, status=self.status, num_prompt_tokens=self.prepared.num_prompt_tokens,
                     num_cached_tokens=self.num_cached_tokens, num_output_tokens=num_output_tokens)
+            e2e_s = time.monotonic() - self.prepared.arrival_time
+            ttft_s = None if self.first_token_at is None else self.first_token_at - self.prepared.arrival_time
+            self.backend.class_metrics.observe_finished(is_batch=self.prepared.request.is_batch, status=self.status,
+                                                        ttft_s=ttft_s, e2e_s=e2e_s,
+                                                        num_output_tokens=num_output_tokens)
             if self.status != "rejected":
-                e2e_s = time.monotonic() - self.prepared.arrival_time
-                ttft_s = None if self.first_token_at is None else self.first_token_at - self.prepared.arrival_time
                 self.backend.metrics.requests.observe_finished(status=self.status, ttft_s=ttft_s, e2e_s=e2e_s,
                                                                num_output_tokens=num_output_tokens)
 

@@ -1,14 +1,19 @@
 """The conductor role: the OpenAI-compatible HTTP API in front of the cluster (DESIGN sections 3, 7 and 9).
 
 1. `start()`: load the tokenizer, chat template and model shape (no weights), build the scheduler's policy and
-   default predictors, start the cluster view (index resync from every store's dump, first LOAD round), then
-   serve HTTP on `instance.host:instance.port` and, when `instance.rpc_port` is set, the health/info RPC endpoint.
-2. Requests flow through `ConductorBackend` (see backend.py).
+   default predictors, start the cluster view (index resync from every store's dump, first LOAD round), the
+   context-cache registry (caches.py) and, with `conductor.batch_dir`, the batch manager (batches.py: it resumes
+   unfinished batches), then serve HTTP on `instance.host:instance.port` and, when `instance.rpc_port` is set,
+   the health/info RPC endpoint.
+2. Requests flow through `ConductorBackend` (see backend.py); /v1/caches through the cache registry, /v1/files
+   and /v1/batches through the batch manager.
 3. `stop()`: stop accepting HTTP, let in-flight requests finish up to runtime.drain_timeout_s, cancel the rest
-   (their legs are cancelled remotely), then stop the RPC endpoint, the store followers and LOAD pollers, and
-   close the RPC clients, in that order.
+   (their legs are cancelled remotely), then stop the RPC endpoint, the batch manager (running lines cancelled,
+   not answered), the cache registry, the store followers and LOAD pollers, and close the RPC clients, in that
+   order.
 
-Owns the HTTP runner, the RPC endpoint, the peer clients, the metrics, the cluster view and the backend. It holds
+Owns the HTTP runner, the RPC endpoint, the peer clients, the metrics, the cluster view, the backend, the cache
+registry and the batch manager. Besides the Batch API's files and journals under `conductor.batch_dir`, it holds
 no state that the stores and workers cannot give back: a restarted conductor serves correctly at once.
 """
 
@@ -23,6 +28,8 @@ from pathlib import Path
 from aiohttp import web
 
 from mooncaked.api.app import create_app
+from mooncaked.api.batch_routes import add_batch_routes, add_disabled_routes
+from mooncaked.api.cache_routes import add_cache_routes
 from mooncaked.api.client_guard import ClientGuard, GuardedSite
 from mooncaked.api.tenant_gate import TenantGate
 from mooncaked.config import Config, ConfigError, InstanceConfig
@@ -34,6 +41,9 @@ from mooncaked.model.loader import ModelFrontendInfo, load_frontend, num_paramet
 from mooncaked.roles.base import PeerClients, RoleEndpoint
 from mooncaked.roles.conductor.cluster_view import ClusterView, ClusterViewSettings
 from mooncaked.roles.conductor.backend import ConductorBackend
+from mooncaked.roles.conductor.batches import BatchManager
+from mooncaked.roles.conductor.caches import CacheRegistry
+from mooncaked.roles.conductor.completion import complete
 from mooncaked.roles.conductor.frontend import ModelFrontend
 from mooncaked.roles.conductor.leader import PdController
 from mooncaked.roles.conductor.live_predictors import LivePredictors
@@ -69,6 +79,8 @@ class ConductorRole:
         self.endpoint: RoleEndpoint | None = None
         self.controller: PdController | None = None
         self.gate: TenantGate | None = None
+        self.caches: CacheRegistry | None = None
+        self.batches: BatchManager | None = None
         self.bound_port = 0
         self._is_watching_sighup = False
 
@@ -85,12 +97,27 @@ class ConductorRole:
             self.controller = PdController(config, self.view, self.peers, self.membership)
             await self.controller.start()
         self.backend = ConductorBackend(config, frontend, self.view, self.peers, self.metrics, self.controller)
+        backend, section = self.backend, config.conductor
+        self.caches = CacheRegistry(config, frontend, self.view, self.peers, backend.namespace,
+                                    lambda request: complete(backend, request, section.request_timeout_s))
+        await self.caches.start()
         self.gate = make_gate(config, self.metrics)
-        guard = ClientGuard(client_timeout_s=config.conductor.client_timeout_s,
-                            max_connections_per_client=config.conductor.max_connections_per_client)
-        app = create_app(self.backend, gate=self.gate, max_body_bytes=config.conductor.max_body_bytes,
-                         request_timeout_s=config.conductor.request_timeout_s, client_guard=guard)
+        guard = ClientGuard(client_timeout_s=section.client_timeout_s,
+                            max_connections_per_client=section.max_connections_per_client)
+        app = create_app(self.backend, gate=self.gate, max_body_bytes=section.max_body_bytes,
+                         request_timeout_s=section.request_timeout_s, client_guard=guard)
         self._watch_sighup()
+        add_cache_routes(app, self.caches, list(frontend.served_names), default_ttl_s=section.default_cache_ttl_s,
+                         max_ttl_s=section.max_cache_ttl_s)
+        if section.batch_dir is None:
+            add_disabled_routes(app)
+        else:
+            gate = self.gate
+            self.batches = BatchManager(config, backend, self.view, Path(section.batch_dir),
+                                        tenant_of=lambda tenant_id: gate.directory.tenants.get(tenant_id))
+            backend.on_interactive_rejection = self.batches.interactive_rejected
+            await self.batches.start()
+            add_batch_routes(app, self.batches.files, self.batches, section.max_file_bytes)
         self.runner = web.AppRunner(app, shutdown_timeout=config.runtime.drain_timeout_s, access_log=None)
         await self.runner.setup()
         site = GuardedSite(self.runner, self.instance.host, self.instance.port, guard)
@@ -125,6 +152,10 @@ class ConductorRole:
         if self.endpoint is not None:
             await self.endpoint.stop()
             self.endpoint = None
+        if self.batches is not None:
+            await self.batches.stop()  # running lines are cancelled: a restarted conductor runs them again
+        if self.caches is not None:
+            await self.caches.stop()
         if self.controller is not None:
             await self.controller.stop()
         if self.view is not None:

@@ -1,9 +1,10 @@
 """The decode role (DESIGN 3, steps 2 and 5): reserve, load the prefilled KV, decode in a continuous batch.
 
 1. RESERVE: check the batch's room (and, by admission policy, the TBT SLO with this instance's own fitted model:
-   decode_admission.py; under `none` and `baseline` a request waits for room instead), set pages aside, and
-   allocate store space on this host for the prompt blocks it lacks (plus a private block for the partial
-   tail); the reply names them. A reservation lives until DECODE claims it or its lease runs out.
+   decode_admission.py; under `none` and `baseline` a request waits for room instead, the waiting ones taking it
+   interactive first, then by priority and arrival), set pages aside, and allocate store space on this host for
+   the prompt blocks it lacks (plus a private block for the partial tail); the reply names them. A reservation
+   lives until DECODE claims it or its lease runs out.
 2. DECODE with a first token: read the prompt's blocks from this host's store into staging (the prefill
    instance wrote them), commit the full blocks (they become cache here), drop the tail block, load the KV
    into pages and join the batch. DECODE without one: prefill inline (the colocated path), then join.
@@ -40,6 +41,7 @@ from mooncaked.roles.worker.sampling import to_params
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import CallContext, InvalidArgument, NotFound, ResourceExhausted
 from mooncaked.sched.perf_model import RecentMean
+from mooncaked.sched.priority import queue_rank
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,7 @@ class DecodeRole:
         self.endpoint.add_method(DECODE, self._decode)
         self.endpoint.add_method(LOAD, self._load, is_eager=True)
         self._num_prefilling = 0
+        self._waiting: dict[str, tuple[int, int, float]] = {}  # RESERVE calls waiting for room: their queue rank
         self.inline_overhead = RecentMean()
 
     async def start(self) -> None:
@@ -129,13 +132,27 @@ class DecodeRole:
                                self.worker.section.max_batch_size, self._step_limit())
 
     async def _wait_for_room(self, request: ReserveRequest, num_pages: int, ctx: CallContext) -> str:
-        """`none` and `baseline`: wait for room up to the call's deadline, expiring stale reservations meanwhile."""
-        while True:
-            await self.reservations.expire()
-            timeout_s = min(ctx.deadline, self.reservations.next_expiry(ctx.deadline)) - time.monotonic()
-            reason = await self.reservations.room.wait_until(lambda: self._refusal(request, num_pages), max(timeout_s, 0.0))
-            if not reason or ctx.time_left_s() <= 0:
-                return reason
+        """`none` and `baseline`: wait for room up to the call's deadline, expiring stale reservations meanwhile.
+        Waiting calls take room in queue order (interactive first, then priority, then arrival)."""
+        rank = queue_rank(request.is_batch, request.priority, time.monotonic())
+        self._waiting[request.request_id] = rank
+        reason = "cancelled"
+        try:
+            while True:
+                await self.reservations.expire()
+                timeout_s = min(ctx.deadline, self.reservations.next_expiry(ctx.deadline)) - time.monotonic()
+                reason = await self.reservations.room.wait_until(
+                    lambda: self._refusal(request, num_pages) or self._behind(rank), max(timeout_s, 0.0))
+                if not reason or ctx.time_left_s() <= 0:
+                    return reason
+        finally:
+            del self._waiting[request.request_id]
+            if reason:  # given up: the calls behind it look again (a granted one wakes them once it reserved)
+                await self.reservations.room.freed()
+
+    def _behind(self, rank: tuple[int, int, float]) -> str:
+        num_ahead = sum(1 for other in self._waiting.values() if other < rank)
+        return f"queued: {num_ahead} waiting requests go first" if num_ahead else ""
 
     async def _reserve(self, request: ReserveRequest, ctx: CallContext) -> ReserveReply:
         request_id_var.set(request.request_id)
@@ -149,11 +166,13 @@ class DecodeRole:
             return ReserveReply(is_accepted=False, reason=f"memory: needs {num_pages} KV pages, the instance has "
                                 f"{self.worker.section.num_kv_pages}")
         reason = self._refusal(request, num_pages)
-        if reason and self.config.scheduler.admission in WAITING_POLICIES:
+        if (reason or self._waiting) and self.config.scheduler.admission in WAITING_POLICIES:
             reason = await self._wait_for_room(request, num_pages, ctx)
         if reason:
             return ReserveReply(is_accepted=False, reason=reason)
         reservation = self.reservations.add(request, num_pages)
+        if self._waiting:
+            await self.reservations.room.freed()  # the next in line may fit beside it
         if request.is_inline_prefill:
             return ReserveReply(is_accepted=True, store_instance=self.worker.local_store_name)
         try:

@@ -39,6 +39,8 @@ class SamplingSpec(Message):
     ignore_eos: bool = False
     num_logprobs: Optional[int] = None  # None: no logprobs; 0: the sampled token's only
     num_sampled: int = 0  # output tokens sampled before this leg (a migrated request's seed state)
+    priority: int = 0  # lower first within its class (sched/priority.py orders the queues)
+    is_batch: bool = False  # the batch class: behind every interactive request in the queues
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,8 @@ class ReserveRequest(Message):
     lease_ms: int
     is_inline_prefill: bool = False  # the decode instance will prefill itself: reserve pages, no store space
     tenant: Optional[StoreTenant] = None
+    priority: int = 0  # the order of RESERVE calls waiting for room (sched/priority.py)
+    is_batch: bool = False
 
 
 @dataclass(frozen=True)

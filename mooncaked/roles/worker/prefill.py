@@ -3,7 +3,9 @@
 1. PREFILL arrives: check the block keys, fetch a remote prefix into this host's store when told to (this is
    also hot-block replication), allocate store space for the new blocks, read the cached prefix into staging.
 2. The job joins the queue; the batch loop takes as many queued jobs as fit `max_batch_tokens` (a prompt longer
-   than `prefill_chunk` runs alone, in chunks) and runs one forward on the compute thread.
+   than `prefill_chunk` runs alone, in chunks), interactive before batch, then by priority and arrival
+   (sched/priority.py), never a batch line in the forward of an interactive prompt, and runs one forward on the
+   compute thread.
 3. Layer by layer: before layer i, the prefix KV of layer i goes into pages; after layer i, layer i's new KV is
    copied to staging and written into this host's store and into the decode host's reserved blocks.
 4. After the last layer: wait for every write, commit the new blocks (they become cache), sample the first
@@ -35,6 +37,7 @@ from mooncaked.roles.worker.profiler import profile
 from mooncaked.roles.worker.sampling import to_params
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import CallContext, Unavailable
+from mooncaked.sched.priority import queue_rank
 
 logger = logging.getLogger(__name__)
 
@@ -184,10 +187,11 @@ class PrefillRole:
         section = self.worker.section
         batch: list[PrefillJob] = []
         num_tokens = 0
-        for job in list(self._queue):
+        for job in sorted(self._queue, key=_queue_rank):
             if batch and (job.num_new_tokens > section.prefill_chunk
-                          or num_tokens + job.num_new_tokens > section.max_batch_tokens):
-                break
+                          or num_tokens + job.num_new_tokens > section.max_batch_tokens
+                          or job.request.sampling.is_batch > batch[0].request.sampling.is_batch):
+                break  # a batch line never lengthens an interactive prompt's forward
             batch.append(job)
             self._queue.remove(job)
             num_tokens += job.num_new_tokens
@@ -260,3 +264,7 @@ class PrefillRole:
 
     def _forward(self, batch: list[PrefillJob]) -> list[TokenSample]:
         return run_prefill_forward(self.worker, [job.plan for job in batch], [job.request.sampling for job in batch])
+
+
+def _queue_rank(job: PrefillJob) -> tuple[int, int, float]:
+    return queue_rank(job.request.sampling.is_batch, job.request.sampling.priority, job.enqueued_at)
