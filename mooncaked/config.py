@@ -161,7 +161,7 @@ class WorkerSection:
 
     num_kv_pages: int = bounded(512, min=1)
     max_batch_size: int = bounded(32, min=1)
-    max_batch_tokens: int = bounded(4096, min=16)
+    max_batch_tokens: int = bounded(1024, min=16)
     prefill_chunk: int = bounded(1024, min=16)
     inline_prefill_max_tokens: int = bounded(256, min=0)
     kv_load_timeout_s: float = bounded(60.0, min=0.01)
