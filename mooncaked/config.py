@@ -40,6 +40,7 @@ class ModelSection:
     device: str = "cpu"
     kernel_backend: str = bounded("auto", choices=("auto", "triton", "torch"))
     cpu_packed_gemm: bool = True
+    cuda_graphs: bool = False
     max_model_len: int = bounded(2048, min=16)
     seed: int = 0
 
@@ -96,6 +97,7 @@ class StoreSection:
     max_lease_ms: int = bounded(600_000, min=1)
     maintenance_interval_s: float = bounded(0.5, min=0.01)
     max_events_buffered: int = bounded(100_000, min=16)
+    numa_node: Optional[int] = bounded(None, min=0, max=1023, doc="bind the pool here (null: the NIC's node)")
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,9 @@ class WorkerSection:
     inline_prefill_max_tokens: int = bounded(256, min=0)
     kv_load_timeout_s: float = bounded(60.0, min=0.01)
     abort_grace_s: float = bounded(35.0, min=0.0)
+    max_layers_in_flight: int = bounded(4, min=1, max=1024)
+    compute_cpus: list[int] = bounded([], doc="CPU ids the compute thread runs on (empty: the process's)")
+    copy_cpus: list[int] = bounded([], doc="CPU ids the KV copy thread runs on (empty: the process's)")
 
 
 @dataclass(frozen=True)
@@ -302,8 +307,19 @@ def validate(config: Config) -> list[ConfigIssue]:
         if transport not in ("local", "tcp", "rdma"):
             issues.append(ConfigIssue("transfer.transports", f"unknown transport {transport!r}"
                                       + suggest(transport, ["local", "tcp", "rdma"])))
+    if config.model.cuda_graphs and not config.model.device.startswith("cuda"):
+        issues.append(ConfigIssue("model.cuda_graphs", f"needs a CUDA model.device, got {config.model.device!r}; "
+                                  "set it to false on CPU"))
+    issues.extend(_validate_cpu_list(config.worker.compute_cpus, "worker.compute_cpus"))
+    issues.extend(_validate_cpu_list(config.worker.copy_cpus, "worker.copy_cpus"))
     issues.extend(_validate_instances(config))
     return issues
+
+
+def _validate_cpu_list(cpus: list[int], where: str) -> list[ConfigIssue]:
+    if any(cpu < 0 for cpu in cpus) or len(set(cpus)) != len(cpus):
+        return [ConfigIssue(where, f"CPU ids must be distinct and >= 0, got {cpus}")]
+    return []
 
 
 def _validate_instances(config: Config) -> list[ConfigIssue]:
@@ -319,8 +335,7 @@ def _validate_instances(config: Config) -> list[ConfigIssue]:
             if port and (instance.host, port) in seen_ports:
                 issues.append(ConfigIssue(where, f"port {port} on {instance.host} is used twice"))
             seen_ports.add((instance.host, port))
-        if any(cpu < 0 for cpu in instance.cpus) or len(set(instance.cpus)) != len(instance.cpus):
-            issues.append(ConfigIssue(f"{where}.cpus", f"CPU ids must be distinct and >= 0, got {instance.cpus}"))
+        issues.extend(_validate_cpu_list(instance.cpus, f"{where}.cpus"))
         issues.extend(_validate_settings(config, instance, f"{where}.settings"))
     return issues
 

@@ -1,12 +1,16 @@
 """The runtime a prefill or decode instance is built on: one model replica, its KV pages, one compute thread.
 
 1. `Worker(config, instance)`; `await start()`: start the transfer engine, load the model on the compute thread,
-   allocate the KV pages, build the runner, copier and sampler, connect to this host's store (mapping its pool).
+   allocate the KV pages, build the runner, copier, staging pool and sampler, connect to this host's store
+   (mapping its pool).
 2. `await compute(fn, *args)` runs model work on the single compute thread, keeping the event loop free for RPC,
-   transfers and heartbeats. Layer callbacks run on that thread; they hand bytes to the loop with `post`.
+   transfers and heartbeats. KV copies between pages and staging run on the single copy thread
+   (`copy_thread`), so a layer's store or load never runs on the compute thread; each thread may be pinned to
+   its own CPUs (`worker.compute_cpus`, `worker.copy_cpus`). Layer callbacks hand work to the loop with `post`.
 3. `await store_client(name)` connects to another host's store on first use (bytes then move through the
    transfer engine); the local store's client maps its shared-memory pool.
-4. `await stop()`: close store clients, stop the engine, shut the compute thread down (after the role has drained).
+4. `await stop()`: close store clients, give back staging, stop the engine, shut the compute and copy threads
+   down (after the role has drained).
 
 The runner does not know which role drives it (DESIGN 11): a decode instance prefills inline with the same code.
 """
@@ -20,12 +24,14 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-import torch
 
 from mooncaked.config import Config, InstanceConfig, WorkerSection
-from mooncaked.engine.kv_copy import KVCopier, new_staging
+from mooncaked.cpu_affinity import pinned_executor
+from mooncaked.engine.kv_copy import KVCopier
 from mooncaked.engine.kv_pages import KVPages, PageAllocator
 from mooncaked.engine.runner import ModelRunner
+from mooncaked.engine.staging_pool import StagingPool
+from mooncaked.engine.timeline import LayerTimeline
 from mooncaked.kv.client import StoreClient
 from mooncaked.kv.keys import model_namespace
 from mooncaked.model.loader import LoadedModel, load_model
@@ -39,7 +45,8 @@ T = TypeVar("T")
 
 
 class Worker:
-    """Owns the model replica, KV pages and page allocator, compute thread, transfer engine and store clients."""
+    """Owns the model replica, KV pages and page allocator, compute and copy threads, staging pool, transfer engine
+    and store clients; `timeline`, when set (tests, benchmarks), records when layers compute, load and store."""
 
     def __init__(self, config: Config, instance: InstanceConfig) -> None:
         self.config = config
@@ -47,7 +54,10 @@ class Worker:
         self.section: WorkerSection = config.role_section(instance)
         self.engine = make_transfer_engine(config, instance.host, 0)
         self.peers = PeerClients(config, instance)
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self._executor = pinned_executor("compute", self.section.compute_cpus, "worker.compute_cpus")
+        self.copy_thread = pinned_executor("kv-copy", self.section.copy_cpus, "worker.copy_cpus")
+        self.staging_pool: StagingPool | None = None
+        self.timeline: LayerTimeline | None = None
         self._stores: dict[str, StoreClient] = {}
         self._store_locks: dict[str, asyncio.Lock] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -73,6 +83,7 @@ class Worker:
         self.pages = PageAllocator(self.section.num_kv_pages)
         self.runner = ModelRunner(self.loaded.model, self.kv_pages, backend=model.kernel_backend)
         self.copier = KVCopier(self.loaded.device, backend=model.kernel_backend)
+        self.staging_pool = StagingPool(self.kv_pages, self.instance.name, self.engine.register, self.engine.unregister)
         self.sampler = Sampler(seed=model.seed, device=self.loaded.device)
         self.namespace = model_namespace(self.loaded.model_id, model.dtype, block_size)
         if not self.local_store_name:
@@ -87,8 +98,11 @@ class Worker:
         for store in stores:
             await store.close()
         await self.peers.close()
+        if self.staging_pool is not None:
+            self.staging_pool.close()
         await self.engine.stop()
         self._executor.shutdown(wait=True, cancel_futures=True)
+        self.copy_thread.shutdown(wait=True, cancel_futures=True)
 
     async def compute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -136,8 +150,3 @@ class Worker:
     def layer_nbytes(self) -> int:
         assert self.kv_pages is not None
         return self.kv_pages.layer_block_nbytes
-
-    def new_staging(self, num_blocks: int) -> torch.Tensor:
-        """Host staging for `num_blocks` store objects: [N, layers, 2, block_size, kv_heads, head_dim]."""
-        assert self.kv_pages is not None
-        return new_staging(self.kv_pages, num_blocks, device="cpu")
