@@ -1,0 +1,271 @@
+"""Layer-wise loading and storing overlap compute: proven by the order of a recorded timeline, not by a clock.
+
+A prefill worker on 127.0.0.1 reuses a 3-block prefix that sits in another host's store (127.0.0.2, read over
+TCP) and stores its new KV into this host's store. The stores are slowed per layer, and each delay ends on an
+event only a pipelined implementation produces (with a 10 s deadline, after which the order assertions fail):
+  - a read of layer i+1 ends only once layer i's compute has started;
+  - every write waits WRITE_DELAY_S, and layer i+1's compute ends only once layer i's store has started;
+  - on the decode side, a read of layer i ends only once layer i+1's read has started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from mooncaked.config import Config
+from mooncaked.engine.timeline import LayerTimeline
+from mooncaked.kv.client import Span, Staging, StoreClient
+from mooncaked.kv.keys import block_keys
+from mooncaked.model.loader import load_model
+from mooncaked.rdma import TransferError, TransferOp
+from mooncaked.roles.store import StoreRole
+from mooncaked.roles.worker.kv_plan import KvPlan, plan_prompt_kv
+from mooncaked.roles.worker.layer_loader import BlockSource, LoadFailed
+from mooncaked.roles.worker.messages import Destination, SamplingSpec
+from mooncaked.roles.worker.prefill_forward import run_prefill_forward
+from mooncaked.roles.worker.request_kv import RequestKv
+from mooncaked.roles.worker.worker import Worker
+from tests.roles.cluster_fixtures import cluster_config, instance
+from tests.roles.engine_reference import greedy_tokens
+
+BLOCK = 16
+NUM_LAYERS = 4  # random:small
+MAX_IN_FLIGHT = 2
+WRITE_DELAY_S = 0.03
+DEADLINE_S = 10.0
+GREEDY = SamplingSpec(max_tokens=1, temperature=0.0)
+
+
+def make_config(tmp_path: Path) -> Config:
+    return cluster_config(tmp_path, [
+        instance("s_local", "store", "127.0.0.1"), instance("s_remote", "store", "127.0.0.2"),
+        instance("p0", "prefill", "127.0.0.1")],
+        model={"source": "random:small", "max_model_len": 512},
+        worker={"max_layers_in_flight": MAX_IN_FLIGHT, "num_kv_pages": 64})
+
+
+@contextlib.asynccontextmanager
+async def running_worker(config: Config) -> AsyncIterator[Worker]:
+    stores = [StoreRole(config, config.instance_named(name)) for name in ("s_local", "s_remote")]
+    worker = Worker(config, config.instance_named("p0"))
+    try:
+        for store in stores:
+            await store.start()
+        await worker.start()
+        yield worker
+    finally:
+        await worker.stop()
+        for store in reversed(stores):
+            await store.stop()
+
+
+def keys_of(worker: Worker, tokens: list[int]) -> list[bytes]:
+    return block_keys(tokens, worker.block_size, worker.namespace)
+
+
+async def prefill(worker: Worker, plans: Sequence[KvPlan]) -> list[int]:
+    samples = await worker.compute(run_prefill_forward, worker, plans, [GREEDY] * len(plans))
+    return [s.token_id for s in samples]
+
+
+async def seed_remote_prefix(worker: Worker, tokens: list[int]) -> None:
+    """Compute `tokens`' KV and commit it into s_remote only (this host's store keeps nothing)."""
+    keys = keys_of(worker, tokens)
+    remote = await worker.store_client("s_remote")
+    reply = await remote.allocate(keys, worker.block_nbytes, 60_000)
+    plan = await plan_prompt_kv(worker, "seed", tokens + [5], keys, timeout_s=30, decode_store="s_remote",
+                                destinations=[Destination(i, h) for i, h in enumerate(reply.handles)])
+    plan.local_handles = []
+    try:
+        await prefill(worker, [plan])
+        await plan.kv.wait_writes(30)
+        await remote.commit([h.handle_id for h in reply.handles])
+    finally:
+        await plan.close(commit=False)
+
+
+def staging_layer(worker: Worker, spans: Sequence[Span]) -> int:
+    return (spans[0].staging_offset % worker.block_nbytes) // worker.layer_nbytes
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition() and time.monotonic() < deadline:
+        await asyncio.sleep(0.002)
+
+
+def recorded(timeline: LayerTimeline, kind: Any, layer: int, edge: Any) -> bool:
+    return any(e.kind == kind and e.layer == layer and e.edge == edge for e in timeline.events())
+
+
+def slow_down(client: StoreClient, delay: Callable[[TransferOp, int], Any], worker: Worker,
+              monkeypatch: pytest.MonkeyPatch) -> None:
+    move = client.move
+
+    async def delayed_move(op: TransferOp, staging: Staging, spans: Sequence[Span]) -> None:
+        if spans:
+            await delay(op, staging_layer(worker, spans))
+        await move(op, staging, spans)
+
+    monkeypatch.setattr(client, "move", delayed_move)
+
+
+def gate_compute_ends(worker: Worker, timeline: LayerTimeline) -> list[Any]:
+    """Layer i+1's compute ends only once layer i's store has started (or the deadline passed)."""
+    assert worker.loaded is not None
+
+    def wait_for_store(layer: int) -> None:
+        deadline = time.monotonic() + DEADLINE_S
+        while not recorded(timeline, "store", layer - 1, "start") and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    return [layer.register_forward_hook(lambda module, args, out, i=i: wait_for_store(i) if i else None)
+            for i, layer in enumerate(worker.loaded.model.layers)]
+
+
+def max_overlapping(timeline: LayerTimeline, kind: Any, request_id: str) -> int:
+    spans = {}
+    for event in timeline.events():
+        if event.kind == kind and event.request_id == request_id:
+            spans.setdefault(event.layer, [0.0, float("inf")])[0 if event.edge == "start" else 1] = event.at
+    return max(sum(1 for s, e in spans.values() if s <= start < e) for start, _ in spans.values())
+
+
+async def test_prefill_loads_and_stores_overlap_compute_layer_by_layer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = make_config(tmp_path)
+    rng = random.Random(3)
+    tokens = [rng.randrange(3, 300) for _ in range(3 * BLOCK + 20)]
+    expected = greedy_tokens(load_model("random:small"), tokens, 1)[0]
+    async with running_worker(config) as worker:
+        await seed_remote_prefix(worker, tokens[: 3 * BLOCK])
+        timeline = LayerTimeline()
+        worker.timeline = timeline
+
+        async def delay(op: TransferOp, layer: int) -> None:
+            if op is TransferOp.READ and layer > 0:
+                await until(lambda: recorded(timeline, "compute", layer - 1, "start"))
+            elif op is TransferOp.WRITE:
+                await asyncio.sleep(WRITE_DELAY_S)
+
+        slow_down(await worker.store_client("s_remote"), delay, worker, monkeypatch)
+        slow_down(worker.local_store, delay, worker, monkeypatch)
+        hooks = gate_compute_ends(worker, timeline)
+        plan = await plan_prompt_kv(worker, "r1", tokens, keys_of(worker, tokens), timeout_s=30,
+                                    fetch_store="s_remote", num_fetch_blocks=3)
+        try:
+            assert plan.num_prefix_blocks == 3 and plan.num_fetched_blocks == 3
+            assert await prefill(worker, [plan]) == [expected]
+            await plan.kv.wait_writes(30)
+            await plan.close_store(commit=True)
+        finally:
+            for hook in hooks:
+                hook.remove()
+            await plan.close(commit=False)
+        stored = await worker.local_store.lookup(keys_of(worker, tokens))
+        assert len(stored.locations) == 4, "the fetched prefix and the new full block were stored here"
+
+    def at(kind: Any, layer: int, edge: Any) -> float:
+        return timeline.time_of(kind, layer, edge)
+
+    for i in range(NUM_LAYERS - 1):
+        assert at("load", i + 1, "start") < at("compute", i, "end"), f"layer {i + 1}'s load waited for compute"
+        assert at("compute", i, "start") < at("load", i + 1, "end"), f"layer {i} waited for layer {i + 1}'s load"
+        assert at("store", i, "start") < at("compute", i + 1, "end"), f"layer {i}'s store waited for compute"
+    assert max_overlapping(timeline, "store", "r1") <= MAX_IN_FLIGHT
+    assert max_overlapping(timeline, "load", "r1") <= MAX_IN_FLIGHT
+
+
+async def test_decode_side_loading_is_pipelined(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = make_config(tmp_path)
+    tokens = [random.Random(4).randrange(3, 300) for _ in range(2 * BLOCK + 5)]
+    async with running_worker(config) as worker:
+        keys = keys_of(worker, tokens)
+        plan = await plan_prompt_kv(worker, "p", tokens, keys, timeout_s=30)
+        await prefill(worker, [plan])
+        await plan.kv.wait_writes(30)
+        await plan.close_store(commit=True)
+        pages = plan.kv.page_ids
+        expected = worker.kv_pages.buffer[:, :, pages[:2]].clone()  # type: ignore[union-attr]
+        await plan.kv.release()
+        found = await worker.local_store.lookup(keys, lease_ms=30_000)
+        timeline = LayerTimeline()
+        worker.timeline = timeline
+
+        async def delay(op: TransferOp, layer: int) -> None:
+            if op is TransferOp.READ and layer + 1 < NUM_LAYERS:
+                await until(lambda: recorded(timeline, "load", layer + 1, "start"))
+
+        slow_down(worker.local_store, delay, worker, monkeypatch)
+        kv = RequestKv(worker, "d", len(tokens), 4)
+        try:
+            kv.start_loading([BlockSource("s_local", [0, 1], [loc.offset for loc in found.locations])], 2)
+            await kv.wait_loaded()
+            assert torch.equal(worker.kv_pages.buffer[:, :, kv.page_ids[:2]], expected)  # type: ignore[union-attr]
+        finally:
+            await kv.release()
+            await worker.local_store.release([found.read_lease_id])
+    for i in range(NUM_LAYERS - 1):
+        assert timeline.time_of("load", i + 1, "start") < timeline.time_of("load", i, "end")
+
+
+async def test_a_failed_load_fails_its_request_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = make_config(tmp_path)
+    rng = random.Random(5)
+    broken, fine = ([rng.randrange(3, 300) for _ in range(2 * BLOCK + 3)] for _ in range(2))
+    expected = greedy_tokens(load_model("random:small"), fine, 1)[0]
+    async with running_worker(config) as worker:
+        await seed_remote_prefix(worker, broken[: 2 * BLOCK])
+        num_free_pages = worker.pages.num_free  # type: ignore[union-attr]
+
+        async def delay(op: TransferOp, layer: int) -> None:
+            if op is TransferOp.READ and layer == 2:
+                raise TransferError("injected: the remote store went away")
+
+        slow_down(await worker.store_client("s_remote"), delay, worker, monkeypatch)
+        plans = [await plan_prompt_kv(worker, "broken", broken, keys_of(worker, broken), timeout_s=30,
+                                      fetch_store="s_remote", num_fetch_blocks=2),
+                 await plan_prompt_kv(worker, "fine", fine, keys_of(worker, fine), timeout_s=30)]
+        try:
+            assert (await prefill(worker, plans))[1] == expected
+            with pytest.raises(LoadFailed, match="layer 2: TransferError: injected"):
+                await plans[0].kv.wait_writes(30)
+            await plans[1].kv.wait_writes(30)
+        finally:
+            for plan in plans:
+                await plan.close(commit=False)
+        assert worker.pages.num_free == num_free_pages  # type: ignore[union-attr]
+        assert worker.staging_pool is not None and worker.staging_pool.num_buffers >= 1
+
+
+async def test_the_copy_thread_runs_the_copies(tmp_path: Path) -> None:
+    """The order above also holds for a copy on the compute thread that posts its writes; this is the rest."""
+    config = make_config(tmp_path)
+    tokens = [random.Random(6).randrange(3, 300) for _ in range(BLOCK + 3)]
+    async with running_worker(config) as worker:
+        threads: set[str] = set()
+        copy_out = RequestKv._copy_layer_out
+
+        def spy(self: RequestKv, layer: int, start: int) -> None:
+            threads.add(threading.current_thread().name)
+            copy_out(self, layer, start)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(RequestKv, "_copy_layer_out", spy)
+            plan = await plan_prompt_kv(worker, "t", tokens, keys_of(worker, tokens), timeout_s=30)
+            try:
+                await prefill(worker, [plan])
+                await plan.kv.wait_writes(30)
+            finally:
+                await plan.close(commit=False)
+        assert threads and all(name.startswith("kv-copy") for name in threads)
