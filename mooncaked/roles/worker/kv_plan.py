@@ -57,8 +57,9 @@ class KvPlan:
 
     def store_layer(self, layer: int) -> None:
         """Compute thread, after layer `layer`: queue its new KV for every destination (copy, then writes)."""
-        if not self.is_cancelled:
-            self.kv.store_layer(layer, self.num_prefix_blocks, self.layer_writes())
+        writes = [write for write in self.layer_writes() if write.indices]
+        if writes and not self.is_cancelled:
+            self.kv.store_layer(layer, self.num_prefix_blocks, writes)
 
     async def close_store(self, commit: bool) -> None:
         """Commit (or abort) the new blocks and end the read leases; idempotent, never raises."""
