@@ -1,5 +1,25 @@
-"""Test-session set-up: Triton runs in its interpreter on CPU (must precede any kernel import)."""
+"""Test-session set-up.
+
+1. Without a CUDA device Triton runs in its interpreter on CPU (TRITON_INTERPRET=1, set before any kernel is
+   imported); with one it compiles for the device, the CPU-interpreter kernel tests skip and the tests marked
+   `gpu` check the kernels on the device instead.
+2. Tests marked `gpu` skip where no CUDA device is available.
+"""
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -138,8 +138,8 @@ class KVCopier:
         with torch.cuda.stream(self.stream):
             if compute_done is not None:
                 self.stream.wait_event(compute_done)
-            host_ids = torch.tensor(list(page_ids), dtype=torch.int64, pin_memory=True)
-            work(host_ids.to(self.device, non_blocking=True))
+            # a small synchronous copy on the copy stream: a pinned allocation here could serialize the streams
+            work(torch.tensor(list(page_ids), dtype=torch.int64, device=self.device))
             done = torch.cuda.Event()
             done.record(self.stream)
         return CopyHandle(event=done)

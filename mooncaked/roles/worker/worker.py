@@ -81,7 +81,9 @@ class Worker:
         self.kv_pages = KVPages.for_model(self.loaded.args, num_pages=self.section.num_kv_pages,
                                           block_size=block_size, dtype=self.loaded.dtype, device=self.loaded.device)
         self.pages = PageAllocator(self.section.num_kv_pages)
-        self.runner = ModelRunner(self.loaded.model, self.kv_pages, backend=model.kernel_backend)
+        self.runner = ModelRunner(self.loaded.model, self.kv_pages, backend=model.kernel_backend,
+                                  cuda_graphs=model.cuda_graphs, max_batch_size=self.section.max_batch_size,
+                                  max_seq_len=model.max_model_len)
         self.copier = KVCopier(self.loaded.device, backend=model.kernel_backend)
         self.staging_pool = StagingPool(self.kv_pages, self.instance.name, self.engine.register, self.engine.unregister)
         self.sampler = Sampler(seed=model.seed, device=self.loaded.device)

@@ -46,11 +46,11 @@ DEADLINE_S = 10.0
 GREEDY = SamplingSpec(max_tokens=1, temperature=0.0)
 
 
-def make_config(tmp_path: Path) -> Config:
+def make_config(tmp_path: Path, **model: Any) -> Config:
     return cluster_config(tmp_path, [
         instance("s_local", "store", "127.0.0.1"), instance("s_remote", "store", "127.0.0.2"),
         instance("p0", "prefill", "127.0.0.1")],
-        model={"source": "random:small", "max_model_len": 512},
+        model={"source": "random:small", "max_model_len": 512, **model},
         worker={"max_layers_in_flight": MAX_IN_FLIGHT, "num_kv_pages": 64})
 
 
@@ -143,10 +143,15 @@ def max_overlapping(timeline: LayerTimeline, kind: Any, request_id: str) -> int:
 
 async def test_prefill_loads_and_stores_overlap_compute_layer_by_layer(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    config = make_config(tmp_path)
+    await check_prefill_overlap(make_config(tmp_path), monkeypatch)
+
+
+async def check_prefill_overlap(config: Config, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefill of a prompt with a 3-block prefix in the other host's store, under the delays above."""
     rng = random.Random(3)
     tokens = [rng.randrange(3, 300) for _ in range(3 * BLOCK + 20)]
-    expected = greedy_tokens(load_model("random:small"), tokens, 1)[0]
+    is_cpu = config.model.device == "cpu"
+    expected = greedy_tokens(load_model("random:small"), tokens, 1)[0] if is_cpu else None
     async with running_worker(config) as worker:
         await seed_remote_prefix(worker, tokens[: 3 * BLOCK])
         timeline = LayerTimeline()
@@ -165,7 +170,8 @@ async def test_prefill_loads_and_stores_overlap_compute_layer_by_layer(
                                     fetch_store="s_remote", num_fetch_blocks=3)
         try:
             assert plan.num_prefix_blocks == 3 and plan.num_fetched_blocks == 3
-            assert await prefill(worker, [plan]) == [expected]
+            first = await prefill(worker, [plan])
+            assert expected is None or first == [expected]
             await plan.kv.wait_writes(30)
             await plan.close_store(commit=True)
         finally:
