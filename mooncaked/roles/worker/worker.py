@@ -1,8 +1,8 @@
 """The runtime a prefill or decode instance is built on: one model replica, its KV pages, one compute thread.
 
 1. `Worker(config, instance)`; `await start()`: start the transfer engine, load the model on the compute thread,
-   allocate the KV pages, build the runner, copier, staging pool and sampler, connect to this host's store
-   (mapping its pool).
+   allocate the KV pages, build the runner, copier, staging pool (pinned on the GPU's NUMA node) and sampler,
+   register GPU pages as "cuda:N" where RDMA can map them, connect to this host's store (mapping its pool).
 2. `await compute(fn, *args)` runs model work on the single compute thread, keeping the event loop free for RPC,
    transfers and heartbeats. KV copies between pages and staging run on the single copy thread
    (`copy_thread`), so a layer's store or load never runs on the compute thread; each thread may be pinned to
@@ -36,6 +36,8 @@ from mooncaked.kv.client import StoreClient
 from mooncaked.kv.keys import model_namespace
 from mooncaked.model.loader import LoadedModel, load_model
 from mooncaked.model.sampler import Sampler
+from mooncaked.numa import allowed_memory_nodes
+from mooncaked.roles.worker.kv_placement import register_kv_pages, staging_placement
 from mooncaked.roles.base import PeerClients, make_transfer_engine
 from mooncaked.rpc import InvalidArgument
 
@@ -58,6 +60,7 @@ class Worker:
         self.copy_thread = pinned_executor("kv-copy", self.section.copy_cpus, "worker.copy_cpus")
         self.staging_pool: StagingPool | None = None
         self.timeline: LayerTimeline | None = None
+        self.is_kv_pages_registered = False  # the pages are a "cuda:N" segment (GPUDirect RDMA)
         self._stores: dict[str, StoreClient] = {}
         self._store_locks: dict[str, asyncio.Lock] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -85,7 +88,12 @@ class Worker:
                                   cuda_graphs=model.cuda_graphs, max_batch_size=self.section.max_batch_size,
                                   max_seq_len=model.max_model_len)
         self.copier = KVCopier(self.loaded.device, backend=model.kernel_backend)
-        self.staging_pool = StagingPool(self.kv_pages, self.instance.name, self.engine.register, self.engine.unregister)
+        placement = staging_placement(self.loaded.device, self.config.transfer.sysfs_root, allowed_memory_nodes())
+        self.staging_pool = StagingPool(
+            self.kv_pages, self.instance.name, lambda name, data: self.engine.register(name, data, placement.location),
+            self.engine.unregister, numa_node=placement.numa_node)
+        self.is_kv_pages_registered = register_kv_pages(self.engine, f"{self.instance.name}/kv-pages",
+                                                        self.kv_pages.buffer, self.loaded.device)
         self.sampler = Sampler(seed=model.seed, device=self.loaded.device)
         self.namespace = model_namespace(self.loaded.model_id, model.dtype, block_size)
         if not self.local_store_name:
