@@ -8,7 +8,8 @@
    (`wait_layer_loaded`, compute thread); a caller that needs all of it awaits `wait_loaded`.
 3. Storing: `store_layer(i, start, writes)` (compute thread, after layer i) queues the copy of layer i of
    blocks `start..` from pages into staging (copy thread) and, once it is done, layer i's writes to every
-   store (event loop), then returns: layer i is sent while layer i+1 computes. At most
+   store (event loop), then returns: layer i is sent while layer i+1 computes. With GPU pages registered for
+   RDMA (GPUDirect), another host's store reads layer i straight from the pages. At most
    `worker.max_layers_in_flight` layers are in flight; beyond, the compute thread waits for the oldest.
    `wait_writes()` awaits them all (and reports a failed load).
 4. `release()` stops the loader, waits for queued copies, frees the pages and gives the staging back; the
@@ -23,7 +24,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from mooncaked.kv.client import Span, Staging
 from mooncaked.rdma import TransferOp
@@ -31,6 +32,8 @@ from mooncaked.roles.worker.layer_loader import BlockSource, LayerLoader, LoadFa
 from mooncaked.roles.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
+
+_NO_BYTES = np.empty(0, dtype=np.uint8)  # moves from the pages' segment never touch host bytes
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
@@ -164,16 +167,10 @@ class RequestKv:
             worker.copier.store_layer(worker.kv_pages, layer, self.staging[start:],
                                       self.page_ids[start: self.num_blocks]).synchronize()
 
-    def copy_layer_out_now(self, layer: int, start: int) -> torch.Tensor:
-        """Caller's thread: pages -> staging[start:, layer] before returning (the serialized baseline)."""
-        self._copy_layer_out(layer, start)
-        return self.staging[start:, layer]
-
     async def _write_after_copy(self, copy: concurrent.futures.Future[None], layer: int,
                                 writes: Sequence[LayerWrite]) -> None:
-        await asyncio.wrap_future(copy)
-        await asyncio.gather(*(self.write_layer(w.store_name, w.indices, w.offsets, layer)
-                               for w in writes if w.indices))
+        await asyncio.wrap_future(copy)  # on CUDA the copy waited for layer `layer`'s compute: the pages hold it
+        await asyncio.gather(*(self._write_layer_to(w, layer) for w in writes if w.indices))
         if self.worker.timeline is not None:
             self.worker.timeline.record("store", self.request_id, layer, "end")
 
@@ -183,6 +180,26 @@ class RequestKv:
         if writes:
             await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(w) for w in writes)), timeout_s)
         self.raise_failure()
+
+    async def _write_layer_to(self, write: LayerWrite, layer: int) -> None:
+        """Another host's store reads GPU pages straight over RDMA when they are registered (GPUDirect); every
+        other write goes from staging."""
+        pages_segment = self.worker.kv_pages_segment
+        client = await self.worker.store_client(write.store_name)
+        if pages_segment is None or client.is_local:
+            await self.write_layer(write.store_name, write.indices, write.offsets, layer)
+            return
+        spans = self.page_spans(write.indices, write.offsets, layer)
+        await client.move(TransferOp.WRITE, Staging(pages_segment, _NO_BYTES), spans)
+
+    def page_spans(self, indices: Sequence[int], offsets: Sequence[int], layer: int) -> list[Span]:
+        """Layer `layer` of blocks `indices` as K and V page ranges of the pages' buffer -> pool `offsets`."""
+        kv_pages = self.worker.kv_pages
+        assert kv_pages is not None
+        layer_offset, page_bytes = layer * kv_pages.layer_block_nbytes, kv_pages.page_nbytes
+        return [Span(offset + layer_offset + kind * page_bytes,
+                     kv_pages.page_byte_offset(layer, kind, self.page_ids[index]), page_bytes)
+                for index, offset in zip(indices, offsets) for kind in (0, 1)]
 
     async def settle_writes(self, timeout_s: float) -> None:
         """Let in-flight writes end, well or not, so their destinations may be freed without a late write."""

@@ -60,7 +60,7 @@ class Worker:
         self.copy_thread = pinned_executor("kv-copy", self.section.copy_cpus, "worker.copy_cpus")
         self.staging_pool: StagingPool | None = None
         self.timeline: LayerTimeline | None = None
-        self.is_kv_pages_registered = False  # the pages are a "cuda:N" segment (GPUDirect RDMA)
+        self.kv_pages_segment: str | None = None  # the pages' "cuda:N" segment, when RDMA maps them (GPUDirect)
         self._stores: dict[str, StoreClient] = {}
         self._store_locks: dict[str, asyncio.Lock] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -92,8 +92,9 @@ class Worker:
         self.staging_pool = StagingPool(
             self.kv_pages, self.instance.name, lambda name, data: self.engine.register(name, data, placement.location),
             self.engine.unregister, numa_node=placement.numa_node)
-        self.is_kv_pages_registered = register_kv_pages(self.engine, f"{self.instance.name}/kv-pages",
-                                                        self.kv_pages.buffer, self.loaded.device)
+        pages_segment = f"{self.instance.name}/kv-pages"
+        if register_kv_pages(self.engine, pages_segment, self.kv_pages.buffer, self.loaded.device):
+            self.kv_pages_segment = pages_segment
         self.sampler = Sampler(seed=model.seed, device=self.loaded.device)
         self.namespace = model_namespace(self.loaded.model_id, model.dtype, block_size)
         if not self.local_store_name:

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -275,3 +276,42 @@ async def test_the_copy_thread_runs_the_copies(tmp_path: Path) -> None:
             finally:
                 await plan.close(commit=False)
         assert threads and all(name.startswith("kv-copy") for name in threads)
+
+
+async def test_registered_pages_are_read_straight_into_another_hosts_store(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPUDirect path's byte layout, on CPU: with the pages registered as a segment, the other host's store
+    gets layer i of each block from two page ranges (K, V) instead of staging; its objects equal this host's."""
+    config = make_config(tmp_path)
+    tokens = [random.Random(8).randrange(3, 300) for _ in range(2 * BLOCK + 7)]
+    async with running_worker(config) as worker:
+        assert worker.kv_pages is not None and worker.kv_pages_segment is None  # CPU pages: staged by default
+        worker.engine.register("p0/kv-pages", worker.kv_pages.buffer, "cpu:0")
+        worker.kv_pages_segment = "p0/kv-pages"
+        keys = keys_of(worker, tokens)
+        remote = await worker.store_client("s_remote")
+        sources: list[str] = []
+        move = remote.move
+
+        async def recorded_move(op: TransferOp, staging: Staging, spans: Sequence[Span]) -> None:
+            sources.append(staging.name)
+            await move(op, staging, spans)
+
+        monkeypatch.setattr(remote, "move", recorded_move)
+        reply = await remote.allocate(keys, worker.block_nbytes, 60_000)
+        plan = await plan_prompt_kv(worker, "g", tokens, keys, timeout_s=30, decode_store="s_remote",
+                                    destinations=[Destination(i, h) for i, h in enumerate(reply.handles)])
+        try:
+            await prefill(worker, [plan])
+            await plan.kv.wait_writes(30)
+            await plan.close_store(commit=True)
+            await remote.commit([h.handle_id for h in reply.handles])
+        finally:
+            await plan.close(commit=False)
+        assert sources == ["p0/kv-pages"] * NUM_LAYERS, "every layer went from the pages, none from staging"
+        here, there = (await worker.local_store.lookup(keys, 30_000), await remote.lookup(keys, 30_000))
+        assert len(here.locations) == len(there.locations) == 2
+        buffers = [np.zeros(2 * worker.block_nbytes, np.uint8) for _ in range(2)]
+        await worker.local_store.read_blocks(worker.local_store.register_staging("here", buffers[0]), here.locations)
+        await remote.read_blocks(remote.register_staging("there", buffers[1]), there.locations)
+        assert np.array_equal(buffers[0], buffers[1]) and buffers[0].any()
