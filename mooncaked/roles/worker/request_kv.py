@@ -1,19 +1,23 @@
 """One request's KV on a worker: its pages, its host staging buffer, and the byte moves to and from stores.
 
 1. `RequestKv(worker, request_id, num_tokens)` allocates pages for every block of the prompt (the partial tail
-   included) plus `num_extra_tokens`, and takes a staging buffer [num_blocks, layers, 2, block_size, kv_heads,
-   head_dim] in the store's object layout (DESIGN 5) from the worker's staging pool.
+   included) plus `num_extra_tokens`. Pages in host memory (CPU) are a transfer-engine segment: every move goes
+   straight between them and the stores (`is_direct`). GPU pages take a staging buffer [num_blocks, layers, 2,
+   block_size, kv_heads, head_dim] in the store's object layout (DESIGN 5) from the worker's staging pool.
 2. Loading: `start_loading(sources, num_blocks)` (event loop) starts a LayerLoader: layer by layer from the
-   stores into staging, then into the pages on the copy thread. The forward waits per layer
-   (`wait_layer_loaded`, compute thread); a caller that needs all of it awaits `wait_loaded`.
-3. Storing: `store_layer(i, start, writes)` (compute thread, after layer i) queues the copy of layer i of
-   blocks `start..` from pages into staging (copy thread) and, once it is done, layer i's writes to every
-   store (event loop), then returns: layer i is sent while layer i+1 computes. With GPU pages registered for
-   RDMA (GPUDirect), another host's store reads layer i straight from the pages. At most
+   stores into the pages (through staging and a copy on the copy thread, for GPU pages). The forward waits per
+   layer (`wait_layer_loaded`, compute thread); a caller that needs all of it awaits `wait_loaded`.
+3. Storing: `store_layer(i, start, writes)` (compute thread, after layer i) queues layer i's writes to every
+   store (event loop; GPU pages: after the copy of layer i of blocks `start..` into staging on the copy
+   thread) and returns: layer i is sent while layer i+1 computes. With GPU pages registered for RDMA
+   (GPUDirect), another host's store gets layer i straight from the pages. At most
    `worker.max_layers_in_flight` layers are in flight; beyond, the compute thread waits for the oldest.
-   `wait_writes()` awaits them all (and reports a failed load).
+   `wait_writes()` awaits them all (and reports a failed load). Same-host copies run on the copy thread,
+   others on the transfer engine's threads: none on the compute thread.
 4. `release()` stops the loader, waits for queued copies, frees the pages and gives the staging back; the
-   caller owns store handles and leases and ends them (commit, abort, release) before it.
+   caller owns store handles and leases and ends them (commit, abort, release) before it. Memory a move was
+   abandoned in (cancelled, failed mid-flight) may still take late bytes: staging is dropped, not reused, and
+   pages are freed only after transfer.io_timeout_s.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ class LayerWrite:
 
 
 class RequestKv:
-    """Owns one request's pages, staging buffer, loader, queued copies and in-flight writes."""
+    """Owns one request's pages, staging buffer (GPU pages), loader, queued copies and in-flight writes."""
 
     def __init__(self, worker: Worker, request_id: str, num_tokens: int, num_extra_tokens: int = 0) -> None:
         assert worker.pages is not None and worker.kv_pages is not None and worker.staging_pool is not None
@@ -61,42 +65,56 @@ class RequestKv:
         self.num_full_blocks = num_tokens // worker.block_size
         num_pages = num_blocks_for(num_tokens + num_extra_tokens, worker.block_size)
         self.page_ids: list[int] = worker.pages.allocate(num_pages, owner=request_id)
-        self._buffer = worker.staging_pool.acquire(self.num_blocks)
-        self.staging = worker.staging_pool.view(self._buffer, self.num_blocks)
+        self.is_direct = worker.host_pages is not None
+        self._buffer = None if self.is_direct else worker.staging_pool.acquire(self.num_blocks)
+        self.staging = None if self._buffer is None else worker.staging_pool.view(self._buffer, self.num_blocks)
         self.num_loaded = 0
         self.loader: LayerLoader | None = None
         self.store_error: Exception | None = None
         self._copies: list[concurrent.futures.Future[None]] = []
         self._writes: list[concurrent.futures.Future[None]] = []
-        self._is_staging_clean = True  # no transfer on it was abandoned mid-flight
+        self._is_moves_clean = True  # no move into or out of this request's memory was abandoned mid-flight
         self._is_released = False
 
-    # ---- moves between stores and staging (event loop) -------------------------------------------------
-    async def _move(self, op: TransferOp, store_name: str, spans: Sequence[Span]) -> None:
+    # ---- moves between stores and this request's memory (event loop) ------------------------------------
+    def _memory(self) -> Staging:
+        """The local end of this request's moves: the pages (direct) or its staging buffer."""
+        if self.worker.host_pages is not None:
+            return self.worker.host_pages
+        assert self._buffer is not None
+        return Staging(self._buffer.name, self._buffer.array)
+
+    async def _move(self, op: TransferOp, store_name: str, spans: Sequence[Span], memory: Staging) -> None:
         client = await self.worker.store_client(store_name)
+        executor = self.worker.copy_thread if client.is_local else None
         try:
-            await client.move(op, Staging(self._buffer.name, self._buffer.array), spans)
+            await client.move(op, memory, spans, executor=executor)
         except BaseException:
-            self._is_staging_clean = False
+            self._is_moves_clean = False
             raise
 
-    def block_spans(self, indices: Sequence[int], offsets: Sequence[int]) -> list[Span]:
-        size = self.worker.block_nbytes
-        return [Span(offset, index * size, size) for index, offset in zip(indices, offsets)]
-
     def layer_spans(self, indices: Sequence[int], offsets: Sequence[int], layer: int) -> list[Span]:
+        """Layer `layer` of blocks `indices` in this request's memory <-> pool `offsets`."""
+        if self.is_direct:
+            return self.page_spans(indices, offsets, layer)
         block, size = self.worker.block_nbytes, self.worker.layer_nbytes
         return [Span(offset + layer * size, index * block + layer * size, size)
                 for index, offset in zip(indices, offsets)]
 
-    async def read_layer(self, store_name: str, indices: Sequence[int], offsets: Sequence[int], layer: int) -> None:
-        await self._move(TransferOp.READ, store_name, self.layer_spans(indices, offsets, layer))
+    def page_spans(self, indices: Sequence[int], offsets: Sequence[int], layer: int) -> list[Span]:
+        """Layer `layer` of blocks `indices` as K and V page ranges of the pages' buffer <-> pool `offsets`."""
+        kv_pages = self.worker.kv_pages
+        assert kv_pages is not None
+        layer_offset, page_bytes = layer * kv_pages.layer_block_nbytes, kv_pages.page_nbytes
+        return [Span(offset + layer_offset + kind * page_bytes,
+                     kv_pages.page_byte_offset(layer, kind, self.page_ids[index]), page_bytes)
+                for index, offset in zip(indices, offsets) for kind in (0, 1)]
 
-    async def write_blocks(self, store_name: str, indices: Sequence[int], offsets: Sequence[int]) -> None:
-        await self._move(TransferOp.WRITE, store_name, self.block_spans(indices, offsets))
+    async def read_layer(self, store_name: str, indices: Sequence[int], offsets: Sequence[int], layer: int) -> None:
+        await self._move(TransferOp.READ, store_name, self.layer_spans(indices, offsets, layer), self._memory())
 
     async def write_layer(self, store_name: str, indices: Sequence[int], offsets: Sequence[int], layer: int) -> None:
-        await self._move(TransferOp.WRITE, store_name, self.layer_spans(indices, offsets, layer))
+        await self._move(TransferOp.WRITE, store_name, self.layer_spans(indices, offsets, layer), self._memory())
 
     # ---- loading ---------------------------------------------------------------------------------------
     def start_loading(self, sources: Sequence[BlockSource], num_blocks: int) -> None:
@@ -109,7 +127,7 @@ class RequestKv:
     def copy_layer_in(self, layer: int, num_blocks: int) -> None:
         """Copy thread: staging[:num_blocks, layer] -> pages, complete when this returns."""
         worker = self.worker
-        assert worker.copier is not None and worker.kv_pages is not None
+        assert worker.copier is not None and worker.kv_pages is not None and self.staging is not None
         worker.copier.load_layer(worker.kv_pages, layer, self.staging[:num_blocks],
                                  self.page_ids[:num_blocks]).synchronize()
 
@@ -140,9 +158,11 @@ class RequestKv:
         if self.is_failed or not self._wait_store_window():
             return
         worker = self.worker
-        copy = worker.copy_thread.submit(self._copy_layer_out, layer, start)
-        self._copies.append(copy)
-        self._writes.append(worker.post(self._write_after_copy(copy, layer, writes)))
+        copy = None
+        if not self.is_direct:
+            copy = worker.copy_thread.submit(self._copy_layer_out, layer, start)
+            self._copies.append(copy)
+        self._writes.append(worker.post(self._write_layer_all(copy, layer, writes)))
 
     def _wait_store_window(self) -> bool:
         limit = self.worker.section.max_layers_in_flight
@@ -160,19 +180,36 @@ class RequestKv:
     def _copy_layer_out(self, layer: int, start: int) -> None:
         """Copy thread: pages -> staging[start:, layer]."""
         worker = self.worker
-        assert worker.copier is not None and worker.kv_pages is not None
+        assert worker.copier is not None and worker.kv_pages is not None and self.staging is not None
         if worker.timeline is not None:
             worker.timeline.record("store", self.request_id, layer, "start")
         if start < self.num_blocks:
             worker.copier.store_layer(worker.kv_pages, layer, self.staging[start:],
                                       self.page_ids[start: self.num_blocks]).synchronize()
 
-    async def _write_after_copy(self, copy: concurrent.futures.Future[None], layer: int,
-                                writes: Sequence[LayerWrite]) -> None:
-        await asyncio.wrap_future(copy)  # on CUDA the copy waited for layer `layer`'s compute: the pages hold it
+    async def _write_layer_all(self, copy: concurrent.futures.Future[None] | None, layer: int,
+                               writes: Sequence[LayerWrite]) -> None:
+        timeline = self.worker.timeline
+        if copy is not None:
+            await asyncio.wrap_future(copy)  # on CUDA the copy waited for layer `layer`'s compute
+        elif timeline is not None:
+            timeline.record("store", self.request_id, layer, "start")
         await asyncio.gather(*(self._write_layer_to(w, layer) for w in writes if w.indices))
-        if self.worker.timeline is not None:
-            self.worker.timeline.record("store", self.request_id, layer, "end")
+        if timeline is not None:
+            timeline.record("store", self.request_id, layer, "end")
+
+    async def _write_layer_to(self, write: LayerWrite, layer: int) -> None:
+        """Another host's store reads GPU pages straight over RDMA when they are registered (GPUDirect)."""
+        pages_segment = self.worker.kv_pages_segment
+        if self.is_direct or pages_segment is None:
+            await self.write_layer(write.store_name, write.indices, write.offsets, layer)
+            return
+        client = await self.worker.store_client(write.store_name)
+        if client.is_local:
+            await self.write_layer(write.store_name, write.indices, write.offsets, layer)
+            return
+        spans = self.page_spans(write.indices, write.offsets, layer)
+        await self._move(TransferOp.WRITE, write.store_name, spans, Staging(pages_segment, _NO_BYTES))
 
     async def wait_writes(self, timeout_s: float) -> None:
         """Await every queued layer write; raises the first failure (a failed load included)."""
@@ -180,26 +217,6 @@ class RequestKv:
         if writes:
             await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(w) for w in writes)), timeout_s)
         self.raise_failure()
-
-    async def _write_layer_to(self, write: LayerWrite, layer: int) -> None:
-        """Another host's store reads GPU pages straight over RDMA when they are registered (GPUDirect); every
-        other write goes from staging."""
-        pages_segment = self.worker.kv_pages_segment
-        client = await self.worker.store_client(write.store_name)
-        if pages_segment is None or client.is_local:
-            await self.write_layer(write.store_name, write.indices, write.offsets, layer)
-            return
-        spans = self.page_spans(write.indices, write.offsets, layer)
-        await client.move(TransferOp.WRITE, Staging(pages_segment, _NO_BYTES), spans)
-
-    def page_spans(self, indices: Sequence[int], offsets: Sequence[int], layer: int) -> list[Span]:
-        """Layer `layer` of blocks `indices` as K and V page ranges of the pages' buffer -> pool `offsets`."""
-        kv_pages = self.worker.kv_pages
-        assert kv_pages is not None
-        layer_offset, page_bytes = layer * kv_pages.layer_block_nbytes, kv_pages.page_nbytes
-        return [Span(offset + layer_offset + kind * page_bytes,
-                     kv_pages.page_byte_offset(layer, kind, self.page_ids[index]), page_bytes)
-                for index, offset in zip(indices, offsets) for kind in (0, 1)]
 
     async def settle_writes(self, timeout_s: float) -> None:
         """Let in-flight writes end, well or not, so their destinations may be freed without a late write."""
@@ -215,7 +232,7 @@ class RequestKv:
         self._is_released = True
         for write in self._writes:
             if write.cancel():
-                self._is_staging_clean = False
+                self._is_moves_clean = False
         self._writes = []
         timeout_s = self.worker.config.transfer.timeout_s
         is_quiet = await self._settle_copies(timeout_s)
@@ -225,9 +242,14 @@ class RequestKv:
             logger.error("%s: KV copies still running after %gs; its pages and staging are not reused",
                          self.request_id, timeout_s)
             return
-        assert self.worker.pages is not None and self.worker.staging_pool is not None
-        self.worker.pages.free_owner(self.request_id)
-        self.worker.staging_pool.release(self._buffer, is_reusable=self._is_staging_clean)
+        worker = self.worker
+        assert worker.pages is not None and worker.staging_pool is not None
+        if self._buffer is not None:
+            worker.staging_pool.release(self._buffer, is_reusable=self._is_moves_clean)
+        if self.is_direct and not self._is_moves_clean:
+            worker.free_pages_later(self.request_id, worker.config.transfer.io_timeout_s)
+        else:
+            worker.pages.free_owner(self.request_id)
 
     async def _settle_copies(self, timeout_s: float) -> bool:
         pending = [c for c in self._copies if not c.cancel() and not c.done()]

@@ -24,6 +24,8 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+import torch
+
 
 from mooncaked.config import Config, InstanceConfig, WorkerSection
 from mooncaked.cpu_affinity import pinned_executor
@@ -32,7 +34,7 @@ from mooncaked.engine.kv_pages import KVPages, PageAllocator
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.engine.staging_pool import StagingPool
 from mooncaked.engine.timeline import LayerTimeline
-from mooncaked.kv.client import StoreClient
+from mooncaked.kv.client import Staging, StoreClient
 from mooncaked.kv.keys import model_namespace
 from mooncaked.model.loader import LoadedModel, load_model
 from mooncaked.model.sampler import Sampler
@@ -60,7 +62,9 @@ class Worker:
         self.copy_thread = pinned_executor("kv-copy", self.section.copy_cpus, "worker.copy_cpus")
         self.staging_pool: StagingPool | None = None
         self.timeline: LayerTimeline | None = None
-        self.kv_pages_segment: str | None = None  # the pages' "cuda:N" segment, when RDMA maps them (GPUDirect)
+        self.kv_pages_segment: str | None = None  # the pages' segment: host pages, or GPU pages RDMA maps
+        self.host_pages: Staging | None = None  # host pages as the local end of store moves (CPU)
+        self._deferred_frees: dict[str, asyncio.TimerHandle] = {}
         self._stores: dict[str, StoreClient] = {}
         self._store_locks: dict[str, asyncio.Lock] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -93,7 +97,11 @@ class Worker:
             self.kv_pages, self.instance.name, lambda name, data: self.engine.register(name, data, placement.location),
             self.engine.unregister, numa_node=placement.numa_node)
         pages_segment = f"{self.instance.name}/kv-pages"
-        if register_kv_pages(self.engine, pages_segment, self.kv_pages.buffer, self.loaded.device):
+        if self.loaded.device.type == "cpu":  # host pages: moves go straight to and from them, no staging
+            self.engine.register(pages_segment, self.kv_pages.buffer, placement.location)
+            self.kv_pages_segment = pages_segment
+            self.host_pages = Staging(pages_segment, self.kv_pages.buffer.view(-1).view(torch.uint8).numpy())
+        elif register_kv_pages(self.engine, pages_segment, self.kv_pages.buffer, self.loaded.device):
             self.kv_pages_segment = pages_segment
         self.sampler = Sampler(seed=model.seed, device=self.loaded.device)
         self.namespace = model_namespace(self.loaded.model_id, model.dtype, block_size)
@@ -104,7 +112,20 @@ class Worker:
         logger.info("%s loaded %s: %d KV pages of %d tokens", self.instance.name, self.loaded.model_id,
                     self.section.num_kv_pages, block_size)
 
+    def free_pages_later(self, owner: str, delay_s: float) -> None:
+        """Free `owner`'s pages after `delay_s`: a move abandoned mid-flight may write into them until then."""
+        assert self.loop is not None
+        self._deferred_frees[owner] = self.loop.call_later(delay_s, self._free_deferred, owner)
+
+    def _free_deferred(self, owner: str) -> None:
+        self._deferred_frees.pop(owner, None)
+        assert self.pages is not None
+        self.pages.free_owner(owner)
+
     async def stop(self) -> None:
+        for handle in self._deferred_frees.values():  # the pages go with the worker
+            handle.cancel()
+        self._deferred_frees.clear()
         stores, self._stores = list(self._stores.values()), {}
         for store in stores:
             await store.close()
