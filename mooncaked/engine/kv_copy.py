@@ -13,7 +13,8 @@ as a tensor) or on the device.
    - CPU: the handle holds the copy itself; the first `synchronize()` runs it (the worker's copy thread).
 2. Load before layer i: `load_layer(kv_pages, layer, staging, page_ids)` -> CopyHandle; once synchronized the
    compute side may run layer i (`wait_on_current_stream()` orders the compute stream after it on CUDA).
-3. Store after layer i: `store_layer(...)` -> CopyHandle; `synchronize()` returns when staging holds the bytes.
+3. Store after layer i: the compute thread marks layer i's end (`mark_compute()`), the copy thread submits
+   `store_layer(..., compute_done)` -> CopyHandle and `synchronize()`s it: staging then holds the bytes.
    Staging must not be modified or reused until its handle is done.
 """
 
@@ -107,11 +108,21 @@ class KVCopier:
         return self._submit(functools.partial(self._load, kv_pages, layer, staging), kv_pages, staging, page_ids,
                             after_compute=False)
 
-    def store_layer(self, kv_pages: KVPages, layer: int, staging: torch.Tensor,
-                    page_ids: Sequence[int]) -> CopyHandle:
-        """pages page_ids[n] of `layer` -> staging[n, layer], after the compute queued so far (layer `layer`'s)."""
+    def mark_compute(self) -> torch.cuda.Event | None:
+        """An event after the compute queued so far on this thread's current stream (CUDA; None on CPU): the
+        compute thread marks layer i's end with it, and a store submitted later from another thread waits on it."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def store_layer(self, kv_pages: KVPages, layer: int, staging: torch.Tensor, page_ids: Sequence[int],
+                    compute_done: torch.cuda.Event | None = None) -> CopyHandle:
+        """pages page_ids[n] of `layer` -> staging[n, layer], after `compute_done` (`mark_compute()` of the
+        compute thread after layer `layer`), else after the compute queued so far on this thread's stream."""
         return self._submit(functools.partial(self._store, kv_pages, layer, staging), kv_pages, staging, page_ids,
-                            after_compute=True)
+                            after_compute=True, compute_done=compute_done)
 
     def load_all_layers(self, kv_pages: KVPages, staging: torch.Tensor, page_ids: Sequence[int]) -> CopyHandle:
         def run(ids: torch.Tensor) -> None:
@@ -126,15 +137,13 @@ class KVCopier:
         return self._submit(run, kv_pages, staging, page_ids, after_compute=True)
 
     def _submit(self, work: _Work, kv_pages: KVPages, staging: torch.Tensor, page_ids: Sequence[int], *,
-                after_compute: bool) -> CopyHandle:
+                after_compute: bool, compute_done: torch.cuda.Event | None = None) -> CopyHandle:
         _check_staging(kv_pages, staging, len(page_ids))
         if self.stream is None:
             ids = torch.tensor(list(page_ids), dtype=torch.int64, device=kv_pages.device)
             return CopyHandle(work=functools.partial(work, ids))
-        compute_done = None
-        if after_compute:
-            compute_done = torch.cuda.Event()
-            compute_done.record(torch.cuda.current_stream(self.device))
+        if after_compute and compute_done is None:
+            compute_done = self.mark_compute()
         with torch.cuda.stream(self.stream):
             if compute_done is not None:
                 self.stream.wait_event(compute_done)

@@ -4,6 +4,8 @@ i+1 computes."""
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import pytest
 import torch
 
@@ -29,15 +31,18 @@ def warm_up(kv: KVPages, copier: KVCopier, staging: torch.Tensor) -> None:
     torch.cuda.synchronize()
 
 
-def test_a_store_waits_for_its_layers_compute() -> None:
+def test_a_store_waits_for_its_layers_compute_and_nothing_later() -> None:
     kv, copier = pages(), KVCopier("cuda")
     staging = new_staging(kv, 2)
     warm_up(kv, copier, staging)
     torch.cuda._sleep(SPIN_CYCLES)  # the compute stream is busy...
     kv.k_pages[1][[2, 5]] = 7.0  # ...before it writes layer 1's pages
-    handle = copier.store_layer(kv, 1, staging, [2, 5])  # queued right after that write, like after_layer(1)
-    kv.k_pages[1][[2, 5]] = 9.0  # compute queued later: the copy must not wait for it nor see it
-    handle.synchronize()
+    layer_done = copier.mark_compute()  # after_layer(1), on the compute thread
+    torch.cuda._sleep(4 * SPIN_CYCLES)  # layer 2 and later: long, and they overwrite the pages
+    kv.k_pages[1][[2, 5]] = 9.0
+    with concurrent.futures.ThreadPoolExecutor(1) as copy_thread:  # the worker's copy thread
+        copy_thread.submit(lambda: copier.store_layer(kv, 1, staging, [2, 5], layer_done).synchronize()).result()
+    assert not torch.cuda.current_stream().query(), "the store waited for compute queued after its layer"
     assert bool((staging[:, 1, 0].float() == 7.0).all())
 
 

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from mooncaked.kv.client import Span, Staging
 from mooncaked.rdma import TransferOp
@@ -160,7 +161,9 @@ class RequestKv:
         worker = self.worker
         copy = None
         if not self.is_direct:
-            copy = worker.copy_thread.submit(self._copy_layer_out, layer, start)
+            assert worker.copier is not None
+            compute_done = worker.copier.mark_compute()  # layer `layer`'s end: the copy waits for nothing later
+            copy = worker.copy_thread.submit(self._copy_layer_out, layer, start, compute_done)
             self._copies.append(copy)
         self._writes.append(worker.post(self._write_layer_all(copy, layer, writes)))
 
@@ -177,15 +180,15 @@ class RequestKv:
             return False
         return True
 
-    def _copy_layer_out(self, layer: int, start: int) -> None:
-        """Copy thread: pages -> staging[start:, layer]."""
+    def _copy_layer_out(self, layer: int, start: int, compute_done: torch.cuda.Event | None) -> None:
+        """Copy thread: pages -> staging[start:, layer], once `compute_done` (CUDA) passed."""
         worker = self.worker
         assert worker.copier is not None and worker.kv_pages is not None and self.staging is not None
         if worker.timeline is not None:
             worker.timeline.record("store", self.request_id, layer, "start")
         if start < self.num_blocks:
             worker.copier.store_layer(worker.kv_pages, layer, self.staging[start:],
-                                      self.page_ids[start: self.num_blocks]).synchronize()
+                                      self.page_ids[start: self.num_blocks], compute_done).synchronize()
 
     async def _write_layer_all(self, copy: concurrent.futures.Future[None] | None, layer: int,
                                writes: Sequence[LayerWrite]) -> None:
