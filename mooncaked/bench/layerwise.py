@@ -14,8 +14,9 @@
    computed) and `transfer` (the loading alone).
 4. Every mode runs once per round, rounds interleave the modes and the lengths (>= 5 rounds), medians are kept.
    JSON per length and overall (the longest): `layerwise_overhead` = layerwise / none - 1,
-   `serialized_overhead`, `load_hidden_fraction` = 1 - (load_layerwise - in_pages) / transfer; spreads
-   (max - min over rounds) per mode.
+   `serialized_overhead`, `load_hidden_fraction` = 1 - (load_layerwise - in_pages) / transfer; per mode the
+   spread (max - min over rounds), the compute thread's stall between layers and its median layer time
+   (from the worker's layer timeline: on a shared machine these say what the wall times cannot).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from mooncaked.bench.cluster import instance, write_config
-from mooncaked.bench.layerwise_modes import LOAD_MODES, STORE_MODES, ModeRunner
+from mooncaked.bench.layerwise_modes import LOAD_MODES, STORE_MODES, ModeRunner, RunTimes
 from mooncaked.config import Config, load_config
 from mooncaked.cpu_affinity import check_usable, usable_cpus
 from mooncaked.numa import parse_id_list
@@ -125,7 +126,7 @@ async def _measure(runner: ModeRunner, args: argparse.Namespace) -> dict[str, An
     lengths = [int(x) for x in args.lengths.split(",")]
     for mode in MODES:  # warm-up: connections, staging buffers, allocator, kernels
         await runner.run(mode, lengths[0])
-    times: dict[int, dict[str, list[float]]] = {n: {mode: [] for mode in MODES} for n in lengths}
+    times: dict[int, dict[str, list[RunTimes]]] = {n: {mode: [] for mode in MODES} for n in lengths}
     for _ in range(args.rounds):
         for length in lengths:
             for mode in MODES:
@@ -137,11 +138,14 @@ async def _measure(runner: ModeRunner, args: argparse.Namespace) -> dict[str, An
     return result
 
 
-def _summary(runner: ModeRunner, length: int, times: dict[str, list[float]]) -> dict[str, Any]:
+def _summary(runner: ModeRunner, length: int, runs: dict[str, list[RunTimes]]) -> dict[str, Any]:
+    times = {mode: [run.wall_s for run in values] for mode, values in runs.items()}
     medians = {mode: statistics.median(values) for mode, values in times.items()}
     return {
         **{f"{mode}_s": value for mode, value in medians.items()},
         **{f"{mode}_spread_s": max(values) - min(values) for mode, values in times.items()},
+        **{f"{mode}_stall_s": statistics.median(run.stall_s for run in values) for mode, values in runs.items()},
+        **{f"{mode}_layer_s": statistics.median(run.layer_s for run in values) for mode, values in runs.items()},
         "layerwise_overhead": medians["layerwise"] / medians["none"] - 1,
         "serialized_overhead": medians["serialized"] / medians["none"] - 1,
         "load_hidden_fraction": 1 - (medians["load_layerwise"] - medians["in_pages"]) / medians["transfer"],
@@ -160,6 +164,10 @@ def run(args: argparse.Namespace) -> int:
               f"{row['layerwise_overhead']:7.3f} {row['serialized_overhead']:7.3f}   {ms['no_prefix']:9.1f} "
               f"{ms['in_pages']:9.1f} {ms['load_layerwise']:9.1f} {ms['load_serial']:9.1f} {ms['transfer']:9.1f} "
               f"{row['load_hidden_fraction']:7.3f}")
+    print(f"{'tokens':>7} " + " ".join(f"{mode:>14}" for mode in MODES) + "   compute stall / median layer (ms)")
+    for length, row in result["lengths"].items():
+        print(f"{length:>7} " + " ".join(f"{row[f'{m}_stall_s'] * 1e3:6.1f} / {row[f'{m}_layer_s'] * 1e3:5.1f}"
+                                         for m in MODES))
     setup = result["setup"]
     print(f"compute CPUs {setup['compute_cpus']} ({setup['num_threads']} torch threads), copy CPUs "
           f"{setup['copy_cpus']}, {setup['rounds']} rounds, load average {setup['load_average'][0]:.2f}")

@@ -2,16 +2,22 @@
 
 Every run plans a fresh random prompt (no accidental reuse), times from the moment the store metadata is
 settled (lookup and allocate done, the same work in every mode) to the first token, and gives everything back.
+Each run also reads the worker's layer timeline: how long the compute thread stood still between layers
+(`stall_s`: waiting for a load, queueing stores) and its median layer time (`layer_s`). Unlike wall times,
+neither counts the time other processes on a shared machine take from the compute core.
 """
 
 from __future__ import annotations
 
 import random
+import statistics
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 from mooncaked.kv.client import Staging
+from mooncaked.engine.timeline import LayerTimeline
 from mooncaked.kv.keys import block_keys
 from mooncaked.roles.worker.kv_plan import KvPlan, plan_prompt_kv
 from mooncaked.roles.worker.messages import Destination, SamplingSpec
@@ -23,6 +29,13 @@ LOAD_MODES = ("no_prefix", "in_pages", "load_layerwise", "load_serial", "transfe
 REMOTE_STORE = "s_decode"
 TIMEOUT_S = 300.0
 GREEDY = SamplingSpec(max_tokens=1, temperature=0.0)
+
+
+@dataclass(frozen=True)
+class RunTimes:
+    wall_s: float  # the measured time (to the first token; `transfer`: to the last layer in the pages)
+    stall_s: float  # compute thread between layers: before layer 0 (from the start) and between two layers
+    layer_s: float  # median time of one layer's compute
 
 
 class ModeRunner:
@@ -44,14 +57,20 @@ class ModeRunner:
         block_size = self.worker.block_size
         return min(round(self.prefix_fraction * -(-length // block_size)), (length - 1) // block_size)
 
-    async def run(self, mode: str, length: int) -> float:
+    async def run(self, mode: str, length: int) -> RunTimes:
         self.num_runs += 1
-        if mode in STORE_MODES:
-            return await self._store_run(mode, self.prompt(length))
-        return await self._load_run(mode, self.prompt(length))
+        timeline = self.worker.timeline = LayerTimeline()
+        try:
+            if mode in STORE_MODES:
+                started, wall_s = await self._store_run(mode, self.prompt(length))
+            else:
+                started, wall_s = await self._load_run(mode, self.prompt(length))
+        finally:
+            self.worker.timeline = None
+        return _times(timeline, started, wall_s)
 
     # ---- storing -------------------------------------------------------------------------------------
-    async def _store_run(self, mode: str, tokens: list[int]) -> float:
+    async def _store_run(self, mode: str, tokens: list[int]) -> tuple[float, float]:
         worker = self.worker
         keys = block_keys(tokens, worker.block_size, worker.namespace)
         remote = await worker.store_client(REMOTE_STORE)
@@ -59,20 +78,22 @@ class ModeRunner:
         destinations = [Destination(i, h) for i, h in enumerate(reply.handles)] if reply is not None else []
         plan = await plan_prompt_kv(worker, f"bench-{mode}-{self.num_runs}", tokens, keys, timeout_s=TIMEOUT_S,
                                     decode_store=REMOTE_STORE, destinations=destinations)
+        handles = plan.local_handles
         if mode == "none":
-            plan.local_handles = []
+            plan.local_handles = []  # stores nothing; given back (aborted) at close
         try:
             started = time.perf_counter()
             await worker.compute(_store_forward, worker, plan, mode == "serialized")
             await plan.kv.wait_writes(TIMEOUT_S)
-            return time.perf_counter() - started
+            return started, time.perf_counter() - started
         finally:
+            plan.local_handles = handles
             await plan.close(commit=False)
             if reply is not None and reply.handles:
                 await remote.abort([h.handle_id for h in reply.handles])
 
     # ---- loading -------------------------------------------------------------------------------------
-    async def _load_run(self, mode: str, tokens: list[int]) -> float:
+    async def _load_run(self, mode: str, tokens: list[int]) -> tuple[float, float]:
         worker = self.worker
         keys = block_keys(tokens, worker.block_size, worker.namespace)
         num_prefix = 0 if mode == "no_prefix" else self.num_prefix_blocks(len(tokens))
@@ -80,7 +101,7 @@ class ModeRunner:
             await self._seed_remote(keys[:num_prefix])
         plan = await plan_prompt_kv(worker, f"bench-{mode}-{self.num_runs}", tokens, keys, timeout_s=TIMEOUT_S,
                                     fetch_store=REMOTE_STORE if num_prefix else "", num_fetch_blocks=num_prefix)
-        plan.local_handles = []  # loading alone: nothing is stored
+        handles, plan.local_handles = plan.local_handles, []  # loading alone: the loader runs already, no await
         try:
             assert plan.num_prefix_blocks == num_prefix, "the seeded prefix was not found"
             if mode == "in_pages":
@@ -90,8 +111,9 @@ class ModeRunner:
                 await plan.kv.wait_loaded()
             if mode != "transfer":
                 await worker.compute(run_prefill_forward, worker, [plan], [GREEDY])
-            return time.perf_counter() - started
+            return started, time.perf_counter() - started
         finally:
+            plan.local_handles = handles  # aborted by close
             await plan.close(commit=False)
 
     async def _seed_remote(self, keys: list[bytes]) -> None:
@@ -109,6 +131,15 @@ class ModeRunner:
             staging = self._seeds[len(keys)] = remote.register_staging(f"bench-seed-{len(keys)}", data)
         await remote.write_blocks(staging, reply.handles)
         await remote.commit([h.handle_id for h in reply.handles])
+
+
+def _times(timeline: LayerTimeline, started: float, wall_s: float) -> RunTimes:
+    starts = {e.layer: e.at for e in timeline.events() if e.kind == "compute" and e.edge == "start"}
+    ends = {e.layer: e.at for e in timeline.events() if e.kind == "compute" and e.edge == "end"}
+    if not starts:
+        return RunTimes(wall_s, 0.0, 0.0)
+    stall_s = starts[0] - started + sum(starts[i] - ends[i - 1] for i in starts if i > 0)
+    return RunTimes(wall_s, stall_s, statistics.median(ends[i] - starts[i] for i in starts))
 
 
 def _store_forward(worker: Worker, plan: KvPlan, is_serialized: bool) -> None:

@@ -19,7 +19,8 @@ def test_layerwise_bench_smoke(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert set(result["lengths"]) == {"256", "384"}
     for row in result["lengths"].values():
-        assert all(row[f"{mode}_s"] > 0 for mode in MODES)
+        assert all(row[f"{mode}_s"] > 0 and row[f"{mode}_stall_s"] >= 0 for mode in MODES)
+        assert all(row[f"{mode}_layer_s"] > 0 for mode in MODES if mode != "transfer")
         assert row["kv_bytes"] > 0 and row["num_prefix_blocks"] >= 1
         assert row["in_pages_s"] < row["no_prefix_s"] * 2
     for key in ("layerwise_overhead", "serialized_overhead", "load_hidden_fraction"):
