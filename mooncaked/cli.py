@@ -19,7 +19,8 @@ from collections.abc import Callable
 from mooncaked import __version__
 from mooncaked.config import ROLES, Config, ConfigError, config_as_dict, load_config
 
-BENCHMARKS = ("rpc", "model", "kernels", "transfer", "store", "sched", "serve", "pd", "prefix", "layerwise")
+BENCHMARKS = ("rpc", "model", "kernels", "transfer", "store", "sched", "serve", "pd", "prefix", "layerwise",
+              "elastic", "chaos")
 
 
 class CliError(Exception):

@@ -112,9 +112,15 @@ class SchedulerSection:
     link_gbps: float = bounded(100.0, min=0.001)
     prefill_profile: Optional[str] = None
     decode_time_s: float = bounded(5.0, min=0.001)
+    predict_output_length: bool = True
+    output_length_quantile: float = bounded(0.9, min=0.01, max=1.0)
     device_flops: Optional[float] = bounded(None, min=1.0)
     device_memory_bandwidth: Optional[float] = bounded(None, min=1.0)
     seed: int = 0
+    replication: str = bounded("by_reuse", choices=("always", "by_reuse"))
+    heat_half_life_s: float = bounded(60.0, min=0.001)
+    replica_displaced_reuse: float = bounded(0.5, min=0.0)
+    tie_break: str = bounded("coldest_store", choices=("first", "coldest_store"))
 
 
 @dataclass(frozen=True)
@@ -131,6 +137,8 @@ class ConductorSection:
     load_poll_timeout_s: float = bounded(1.0, min=0.01)
     startup_sync_timeout_s: float = bounded(5.0, min=0.0)
     events_renew_s: float = bounded(30.0, min=0.1)
+    spare_marks_interval_s: float = bounded(0.5, min=0.01)
+    max_migrations: int = bounded(2, min=0, max=16)
 
 
 @dataclass(frozen=True)
@@ -147,6 +155,8 @@ class WorkerSection:
     max_layers_in_flight: int = bounded(4, min=1, max=1024)
     compute_cpus: list[int] = bounded([], doc="CPU ids the compute thread runs on (empty: the process's)")
     copy_cpus: list[int] = bounded([], doc="CPU ids the KV copy thread runs on (empty: the process's)")
+    profile_s: float = bounded(5.0, min=0.0, max=600.0)
+    switchable: bool = False
 
 
 @dataclass(frozen=True)
@@ -163,10 +173,44 @@ class InstanceConfig:
 
 
 @dataclass(frozen=True)
+class EtcdSection:
+    """Where membership lives when `cluster.membership: etcd` (see mooncaked/etcd_membership.py)."""
+
+    endpoints: list[str] = bounded(["http://127.0.0.1:2379"])
+    prefix: str = "/mooncaked"
+    lease_ttl_s: int = bounded(5, min=1, max=3600)
+    call_timeout_s: float = bounded(2.0, min=0.01)
+    min_backoff_s: float = bounded(0.2, min=0.01)
+    max_backoff_s: float = bounded(5.0, min=0.01)
+    watch_renew_s: float = bounded(30.0, min=0.1)
+    drain_notice_s: float = bounded(0.5, min=0.0)
+    startup_timeout_s: float = bounded(5.0, min=0.0)
+
+
+@dataclass(frozen=True)
 class ClusterSection:
     id: str = "mooncaked"
     secret_file: Optional[str] = None
+    membership: str = bounded("static", choices=("static", "etcd"))
+    etcd: EtcdSection = field(default_factory=EtcdSection)
     instances: list[InstanceConfig] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PdControllerSection:
+    """The dynamic P/D ratio controller that the elected conductor runs (mooncaked/roles/conductor/leader.py)."""
+
+    enabled: bool = True
+    interval_s: float = bounded(1.0, min=0.01)
+    window: int = bounded(10, min=1, max=10_000)
+    tolerance: float = bounded(0.5, min=0.0)
+    trim_fraction: float = bounded(0.1, min=0.0, max=0.49)
+    scale_out_load: float = bounded(0.9, min=0.0)
+    scale_in_load: float = bounded(0.05, min=0.0)
+    min_per_side: int = bounded(1, min=0)
+    num_confirm: int = bounded(3, min=1, max=1000)
+    dwell_s: float = bounded(10.0, min=0.0)
+    switch_timeout_s: float = bounded(30.0, min=0.1)
 
 
 @dataclass(frozen=True)
@@ -181,6 +225,7 @@ class Config:
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
     conductor: ConductorSection = field(default_factory=ConductorSection)
     worker: WorkerSection = field(default_factory=WorkerSection)
+    pd_controller: PdControllerSection = field(default_factory=PdControllerSection)
 
     def instances_of(self, role: str) -> list[InstanceConfig]:
         return [i for i in self.cluster.instances if i.role == role]
@@ -313,6 +358,7 @@ def validate(config: Config) -> list[ConfigIssue]:
     issues.extend(_validate_cpu_list(config.worker.compute_cpus, "worker.compute_cpus"))
     issues.extend(_validate_cpu_list(config.worker.copy_cpus, "worker.copy_cpus"))
     issues.extend(_validate_instances(config))
+    issues.extend(_validate_membership(config))
     return issues
 
 
@@ -320,6 +366,40 @@ def _validate_cpu_list(cpus: list[int], where: str) -> list[ConfigIssue]:
     if any(cpu < 0 for cpu in cpus) or len(set(cpus)) != len(cpus):
         return [ConfigIssue(where, f"CPU ids must be distinct and >= 0, got {cpus}")]
     return []
+
+
+def _validate_membership(config: Config) -> list[ConfigIssue]:
+    issues: list[ConfigIssue] = []
+    etcd = config.cluster.etcd
+    if etcd.min_backoff_s > etcd.max_backoff_s:
+        issues.append(ConfigIssue("cluster.etcd.min_backoff_s", "must not exceed cluster.etcd.max_backoff_s"))
+    if config.pd_controller.scale_in_load >= config.pd_controller.scale_out_load:
+        issues.append(ConfigIssue("pd_controller.scale_in_load", "must be below pd_controller.scale_out_load"))
+    if config.cluster.membership != "etcd":
+        return issues
+    if not etcd.endpoints:
+        issues.append(ConfigIssue("cluster.etcd.endpoints", "needs at least one http://host:port with etcd"))
+    for index, endpoint in enumerate(etcd.endpoints):
+        problem = endpoint_problem(endpoint)
+        if problem:
+            issues.append(ConfigIssue(f"cluster.etcd.endpoints[{index}]", problem))
+    if not etcd.prefix.startswith("/") or etcd.prefix.endswith("/") and etcd.prefix != "/":
+        issues.append(ConfigIssue("cluster.etcd.prefix", f"must start with '/' and not end with one, "
+                                  f"got {etcd.prefix!r}"))
+    if "/" in config.cluster.id or not config.cluster.id:
+        issues.append(ConfigIssue("cluster.id", f"must be non-empty without '/' with etcd, got {config.cluster.id!r}"))
+    return issues
+
+
+def endpoint_problem(endpoint: str) -> str:
+    """'' for an http(s)://host:port URL etcd's gateway can answer on, else what is wrong with it."""
+    scheme, sep, rest = endpoint.partition("://")
+    host, colon, port = rest.rstrip("/").rpartition(":")
+    if not sep or scheme not in ("http", "https") or not colon or not host or "/" in host:
+        return f"expected http://host:port, got {endpoint!r}"
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        return f"port must be 1-65535 in {endpoint!r}"
+    return ""
 
 
 def _validate_instances(config: Config) -> list[ConfigIssue]:

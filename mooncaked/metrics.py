@@ -2,7 +2,8 @@
 
 1. A role makes one `Metrics()` at start and hands its groups to the components that record into them:
    `requests` (conductor: latencies, outcomes, rejections, tokens), `queues` (conductor and workers),
-   `engine` (prefill and decode workers: batch size, step time), `cache` (prefix reuse, transfers, store).
+   `engine` (prefill and decode workers: batch size, step time), `cache` (prefix reuse, transfers, store),
+   `predictions` (conductor: relative error of predicted TTFT and TBT against what happened).
 2. Components record with the groups' methods; label values that form a closed set are checked.
 3. GET /metrics serves `render()` with `CONTENT_TYPE`.
 Every name starts with `mooncaked_`; times are in seconds, sizes in bytes (Prometheus conventions).
@@ -26,6 +27,9 @@ QUEUE_BUCKETS_S = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    120.0, 300.0, 600.0)
 STEP_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0,
                   10.0, 30.0)
+# Relative error (predicted - actual) / actual: -1 is "predicted zero", +1 is "predicted twice the actual".
+RELATIVE_ERROR_BUCKETS = (-0.75, -0.5, -0.35, -0.25, -0.15, -0.1, -0.05, 0.0, 0.05, 0.1, 0.15, 0.25, 0.35, 0.5,
+                          0.75, 1.0, 2.0, 4.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 REQUEST_STATUSES = frozenset({"ok", "rejected", "failed", "cancelled", "timeout", "invalid"})
@@ -59,6 +63,8 @@ class RequestMetrics:
                                            registry=registry)
         self.generation_tokens_total = Counter("mooncaked_generation_tokens", "Generated tokens.",
                                                registry=registry)
+        self.migrations_total = Counter("mooncaked_migrations", "Requests placed again after a leg failed, by cause.",
+                                        ["cause"], registry=registry)
 
     def observe_finished(self, *, status: str, ttft_s: float | None, e2e_s: float, num_output_tokens: int) -> None:
         _check("status", status, REQUEST_STATUSES)
@@ -69,6 +75,10 @@ class RequestMetrics:
             self.ttft_seconds.observe(ttft_s)
             if num_output_tokens > 1:
                 self.tpot_seconds.observe((e2e_s - ttft_s) / (num_output_tokens - 1))
+
+    def observe_migration(self, cause: str) -> None:
+        """`cause`: the failed leg and how, e.g. decode_lost, prefill_deadline."""
+        self.migrations_total.labels(cause=cause).inc()
 
     def observe_rejection(self, reason: str) -> None:
         """Count a rejected request (instead of `observe_finished`); `reason` names the check that failed,
@@ -148,6 +158,23 @@ class CacheMetrics:
         self.evictions_total.labels(tier=tier).inc(num_blocks)
 
 
+class PredictionMetrics:
+    """How far the scheduler's predictions were from what happened, per served request."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.ttft_error = Histogram("mooncaked_ttft_prediction_relative_error",
+                                    "(predicted - actual) / actual time to first token, per served request.",
+                                    buckets=RELATIVE_ERROR_BUCKETS, registry=registry)
+        self.tbt_error = Histogram("mooncaked_tbt_prediction_relative_error",
+                                   "(predicted - actual) / actual time between tokens, per served request.",
+                                   buckets=RELATIVE_ERROR_BUCKETS, registry=registry)
+
+    def observe(self, *, ttft_error: float, tbt_error: float | None) -> None:
+        self.ttft_error.observe(ttft_error)
+        if tbt_error is not None:
+            self.tbt_error.observe(tbt_error)
+
+
 class Metrics:
     """Owns one process's registry and every metric group on it."""
 
@@ -157,6 +184,9 @@ class Metrics:
         self.queues = QueueMetrics(self.registry)
         self.engine = EngineMetrics(self.registry)
         self.cache = CacheMetrics(self.registry)
+        self.predictions = PredictionMetrics(self.registry)
+        self.role_switches_total = Counter("mooncaked_role_switches", "Role switches of this instance (P/D ratio "
+                                           "controller).", ["from_role", "to_role"], registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

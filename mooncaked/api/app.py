@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import re
@@ -28,6 +29,7 @@ from mooncaked.api.requests import decode_json_body, parse_chat_request, parse_c
 logger = logging.getLogger(__name__)
 
 REQUEST_ID_KEY = web.RequestKey("request_id", str)
+CLIENT_ID_KEY = web.RequestKey("client_id", str)  # a digest of the caller's API key, set by the auth middleware
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
@@ -102,6 +104,7 @@ def _auth_middleware(api_keys: frozenset[str]) -> Middleware:
             is_valid = [hmac.compare_digest(given, key) for key in encoded_keys]
             if scheme.lower() != "bearer" or not any(is_valid):
                 raise unauthorized()
+            request[CLIENT_ID_KEY] = hashlib.blake2b(given, digest_size=8).hexdigest()
         return await handler(request)
 
     return check_api_key
@@ -118,13 +121,15 @@ class _Routes:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = decode_json_body(await self._read_body(request))
         api_request = parse_completion_request(
-            body, request_id=request[REQUEST_ID_KEY], model_ids=self.backend.model_ids()
+            body, request_id=request[REQUEST_ID_KEY], model_ids=self.backend.model_ids(),
+            client_id=request.get(CLIENT_ID_KEY, "")
         )
         return await serve_generation(request, api_request, self.backend, timeout_s=self.request_timeout_s)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = decode_json_body(await self._read_body(request))
-        api_request = parse_chat_request(body, request_id=request[REQUEST_ID_KEY], model_ids=self.backend.model_ids())
+        api_request = parse_chat_request(body, request_id=request[REQUEST_ID_KEY], model_ids=self.backend.model_ids(),
+                                         client_id=request.get(CLIENT_ID_KEY, ""))
         return await serve_generation(request, api_request, self.backend, timeout_s=self.request_timeout_s)
 
     async def models(self, request: web.Request) -> web.Response:

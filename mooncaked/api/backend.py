@@ -54,6 +54,17 @@ class GenerationChunk:
     finish_reason: str | None = None  # None | "stop" | "length" | "abort"; set on the last chunk only
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the cache
+    predicted_ttft_s: float | None = None  # first chunk: the scheduler's predictions at placement
+    predicted_tbt_s: float | None = None
+
+    def prediction_headers(self) -> dict[str, str]:
+        """X-Mooncaked-Predicted-TTFT-Ms / -TBT-Ms for a response that starts with this chunk (benchmarks read them)."""
+        headers = {}
+        if self.predicted_ttft_s is not None:
+            headers["X-Mooncaked-Predicted-TTFT-Ms"] = f"{self.predicted_ttft_s * 1000:.3f}"
+        if self.predicted_tbt_s is not None:
+            headers["X-Mooncaked-Predicted-TBT-Ms"] = f"{self.predicted_tbt_s * 1000:.3f}"
+        return headers
 
     def __post_init__(self) -> None:
         assert self.finish_reason is None or self.finish_reason in FINISH_REASONS, self.finish_reason

@@ -109,9 +109,13 @@ async def _next_chunk(chunks: AsyncIterator[GenerationChunk], timeout_s: float) 
 async def _aggregate(
     chunks: AsyncIterator[GenerationChunk], builder: ResponseBuilder, timeout_s: float
 ) -> web.Response:
+    headers = {"X-Request-Id": builder.request.request_id}
     while builder.finish_reason is None:
-        builder.add(await _next_chunk(chunks, timeout_s))
-    return web.json_response(builder.final_response(), headers={"X-Request-Id": builder.request.request_id})
+        chunk = await _next_chunk(chunks, timeout_s)
+        if builder.num_completion_tokens == 0:
+            headers.update(chunk.prediction_headers())
+        builder.add(chunk)
+    return web.json_response(builder.final_response(), headers=headers)
 
 
 async def _stream(
@@ -122,7 +126,8 @@ async def _stream(
     log: RequestLog,
 ) -> web.StreamResponse:
     chunk = await _next_chunk(chunks, timeout_s)
-    response = await start_event_stream(http_request, request_id=builder.request.request_id)
+    response = await start_event_stream(http_request, request_id=builder.request.request_id,
+                                        extra_headers=chunk.prediction_headers())
     try:
         await _relay(response, chunk, chunks, builder, timeout_s)
         await response.write(DONE_EVENT)

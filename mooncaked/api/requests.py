@@ -47,6 +47,7 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     logprobs: int | None  # alternatives per token; None: no logprobs
+    client_id: str = ""  # who sent it: a digest of the API key ("" without keys), never the key itself
 
     @property
     def num_logprobs(self) -> int | None:
@@ -69,6 +70,7 @@ class ChatRequest:
     include_usage: bool
     logprobs: bool
     top_logprobs: int
+    client_id: str = ""  # who sent it: a digest of the API key ("" without keys), never the key itself
 
     @property
     def num_logprobs(self) -> int | None:
@@ -86,7 +88,7 @@ def decode_json_body(raw: bytes) -> dict[str, Any]:
 
 
 def parse_completion_request(
-    body: Mapping[str, Any], *, request_id: str, model_ids: Sequence[str]
+    body: Mapping[str, Any], *, request_id: str, model_ids: Sequence[str], client_id: str = ""
 ) -> CompletionRequest:
     _reject_unsupported(body)
     if body.get("echo") not in (None, False):
@@ -102,10 +104,12 @@ def parse_completion_request(
         stream=stream,
         include_usage=_read_include_usage(body, stream),
         logprobs=read_int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS),
+        client_id=client_id,
     )
 
 
-def parse_chat_request(body: Mapping[str, Any], *, request_id: str, model_ids: Sequence[str]) -> ChatRequest:
+def parse_chat_request(body: Mapping[str, Any], *, request_id: str, model_ids: Sequence[str],
+                       client_id: str = "") -> ChatRequest:
     _reject_unsupported(body)
     if body.get("tools"):
         raise invalid_field("tools", "tool calling is not supported")
@@ -125,6 +129,7 @@ def parse_chat_request(body: Mapping[str, Any], *, request_id: str, model_ids: S
         include_usage=_read_include_usage(body, stream),
         logprobs=logprobs,
         top_logprobs=top_logprobs or 0,
+        client_id=client_id,
     )
 
 

@@ -14,7 +14,8 @@ def encode_event(data: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
 
 
-async def start_event_stream(request: web.Request, *, request_id: str) -> web.StreamResponse:
+async def start_event_stream(request: web.Request, *, request_id: str,
+                             extra_headers: dict[str, str] | None = None) -> web.StreamResponse:
     """Send the 200 headers of an event stream; the body follows event by event."""
     response = web.StreamResponse(
         status=200,
@@ -23,6 +24,7 @@ async def start_event_stream(request: web.Request, *, request_id: str) -> web.St
             "Cache-Control": "no-cache",
             "X-Accel-Buffering": "no",  # proxies must not buffer tokens
             "X-Request-Id": request_id,
+            **(extra_headers or {}),
         },
     )
     await response.prepare(request)

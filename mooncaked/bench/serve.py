@@ -6,6 +6,8 @@
    `ignore_eos`, timing every chunk; each request ends within `--timeout-s`, the whole run within
    `--duration-s` (requests still in flight then are cancelled and counted as unfinished).
 3. Summarize (see `stats`): print a table, write `--json`. 429 answers count as rejected, other errors as failed.
+   Against mooncaked, the server's predicted TTFT and TBT (response headers) are compared with the measured
+   ones (see `prediction_error`): `ttft_prediction_mape`, `ttft_prediction_bias`, ... overall and for the first 20.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import aiohttp
 
+from mooncaked.bench.prediction_error import prediction_summary
 from mooncaked.bench.stats import RequestResult, parse_goodput, summarize
 from mooncaked.bench.trace import (
     BenchRequest, TokenBlocks, load_trace, random_requests, tokens_to_text, trace_requests,
@@ -130,6 +133,7 @@ async def run_benchmark(config: ServeBenchConfig) -> dict[str, Any]:
         "ttfts_ms": [r.ttft_s * 1e3 for r in results],
         "e2els_ms": [r.e2el_s * 1e3 for r in results],
         "errors": [r.error for r in results],
+        **prediction_summary(results),
     }
 
 
@@ -158,12 +162,12 @@ class _Runner:
         started = time.perf_counter()
         deadline = started + self.config.duration_s
         tasks = []
-        for request in self.config.requests:
+        for index, request in enumerate(self.config.requests):
             send_at = started + request.arrival_s
             if send_at >= deadline:
                 break
             await asyncio.sleep(max(0.0, send_at - time.perf_counter()))
-            tasks.append(asyncio.create_task(self._send_limited(request)))
+            tasks.append(asyncio.create_task(self._send_limited(request, index)))
             self.num_sent += 1
         if not tasks:
             return
@@ -173,9 +177,9 @@ class _Runner:
         await asyncio.gather(*pending, return_exceptions=True)
         self.num_unfinished = len(pending)
 
-    async def _send_limited(self, request: BenchRequest) -> None:
+    async def _send_limited(self, request: BenchRequest, index: int) -> None:
         async with self.semaphore:
-            result = await send_request(self.session, self.config, self.model, request)
+            result = await send_request(self.session, self.config, self.model, request, index)
         self.results.append(result)
         self.progress.update(result)
 
@@ -192,10 +196,10 @@ def request_payload(config: ServeBenchConfig, model: str, request: BenchRequest)
 
 
 async def send_request(
-    session: aiohttp.ClientSession, config: ServeBenchConfig, model: str, request: BenchRequest
+    session: aiohttp.ClientSession, config: ServeBenchConfig, model: str, request: BenchRequest, index: int = -1
 ) -> RequestResult:
     path, payload = request_payload(config, model, request)
-    result = RequestResult(is_success=False, status=0, num_prompt_tokens=len(request.token_ids))
+    result = RequestResult(is_success=False, status=0, num_prompt_tokens=len(request.token_ids), index=index)
     started = time.perf_counter()
     try:
         timeout = aiohttp.ClientTimeout(total=config.timeout_s)
@@ -204,11 +208,20 @@ async def send_request(
             if response.status != 200:
                 result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                 return result
+            result.predicted_ttft_s = _header_seconds(response, "X-Mooncaked-Predicted-TTFT-Ms")
+            result.predicted_tbt_s = _header_seconds(response, "X-Mooncaked-Predicted-TBT-Ms")
             await _read_stream(response, result, started)
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     result.e2el_s = time.perf_counter() - started
     return result
+
+
+def _header_seconds(response: aiohttp.ClientResponse, name: str) -> float | None:
+    try:
+        return float(response.headers[name]) / 1000
+    except (KeyError, ValueError):
+        return None
 
 
 async def _read_stream(response: aiohttp.ClientResponse, result: RequestResult, started: float) -> None:
@@ -281,6 +294,11 @@ def format_table(result: dict[str, Any]) -> str:
         ("Output token throughput (tok/s)", result["output_throughput"]),
         ("Total token throughput (tok/s)", result["total_token_throughput"]),
     ]
+    for key, title in (("ttft_prediction_mape", "TTFT prediction MAPE"), ("ttft_prediction_bias", "TTFT prediction bias"),
+                       ("ttft_prediction_mape_first20", "TTFT prediction MAPE, first 20"),
+                       ("tbt_prediction_mape", "TBT prediction MAPE (vs TPOT)")):
+        if result.get(key) is not None:
+            rows.append((title, result[key]))
     if "request_goodput" in result:
         slos = " ".join(f"{k}:{v:g}" for k, v in result["goodput_slos_ms"].items())
         rows.append((f"Request goodput (req/s) [{slos}]", result["request_goodput"]))

@@ -37,6 +37,9 @@ class RequestResult:
     ttft_s: float = 0.0
     e2el_s: float = 0.0
     chunk_gaps_s: list[float] = field(default_factory=list)  # itl: gaps between successive chunks
+    index: int = -1  # the request's place in the workload (arrival order)
+    predicted_ttft_s: float | None = None  # the server's predictions (X-Mooncaked-Predicted-* headers)
+    predicted_tbt_s: float | None = None
 
     @property
     def is_rejected(self) -> bool:

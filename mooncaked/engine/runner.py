@@ -7,7 +7,9 @@
    token per sequence and returns logits [S, vocab]; with `cuda_graphs` (CUDA, Triton) a step without layer
    callbacks replays the CUDA graph of its batch-size bucket (engine/cuda_graphs.py) instead.
 3. For every layer i: `before_layer(i)` (the caller waits there until layer i's prefix KV is in the pages),
-   then the layer: store the new tokens' K/V into pages, attend over the pages, MLP; then `after_layer(i)`
+   then the layer: store the new tokens' K/V into pages, attend over the pages (within the layer's sliding
+   window, if the model has one: every token's KV is still stored, so prefixes stay shareable), MLP; then
+   `after_layer(i)`
    (the caller starts storing layer i's new KV). A callback that raises aborts the forward: the exception
    propagates, the runner has changed nothing but KV slots of this batch's own pages, and the allocator is
    untouched, so the caller frees or reuses the pages as usual.
@@ -45,6 +47,7 @@ class ModelRunner:
         self.kv_pages = kv_pages
         self.backend = backend
         self.scale = args.head_dim ** -0.5
+        self.layer_windows = [args.layer_sliding_window(i) for i in range(args.num_layers)]
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs:
             if kv_pages.device.type != "cuda" or kernels.resolve_backend(backend, kv_pages.buffer) != "triton":
@@ -56,12 +59,13 @@ class ModelRunner:
                 after_layer: LayerCallback | None = None, return_all_logits: bool = False) -> torch.Tensor:
         """One chunk -> logits fp32 [S, vocab] (last new token per sequence), or [T, vocab] if return_all_logits."""
         k_pages, v_pages = self.kv_pages.k_pages, self.kv_pages.v_pages
-        backend, scale = self.backend, self.scale
+        backend, scale, windows = self.backend, self.scale, self.layer_windows
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kernels.store_kv(k, v, k_pages[layer], v_pages[layer], batch.slot_mapping, backend)
             return kernels.prefill_attention(q, k_pages[layer], v_pages[layer], batch.block_tables,
-                                             batch.cu_seqlens_q, batch.seq_lens, scale, backend)
+                                             batch.cu_seqlens_q, batch.seq_lens, scale, backend,
+                                             sliding_window=windows[layer])
 
         with torch.inference_mode():
             hidden = self._layers(batch.input_ids, batch.positions, attend, before_layer, after_layer)
@@ -80,14 +84,17 @@ class ModelRunner:
     def _decode_eager(self, batch: DecodeBatch, before_layer: LayerCallback | None = None,
                       after_layer: LayerCallback | None = None) -> torch.Tensor:
         k_pages, v_pages = self.kv_pages.k_pages, self.kv_pages.v_pages
-        backend, scale = self.backend, self.scale
-        plan = kernels.plan_decode_attention(batch.block_tables, batch.seq_lens, self.kv_pages.block_size,
-                                             self.model.dtype, backend)
+        backend, scale, windows = self.backend, self.scale, self.layer_windows
+        # one plan per distinct window (a Qwen model may mix windowed and full layers), shared by its layers
+        plans = {window: kernels.plan_decode_attention(batch.block_tables, batch.seq_lens, self.kv_pages.block_size,
+                                                       self.model.dtype, backend, sliding_window=window)
+                 for window in set(windows)}
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kernels.store_kv(k, v, k_pages[layer], v_pages[layer], batch.slot_mapping, backend)
+            window = windows[layer]
             return kernels.decode_attention(q, k_pages[layer], v_pages[layer], batch.block_tables,
-                                            batch.seq_lens, scale, backend, plan)
+                                            batch.seq_lens, scale, backend, plans[window], sliding_window=window)
 
         with torch.inference_mode():
             hidden = self._layers(batch.input_ids, batch.positions, attend, before_layer, after_layer)

@@ -13,6 +13,8 @@ importing this package never compiles or loads a kernel.
 
 Shapes: q [T, H, D]; k, v [T, Hkv, D]; pages [P, B, Hkv, D] (contiguous); block_tables int32 [S, max_blocks];
 cu_seqlens_q int32 [S+1]; seq_lens int32 [S] (total tokens per sequence, new ones included); H % Hkv == 0.
+`sliding_window` W (None: unlimited): the query at position p attends to keys p - W + 1 .. p only (Mistral,
+and Qwen layers with use_sliding_window), as transformers does; keys outside every window are never read.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ def prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
     backend: str = "auto",
+    *,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of new tokens q [T, H, D] over paged K/V (cached prefix + themselves) -> [T, H, D].
 
@@ -75,14 +79,17 @@ def prefill_attention(
     seq_lens[s] - 1; their own K/V must already be in the pages (call store_kv first).
     """
     _check_attention(q, k_pages, v_pages, block_tables, seq_lens)
+    _check_window(sliding_window)
     if cu_seqlens_q.shape != (seq_lens.shape[0] + 1,):
         raise ValueError(f"cu_seqlens_q must be [S+1={seq_lens.shape[0] + 1}], got {tuple(cu_seqlens_q.shape)}")
     if resolve_backend(backend, q) == "torch":
-        return reference.prefill_attention(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, scale)
+        return reference.prefill_attention(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, scale,
+                                           sliding_window)
     _check_triton_device(q)
     from mooncaked.kernels import triton_prefill
 
-    return triton_prefill.prefill_attention(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, scale)
+    return triton_prefill.prefill_attention(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, scale,
+                                            sliding_window=sliding_window)
 
 
 def plan_decode_attention(
@@ -91,15 +98,19 @@ def plan_decode_attention(
     block_size: int,
     dtype: torch.dtype,
     backend: str = "auto",
+    *,
+    sliding_window: int | None = None,
 ) -> reference.DecodePlan | None:
     """What decode_attention would derive from the batch in every layer, derived once per step (torch backend);
-    None for Triton, which reads block tables on the device. Pass the result to every layer's decode_attention."""
+    None for Triton, which reads block tables on the device. Pass the result to every layer's decode_attention
+    with the same sliding_window (a model mixing windowed and full layers plans once for each)."""
     if block_tables.dim() != 2 or seq_lens.shape != (block_tables.shape[0],) or seq_lens.shape[0] == 0:
         raise ValueError(f"block_tables must be [S >= 1, max_blocks] and seq_lens [S]; got "
                          f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
+    _check_window(sliding_window)
     if resolve_backend(backend, block_tables) == "triton":
         return None
-    return reference.plan_decode(block_tables, seq_lens, block_size, dtype)
+    return reference.plan_decode(block_tables, seq_lens, block_size, dtype, sliding_window)
 
 
 def decode_attention(
@@ -111,20 +122,25 @@ def decode_attention(
     scale: float,
     backend: str = "auto",
     plan: reference.DecodePlan | None = None,
+    *,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence, q [S, H, D], over its first seq_lens[s] (>= 1) tokens -> [S, H, D].
 
-    `plan`: plan_decode_attention's result for these block_tables and seq_lens (torch backend; else ignored).
+    `plan`: plan_decode_attention's result for these block_tables, seq_lens and sliding_window (torch backend;
+    else ignored).
     """
     _check_attention(q, k_pages, v_pages, block_tables, seq_lens)
+    _check_window(sliding_window)
     if q.shape[0] != seq_lens.shape[0]:
         raise ValueError(f"decode q must have one row per sequence: q has {q.shape[0]}, seq_lens {seq_lens.shape[0]}")
     if resolve_backend(backend, q) == "torch":
-        return reference.decode_attention(q, k_pages, v_pages, block_tables, seq_lens, scale, plan)
+        return reference.decode_attention(q, k_pages, v_pages, block_tables, seq_lens, scale, plan, sliding_window)
     _check_triton_device(q)
     from mooncaked.kernels import triton_decode
 
-    return triton_decode.decode_attention(q, k_pages, v_pages, block_tables, seq_lens, scale)
+    return triton_decode.decode_attention(q, k_pages, v_pages, block_tables, seq_lens, scale,
+                                          sliding_window=sliding_window)
 
 
 def gather_blocks(pages: torch.Tensor, page_ids: torch.Tensor, backend: str = "auto") -> torch.Tensor:
@@ -161,6 +177,11 @@ def _check_triton_device(tensor: torch.Tensor) -> None:
     if not triton.knobs.runtime.interpret:
         raise ValueError("kernel backend 'triton' needs CUDA tensors; on CPU it runs only in Triton's interpreter "
                          "(TRITON_INTERPRET=1 set before triton is imported, as the tests do); use 'torch' or 'auto'")
+
+
+def _check_window(sliding_window: int | None) -> None:
+    if sliding_window is not None and (isinstance(sliding_window, bool) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or a positive number of tokens, got {sliding_window!r}")
 
 
 def _check_pages(k_pages: torch.Tensor, v_pages: torch.Tensor) -> None:

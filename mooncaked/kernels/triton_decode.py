@@ -5,8 +5,10 @@ Stages:
      device, but at least MIN_TOKENS_PER_SPLIT tokens of the block-table capacity per split.
   2. Split kernel, grid (S, Hkv, num_splits): one program takes all GROUP query heads of one kv head (rows of a
      tl.dot, padded to >= 16) over its chunk of the sequence, so each K/V byte is read once per kv head.
-     The chunk is ceil(seq_len / num_splits) rounded up to BLOCK_N, so short sequences leave trailing splits
-     empty; those record lse = -inf. It writes partial outputs [S, H, splits, D] and base-2 lse [S, H, splits].
+     The chunk is ceil(num_keys / num_splits) rounded up to BLOCK_N, so short sequences leave trailing splits
+     empty; those record lse = -inf. num_keys is seq_len, or with a sliding window W (WINDOW > 0) at most W:
+     the keys before seq_len - W are never read. It writes partial outputs [S, H, splits, D] and base-2
+     lse [S, H, splits].
   3. Reduce kernel, grid (S, H): out = sum_i 2^(lse_i - max) * o_i / sum_i 2^(lse_i - max).
 """
 
@@ -42,15 +44,18 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     qk_scale, num_splits,
     stride_qs, stride_qh, stride_bt, stride_pp, stride_pt, stride_ph,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP
     seq_len = tl.load(seq_lens_ptr + seq)
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
+    first_key = 0
+    if WINDOW > 0:
+        first_key = tl.maximum(0, seq_len - WINDOW)
+    chunk = tl.cdiv(tl.cdiv(seq_len - first_key, num_splits), BLOCK_N) * BLOCK_N
+    start = first_key + split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -137,6 +142,7 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     tiles: DecodeTiles | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """q [S, H, D] over pages [P, B, Hkv, D] -> [S, H, D]; see mooncaked.kernels.decode_attention."""
     tiles = tiles or default_tiles(q)
@@ -147,7 +153,10 @@ def decode_attention(
         return out
     if q.stride(-1) != 1:
         q = q.contiguous()
-    num_splits = tiles.num_splits or choose_num_splits(q, num_kv_heads, block_tables.shape[1] * page_size)
+    max_keys = block_tables.shape[1] * page_size
+    if sliding_window is not None:
+        max_keys = min(max_keys, sliding_window)
+    num_splits = tiles.num_splits or choose_num_splits(q, num_kv_heads, max_keys)
     part_out = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     group = num_heads // num_kv_heads
@@ -157,7 +166,7 @@ def decode_attention(
         scale * LOG2_E, num_splits,
         q.stride(0), q.stride(1), block_tables.stride(0), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE_SIZE=page_size, BLOCK_N=tiles.block_n, DOT_PRECISION=dot_precision(q.dtype),
+        PAGE_SIZE=page_size, BLOCK_N=tiles.block_n, WINDOW=sliding_window or 0, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     _decode_reduce_kernel[(num_seqs, num_heads)](

@@ -4,9 +4,13 @@ Stages of one launch, grid (query tiles, query heads):
   1. Each program finds its sequence from cu_seqlens_q without any host sync: tiles are numbered sequence by
      sequence (ceil(n_s / BLOCK_M) each); the grid is an upper bound and spare programs exit at once.
      Within a sequence tiles run last-first, so the longest (most keys) tiles start earliest.
-  2. Keys before the tile's first query position are visible to every row: that loop runs without masks.
-  3. The remaining keys up to the tile's last query position run with the causal mask.
-  Both loops read K/V token by token through the block table (page = block_table[pos // B], offset pos % B),
+  2. With a sliding window W (WINDOW > 0), keys that only some rows' windows reach (the band from the first
+     row's oldest key to the last row's) run with the window mask; keys older than the first row's window
+     are never read.
+  3. Keys before the tile's first query position, and (with a window) inside every row's window, are visible
+     to every row: that loop runs without masks.
+  4. The remaining keys up to the tile's last query position run with the causal (and window) mask.
+  The loops read K/V token by token through the block table (page = block_table[pos // B], offset pos % B),
   so any page size works with any BLOCK_N. Softmax is online in base 2 with fp32 accumulators.
 """
 
@@ -37,7 +41,7 @@ def _attend_tile(  # type: ignore[no-untyped-def]
     k_pages_ptr, v_pages_ptr, block_table_ptr, kv_head, seq_len, start_n, qk_scale,
     stride_pp, stride_pt, stride_ph,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_MASKED: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -49,10 +53,16 @@ def _attend_tile(  # type: ignore[no-untyped-def]
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
     if IS_MASKED:
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        if WINDOW > 0:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - WINDOW)
         qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    p = tl.math.exp2(qk - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
+    m_sub = m_new
+    if WINDOW > 0:
+        # A row may have seen no key yet (its window starts later): subtract 0, not -inf, so p stays 0, not NaN.
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(qk - m_sub[:, None])
+    alpha = tl.math.exp2(m_i - m_sub)
     v = tl.load(v_pages_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -65,7 +75,8 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     qk_scale, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_pp, stride_pt, stride_ph,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEQS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEQS_PAD: tl.constexpr, WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
     head = tl.program_id(1)
@@ -99,22 +110,38 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    # Stage 2: keys [0, unmasked_end) precede every query of the tile (and all lie below seq_len).
+    # Keys [0, unmasked_end) precede every query of the tile (and all lie below seq_len).
     unmasked_end = (num_cached + m_start) // BLOCK_N * BLOCK_N
-    for start_n in range(0, unmasked_end, BLOCK_N):
+    band_start = 0
+    band_end = 0
+    if WINDOW > 0:
+        # Stage 2: the first row sees keys from first_pos - W + 1, the last row from last_pos - W + 1.
+        band_start = tl.maximum(0, num_cached + m_start - WINDOW + 1) // BLOCK_N * BLOCK_N
+        band_end = tl.maximum(0, num_cached + m_start + BLOCK_M - WINDOW)
+        band_end = tl.minimum(unmasked_end, (band_end + BLOCK_N - 1) // BLOCK_N * BLOCK_N)
+    for start_n in range(band_start, band_end, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos, k_pages_ptr, v_pages_ptr, block_table_ptr, kv_head, seq_len, start_n,
             qk_scale, stride_pp, stride_pt, stride_ph,
-            HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, False, DOT_PRECISION,
+            HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, True, WINDOW, DOT_PRECISION,
         )
-    # Stage 3: the diagonal; every row sees key unmasked_end, so no row is ever fully masked.
+    # Stage 3: keys every row sees.
+    for start_n in range(band_end, unmasked_end, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, q_pos, k_pages_ptr, v_pages_ptr, block_table_ptr, kv_head, seq_len, start_n,
+            qk_scale, stride_pp, stride_pt, stride_ph,
+            HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, False, WINDOW, DOT_PRECISION,
+        )
+    # Stage 4: the diagonal; every row sees its own key, so no valid row ends fully masked.
     masked_end = tl.minimum(seq_len, num_cached + m_start + BLOCK_M)
     for start_n in range(unmasked_end, masked_end, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos, k_pages_ptr, v_pages_ptr, block_table_ptr, kv_head, seq_len, start_n,
             qk_scale, stride_pp, stride_pt, stride_ph,
-            HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, True, DOT_PRECISION,
+            HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, True, WINDOW, DOT_PRECISION,
         )
+    if WINDOW > 0:
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)  # padding rows past num_new may see no key in a window
     out = acc / l_i[:, None]
     out_ptrs = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -141,6 +168,7 @@ def prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
     tiles: PrefillTiles | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] over pages [P, B, Hkv, D] -> [T, H, D]; see mooncaked.kernels.prefill_attention."""
     tiles = tiles or default_tiles(q)
@@ -160,7 +188,8 @@ def prefill_attention(
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         GROUP=num_heads // k_pages.shape[2], HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         PAGE_SIZE=k_pages.shape[1], BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        SEQS_PAD=triton.next_power_of_2(max(num_seqs, 2)), DOT_PRECISION=dot_precision(q.dtype),
+        SEQS_PAD=triton.next_power_of_2(max(num_seqs, 2)), WINDOW=sliding_window or 0,
+        DOT_PRECISION=dot_precision(q.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out

@@ -128,6 +128,10 @@ class StoreClient:
         reply: msg.UnpinReply = await self._call(msg.UNPIN, msg.UnpinRequest(list(keys)))
         return reply.num_unpinned
 
+    async def mark_spare(self, spare_keys: Sequence[bytes], kept_keys: Sequence[bytes]) -> int:
+        reply = await self._call(msg.MARK_SPARE, msg.MarkSpareRequest(list(spare_keys), list(kept_keys)))
+        return int(reply.num_marked)
+
     async def stats(self) -> msg.StatsReply:
         reply: msg.StatsReply = await self._call(msg.STATS, msg.StatsRequest())
         return reply

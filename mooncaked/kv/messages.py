@@ -7,6 +7,8 @@
 3. PIN/UNPIN keep a prefix (context cache) with a TTL; STATS also tells clients where the pool lives.
 4. A conductor calls DUMP (server-streaming chunks of every present key, all as of one sequence number), then
    EVENTS after that number; a gap in sequence numbers (or a `not_found` error from EVENTS) means: dump again.
+5. A conductor under `scheduler.replication: by_reuse` calls MARK_SPARE, in the background, with the keys whose
+   copy here another store keeps (spare: evicted first) and those whose copy is kept again.
 """
 
 from __future__ import annotations
@@ -158,6 +160,17 @@ class DumpChunk(Message):
     is_last: bool = True
 
 
+@dataclass(frozen=True)
+class MarkSpareRequest(Message):
+    spare_keys: list[bytes]  # another store keeps a copy: give this one back first
+    kept_keys: list[bytes]  # kept again (the other copy is gone, or the block turned hot)
+
+
+@dataclass(frozen=True)
+class MarkSpareReply(Message):
+    num_marked: int  # keys of either list present in DRAM here (the others are ignored)
+
+
 ALLOCATE = Method("store.allocate", AllocateRequest, AllocateReply)
 COMMIT = Method("store.commit", CommitRequest, CommitReply)
 ABORT = Method("store.abort", AbortRequest, AbortReply)
@@ -168,5 +181,6 @@ UNPIN = Method("store.unpin", UnpinRequest, UnpinReply)
 STATS = Method("store.stats", StatsRequest, StatsReply)
 EVENTS = Method("store.events", EventsRequest, EventBatch, is_streaming=True)
 DUMP = Method("store.dump", DumpRequest, DumpChunk, is_streaming=True)
+MARK_SPARE = Method("store.mark_spare", MarkSpareRequest, MarkSpareReply)
 
-STORE_METHODS = (ALLOCATE, COMMIT, ABORT, LOOKUP, RELEASE, PIN, UNPIN, STATS, EVENTS, DUMP)
+STORE_METHODS = (ALLOCATE, COMMIT, ABORT, LOOKUP, RELEASE, PIN, UNPIN, STATS, EVENTS, DUMP, MARK_SPARE)

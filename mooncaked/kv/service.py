@@ -116,7 +116,7 @@ class StoreService:
         handlers: dict[Method, Callable[..., Any]] = {
             msg.ALLOCATE: self.allocate, msg.COMMIT: self.commit, msg.ABORT: self.abort,
             msg.LOOKUP: self.lookup, msg.RELEASE: self.release, msg.PIN: self.pin, msg.UNPIN: self.unpin,
-            msg.STATS: self.stats, msg.EVENTS: self.events, msg.DUMP: self.dump,
+            msg.STATS: self.stats, msg.EVENTS: self.events, msg.DUMP: self.dump, msg.MARK_SPARE: self.mark_spare,
         }
         for method, handler in handlers.items():
             # Unary handlers are eager: most never suspend, so running them inline saves a task per call.
@@ -159,6 +159,9 @@ class StoreService:
 
     async def unpin(self, request: msg.UnpinRequest, ctx: object) -> msg.UnpinReply:
         return msg.UnpinReply(self._call(lambda: self.core.unpin(request.keys)))
+
+    async def mark_spare(self, request: msg.MarkSpareRequest, ctx: object) -> msg.MarkSpareReply:
+        return msg.MarkSpareReply(self._call(lambda: self.core.mark_spare(request.spare_keys, request.kept_keys)))
 
     async def stats(self, request: msg.StatsRequest, ctx: object) -> msg.StatsReply:
         counters = self.core.stats()

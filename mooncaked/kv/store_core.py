@@ -6,8 +6,9 @@
    A key another writer committed first keeps the first object; the duplicate's space is freed.
 3. `abort(handle_ids)` frees reserved space; `release(lease_ids)` ends read leases; `expire(now)` reclaims both
    when their lease runs out (a writer or reader that died), and unpins expired pins.
-4. Eviction (`evict_to_watermark`, and on allocation pressure) follows the policy of `kv/eviction.py` and never
-   touches a leased or uncommitted block; a pinned block only moves to SSD. Each eviction is queued for the
+4. Eviction (`evict_to_watermark`, and on allocation pressure) follows the policy of `kv/eviction.py`, spare
+   copies first (`mark_spare`: the conductor says another store keeps the block; `kv/replica_eviction.py`), and
+   never touches a leased or uncommitted block; a pinned block only moves to SSD. Each eviction is queued for the
    service (`drain_evictions`), which copies the bytes out to SSD before the space can be handed out again.
 5. `lookup`, `pin`/`unpin`, `dump`, `stats`; the SSD tier reports what it dropped with `ssd_dropped`.
 """
@@ -19,7 +20,8 @@ import logging
 from collections.abc import Hashable, Sequence
 
 from mooncaked.kv.allocator import ExtentAllocator, OutOfSpace
-from mooncaked.kv.eviction import blocks_to_free, make_eviction_policy
+from mooncaked.kv.eviction import blocks_to_free
+from mooncaked.kv.replica_eviction import make_spare_first_policy
 from mooncaked.kv.events import BLOCK_REMOVED, BLOCK_STORED, EventLog, StoreEvent
 from mooncaked.kv.store_types import (
     TIER_DRAM,
@@ -49,7 +51,7 @@ class StoreCore:
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
         self.allocator = ExtentAllocator(config.capacity_bytes, config.alignment)
-        self.policy = make_eviction_policy(config.eviction_policy)
+        self.policy = make_spare_first_policy(config.eviction_policy)  # the base order until a copy is marked spare
         blocks_to_free(0, 1, config.high_watermark, config.low_watermark)  # validates the watermarks
         self.events = EventLog(config.max_events)
         self._blocks: dict[bytes, BlockRecord] = {}
@@ -188,6 +190,16 @@ class StoreCore:
         block = self._blocks.get(key)
         return block is not None and block.pinned_until > now
 
+    def mark_spare(self, spare_keys: Sequence[bytes], kept_keys: Sequence[bytes]) -> int:
+        """Spare copies are evicted before every kept block; returns how many keys are in DRAM (the rest, gone
+        since the conductor decided or only on SSD, are ignored)."""
+        check_keys(spare_keys)
+        check_keys(kept_keys)
+        if set(spare_keys) & set(kept_keys):
+            raise ValueError("a key cannot be both spare and kept in one call")
+        num_marked = sum(1 for key in spare_keys if self.policy.mark_spare(key, True))
+        return num_marked + sum(1 for key in kept_keys if self.policy.mark_spare(key, False))
+
     # ---- expiry and eviction ------------------------------------------------------------------------------
     def expire(self, now: float) -> int:
         """Reclaim handles and read leases past their deadline; clear expired pins. Returns handles reclaimed."""
@@ -262,6 +274,7 @@ class StoreCore:
             "num_misses": self.num_misses,
             "num_evicted": self.num_evicted,
             "num_duplicates": self.num_duplicates,
+            "num_spare_blocks": self.policy.num_spare,
             "num_expired": self.num_expired,
             "last_seq": self.events.last_seq,
         }

@@ -1,16 +1,21 @@
-"""Llama-family hyperparameters (ModelArgs) and where they come from.
+"""Hyperparameters of the supported decoder families (ModelArgs) and the slice of them one device holds.
 
-1. A Hugging Face `config.json` (`ModelArgs.from_hf_config`), GGUF metadata (`ModelArgs.from_gguf_metadata`)
-   or a named preset for seeded random models (`random_preset`).
-2. Validation in `__post_init__`: shapes that cannot form a Llama raise ValueError naming the field.
-3. The frozen ModelArgs is then read by the modules, the weight loaders and the engine (KV page shapes).
+1. ModelArgs come from a Hugging Face `config.json` (model.families), GGUF metadata (model.weights_gguf) or a
+   named preset for seeded random models (`random_preset`).
+2. Validation in `__post_init__`: shapes that cannot form the model raise ValueError naming the field.
+3. The frozen ModelArgs is read by the modules, the weight loaders and the engine (KV page shapes); the
+   modules take their head and column counts from a ShardShape (`ShardShape.whole(args)` on one device).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+# Hugging Face model_type of each supported family (model.families holds their differences).
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -21,6 +26,15 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+    def __post_init__(self) -> None:
+        if not (self.factor > 0 and 0 < self.low_freq_factor < self.high_freq_factor):
+            raise ValueError(f"model config: llama3 rope scaling needs factor > 0 and 0 < low_freq_factor < "
+                             f"high_freq_factor, got {self}")
+        if not (self.original_max_position_embeddings > 0 and all(map(math.isfinite, (
+                self.factor, self.low_freq_factor, self.high_freq_factor)))):
+            raise ValueError(f"model config: llama3 rope scaling needs finite factors and "
+                             f"original_max_position_embeddings > 0, got {self}")
 
 
 @dataclass(frozen=True)
@@ -39,6 +53,14 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    family: str = "llama"  # one of FAMILIES: the Hugging Face model_type
+    qkv_bias: bool = False  # q/k/v projections carry a bias (Qwen2; attention_bias in Llama and Qwen3)
+    o_bias: bool = False  # o_proj carries a bias (attention_bias in Llama and Qwen3)
+    mlp_bias: bool = False  # gate/up/down carry biases (Llama's mlp_bias)
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+    sliding_window: int | None = None  # keys a query sees in windowed layers (itself included); None: all
+    full_attention_layers: tuple[int, ...] = ()  # layers exempt from sliding_window (Qwen's max_window_layers)
+    rope_freq_factors: tuple[float, ...] | None = None  # per-frequency divisors (a GGUF's rope_freqs tensor)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -50,6 +72,35 @@ class ModelArgs:
                              f"num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2 != 0:
             raise ValueError(f"model config: head_dim must be even for RoPE, got {self.head_dim}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"model config: {name} must be a positive finite number, got {value}")
+        if self.family not in FAMILIES:
+            raise ValueError(f"model config: family {self.family!r} is not one of {', '.join(FAMILIES)}")
+        self._check_token_ids()
+        self._check_window()
+        if not _FAMILY_RULES[self.family](self):
+            raise ValueError(f"model config: a {self.family} model cannot have qkv_bias={self.qkv_bias}, "
+                             f"o_bias={self.o_bias}, mlp_bias={self.mlp_bias}, qk_norm={self.qk_norm}, "
+                             f"sliding_window={self.sliding_window}, full_attention_layers="
+                             f"{self.full_attention_layers}")
+        if self.rope_freq_factors is not None and (len(self.rope_freq_factors) != self.head_dim // 2 or not all(
+                math.isfinite(f) and f > 0 for f in self.rope_freq_factors)):
+            raise ValueError(f"model config: rope_freq_factors must be {self.head_dim // 2} positive numbers")
+
+    def _check_token_ids(self) -> None:
+        for token_id in (*self.eos_token_ids, *(() if self.bos_token_id is None else (self.bos_token_id,))):
+            if not 0 <= token_id < self.vocab_size:
+                raise ValueError(f"model config: special token id {token_id} is outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+
+    def _check_window(self) -> None:
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"model config: sliding_window must be positive, got {self.sliding_window}")
+        if any(not 0 <= i < self.num_layers for i in self.full_attention_layers):
+            raise ValueError(f"model config: full_attention_layers {self.full_attention_layers} must be layer "
+                             f"indices below num_layers ({self.num_layers})")
 
     @property
     def q_size(self) -> int:
@@ -59,73 +110,24 @@ class ModelArgs:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    @classmethod
-    def from_hf_config(cls, config: Mapping[str, Any]) -> ModelArgs:
-        """From a Hugging Face LlamaConfig-style dict (`config.json`)."""
-        num_heads = int(config["num_attention_heads"])
-        hidden_size = int(config["hidden_size"])
-        eos = config.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        return cls(
-            vocab_size=int(config["vocab_size"]),
-            hidden_size=hidden_size,
-            intermediate_size=int(config["intermediate_size"]),
-            num_layers=int(config["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
-            head_dim=int(config.get("head_dim") or hidden_size // num_heads),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(_rope_theta(config)),
-            rope_scaling=parse_rope_scaling(config.get("rope_scaling") or config.get("rope_parameters")),
-            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            bos_token_id=config.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-        )
-
-    @classmethod
-    def from_gguf_metadata(cls, meta: Mapping[str, Any], *, has_output_tensor: bool) -> ModelArgs:
-        """From GGUF key/values of a `llama` architecture file."""
-        arch = meta.get("general.architecture")
-        if arch != "llama":
-            raise ValueError(f"GGUF architecture {arch!r} is not supported; only 'llama'")
-        hidden_size = int(meta["llama.embedding_length"])
-        num_heads = int(meta["llama.attention.head_count"])
-        head_dim = int(meta.get("llama.rope.dimension_count", hidden_size // num_heads))
-        eos = meta.get("tokenizer.ggml.eos_token_id")
-        bos = meta.get("tokenizer.ggml.bos_token_id")
-        tokens = meta.get("tokenizer.ggml.tokens") or ()
-        return cls(
-            vocab_size=int(meta.get("llama.vocab_size", len(tokens))),
-            hidden_size=hidden_size,
-            intermediate_size=int(meta["llama.feed_forward_length"]),
-            num_layers=int(meta["llama.block_count"]),
-            num_heads=num_heads,
-            num_kv_heads=int(meta.get("llama.attention.head_count_kv", num_heads)),
-            head_dim=head_dim,
-            rms_norm_eps=float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
-            rope_scaling=None,
-            max_position_embeddings=int(meta.get("llama.context_length", 2048)),
-            tie_word_embeddings=not has_output_tensor,
-            bos_token_id=None if bos is None else int(bos),
-            eos_token_ids=() if eos is None else (int(eos),),
-        )
+    def layer_sliding_window(self, layer_idx: int) -> int | None:
+        """The attention window of layer `layer_idx` (None: it sees every earlier token)."""
+        return None if layer_idx in self.full_attention_layers else self.sliding_window
 
     def to_hf_config(self) -> dict[str, Any]:
-        """The equivalent `config.json` dict (used to compare against transformers in tests)."""
+        """The equivalent `config.json` dict of this family (tests and benchmarks compare with transformers)."""
         config: dict[str, Any] = {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "architectures": [_ARCHITECTURES[self.family]], "model_type": self.family,
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
             "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings, "hidden_act": "silu",
-            "attention_bias": False, "mlp_bias": False,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
         }
+        config.update(self._hf_family_options())
         if self.rope_scaling is not None:
             s = self.rope_scaling
             config["rope_scaling"] = {
@@ -135,31 +137,57 @@ class ModelArgs:
             }
         return config
 
+    def _hf_family_options(self) -> dict[str, Any]:
+        if self.family == "llama":
+            return {"attention_bias": self.qkv_bias, "mlp_bias": self.mlp_bias}
+        if self.family == "mistral":
+            return {"sliding_window": self.sliding_window}
+        layer_types = ["full_attention" if self.layer_sliding_window(i) is None else "sliding_attention"
+                       for i in range(self.num_layers)]
+        options: dict[str, Any] = {"use_sliding_window": self.sliding_window is not None,
+                                   "sliding_window": self.sliding_window, "layer_types": layer_types}
+        if self.family == "qwen3":
+            options["attention_bias"] = self.qkv_bias
+        return options
 
-def _rope_theta(config: Mapping[str, Any]) -> float:
-    if "rope_theta" in config:
-        return float(config["rope_theta"])
-    params = config.get("rope_parameters")
-    if isinstance(params, Mapping) and "rope_theta" in params:
-        return float(params["rope_theta"])
-    return 10000.0
+
+# What each family's transformers class can express (so to_hf_config is exact).
+_FAMILY_RULES: dict[str, Callable[[ModelArgs], bool]] = {
+    "llama": lambda a: a.o_bias == a.qkv_bias and not a.qk_norm and a.sliding_window is None,
+    "mistral": lambda a: not (a.qkv_bias or a.o_bias or a.mlp_bias or a.qk_norm or a.full_attention_layers),
+    "qwen2": lambda a: a.qkv_bias and not (a.o_bias or a.mlp_bias or a.qk_norm),
+    "qwen3": lambda a: a.qk_norm and a.o_bias == a.qkv_bias and not a.mlp_bias,
+}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM"}
 
 
-def parse_rope_scaling(raw: Mapping[str, Any] | None) -> RopeScaling | None:
-    """`rope_scaling` of a HF config; None and `default` mean no scaling; only `llama3` is implemented."""
-    if not raw:
-        return None
-    rope_type = raw.get("rope_type", raw.get("type", "default"))
-    if rope_type == "default":
-        return None
-    if rope_type != "llama3":
-        raise ValueError(f"model config: rope_scaling type {rope_type!r} is not supported (only 'llama3')")
-    return RopeScaling(
-        factor=float(raw["factor"]),
-        low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
-    )
+@dataclass(frozen=True)
+class ShardShape:
+    """The part of every layer one device holds: query heads, KV heads and MLP columns, with where they start
+    in the checkpoint's tensors. On one device it is the whole layer; tensor parallelism gives each rank a slice.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    head_offset: int = 0  # first query head of this shard
+    kv_head_offset: int = 0  # first KV head of this shard
+    intermediate_offset: int = 0  # first MLP column of this shard
+
+    @classmethod
+    def whole(cls, args: ModelArgs) -> ShardShape:
+        return cls(num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
+                   intermediate_size=args.intermediate_size)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
 
 
 # Random-weight presets for tests and benchmarks. Vocabulary 320 covers the 256 byte tokens plus specials of

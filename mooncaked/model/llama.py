@@ -1,27 +1,32 @@
-"""The Llama family as plain PyTorch modules, run one layer at a time by the engine.
+"""The decoder every supported family shares (Llama, Mistral, Qwen2, Qwen3), as plain PyTorch modules.
 
-1. `LlamaForCausalLM(args, dtype, device)` allocates empty weights (no init cost); Q/K/V and gate/up are fused
-   into one matmul each, because on CPU decode every separate matmul is another pass over memory and more
-   Python dispatch. Projection weights are stored transposed, [in, out]: MKL runs x @ W for a few rows
-   (batched decode) up to ~1.8x faster than x @ W.T (measured at M=8, 576x3072 fp32, 2 threads).
-2. `load_hf_state_dict` copies Hugging Face named tensors (from safetensors, GGUF or a random init) into the
-   fused parameters.
+1. `LlamaForCausalLM(args, dtype, device, shape)` allocates empty weights (no init cost) for the heads and
+   MLP columns `shape` names (the whole model on one device). Q/K/V and gate/up are fused into one matmul
+   each, because on CPU decode every separate matmul is another pass over memory and more Python dispatch.
+   Projection weights are stored transposed, [in, out]: MKL runs x @ W for a few rows (batched decode) up to
+   ~1.8x faster than x @ W.T (measured at M=8, 576x3072 fp32, 2 threads).
+   The families differ only in ModelArgs flags: q/k/v (and o, MLP) biases, q/k RMSNorm before RoPE (Qwen3),
+   per-layer sliding windows (applied by the runner's attention), tied embeddings, RoPE scaling.
+2. `load_weights(named tensors)` streams Hugging Face named tensors (safetensors, GGUF or a random init)
+   into the fused parameters, one at a time, checking names and shapes (model.weight_names).
 3. Per forward the runner calls `embed`, `rope.lookup`, then each layer with an `attend` callable that owns
    the paged KV (store, then attention), then `compute_logits` on the rows it needs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mooncaked.model import packed_gemm
-from mooncaked.model.config import ModelArgs
+from mooncaked.model.config import ModelArgs, ShardShape
 from mooncaked.model.packed_gemm import PACKED_MAX_ROWS, PackedWeight
 from mooncaked.model.rope import RopeCache, apply_rope
+from mooncaked.model.weight_names import CheckpointError, check_complete, check_tensor, hf_tensor_shapes, is_ignored
 
 # attend(layer_idx, q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]) -> attention output [T, H, D]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -39,15 +44,18 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """Bias-free projection with the weight stored transposed: weight_t [in_features, out_features].
+    """Projection with the weight stored transposed: weight_t [in_features, out_features], optional bias [out].
 
     After `pack_for_cpu()` succeeds, products of at most PACKED_MAX_ROWS rows read an MKL-packed copy instead.
     """
 
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device | str,
+                 bias: bool = False) -> None:
         super().__init__()
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features, dtype=dtype, device=device),
                                      requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
+                                 requires_grad=False) if bias else None
         self.packed: PackedWeight | None = None
 
     def pack_for_cpu(self) -> bool:
@@ -58,38 +66,48 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]."""
         if self.packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
-            return packed_gemm.matmul(x, self.packed)
+            return packed_gemm.matmul(x, self.packed, self.bias)
+        if self.bias is not None:
+            return torch.addmm(self.bias, x, self.weight_t)
         return torch.matmul(x, self.weight_t)
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + x @ W for 2-D x [T, in] and residual [T, out] (one GEMM when unpacked: no add pass)."""
+        """residual + x @ W (+ bias) for 2-D x [T, in] and residual [T, out] (one GEMM, no add pass, when unpacked
+        and bias-free)."""
         if self.packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
-            return packed_gemm.matmul(x, self.packed).add_(residual)
-        return torch.addmm(residual, x, self.weight_t)
+            return packed_gemm.matmul(x, self.packed, self.bias).add_(residual)
+        out = torch.addmm(residual, x, self.weight_t)
+        return out if self.bias is None else out.add_(self.bias)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer_idx: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, args: ModelArgs, shape: ShardShape, layer_idx: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = args.num_heads
-        self.num_kv_heads = args.num_kv_heads
-        self.head_dim = args.head_dim
-        self.q_size = args.q_size
-        self.kv_size = args.kv_size
-        self.intermediate_size = args.intermediate_size
+        self.shape = shape
+        self.num_heads = shape.num_heads
+        self.num_kv_heads = shape.num_kv_heads
+        self.head_dim = shape.head_dim
+        self.q_size = shape.q_size
+        self.kv_size = shape.kv_size
+        self.intermediate_size = shape.intermediate_size
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
-        self.qkv_proj = Linear(args.hidden_size, args.q_size + 2 * args.kv_size, dtype, device)
-        self.o_proj = Linear(args.q_size, args.hidden_size, dtype, device)
+        self.qkv_proj = Linear(args.hidden_size, shape.q_size + 2 * shape.kv_size, dtype, device, args.qkv_bias)
+        self.o_proj = Linear(shape.q_size, args.hidden_size, dtype, device, args.o_bias)
+        self.q_norm = RMSNorm(shape.head_dim, args.rms_norm_eps, dtype, device) if args.qk_norm else None
+        self.k_norm = RMSNorm(shape.head_dim, args.rms_norm_eps, dtype, device) if args.qk_norm else None
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
-        self.gate_up_proj = Linear(args.hidden_size, 2 * args.intermediate_size, dtype, device)
-        self.down_proj = Linear(args.intermediate_size, args.hidden_size, dtype, device)
+        self.gate_up_proj = Linear(args.hidden_size, 2 * shape.intermediate_size, dtype, device, args.mlp_bias)
+        self.down_proj = Linear(shape.intermediate_size, args.hidden_size, dtype, device, args.mlp_bias)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn) -> torch.Tensor:
         """hidden [T, hidden_size] -> [T, hidden_size]."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(hidden))  # [T, q_size + 2 * kv_size]
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads:])], dim=1)
         qk = apply_rope(qk, cos, sin)  # q and k rotated together: one set of ops
         q = qk[:, : self.num_heads]
         k = qk[:, self.num_heads:]
@@ -101,24 +119,42 @@ class LlamaDecoderLayer(nn.Module):
         return self.down_proj.forward_add(F.silu(gate).mul_(up), hidden)
 
 
+@dataclass(frozen=True)
+class WeightTarget:
+    """Where one checkpoint tensor lands: `dst`, a view of a (fused) parameter, from the source's
+    `narrow` = (dim, start, length) slice in Hugging Face layout, transposed for [in, out] projections."""
+
+    dst: torch.Tensor
+    is_transposed: bool = False
+    narrow: tuple[int, int, int] | None = None
+
+    def copy_from(self, tensor: torch.Tensor) -> None:
+        src = tensor if self.narrow is None else tensor.narrow(*self.narrow)
+        src = src.t() if self.is_transposed else src
+        assert tuple(src.shape) == tuple(self.dst.shape), (tuple(src.shape), tuple(self.dst.shape))
+        self.dst.copy_(src)
+
+
 class LlamaForCausalLM(nn.Module):
     """Weights and the per-layer compute; holds no per-request state (KV lives in engine.kv_pages)."""
 
     def __init__(self, args: ModelArgs, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", shape: ShardShape | None = None) -> None:
         super().__init__()
         self.args = args
+        self.shape = shape or ShardShape.whole(args)
         self.dtype = dtype
         self.device = torch.device(device)
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype, device="meta")
         self.embed_tokens.weight = nn.Parameter(
             torch.empty(args.vocab_size, args.hidden_size, dtype=dtype, device=device), requires_grad=False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(args, i, dtype, device) for i in range(args.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(args, self.shape, i, dtype, device)
+                                    for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
         # a transposed copy even when tied to the embedding: the embedding lookup needs [vocab, hidden] rows
         self.lm_head = Linear(args.hidden_size, args.vocab_size, dtype, device)
         self.rope = RopeCache(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings,
-                              dtype, device)
+                              dtype, device, args.rope_freq_factors)
 
     def pack_for_cpu(self) -> int:
         """MKL-pack every projection for fast few-row (decode) GEMMs on CPU; returns how many were packed."""
@@ -134,73 +170,70 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(self.norm(hidden)).float()
 
     def load_hf_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Copy Hugging Face named tensors (`model.layers.0.self_attn.q_proj.weight`, ...) into fused weights."""
-        names = set(state)
+        """Copy a whole Hugging Face state dict (`model.layers.0.self_attn.q_proj.weight`, ...) into the weights."""
+        self.load_weights(state.items(), source="state dict")
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
+        """Copy Hugging Face named tensors as they come; CheckpointError names a missing, unexpected, repeated or
+        mis-shaped one. Ignorable tensors (model.weight_names.is_ignored) are skipped."""
+        expected = hf_tensor_shapes(self.args)
+        targets = self.weight_targets()
+        seen: set[str] = set()
         with torch.no_grad():
-            self._copy("model.embed_tokens.weight", self.embed_tokens.weight, state, names)
-            self._copy("model.norm.weight", self.norm.weight, state, names)
+            for name, tensor in tensors:
+                if is_ignored(name, self.args):
+                    continue
+                check_tensor(name, tuple(tensor.shape), expected, source)
+                if name in seen:
+                    raise CheckpointError(f"{source}: tensor {name!r} appears twice")
+                targets[name].copy_from(tensor)
+                seen.add(name)
+            check_complete(seen, expected, source)
             if self.args.tie_word_embeddings:
                 self.lm_head.weight_t.copy_(self.embed_tokens.weight.t())
-            else:
-                self._copy("lm_head.weight", self.lm_head.weight_t, state, names, transpose=True)
-            for i, layer in enumerate(self.layers):
-                self._load_layer(i, layer, state, names)
-        names.discard("lm_head.weight")  # tied checkpoints may still carry a copy
-        extra = sorted(n for n in names if "rotary_emb" not in n)
-        if extra:
-            raise ValueError(f"checkpoint has tensors this Llama does not use: {extra[:5]}")
 
-    def _load_layer(self, i: int, layer: nn.Module, state: Mapping[str, torch.Tensor], names: set[str]) -> None:
-        assert isinstance(layer, LlamaDecoderLayer)
-        p = f"model.layers.{i}."
-        q_end, k_end = layer.q_size, layer.q_size + layer.kv_size
-        qkv = layer.qkv_proj.weight_t  # [hidden, q + 2 kv]: HF [out, in] tensors land transposed in column ranges
-        gate_up = layer.gate_up_proj.weight_t
-        inter = layer.intermediate_size
-        self._copy(p + "input_layernorm.weight", layer.input_layernorm.weight, state, names)
-        self._copy(p + "post_attention_layernorm.weight", layer.post_attention_layernorm.weight, state, names)
-        for name, dst in (("self_attn.q_proj", qkv[:, :q_end]), ("self_attn.k_proj", qkv[:, q_end:k_end]),
-                          ("self_attn.v_proj", qkv[:, k_end:]), ("self_attn.o_proj", layer.o_proj.weight_t),
-                          ("mlp.gate_proj", gate_up[:, :inter]), ("mlp.up_proj", gate_up[:, inter:]),
-                          ("mlp.down_proj", layer.down_proj.weight_t)):
-            self._copy(p + name + ".weight", dst, state, names, transpose=True)
-
-    @staticmethod
-    def _copy(name: str, dst: torch.Tensor, state: Mapping[str, torch.Tensor], names: set[str],
-              transpose: bool = False) -> None:
-        if name not in state:
-            raise ValueError(f"checkpoint is missing tensor {name!r}")
-        src = state[name].t() if transpose else state[name]
-        if tuple(src.shape) != tuple(dst.shape):
-            shape, expected = tuple(state[name].shape), tuple(dst.t().shape if transpose else dst.shape)
-            raise ValueError(f"checkpoint tensor {name!r} has shape {shape}, expected {expected}")
-        dst.copy_(src)
-        names.discard(name)
+    def weight_targets(self) -> dict[str, WeightTarget]:
+        """Every Hugging Face tensor name of this shard -> where it lands."""
+        targets = {"model.embed_tokens.weight": WeightTarget(self.embed_tokens.weight),
+                   "model.norm.weight": WeightTarget(self.norm.weight)}
+        if not self.args.tie_word_embeddings:
+            targets["lm_head.weight"] = WeightTarget(self.lm_head.weight_t, is_transposed=True)
+        for layer in self.layers:
+            assert isinstance(layer, LlamaDecoderLayer)
+            targets.update(_layer_targets(layer, f"model.layers.{layer.layer_idx}."))
+        return targets
 
 
-def random_hf_state_dict(args: ModelArgs, seed: int) -> dict[str, torch.Tensor]:
-    """Seeded random fp32 weights with Hugging Face names (std 0.02 like transformers' init; norms near 1)."""
-    gen = torch.Generator().manual_seed(seed)
-    h, inter = args.hidden_size, args.intermediate_size
-
-    def normal(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * 0.02
-
-    def norm_weight() -> torch.Tensor:
-        return 1.0 + 0.1 * torch.randn(h, generator=gen)
-
-    state = {"model.embed_tokens.weight": normal(args.vocab_size, h), "model.norm.weight": norm_weight()}
-    if not args.tie_word_embeddings:
-        state["lm_head.weight"] = normal(args.vocab_size, h)
-    for i in range(args.num_layers):
-        p = f"model.layers.{i}."
-        state[p + "input_layernorm.weight"] = norm_weight()
-        state[p + "self_attn.q_proj.weight"] = normal(args.q_size, h)
-        state[p + "self_attn.k_proj.weight"] = normal(args.kv_size, h)
-        state[p + "self_attn.v_proj.weight"] = normal(args.kv_size, h)
-        state[p + "self_attn.o_proj.weight"] = normal(h, args.q_size)
-        state[p + "post_attention_layernorm.weight"] = norm_weight()
-        state[p + "mlp.gate_proj.weight"] = normal(inter, h)
-        state[p + "mlp.up_proj.weight"] = normal(inter, h)
-        state[p + "mlp.down_proj.weight"] = normal(h, inter)
-    return state
+def _layer_targets(layer: LlamaDecoderLayer, p: str) -> dict[str, WeightTarget]:
+    """Column-parallel projections (q/k/v, gate/up) take the shard's output rows of the Hugging Face [out, in]
+    tensor, row-parallel ones (o, down) its input columns; at TP=1 the slices are whole."""
+    s = layer.shape
+    q_end, k_end, inter = s.q_size, s.q_size + s.kv_size, s.intermediate_size
+    q_rows, kv_rows = (s.head_offset * s.head_dim, s.q_size), (s.kv_head_offset * s.head_dim, s.kv_size)
+    inter_rows = (s.intermediate_offset, inter)
+    qkv, gate_up = layer.qkv_proj, layer.gate_up_proj
+    targets = {
+        p + "input_layernorm.weight": WeightTarget(layer.input_layernorm.weight),
+        p + "post_attention_layernorm.weight": WeightTarget(layer.post_attention_layernorm.weight),
+        p + "self_attn.q_proj.weight": WeightTarget(qkv.weight_t[:, :q_end], True, (0, *q_rows)),
+        p + "self_attn.k_proj.weight": WeightTarget(qkv.weight_t[:, q_end:k_end], True, (0, *kv_rows)),
+        p + "self_attn.v_proj.weight": WeightTarget(qkv.weight_t[:, k_end:], True, (0, *kv_rows)),
+        p + "self_attn.o_proj.weight": WeightTarget(layer.o_proj.weight_t, True, (1, *q_rows)),
+        p + "mlp.gate_proj.weight": WeightTarget(gate_up.weight_t[:, :inter], True, (0, *inter_rows)),
+        p + "mlp.up_proj.weight": WeightTarget(gate_up.weight_t[:, inter:], True, (0, *inter_rows)),
+        p + "mlp.down_proj.weight": WeightTarget(layer.down_proj.weight_t, True, (1, *inter_rows)),
+    }
+    if qkv.bias is not None:
+        targets[p + "self_attn.q_proj.bias"] = WeightTarget(qkv.bias[:q_end], narrow=(0, *q_rows))
+        targets[p + "self_attn.k_proj.bias"] = WeightTarget(qkv.bias[q_end:k_end], narrow=(0, *kv_rows))
+        targets[p + "self_attn.v_proj.bias"] = WeightTarget(qkv.bias[k_end:], narrow=(0, *kv_rows))
+    if layer.o_proj.bias is not None:
+        targets[p + "self_attn.o_proj.bias"] = WeightTarget(layer.o_proj.bias)
+    if layer.q_norm is not None and layer.k_norm is not None:
+        targets[p + "self_attn.q_norm.weight"] = WeightTarget(layer.q_norm.weight)
+        targets[p + "self_attn.k_norm.weight"] = WeightTarget(layer.k_norm.weight)
+    if gate_up.bias is not None and layer.down_proj.bias is not None:
+        targets[p + "mlp.gate_proj.bias"] = WeightTarget(gate_up.bias[:inter], narrow=(0, *inter_rows))
+        targets[p + "mlp.up_proj.bias"] = WeightTarget(gate_up.bias[inter:], narrow=(0, *inter_rows))
+        targets[p + "mlp.down_proj.bias"] = WeightTarget(layer.down_proj.bias)
+    return targets

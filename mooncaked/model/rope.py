@@ -1,7 +1,8 @@
 """Rotary position embeddings (Hugging Face "rotate half" layout) with optional Llama-3 frequency scaling.
 
 1. `inverse_frequencies` computes the per-pair frequencies exactly as transformers does (fp32), scaled for
-   `rope_scaling.rope_type == "llama3"`.
+   `rope_scaling.rope_type == "llama3"`, or divided by per-frequency factors (a GGUF's `rope_freqs` tensor,
+   which is how llama.cpp files carry Llama 3.1 scaling).
 2. `RopeCache` precomputes cos and a sign-folded sin for every position once, in the model dtype.
 3. `RopeCache.lookup(positions)` and `apply_rope` rotate q and k together per forward.
 """
@@ -15,10 +16,13 @@ import torch
 from mooncaked.model.config import RopeScaling
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None,
+                        freq_factors: tuple[float, ...] | None = None) -> torch.Tensor:
     """[head_dim // 2] fp32 frequencies."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
     inv_freq = 1.0 / (theta ** exponents)
+    if freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
     if scaling is None:
         return inv_freq
     return _llama3_scale(inv_freq, scaling)
@@ -40,8 +44,8 @@ class RopeCache:
     """cos/sin tables for positions 0..max_positions-1; immutable after construction (owned by the model)."""
 
     def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None, max_positions: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
-        inv_freq = inverse_frequencies(head_dim, theta, scaling)
+                 dtype: torch.dtype, device: torch.device | str, freq_factors: tuple[float, ...] | None = None) -> None:
+        inv_freq = inverse_frequencies(head_dim, theta, scaling, freq_factors)
         positions = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2], the same fp32 products transformers forms
         self.max_positions = max_positions

@@ -1,8 +1,8 @@
 """Text <-> token ids, backed by a `tokenizers.Tokenizer`.
 
 1. Build: `TextTokenizer.from_hf_dir` (tokenizer.json + tokenizer_config.json), `from_gguf_metadata`
-   (gpt2-style byte-level BPE rebuilt from the GGUF vocabulary, merges and token types, the way llama.cpp
-   splits text for the file's `tokenizer.ggml.pre`), or `byte_level_test_tokenizer` (random test models).
+   (rebuilt from the GGUF vocabulary by model.tokenizer_gguf), or `byte_level_test_tokenizer` (random test
+   models).
 2. `encode(text, add_special_tokens)`: special tokens written in the text (`<|im_start|>`) stay whole.
 3. `decode(ids)`; streaming goes through `detokenizer.IncrementalDetokenizer`.
 """
@@ -14,18 +14,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-_CONTROL = 3  # llama.cpp token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
-_USER_DEFINED = 4
-
-_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-# llama.cpp pre-tokenizer names that first cut digits one by one, then apply the GPT-2 regex.
-_DIGIT_SPLIT_PRES = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"}
-_LLAMA3_PRES = {"llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx"}
-
+from mooncaked.model.tokenizer_gguf import gguf_tokenizer_backend
 
 class TextTokenizer:
     """Immutable after construction; safe to share between requests."""
@@ -80,46 +71,14 @@ class TextTokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> TextTokenizer:
-        model = meta.get("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise ValueError(f"GGUF tokenizer model {model!r} is not supported; only 'gpt2' (byte-level BPE)")
-        tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-        backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                                       fuse_unk=False, byte_fallback=False))
-        backend.pre_tokenizer = gguf_pre_tokenizer(str(meta.get("tokenizer.ggml.pre", "default")))
-        backend.decoder = decoders.ByteLevel()
-        token_types = list(meta.get("tokenizer.ggml.token_type", []))
-        _add_typed_tokens(backend, tokens, token_types)
+        """Byte-level BPE or SentencePiece BPE, as model.tokenizer_gguf rebuilds them from the vocabulary."""
+        backend = gguf_tokenizer_backend(meta)
         bos = meta.get("tokenizer.ggml.bos_token_id")
         eos = meta.get("tokenizer.ggml.eos_token_id")
+        # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
+        add_bos = meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama")
         return cls(backend, bos_token_id=None if bos is None else int(bos),
-                   eos_token_ids=() if eos is None else (int(eos),),
-                   prepend_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)))
-
-
-def gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    """The text split llama.cpp applies for `tokenizer.ggml.pre`, followed by the byte-level mapping."""
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-    if pre in _LLAMA3_PRES:
-        split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated")
-        return pre_tokenizers.Sequence([split, byte_level])
-    gpt2 = pre_tokenizers.Split(Regex(_GPT2_SPLIT), behavior="isolated")
-    if pre in _DIGIT_SPLIT_PRES:
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2, byte_level])
-    return pre_tokenizers.Sequence([gpt2, byte_level])
-
-
-def _add_typed_tokens(backend: Tokenizer, tokens: list[str], token_types: list[int]) -> None:
-    """Control tokens become special added tokens, user-defined ones plain added tokens (kept whole)."""
-    special = [AddedToken(t, special=True, normalized=False)
-               for t, kind in zip(tokens, token_types) if kind == _CONTROL]
-    user = [AddedToken(t, special=False, normalized=False)
-            for t, kind in zip(tokens, token_types) if kind == _USER_DEFINED]
-    if special:
-        backend.add_special_tokens(special)
-    if user:
-        backend.add_tokens(user)
+                   eos_token_ids=() if eos is None else (int(eos),), prepend_bos=bool(add_bos))
 
 
 def read_tokenizer_config(model_dir: Path) -> dict[str, Any]:

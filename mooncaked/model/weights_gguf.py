@@ -1,17 +1,20 @@
-"""GGUF files (llama.cpp format) of the `llama` architecture, read with the `gguf` package.
+"""GGUF files (llama.cpp format) of the `llama` (Llama 2/3, Mistral), `qwen2` and `qwen3` architectures.
 
 1. `GGUFModelFile.open(path)` parses the header: key/value metadata (hyperparameters, tokenizer, chat template)
    and the tensor directory, then memory-maps the data (nothing is dequantized yet). The header is parsed here
    rather than by `gguf.GGUFReader`, which builds a numpy view per vocabulary string and takes ~10 s on it.
-2. `model_args()` maps `llama.*` metadata to ModelArgs.
-3. `hf_state_dict()` dequantizes every tensor to fp32 (`gguf.quants.dequantize` handles F32/F16/Q4_x/Q8_0/K-quants)
-   under its Hugging Face name, undoing the Q/K row permutation llama.cpp applies for its RoPE layout.
+2. `model_args()` maps `<arch>.*` metadata to ModelArgs (model.gguf_args); other architectures are refused.
+3. `iter_hf_tensors()` dequantizes one tensor at a time to fp32 (`gguf.quants.dequantize` handles
+   F32/F16/Q4_x/Q8_0/K-quants) under its Hugging Face name, undoing the Q/K row permutation llama.cpp applies
+   to `llama` files only (its qwen2/qwen3 graphs rotate the Hugging Face "rotate half" layout directly).
+   A `rope_freqs` tensor is not a weight: it becomes ModelArgs.rope_freq_factors.
 """
 
 from __future__ import annotations
 
 import re
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -22,6 +25,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC,
 from gguf.quants import dequantize
 
 from mooncaked.model.config import ModelArgs
+from mooncaked.model.gguf_args import ROPE_FREQS, args_from_gguf
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -34,14 +38,14 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
-# Precomputed RoPE tables some converters add; the model computes its own.
-_IGNORED = {"rope_freqs.weight"}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
 def hf_tensor_name(gguf_name: str) -> str:
@@ -49,8 +53,8 @@ def hf_tensor_name(gguf_name: str) -> str:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_RE.match(gguf_name)
     if match is None or match.group(2) not in _LAYER_NAMES:
-        raise ValueError(f"GGUF tensor {gguf_name!r} is not part of a llama model")
-    return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.weight"
+        raise ValueError(f"GGUF tensor {gguf_name!r} is not part of a llama, qwen2 or qwen3 model")
+    return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.{match.group(3)}"
 
 
 def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -161,23 +165,39 @@ class GGUFModelFile:
         return cls(path=path, metadata=metadata, tensors=tensors, data=data)
 
     def model_args(self) -> ModelArgs:
-        names = {t.name for t in self.tensors}
-        return ModelArgs.from_gguf_metadata(self.metadata, has_output_tensor="output.weight" in names)
+        return args_from_gguf(self.metadata, {t.name: t.shape for t in self.tensors}, self._rope_freq_factors())
 
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every tensor dequantized to fp32 under its Hugging Face name."""
+    def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every weight dequantized to fp32 under its Hugging Face name, one at a time."""
         args = self.model_args()
-        state: dict[str, torch.Tensor] = {}
+        is_permuted = self.metadata.get("general.architecture") == "llama"
         for info in self.tensors:
-            if info.name in _IGNORED:
+            if info.name == ROPE_FREQS:
                 continue
             name = hf_tensor_name(info.name)
-            weight = np.asarray(dequantize(_raw_rows(self.data, info), info.qtype), dtype=np.float32)
-            if name.endswith("q_proj.weight"):
+            weight = self._dequantize(info)
+            if is_permuted and name.endswith("q_proj.weight"):
                 weight = unpermute_rope_rows(weight, args.num_heads)
-            elif name.endswith("k_proj.weight"):
+            elif is_permuted and name.endswith("k_proj.weight"):
                 weight = unpermute_rope_rows(weight, args.num_kv_heads)
             if not weight.flags.writeable:  # F32 tensors are read-only views of the memmap
                 weight = weight.copy()
-            state[name] = torch.from_numpy(np.ascontiguousarray(weight))
-        return state
+            yield name, torch.from_numpy(np.ascontiguousarray(weight))
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every weight at once (tests; loading streams `iter_hf_tensors`)."""
+        return dict(self.iter_hf_tensors())
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the tensors in the file (quantized as stored)."""
+        return int(self.data.shape[0])
+
+    def _dequantize(self, info: GGUFTensorInfo) -> np.ndarray:
+        return np.asarray(dequantize(_raw_rows(self.data, info), info.qtype), dtype=np.float32)
+
+    def _rope_freq_factors(self) -> tuple[float, ...] | None:
+        for info in self.tensors:
+            if info.name == ROPE_FREQS:
+                return tuple(float(f) for f in self._dequantize(info).reshape(-1))
+        return None

@@ -3,12 +3,14 @@
 1. `select_decode` picks the decode instance with the lowest predicted TBT (Algorithm 1 line 17). Which load
    it predicts depends on the admission policy:
    - `none`, `baseline`, `early_rejection`: the running batch now, plus this request;
-   - `early_rejection_predicted`: the batch at this request's predicted prefill completion `ready_time`, with
-     every request taking a uniform decode time t_d: running requests started before `ready_time - t_d` have
-     left, requests placed here whose prefill ends by `ready_time` have joined (section 4.3.4).
+   - `early_rejection_predicted`: the batch at this request's predicted prefill completion `ready_time`:
+     running requests predicted to end by then have left, requests placed here whose prefill ends by then have
+     joined (section 4.3.4). A request's decode time is its own prediction when the view carries one (output-
+     length prediction), else the paper's uniform t_d (`decode_time_s`).
 2. `rejects_at_arrival` says whether the policy refuses up front on that TBT: never for `none` and `baseline`.
 3. Under `baseline` the decode instance checks its own load when the prefilled request arrives
    (`admit_at_decode`); a refusal there wastes the prefill (section 4.3.2).
+4. Each TBT comes from the instance's own fitted step model when its view carries one (`step_model`).
 """
 
 from __future__ import annotations
@@ -39,16 +41,29 @@ def current_batch(view: DecodeInstanceView) -> tuple[int, int]:
     return view.num_running, view.num_context_tokens
 
 
+def step_model(view: DecodeInstanceView, default: DecodeStepPredictor) -> DecodeStepPredictor:
+    """The instance's own fitted step model when it reported one, else `default`."""
+    if len(view.step_coefficients) == 3:
+        c0, c1, c2 = view.step_coefficients
+        return DecodeStepPredictor((c0, c1, c2))
+    return default
+
+
 def predicted_batch(view: DecodeInstanceView, at_time: float, decode_time_s: float) -> tuple[int, int]:
-    """(batch size, context tokens) expected at `at_time` under a uniform decode time per request."""
+    """(batch size, context tokens) expected at `at_time`: per-request predicted ends when the view has them,
+    else a uniform decode time per request."""
     num_running = 0
     num_tokens = 0
-    for started_at, tokens in zip(view.running_started_at, view.running_tokens):
-        if started_at + decode_time_s > at_time:
+    has_ends = len(view.running_ends_at) == len(view.running_started_at)
+    for i, (started_at, tokens) in enumerate(zip(view.running_started_at, view.running_tokens)):
+        ends_at = view.running_ends_at[i] if has_ends else started_at + decode_time_s
+        if ends_at > at_time:
             num_running += 1
             num_tokens += tokens
-    for ready_at, tokens in view.incoming:
-        if ready_at <= at_time < ready_at + decode_time_s:
+    has_decode_s = len(view.incoming_decode_s) == len(view.incoming)
+    for j, (ready_at, tokens) in enumerate(view.incoming):
+        decode_s = view.incoming_decode_s[j] if has_decode_s else decode_time_s
+        if ready_at <= at_time < ready_at + decode_s:
             num_running += 1
             num_tokens += tokens
     return num_running, num_tokens
@@ -78,7 +93,7 @@ def select_decode(
         num_running += 1
         num_tokens += num_context_tokens
         has_room = num_running <= view.max_num_running and num_tokens <= view.max_context_tokens
-        tbt = predictor.predict(num_running, num_tokens)
+        tbt = step_model(view, predictor).predict(num_running, num_tokens)
         if (has_room, -tbt) > (best.has_room, -best.predicted_tbt_s):
             best = DecodeChoice(view, tbt, has_room)
     return best
@@ -92,4 +107,4 @@ def admit_at_decode(
     num_tokens = view.num_context_tokens + num_context_tokens
     if num_running > view.max_num_running or num_tokens > view.max_context_tokens:
         return False
-    return predictor.predict(num_running, num_tokens) <= config.tbt_slo_s * config.decode_load_threshold
+    return step_model(view, predictor).predict(num_running, num_tokens) <= config.tbt_slo_s * config.decode_load_threshold

@@ -10,7 +10,8 @@ Entry point, called once per request by the conductor and by the simulator:
 2. Prefill choice by `policy.config.scheduler`:
    - `kvcache_centric` (lines 4-16): per instance, reuse the best prefix anywhere when it is more than
      `kvcache_balancing_threshold` times the local one (paying T_transfer for the missing blocks), else the local
-     prefix; TTFT = T_transfer + T_queue + T_prefill; the smallest wins (first on ties);
+     prefix; TTFT = T_transfer + T_queue + T_prefill; the smallest wins (on ties the first, or under
+     `tie_break: coldest_store` the one whose store's coldest block is oldest);
    - `cache_aware`: the same with local prefixes only (no transfer);
    - `load_balancing`: the smallest T_queue; `random`: a hash of the request id and seed.
 3. Decode choice (line 17) and admission (lines 18-19), see `mooncaked.sched.admission`.
@@ -27,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mooncaked.sched.admission import rejects_at_arrival, select_decode
-from mooncaked.sched.predictors import Predictors, queue_time_s
+from mooncaked.sched.predictors import Predictors, PrefillTimePredictor, queue_time_s
 from mooncaked.sched.shadow_index import ShadowIndex
 from mooncaked.sched.types import (
     REASON_DECODE_FULL,
@@ -64,7 +65,7 @@ class PrefillChoice:
 
     @property
     def ttft_s(self) -> float:
-        return self.transfer_s + self.queue_s + self.prefill_s
+        return self.transfer_s + self.queue_s + self.prefill_s + self.view.overhead_s
 
 
 def schedule(
@@ -143,8 +144,10 @@ def _best_ttft(
 ) -> PrefillChoice:
     best_store, best_len = _best_prefix(prefix_lengths) if allow_fetch else (None, 0)
     threshold = policy.config.kvcache_balancing_threshold
+    is_coldest_first = policy.config.tie_break == "coldest_store"
     predictors = policy.predictors
-    prefill_s_by_blocks: dict[int, float] = {}  # many instances share a prefix length: predict once each
+    # many instances share a prefix length and a model: predict once each
+    prefill_s_by: dict[tuple[int, tuple[float, ...]], float] = {}
     best: PrefillChoice | None = None
     for view in candidates:
         local_len = prefix_lengths.get(view.store_id, 0)
@@ -152,21 +155,33 @@ def _best_ttft(
             prefix_len, transfer_s, source = best_len, predictors.transfer.predict(best_len - local_len), best_store
         else:
             prefix_len, transfer_s, source = local_len, 0.0, None
-        prefill_s = prefill_s_by_blocks.get(prefix_len)
+        prefill_s = prefill_s_by.get((prefix_len, view.prefill_coefficients))
         if prefill_s is None:
-            prefill_s = predictors.prefill.predict(request.num_prompt_tokens, _prefix_tokens(request, prefix_len, policy))
-            prefill_s_by_blocks[prefix_len] = prefill_s
+            prefill_s = prefill_model(view, policy).predict(request.num_prompt_tokens,
+                                                            _prefix_tokens(request, prefix_len, policy))
+            prefill_s_by[(prefix_len, view.prefill_coefficients)] = prefill_s
         queue_s = queue_time_s(view, now)
-        if best is None or transfer_s + queue_s + prefill_s < best.ttft_s:
+        ttft_s = transfer_s + queue_s + prefill_s + view.overhead_s
+        if best is None or ttft_s < best.ttft_s or (
+            ttft_s == best.ttft_s and is_coldest_first and view.coldest_use < best.view.coldest_use
+        ):
             best = PrefillChoice(view, prefix_len, local_len, source, transfer_s, queue_s, prefill_s)
     assert best is not None
     return best
 
 
+def prefill_model(view: PrefillInstanceView, policy: SchedulerPolicy) -> PrefillTimePredictor:
+    """The instance's own fitted model when it reported one, else the policy's."""
+    if view.prefill_coefficients:
+        return PrefillTimePredictor(view.prefill_coefficients)
+    return policy.predictors.prefill
+
+
 def _local_choice(
     request: RequestInfo, view: PrefillInstanceView, local_len: int, policy: SchedulerPolicy, now: float
 ) -> PrefillChoice:
-    prefill_s = policy.predictors.prefill.predict(request.num_prompt_tokens, _prefix_tokens(request, local_len, policy))
+    prefill_s = prefill_model(view, policy).predict(request.num_prompt_tokens,
+                                                    _prefix_tokens(request, local_len, policy))
     return PrefillChoice(view, local_len, local_len, None, 0.0, queue_time_s(view, now), prefill_s)
 
 

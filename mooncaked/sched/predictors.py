@@ -44,6 +44,29 @@ def least_squares(rows: Sequence[Sequence[float]], targets: Sequence[float], rid
     return coefficients
 
 
+def _least_squares(rows: Sequence[Sequence[float]], targets: Sequence[float], relative: bool) -> list[float]:
+    if not relative:
+        return least_squares(rows, targets)
+    if any(t <= 0 for t in targets):
+        raise ValueError("a relative fit needs positive times")
+    return least_squares([[x / t for x in row] for row, t in zip(rows, targets)], [1.0] * len(targets))
+
+
+def _nonnegative_fit(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> list[float]:
+    """Relative least squares with every coefficient but the first (the constant) >= 0: a coefficient that comes
+    out negative is fixed at 0 and the others refitted (an active set of at most len(row) - 1 rounds)."""
+    free = list(range(len(rows[0])))
+    while True:
+        coefficients = [0.0] * len(rows[0])
+        fitted = _least_squares([[row[i] for i in free] for row in rows], targets, relative=True)
+        for i, value in zip(free, fitted):
+            coefficients[i] = value
+        negative = [i for i in free[1:] if coefficients[i] < 0]
+        if not negative:
+            return coefficients
+        free.remove(min(negative, key=lambda i: coefficients[i]))
+
+
 def _prefill_features(num_tokens: int, num_prefix_tokens: int) -> tuple[float, ...]:
     n = num_tokens * _TOKEN_SCALE
     p = min(num_prefix_tokens, num_tokens) * _TOKEN_SCALE
@@ -77,12 +100,27 @@ class PrefillTimePredictor:
         return cls((overhead_s, linear, -linear, quadratic, 0.0, -quadratic))
 
     @classmethod
-    def fit(cls, samples: Sequence[tuple[int, int, float]]) -> PrefillTimePredictor:
-        """Least squares over (prompt tokens, prefix tokens, seconds) samples; needs at least 6 distinct ones."""
+    def fit(cls, samples: Sequence[tuple[int, int, float]], *, relative: bool = False) -> PrefillTimePredictor:
+        """Least squares over (prompt tokens, prefix tokens, seconds) samples; needs at least 6 distinct ones.
+
+        relative: minimise relative rather than absolute errors (short prompts count as much as long ones).
+        """
         if len(samples) < 6:
             raise ValueError(f"need at least 6 prefill samples to fit, got {len(samples)}")
         rows = [_prefill_features(n, p) for n, p, _ in samples]
-        return cls(tuple(least_squares(rows, [seconds for _, _, seconds in samples])))
+        return cls(tuple(_least_squares(rows, [seconds for _, _, seconds in samples], relative)))
+
+    @classmethod
+    def fit_paper_form(cls, samples: Sequence[tuple[int, int, float]]) -> PrefillTimePredictor:
+        """Relative least squares of Eq. 1's shape over the new tokens: c0 + alpha (n - p) + beta (n^2 - p^2),
+        with alpha, beta >= 0 (a negative term is dropped and the rest refitted). Three coefficients extrapolate
+        from a short profile where the general six-term polynomial would not."""
+        if len(samples) < 3:
+            raise ValueError(f"need at least 3 prefill samples to fit, got {len(samples)}")
+        rows = [(1.0, (n - p) * _TOKEN_SCALE, (n * n - p * p) * _TOKEN_SCALE**2) for n, p in
+                ((n, min(p, n)) for n, p, _ in samples)]
+        c0, alpha, beta = _nonnegative_fit(rows, [seconds for _, _, seconds in samples])
+        return cls((c0, alpha, -alpha, beta, 0.0, -beta))
 
     def predict(self, num_tokens: int, num_prefix_tokens: int) -> float:
         c = self.coefficients
@@ -116,12 +154,18 @@ class DecodeStepPredictor:
         return cls((overhead_s + weight_bytes / effective, per_request_s, kv_bytes_per_token / effective / _TOKEN_SCALE))
 
     @classmethod
-    def fit(cls, samples: Sequence[tuple[int, int, float]]) -> DecodeStepPredictor:
-        """Least squares over (batch size, context tokens, step seconds) samples; needs at least 3."""
+    def fit(cls, samples: Sequence[tuple[int, int, float]], *, relative: bool = False) -> DecodeStepPredictor:
+        """Least squares over (batch size, context tokens, step seconds) samples; needs at least 3.
+
+        relative: minimise relative rather than absolute errors, with the per-request and per-token terms >= 0.
+        """
         if len(samples) < 3:
             raise ValueError(f"need at least 3 decode samples to fit, got {len(samples)}")
         rows = [(1.0, float(batch), tokens * _TOKEN_SCALE) for batch, tokens, _ in samples]
-        c0, c1, c2 = least_squares(rows, [seconds for _, _, seconds in samples])
+        if relative:
+            c0, c1, c2 = _nonnegative_fit(rows, [seconds for _, _, seconds in samples])
+        else:
+            c0, c1, c2 = least_squares(rows, [seconds for _, _, seconds in samples])
         return cls((c0, c1, c2))
 
     def predict(self, batch_size: int, num_context_tokens: int) -> float:

@@ -36,7 +36,9 @@ class PrefillInstanceView:
 
     `busy_until` is when its current prefill finishes (<= now when idle); `queued_prefill_s` is the sum of the
     predicted prefill times of the requests waiting behind it (the owner adds a request's prediction when it
-    queues it and subtracts it when it starts).
+    queues it and subtracts it when it starts). `prefill_coefficients`: the instance's own fitted prefill model
+    (empty: the policy's). `overhead_s`: what a request spends there besides queueing and compute (KV
+    planning, write confirmation, RPC), added to its TTFT.
     """
 
     instance_id: str
@@ -45,6 +47,9 @@ class PrefillInstanceView:
     queued_prefill_s: float = 0.0
     num_queued: int = 0
     is_available: bool = True
+    prefill_coefficients: tuple[float, ...] = ()
+    overhead_s: float = 0.0
+    coldest_use: float = 0.0  # last use of its store's least recently used block (`mooncaked.sched.store_recency`)
 
 
 @dataclass(frozen=True)
@@ -53,7 +58,10 @@ class DecodeInstanceView:
 
     `running_started_at[i]` / `running_tokens[i]`: decode start time and current context of running request i
     (used by prediction-based early rejection). `incoming`: (predicted decode start, context tokens) of requests
-    already placed here whose prefill is still in progress.
+    already placed here whose prefill is still in progress. With output-length prediction the owner also gives
+    `running_ends_at[i]` (predicted end of running request i) and `incoming_decode_s[j]` (predicted decode time
+    of incoming request j); without, every request decodes for the policy's uniform `decode_time_s`.
+    `step_coefficients`: the instance's own fitted decode step model (empty: the policy's).
     """
 
     instance_id: str
@@ -66,6 +74,9 @@ class DecodeInstanceView:
     running_tokens: tuple[int, ...] = ()
     incoming: tuple[tuple[float, int], ...] = ()
     is_available: bool = True
+    running_ends_at: tuple[float, ...] = ()
+    incoming_decode_s: tuple[float, ...] = ()
+    step_coefficients: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -100,6 +111,8 @@ class Rejection:
 
 SCHEDULERS = ("kvcache_centric", "cache_aware", "load_balancing", "random")
 ADMISSION_POLICIES = ("none", "baseline", "early_rejection", "early_rejection_predicted")
+REPLICATION_MODES = ("always", "by_reuse")
+TIE_BREAKS = ("first", "coldest_store")
 
 
 @dataclass(frozen=True)
@@ -110,6 +123,13 @@ class PolicyConfig:
     kvcache_balancing_threshold: fetch the best remote prefix when it is more than this many times longer than
     the instance's local one (Algorithm 1 lines 5 and 20). decode_time_s: the uniform decode time t_d of
     prediction-based early rejection. decode_load_threshold: accepted predicted TBT / TBT SLO.
+    replication: what becomes of the extra copies of a block (`mooncaked.sched.replicas`): `always` keeps every
+    copy as a full replica (the paper); `by_reuse` keeps the copy on the store that last used the block and marks
+    the others spare (evicted first), unless the block's reuse pays for a second copy. heat_half_life_s: half-life
+    of a block's use count (its heat). replica_displaced_reuse: the assumed chance that the block a replica
+    displaces would have been reused; a second copy is kept when heat x transfer time of a block >= this x its
+    recompute time. tie_break: among instances with equal predicted TTFT, `first` (the paper) or `coldest_store`:
+    the one whose store's least recently used block was used longest ago.
     """
 
     scheduler: str = "kvcache_centric"
@@ -121,6 +141,10 @@ class PolicyConfig:
     decode_time_s: float = 5.0
     decode_load_threshold: float = 1.0
     seed: int = 0
+    replication: str = "always"
+    heat_half_life_s: float = 60.0
+    replica_displaced_reuse: float = 0.5
+    tie_break: str = "first"
 
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:
@@ -135,3 +159,9 @@ class PolicyConfig:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.decode_time_s <= 0 or self.decode_load_threshold <= 0:
             raise ValueError("decode_time_s and decode_load_threshold must be positive")
+        if self.replication not in REPLICATION_MODES:
+            raise ValueError(f"replication must be one of {', '.join(REPLICATION_MODES)}, got {self.replication!r}")
+        if self.tie_break not in TIE_BREAKS:
+            raise ValueError(f"tie_break must be one of {', '.join(TIE_BREAKS)}, got {self.tie_break!r}")
+        if not self.heat_half_life_s > 0 or not self.replica_displaced_reuse >= 0:
+            raise ValueError("heat_half_life_s must be positive and replica_displaced_reuse >= 0")

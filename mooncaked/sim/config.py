@@ -19,6 +19,7 @@ import yaml
 
 from mooncaked.kv.eviction import POLICY_NAMES
 from mooncaked.sched.types import PolicyConfig
+from mooncaked.sim.output_forecast import MODES as FORECAST_MODES
 
 
 class SimConfigError(ValueError):
@@ -75,6 +76,10 @@ class RunConfig:
     output_length_scale: float = 1.0  # multiplies trace output lengths (a decode-heavier variant of a trace)
     tbt_counts_handoff: bool = False  # count the first gap (KV load into the decode GPU) in TBT
     prefill_noise: float = 0.0  # sigma of a log-normal factor on true prefill times (predictions stay exact)
+    output_length_predictor: str = "uniform"  # uniform (the paper's t_d) | oracle | learned (see output_forecast)
+    output_length_noise: float = 0.0  # oracle: sigma of a log-normal factor on the true output length
+    output_length_quantile: float = 0.9  # learned: the quantile it predicts
+    max_tokens: int = 4096  # learned: every request's max_tokens (the trace has none)
     sample_interval_s: float = 10.0
 
 
@@ -95,11 +100,12 @@ _SECTIONS: dict[str, type] = {
     "run": RunConfig,
 }
 _NON_NEGATIVE = {"link_latency_s", "prefill_overhead_s", "decode_overhead_s", "decode_per_request_s",
-                 "max_requests", "output_length_cap", "prefill_noise", "seed", "dram_blocks_per_host"}
+                 "max_requests", "output_length_cap", "prefill_noise", "seed", "dram_blocks_per_host",
+                 "output_length_noise", "replica_displaced_reuse"}
 
 
-def load_sim_config(path: str | Path) -> SimConfig:
-    """Reads and validates a sim YAML file."""
+def load_sim_config(path: str | Path, base: SimConfig | None = None) -> SimConfig:
+    """Reads and validates a sim YAML file; keys it leaves out keep `base`'s values (the defaults when None)."""
     try:
         text = Path(path).read_text()
     except OSError as exc:
@@ -107,18 +113,18 @@ def load_sim_config(path: str | Path) -> SimConfig:
     data = yaml.safe_load(text) or {}
     if not isinstance(data, Mapping):
         raise SimConfigError(f"{path}: the top level must be a mapping of sections")
-    return parse_sim_config(data)
+    return parse_sim_config(data, base)
 
 
-def parse_sim_config(data: Mapping[str, Any]) -> SimConfig:
-    sections: dict[str, Any] = {}
+def parse_sim_config(data: Mapping[str, Any], base: SimConfig | None = None) -> SimConfig:
+    config = SimConfig() if base is None else base
     for name, value in data.items():
         if name not in _SECTIONS:
             raise SimConfigError(f"{name}: unknown section; valid sections: {', '.join(_SECTIONS)}")
         if not isinstance(value, Mapping):
             raise SimConfigError(f"{name}: must be a mapping")
-        sections[name] = _parse_section(name, _SECTIONS[name], value)
-    return SimConfig(**sections)
+        config = with_overrides(config, name, **{str(key): item for key, item in value.items()})
+    return config
 
 
 def with_overrides(config: SimConfig, section: str, **values: Any) -> SimConfig:
@@ -136,6 +142,9 @@ def _parse_section(name: str, cls: type, values: Mapping[str, Any]) -> Any:
         if key not in fields:
             raise SimConfigError(f"{name}.{key}: unknown key; valid keys: {', '.join(fields)}")
         parsed[key] = _check_value(f"{name}.{key}", value, getattr(defaults, key), key)
+    if name == "run" and parsed.get("output_length_predictor", "uniform") not in FORECAST_MODES:
+        raise SimConfigError(f"run.output_length_predictor: must be one of {', '.join(FORECAST_MODES)}, "
+                             f"got {parsed['output_length_predictor']!r}")
     if name == "cluster" and parsed.get("eviction", "lru") not in POLICY_NAMES:
         raise SimConfigError(f"cluster.eviction: must be one of {', '.join(POLICY_NAMES)}, got {parsed['eviction']!r}")
     try:

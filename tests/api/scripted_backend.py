@@ -67,7 +67,7 @@ class ScriptedBackend:
                     raise RuntimeError("scripted bug")
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
-                chunk = _chunk(prepared, index)
+                chunk = _chunk(prepared, index, self.token_delay_s)
                 if chunk.finish_reason is not None:
                     self.finished.add(request_id)
                 yield chunk
@@ -89,7 +89,8 @@ class ScriptedBackend:
         return f"mooncaked_scripted_prepared_total {self.num_prepared}\n".encode()
 
 
-def _chunk(prepared: PreparedRequest, index: int) -> GenerationChunk:
+def _chunk(prepared: PreparedRequest, index: int, token_delay_s: float) -> GenerationChunk:
+    """Token `index`; the first carries predictions of one token delay each (as the conductor's would)."""
     is_last = index == prepared.max_tokens - 1
     num_logprobs = prepared.request.num_logprobs
     logprobs = None
@@ -103,6 +104,8 @@ def _chunk(prepared: PreparedRequest, index: int) -> GenerationChunk:
         finish_reason="length" if is_last else None,
         num_prompt_tokens=prepared.num_prompt_tokens,
         num_cached_tokens=prepared.num_prompt_tokens // 2,
+        predicted_ttft_s=token_delay_s if index == 0 else None,
+        predicted_tbt_s=token_delay_s if index == 0 else None,
     )
 
 

@@ -53,6 +53,11 @@ async def test_random_load_counts_rejections_and_times_tokens(server: tuple[Scri
     assert result["mean_ttft_ms"] > 0 and result["p99_e2el_ms"] >= result["median_e2el_ms"]
     assert result["request_goodput"] == 0.0  # nobody meets tbt <= 1 us
     assert backend.num_prepared == 6 and len(backend.finished) == 4
+    # the backend predicted one token delay (5 ms) for TTFT and TBT: the client compares with what it measured
+    assert result["num_predicted"] == 4 and len(result["predictions"]) == 4
+    assert result["predictions"][0]["predicted_ttft_ms"] == pytest.approx(5.0)
+    assert result["ttft_prediction_mape"] is not None and result["ttft_prediction_mape_first20"] is not None
+    assert 0 < result["ttft_prediction_bias"] <= 1.0 and 0 < result["tbt_prediction_bias"] <= 1.0
 
 
 async def test_chat_endpoint_and_unreachable_server(server: tuple[ScriptedBackend, str]) -> None:

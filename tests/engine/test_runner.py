@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -11,7 +12,10 @@ from mooncaked.engine.batch import (DecodeSeq, PrefillSeq, build_decode_batch, b
                                     split_prefill_chunks)
 from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.runner import ModelRunner
+from mooncaked.model.config import random_preset
+from mooncaked.model.llama import LlamaForCausalLM
 from mooncaked.model.loader import LoadedModel, load_model
+from mooncaked.model.weight_names import random_hf_state_dict
 
 BLOCK = 8
 NUM_PAGES = 32
@@ -136,3 +140,42 @@ def test_runner_rejects_mismatched_pages(tiny: LoadedModel) -> None:
         ModelRunner(tiny.model, kv)
     with pytest.raises(ValueError, match="unknown kernel backend"):
         ModelRunner(tiny.model, _runner(tiny).kv_pages, backend="cuda-magic")
+
+
+def _windowed_runner() -> ModelRunner:
+    """Qwen2-style: layer 0 full attention, layer 1 a 6-token window (shorter than a page)."""
+    args = random_preset("tiny", family="qwen2", qkv_bias=True, sliding_window=6, full_attention_layers=(0,))
+    model = LlamaForCausalLM(args)
+    model.load_hf_state_dict(random_hf_state_dict(args, seed=9))
+    kv = KVPages.for_model(args, num_pages=NUM_PAGES, block_size=BLOCK, dtype=torch.float32, device="cpu")
+    return ModelRunner(model, kv, backend="torch")
+
+
+def test_windowed_layers_chunked_prefill_and_ragged_decode() -> None:
+    runner = _windowed_runner()
+    assert runner.layer_windows == [None, 6]
+    prompts = [_prompt(29, 5), _prompt(11, 6)]
+    pages = [runner.kv_pages.allocator.allocate(5, f"s{i}") for i in range(2)]
+    full = _prefill(runner, [PrefillSeq(prompts[0], 0, pages[0])], return_all_logits=True)
+    chunked = [_prefill(runner, [chunk], return_all_logits=True)
+               for chunk in split_prefill_chunks(PrefillSeq(prompts[0], 0, pages[0]), max_chunk_tokens=7)]
+    torch.testing.assert_close(torch.cat(chunked), full, atol=1e-5, rtol=0)
+    _prefill(runner, [PrefillSeq(prompts[1], 0, pages[1])])
+    seqs = [DecodeSeq(9, len(p), pg) for p, pg in zip(prompts, pages)]
+    together = runner.decode(build_decode_batch(seqs, block_size=BLOCK, num_pages=NUM_PAGES, device="cpu"))
+    for i, seq in enumerate(seqs):
+        alone = runner.decode(build_decode_batch([seq], block_size=BLOCK, num_pages=NUM_PAGES, device="cpu"))
+        torch.testing.assert_close(together[i: i + 1], alone, atol=1e-5, rtol=0)
+
+
+def test_a_window_longer_than_the_sequence_changes_nothing() -> None:
+    runner = _windowed_runner()
+    args = runner.model.args
+    unwindowed = LlamaForCausalLM(replace(args, sliding_window=None, full_attention_layers=()))
+    unwindowed.load_hf_state_dict(random_hf_state_dict(args, seed=9))
+    plain = ModelRunner(unwindowed, KVPages.for_model(args, num_pages=NUM_PAGES, block_size=BLOCK,
+                                                      dtype=torch.float32, device="cpu"), backend="torch")
+    for length, is_equal in ((6, True), (7, False)):
+        seq = PrefillSeq(_prompt(length), 0, [0])
+        same = torch.allclose(_prefill(runner, [seq]), _prefill(plain, [seq]), atol=1e-6, rtol=0)
+        assert same == is_equal, length

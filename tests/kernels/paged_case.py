@@ -54,8 +54,10 @@ def dense_kv(pages: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -
     return torch.stack(rows)
 
 
-def naive_attention(case: PagedCase, scale: float) -> torch.Tensor:
-    """Dense causal softmax attention in float64, one sequence at a time -> [T, H, D] float64."""
+def naive_attention(case: PagedCase, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """Dense causal softmax attention in float64, one sequence at a time -> [T, H, D] float64.
+
+    With sliding_window W the query at position p sees keys p - W + 1 .. p only."""
     num_heads = case.q.shape[1]
     out = torch.empty(case.q.shape, dtype=torch.float64)
     for s, seq_len in enumerate(case.seq_lens.tolist()):
@@ -67,6 +69,9 @@ def naive_attention(case: PagedCase, scale: float) -> torch.Tensor:
         q = case.q[start:end].double()  # [n, H, D]
         scores = torch.einsum("nhd,lhd->hnl", q, k) * scale
         positions = torch.arange(seq_len - (end - start), seq_len)
-        scores[:, positions[:, None] < torch.arange(seq_len)[None, :]] = float("-inf")
+        keys = torch.arange(seq_len)[None, :]
+        scores[:, positions[:, None] < keys] = float("-inf")
+        if sliding_window is not None:
+            scores[:, keys <= positions[:, None] - sliding_window] = float("-inf")
         out[start:end] = torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
     return out

@@ -57,3 +57,14 @@ def test_bad_shapes_raise_clear_errors() -> None:
         kernels.store_kv(kv, kv, case.k_pages, case.v_pages, torch.zeros(4, dtype=torch.int64))
     with pytest.raises(ValueError, match="src must be"):
         kernels.scatter_blocks(case.k_pages[:2], case.k_pages, torch.tensor([0]))
+
+
+@pytest.mark.parametrize("sliding_window", [0, -3, True])
+def test_bad_sliding_window_is_named(sliding_window: int) -> None:
+    case = make_case([5], [5], 4, 2, 16, 16, torch.float32)
+    with pytest.raises(ValueError, match="sliding_window must be None or a positive"):
+        kernels.prefill_attention(case.q, case.k_pages, case.v_pages, case.block_tables, case.cu_seqlens_q,
+                                  case.seq_lens, 1.0, sliding_window=sliding_window)
+    with pytest.raises(ValueError, match="sliding_window must be None or a positive"):
+        kernels.plan_decode_attention(case.block_tables, case.seq_lens, 16, torch.float32,
+                                      sliding_window=sliding_window)

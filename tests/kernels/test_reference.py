@@ -37,6 +37,35 @@ def test_decode_matches_dense(num_heads: int, num_kv_heads: int, seq_lens: list[
     torch.testing.assert_close(out.double(), naive_attention(case, SCALE), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("sliding_window", [1, 7, 16, 40, 500])  # one key, within a page, a page, pages, all
+@pytest.mark.parametrize("seq_lens,num_new", [([37, 100, 5, 64], [37, 20, 1, 64]), ([90], [1])])
+def test_sliding_window_prefill_matches_dense(sliding_window: int, seq_lens: list[int], num_new: list[int]) -> None:
+    case = make_case(seq_lens, num_new, 6, 2, HEAD_DIM, BLOCK_SIZE, torch.float32, seed=1)
+    out = reference.prefill_attention(case.q, case.k_pages, case.v_pages, case.block_tables, case.cu_seqlens_q,
+                                      case.seq_lens, SCALE, sliding_window)
+    torch.testing.assert_close(out.double(), naive_attention(case, SCALE, sliding_window), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sliding_window", [1, 7, 16, 40, 500])
+@pytest.mark.parametrize("seq_lens", [[37, 100, 1, 64], [300, 3, 17, 5], [40, 40, 40]])
+def test_sliding_window_decode_matches_dense(sliding_window: int, seq_lens: list[int]) -> None:
+    case = make_case(seq_lens, [1] * len(seq_lens), 6, 2, HEAD_DIM, BLOCK_SIZE, torch.float32, seed=2)
+    plan = reference.plan_decode(case.block_tables, case.seq_lens, BLOCK_SIZE, torch.float32, sliding_window)
+    out = reference.decode_attention(case.q, case.k_pages, case.v_pages, case.block_tables, case.seq_lens, SCALE,
+                                     plan, sliding_window)
+    torch.testing.assert_close(out.double(), naive_attention(case, SCALE, sliding_window), atol=1e-5, rtol=1e-5)
+    # only the pages holding the window are gathered: at most ceil(W / B) + 1 per sequence
+    widths = [plan.max_len] if not plan.parts else [part.max_len for part in plan.parts]
+    assert max(widths) <= min(max(seq_lens), (sliding_window // BLOCK_SIZE + 2) * BLOCK_SIZE)
+
+
+def test_decode_plan_for_another_window_is_rejected() -> None:
+    case = make_case([20, 21], [1, 1], 4, 2, HEAD_DIM, BLOCK_SIZE, torch.float32)
+    plan = reference.plan_decode(case.block_tables, case.seq_lens, BLOCK_SIZE, torch.float32, 8)
+    with pytest.raises(ValueError, match="plan is for sliding window 8"):
+        reference.decode_attention(case.q, case.k_pages, case.v_pages, case.block_tables, case.seq_lens, SCALE, plan)
+
+
 @pytest.mark.parametrize("seq_lens", [[37, 100, 1, 64], [300, 3, 17, 5], [40, 40, 40]])
 def test_decode_plan_reused_across_layers_equals_planning_each_call(seq_lens: list[int]) -> None:
     case = make_case(seq_lens, [1] * len(seq_lens), 6, 2, HEAD_DIM, BLOCK_SIZE, torch.float32)

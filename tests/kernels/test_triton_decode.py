@@ -6,7 +6,7 @@ import torch
 from mooncaked import kernels
 from mooncaked.kernels import triton_decode
 from mooncaked.kernels.triton_decode import DecodeTiles
-from tests.kernels.paged_case import PagedCase, make_case
+from tests.kernels.paged_case import PagedCase, make_case, naive_attention
 from tests.triton_mode import needs_triton_interpreter
 
 pytestmark = needs_triton_interpreter
@@ -56,3 +56,13 @@ def test_num_splits_fill_the_device_but_stay_long() -> None:
     assert triton_decode.choose_num_splits(q, num_kv_heads=8, max_tokens=32768) == 2
     assert triton_decode.choose_num_splits(q, num_kv_heads=1, max_tokens=300) == 2
     assert triton_decode.choose_num_splits(torch.empty(64, 32, 128), num_kv_heads=8, max_tokens=32768) == 1
+
+
+@pytest.mark.parametrize("sliding_window", [1, 20, 64, 500])
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_decode_sliding_window(sliding_window: int, num_splits: int | None) -> None:
+    case = make_case(SEQ_LENS, [1] * len(SEQ_LENS), 6, 2, HEAD_DIM, BLOCK_SIZE, torch.float32, seed=7)
+    tiles = DecodeTiles(block_n=16, num_warps=4, num_stages=1, num_splits=num_splits)
+    out = triton_decode.decode_attention(case.q, case.k_pages, case.v_pages, case.block_tables, case.seq_lens,
+                                         SCALE, tiles, sliding_window)
+    torch.testing.assert_close(out.double(), naive_attention(case, SCALE, sliding_window), atol=1e-5, rtol=1e-5)

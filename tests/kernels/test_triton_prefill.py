@@ -6,7 +6,7 @@ import torch
 from mooncaked import kernels
 from mooncaked.kernels import triton_prefill
 from mooncaked.kernels.triton_prefill import PrefillTiles
-from tests.kernels.paged_case import PagedCase, make_case
+from tests.kernels.paged_case import PagedCase, make_case, naive_attention
 from tests.triton_mode import needs_triton_interpreter
 
 pytestmark = needs_triton_interpreter
@@ -68,3 +68,15 @@ def test_prefill_head_dim_not_a_power_of_two() -> None:
         backend="torch",
     )
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sliding_window", [1, 5, 16, 33, 500])  # below, at, above a tile; longer than all
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 8), (16, 32)])
+def test_prefill_sliding_window(sliding_window: int, block_m: int, block_n: int) -> None:
+    case = make_case(SEQ_LENS, NUM_NEW, 6, 2, HEAD_DIM, BLOCK_SIZE, torch.float32, seed=6)
+    tiles = PrefillTiles(block_m=block_m, block_n=block_n, num_warps=4, num_stages=1)
+    out = triton_prefill.prefill_attention(case.q, case.k_pages, case.v_pages, case.block_tables,
+                                           case.cu_seqlens_q, case.seq_lens, SCALE, tiles, sliding_window)
+    expected = naive_attention(case, SCALE, sliding_window)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)

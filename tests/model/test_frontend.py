@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mooncaked.model.config import random_preset
-from mooncaked.model.llama import random_hf_state_dict
+from mooncaked.model.weight_names import random_hf_state_dict
 from mooncaked.model.loader import load_frontend, load_model, num_parameters
 
 

@@ -10,7 +10,8 @@ from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.model import packed_gemm
 from mooncaked.model.config import RopeScaling, random_preset
-from mooncaked.model.llama import LlamaForCausalLM, random_hf_state_dict
+from mooncaked.model.llama import LlamaForCausalLM
+from mooncaked.model.weight_names import random_hf_state_dict
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,7 +13,7 @@ from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.model.chat_template import CHATML_TEMPLATE
 from mooncaked.model.config import random_preset
-from mooncaked.model.llama import random_hf_state_dict
+from mooncaked.model.weight_names import random_hf_state_dict
 from mooncaked.model.loader import LoadedModel, load_model
 from mooncaked.model.tokenizer import byte_level_test_tokenizer
 

@@ -48,3 +48,14 @@ def test_byte_level_test_tokenizer_round_trips_any_text() -> None:
     ids = tok.encode(text)
     assert ids[-1] == 2 and max(ids) < tok.vocab_size
     assert tok.decode(ids, skip_special_tokens=False) == text
+
+
+@pytest.mark.parametrize("pre, expected", [
+    ("qwen2", ["abc", "Ġ", "1", "2", "3", "4", "5"]),  # digits one at a time
+    ("llama-bpe", ["abc", "Ġ", "123", "45"]),  # up to three digits
+    ("default", ["abc", "Ġ12345"]),
+])
+def test_gguf_pre_tokenizers_split_digits_like_their_models(pre: str, expected: list[str]) -> None:
+    from mooncaked.model.tokenizer_gguf import gguf_pre_tokenizer
+
+    assert [piece for piece, _ in gguf_pre_tokenizer(pre).pre_tokenize_str("abc 12345")] == expected

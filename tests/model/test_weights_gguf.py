@@ -24,7 +24,7 @@ def test_unpermute_inverts_llama_cpp_permutation(num_heads: int) -> None:
 def test_tensor_names() -> None:
     assert hf_tensor_name("blk.12.ffn_gate.weight") == "model.layers.12.mlp.gate_proj.weight"
     assert hf_tensor_name("output_norm.weight") == "model.norm.weight"
-    with pytest.raises(ValueError, match="not part of a llama model"):
+    with pytest.raises(ValueError, match="not part of a llama, qwen2 or qwen3 model"):
         hf_tensor_name("blk.0.ssm_conv.weight")
 
 

@@ -95,7 +95,10 @@ async def test_completions_chat_stop_strings_and_prefix_reuse(tmp_path: Path) ->
         async with http.get(url(config, "/v1/cluster")) as response:
             cluster = await response.json()
         assert cluster["prefix_blocks"]["reused_local"] == 8 and cluster["index"]["num_keys"] >= 4
-        assert cluster["scheduler"]["num_predictor_samples"]["prefill"] == 4  # one per PREFILL reply
+        # the instances profiled themselves and report their fitted models; every served request is scored
+        assert all(i["model"]["prefill_coefficients"] for i in cluster["instances"])
+        assert cluster["scheduler"]["num_model_reports"] >= 2
+        assert cluster["predictions"]["ttft"]["recent"]["count"] == 4
         assert {i["name"]: i["is_up"] for i in cluster["instances"]} == {"p0": True, "d0": True}
         async with http.get(url(config, "/metrics")) as response:
             metrics = await response.text()
@@ -209,7 +212,7 @@ async def test_a_prefix_on_another_host_is_fetched_then_served_locally(tmp_path:
         instance("s2", "store", "127.0.0.2"), instance("p2", "prefill", "127.0.0.2"),
         instance("s3", "store", "127.0.0.3"), instance("p3", "prefill", "127.0.0.3"),
         instance("s4", "store", "127.0.0.4"), instance("d0", "decode", "127.0.0.4"), instance("c0", "conductor"),
-    ], worker={"inline_prefill_max_tokens": 0}, rpc={"connect_timeout_s": 0.3})
+    ], worker={"inline_prefill_max_tokens": 0, "profile_s": 0}, rpc={"connect_timeout_s": 0.3})  # unprofiled: a tie
     tokens = prompt(6, 70)
     _, text = expected_text(tokens, 3)
     body = {"prompt": tokens, "max_tokens": 3, **GREEDY}
@@ -275,8 +278,9 @@ async def test_a_prompt_predicted_to_break_the_ttft_slo_is_rejected_with_429(tmp
     samples = [[n, p, 0.01 * (n - p)] for n in (100, 200, 400, 800) for p in (0, n // 2)]
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({"prefill": samples}))
+    # unprofiled instances report no model of their own, so the conductor predicts with the profile file
     config = make_config(tmp_path, scheduler={"prefill_profile": str(profile), "ttft_slo_ms": 1500.0},
-                         conductor={"retry_after_s": 3})
+                         conductor={"retry_after_s": 3}, worker={"profile_s": 0})
     async with running_roles(config, ["s0", "p0", "d0", "c0"]), aiohttp.ClientSession() as http:
         short = await completion(http, config, {"prompt": prompt(8, 40), "max_tokens": 2, **GREEDY})
         assert short["usage"]["completion_tokens"] == 2

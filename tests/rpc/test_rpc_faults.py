@@ -141,7 +141,12 @@ async def test_a_thousand_bad_frames_never_disturb_a_good_client(
     async def fuzz_one(i: int) -> None:
         peer = await RawPeer.open(port)
         if i % 3 == 0:
-            await peer.handshake()
+            try:
+                await peer.handshake()
+            except (ConnectionError, asyncio.IncompleteReadError):
+                # a loaded machine let its 0.5 s handshake deadline pass first: the server closed it, as it must
+                peer.close()
+                return
         peer.send_bytes(garbage_frame(rng, i))
         if i % 8 in _KINDS_THAT_CLOSE:
             assert await peer.is_closed_by_server()

@@ -77,3 +77,26 @@ def test_predicted_batch_and_selection():
     config = _policy("early_rejection_predicted").config
     choice = select_decode(1000, [FILLING, DRAINING], config, DECODE, now=100.0, ready_time=102.0)
     assert choice.view is DRAINING
+
+
+def test_predicted_ends_replace_the_uniform_decode_time():
+    # DRAINING's requests started 10 s ago: under t_d = 5 s they are gone by the request's ready time (now + 2);
+    # an output-length prediction says three of them still run until now + 30
+    still_running = DecodeInstanceView("d", "sd", 5, 5000, 64, 10**9, running_started_at=(90.0,) * 5,
+                                       running_tokens=(1000,) * 5, running_ends_at=(130.0,) * 3 + (95.0,) * 2)
+    assert predicted_batch(DRAINING, 102.0, 5.0) == (0, 0)
+    assert predicted_batch(still_running, 102.0, 5.0) == (3, 3000)
+    # FILLING's incoming requests decode for 5 s under t_d; predicted to finish after 0.5 s, they are gone at 102
+    short = DecodeInstanceView("d", "sd", 0, 0, 64, 10**9, incoming=FILLING.incoming,
+                               incoming_decode_s=(0.5,) * 5)
+    assert predicted_batch(FILLING, 102.0, 5.0) == (5, 5000) and predicted_batch(short, 102.0, 5.0) == (0, 0)
+
+
+def test_an_instance_predicts_with_its_own_reported_step_model():
+    slow = DecodeInstanceView("d", "sd", 1, 100, 64, 10**9, step_coefficients=(0.2, 0.0, 0.0))
+    rejected = _decide(slow, "early_rejection")
+    assert isinstance(rejected, Rejection) and rejected.predicted_tbt_s == pytest.approx(0.2)
+    fast = PrefillInstanceView("p", "sp", prefill_coefficients=(0.0, 0.1, -0.1, 0.0, 0.0, 0.0), overhead_s=0.05)
+    placed = schedule(REQUEST, [fast], [FILLING], ShadowIndex(), _policy("early_rejection"), 100.0)
+    assert isinstance(placed, Placement)
+    assert placed.predicted_prefill_s == pytest.approx(0.2) and placed.predicted_ttft_s == pytest.approx(0.25)

@@ -22,23 +22,29 @@ from mooncaked.logs import request_id_var
 from mooncaked.metrics import Metrics
 from mooncaked.model.chat_template import ChatTemplateError
 from mooncaked.roles.base import PeerClients
+from mooncaked.roles.conductor.cluster_info import describe_cluster
 from mooncaked.roles.conductor.cluster_view import ClusterView
 from mooncaked.roles.conductor.frontend import ConductorRequest, ModelFrontend, generation_state, sampling_spec
+from mooncaked.roles.conductor.prediction_errors import PredictionErrors
+from mooncaked.roles.conductor.leader import PdController
 from mooncaked.roles.conductor.request_run import RequestRun
 
 
 class ConductorBackend:
-    """Serves the HTTP layer. Owns nothing per request beyond each `RequestRun`; borrows the view and clients."""
+    """Serves the HTTP layer. Owns the prediction-error records and nothing per request beyond each `RequestRun`;
+    borrows the view and clients."""
 
     def __init__(self, config: Config, model: ModelFrontend, view: ClusterView, peers: PeerClients,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, controller: PdController | None = None) -> None:
         self.config = config
+        self.controller = controller
         self.model = model
         self.view = view
         self.peers = peers
         self.metrics = metrics
         self.namespace = model_namespace(model.model_id, config.model.dtype, config.kv.block_size)
         self.num_active = 0
+        self.prediction_errors = PredictionErrors(metrics.predictions)
 
     def model_ids(self) -> list[str]:
         return list(self.model.served_names)
@@ -97,11 +103,16 @@ class ConductorBackend:
               for role, workers in (("prefill", self.view.prefill), ("decode", self.view.decode))}
         is_ok = up["decode"] > 0 and (up["prefill"] > 0 or not self.view.prefill)
         return {"status": "ok" if is_ok else "unavailable", "instances_up": up,
-                "stores_up": sum(1 for f in self.view.followers.values() if f.is_up)}
+                "stores_up": sum(1 for f in self.view.followers.values() if f.is_up),
+                "membership": self.view.membership.status().as_dict(),
+                "leader": None if self.controller is None else self.controller.membership.leader()}
 
     async def cluster_info(self) -> dict[str, Any]:
-        info = await self.view.describe()
+        info = await describe_cluster(self.view)
         info["active_requests"] = self.num_active
+        info["predictions"] = self.prediction_errors.describe()
+        if self.controller is not None:
+            info["controller"] = self.controller.describe()
         return info
 
     def metrics_text(self) -> bytes:

@@ -9,31 +9,49 @@
    instance when no prefill instance is configured or the prompt's uncached part is small enough), then
    `begin()`, `prefill_done()`, `decode_started()` and `finish()` so the queue model (predicted prefill time
    of dispatched requests per prefill instance, placed requests per decode instance) stays current between
-   polls. `report_failure()` marks an instance down until its next successful poll.
-3. `stop()` cancels the followers and pollers and awaits them; the RPC clients belong to the caller.
+   polls. `report_failure()` marks an instance down until its next successful poll. Every LOAD reply carries
+   the instance's own fitted performance model, which `place()` predicts with (live_predictors.py); finished
+   requests teach the output-length predictor, which forecasts each decode instance's batch. A placement also
+   tells the replica tracker and the store recency (`mooncaked.sched.replicas`, `.store_recency`) where the
+   prompt's blocks are used; a background sender (`mooncaked.kv.spare_marks`) passes the tracker's spare marks
+   to the stores.
+3. Membership changes (membership.py) arrive while serving: a joining store gets a follower, a joining worker a
+   poller; one that leaves has them cancelled; one that is not `ready` (starting, draining) is polled but
+   receives no new work; one whose role changed is removed and added again under its new role.
+4. `stop()` cancels the followers, pollers and sender and awaits them; the RPC clients belong to the caller.
 
-Owner of the shadow index, the per-instance states, the in-flight table and the live predictors. All of it is
-rebuilt from the stores' dumps, the workers' LOAD replies and new measurements when the conductor restarts.
+Owner of the shadow index, the per-instance states, the in-flight table, the live predictors and the output-length
+predictor. All but the last are rebuilt from the stores' dumps and the workers' LOAD replies when the conductor
+restarts; the output-length predictor starts again from its conservative prior (max_tokens).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from mooncaked.config import Config, InstanceConfig
 from mooncaked.kv import messages as kv_msg
+from mooncaked.kv.spare_marks import SpareMarkSender
+from mooncaked.membership import Membership, MemberRecord, StaticMembership, store_on_host
 from mooncaked.roles.base import PeerClients
+from mooncaked.roles.conductor.in_flight import InFlightTable
+from mooncaked.roles.conductor.instance_views import OutputForecast, WorkerState, decode_view, prefill_view
 from mooncaked.roles.conductor.live_predictors import LivePredictors
-from mooncaked.roles.worker.messages import LOAD, LoadReply, LoadRequest
 from mooncaked.roles.conductor.store_follower import FollowerSettings, StoreFollower
+from mooncaked.roles.worker.messages import LOAD, LoadReply, LoadRequest
 from mooncaked.rpc import RpcError
 from mooncaked.sched.admission import rejects_at_arrival, select_decode
 from mooncaked.sched.algorithm import SchedulerPolicy, schedule
+from mooncaked.sched.output_length import OutputLengthPredictor
+from mooncaked.sched.replicas import BlockCosts, ReplicaTracker
 from mooncaked.sched.shadow_index import ShadowIndex
+from mooncaked.sched.store_recency import StoreRecency
 from mooncaked.sched.types import (
     REASON_DECODE_FULL, REASON_NO_DECODE, REASON_NO_PREFILL, REASON_TBT_SLO, REASON_TTFT_SLO,
     DecodeInstanceView, Placement, PolicyConfig, PrefillInstanceView, Rejection, RequestInfo,
@@ -50,55 +68,48 @@ class ClusterViewSettings:
     poll_timeout_s: float  # one LOAD or store STATS call
     startup_timeout_s: float  # longest wait in start() for the first dumps and polls
     follower: FollowerSettings
-
-
-@dataclass
-class WorkerState:
-    instance: InstanceConfig
-    store_id: str  # the store on its host ("" when none is configured)
-    max_num_running: int
-    default_max_context_tokens: int  # until the first LOAD reply tells the real page count
-    load: LoadReply | None = None
-    is_up: bool = False
-    last_error: str = ""
-    has_polled: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-@dataclass
-class InFlight:
-    request_id: str
-    prefill_instance: str  # "" when prefilled inline on the decode instance
-    decode_instance: str
-    predicted_prefill_s: float
-    dispatched_at: float
-    ready_at: float  # predicted decode start
-    num_context_tokens: int
-    is_prefilled: bool = False
-    decode_started_at: float | None = None
+    spare_marks_interval_s: float = 0.5  # replication by_reuse: how often spare marks go to the stores
 
 
 class ClusterView:
-    """See the module docstring. Owns the index, the followers, the worker states and the in-flight table."""
+    """See the module docstring. Owns the index, the followers, the worker states, the in-flight table (`flights`),
+    the live predictors and the output-length predictor. GET /v1/cluster renders it (cluster_info.py)."""
 
     def __init__(self, config: Config, peers: PeerClients, policy_config: PolicyConfig,
-                 predictors: LivePredictors, settings: ClusterViewSettings) -> None:
+                 predictors: LivePredictors, settings: ClusterViewSettings,
+                 membership: Membership | None = None) -> None:
         self.config = config
+        self.membership = membership or StaticMembership(config)
         self.peers = peers
         self.policy_config = policy_config
         self.predictors = predictors
         self.settings = settings
         self.block_size = config.kv.block_size
         self.index = ShadowIndex()
-        self.followers = {s.name: StoreFollower(s, peers.for_instance(s), self.index, settings.follower)
-                          for s in config.instances_of("store")}
-        self.prefill = {i.name: self._worker_state(i) for i in config.instances_of("prefill")}
-        self.decode = {i.name: self._worker_state(i) for i in config.instances_of("decode")}
-        self._in_flight: dict[str, InFlight] = {}
+        self.followers: dict[str, StoreFollower] = {}
+        self.prefill: dict[str, WorkerState] = {}
+        self.decode: dict[str, WorkerState] = {}
+        self.known: dict[str, InstanceConfig] = {}  # every instance seen, for the legs of requests placed on it
+        self.flights = InFlightTable()
         self._tasks: list[asyncio.Task[None]] = []
+        self.replicas = ReplicaTracker(policy_config, self.index)
+        self.recency = StoreRecency(self.index) if policy_config.tie_break == "coldest_store" else None
+        self.spare_marks = SpareMarkSender(
+            self.replicas, lambda name: self.followers[name].client if name in self.followers else None,
+            lambda: BlockCosts.from_predictors(self.predictors.current, self.block_size), time.monotonic,
+            interval_s=settings.spare_marks_interval_s, timeout_s=settings.poll_timeout_s)
+        section = config.scheduler
+        self.output_lengths = OutputLengthPredictor(quantile=section.output_length_quantile)
+        self.forecast = OutputForecast(self.output_lengths, config.conductor.default_max_tokens,
+                                       section.predict_output_length)
+        self._member_tasks: dict[str, asyncio.Task[None]] = {}
+        self._is_started = False
+        for record in self.membership.members().values():
+            self._add_member(record)
         self.prefix_blocks = {"reused_local": 0, "reused_remote": 0, "computed": 0}  # this conductor's requests
 
     def _worker_state(self, instance: InstanceConfig) -> WorkerState:
-        store = self.config.store_for_host(instance.host)
+        store = store_on_host(self.membership, instance.host)
         section = self.config.role_section(instance)
         return WorkerState(instance, store.name if store else "", section.max_batch_size,
                            section.num_kv_pages * self.block_size)
@@ -108,11 +119,12 @@ class ClusterView:
         return [*self.prefill.values(), *self.decode.values()]
 
     async def start(self) -> None:
-        for name, follower in self.followers.items():
-            self.index.add_store(name)
-            self._tasks.append(asyncio.create_task(follower.run(), name=f"follow-{name}"))
-        for worker in self.workers:
-            self._tasks.append(asyncio.create_task(self._poll(worker), name=f"load-{worker.instance.name}"))
+        self._is_started = True
+        if self.replicas.is_active:
+            self._tasks.append(asyncio.create_task(self.spare_marks.run(), name="spare-marks"))
+        for name in [*self.followers, *self.prefill, *self.decode]:
+            self._start_member_task(name)
+        self.membership.add_listener(self._on_member)
         first_round = [f.has_tried.wait() for f in self.followers.values()]
         first_round += [w.has_polled.wait() for w in self.workers]
         try:
@@ -122,10 +134,82 @@ class ClusterView:
                            "what answered", self.settings.startup_timeout_s)
 
     async def stop(self) -> None:
-        tasks, self._tasks = self._tasks, []
+        self._is_started = False
+        tasks, self._tasks = self._tasks + list(self._member_tasks.values()), []
+        self._member_tasks = {}
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ---- membership -------------------------------------------------------------------------------------
+    def instance_config(self, name: str) -> InstanceConfig:
+        """The instance a request's leg goes to (also one that left since the request was placed)."""
+        instance = self.known.get(name)
+        if instance is None:
+            raise KeyError(f"no instance named {name!r} is known to this conductor")
+        return instance
+
+    def _on_member(self, name: str, old: MemberRecord | None, new: MemberRecord | None) -> None:
+        if old is not None and (new is None or (old.role, old.host, old.port, old.incarnation)
+                                != (new.role, new.host, new.port, new.incarnation)):
+            self._remove_member(name)
+        if new is None:
+            return
+        worker = self.prefill.get(name) or self.decode.get(name)
+        if worker is not None:
+            if worker.state != new.state:
+                logger.info("%s %s is %s", new.role, name, new.state)
+            worker.state = new.state
+        elif name not in self.followers and self._add_member(new):
+            logger.info("%s %s joined (%s:%d, %s)", new.role, name, new.host, new.port, new.state)
+            self._start_member_task(name)
+
+    def _add_member(self, record: MemberRecord) -> bool:
+        instance = record.instance_config()
+        if record.role == "store":
+            self.known[record.name] = instance
+            self.followers[record.name] = StoreFollower(instance, self.peers.for_instance(instance), self.index,
+                                                        self.settings.follower)
+            for worker in self.workers:
+                if worker.instance.host == record.host and not worker.store_id:
+                    worker.store_id = record.name
+            return True
+        if record.role not in ("prefill", "decode"):
+            return False
+        self.known[record.name] = instance
+        worker = self._worker_state(instance)
+        worker.state = record.state
+        (self.prefill if record.role == "prefill" else self.decode)[record.name] = worker
+        return True
+
+    def _start_member_task(self, name: str) -> None:
+        if not self._is_started:
+            return
+        follower = self.followers.get(name)
+        if follower is not None:
+            self.index.add_store(name)
+            self._member_tasks[name] = asyncio.create_task(follower.run(), name=f"follow-{name}")
+            return
+        worker = self.prefill.get(name) or self.decode.get(name)
+        if worker is not None:
+            self._member_tasks[name] = asyncio.create_task(self._poll(worker), name=f"load-{name}")
+
+    def _remove_member(self, name: str) -> None:
+        task = self._member_tasks.pop(name, None)
+        if task is not None:
+            task.cancel()
+            self._tasks.append(task)  # awaited by stop()
+            self._tasks = [t for t in self._tasks if not t.done()]
+        if self.followers.pop(name, None) is not None:
+            self.index.remove_store(name)
+            for worker in self.workers:
+                if worker.store_id == name:
+                    store = store_on_host(self.membership, worker.instance.host)
+                    worker.store_id = store.name if store is not None and store.name != name else ""
+        was_prefill = self.prefill.pop(name, None) is not None
+        self.predictors.forget(name)
+        if self.decode.pop(name, None) is not None or was_prefill:
+            logger.info("%s left", name)
 
     # ---- load polling -------------------------------------------------------------------------------------
     async def _poll(self, worker: WorkerState) -> None:
@@ -147,9 +231,8 @@ class ClusterView:
     def _loaded(self, worker: WorkerState, reply: LoadReply) -> None:
         if not worker.is_up:
             logger.info("%s %s is up", worker.instance.role, worker.instance.name)
-        worker.load, worker.is_up, worker.last_error = reply, True, ""
-        if worker.instance.role == "decode" and reply.num_running > 0 and reply.step_time_s > 0:
-            self.predictors.add_decode(reply.num_running, reply.num_context_tokens, reply.step_time_s)
+        worker.load, worker.polled_at, worker.is_up, worker.last_error = reply, time.monotonic(), True, ""
+        self.predictors.report(worker.instance.name, reply.prefill_coefficients, reply.decode_coefficients)
 
     def report_failure(self, instance_name: str, reason: str) -> None:
         """Mark an instance down (a failed poll or request leg) until a LOAD call succeeds again."""
@@ -164,12 +247,24 @@ class ClusterView:
     def policy(self) -> SchedulerPolicy:
         return SchedulerPolicy(self.policy_config, self.predictors.current)
 
-    def place(self, request: RequestInfo, now: float) -> Placement | Rejection:
-        """Where the request runs; see the module docstring. `prefill_instance` "" means inline prefill."""
-        decode_views = [self._decode_view(w, now) for w in self.decode.values()]
+    def place(self, request: RequestInfo, now: float, excluded: frozenset[str] = frozenset()) -> Placement | Rejection:
+        """Where the request runs; see the module docstring. `prefill_instance` "" means inline prefill.
+        `excluded`: instances this request saw fail (a migration goes elsewhere). A placement is recorded as a
+        use of the prompt's blocks on the store where it prefills."""
+        result = self._place(request, now, excluded)
+        if isinstance(result, Placement):
+            worker = self.prefill.get(result.prefill_instance) or self.decode.get(result.decode_instance)
+            if worker is not None and worker.store_id:
+                self.replicas.note_use(worker.store_id, request.block_keys, result.num_prefix_blocks, now)
+                if self.recency is not None:
+                    self.recency.note_use(worker.store_id, request.block_keys, now)
+        return result
+
+    def _place(self, request: RequestInfo, now: float, excluded: frozenset[str]) -> Placement | Rejection:
+        decode_views = [self._decode_view(w, now, excluded) for w in self.decode.values()]
         if not self.prefill:
             return self._place_inline(request, decode_views, now, max_uncached=None)
-        prefill_views = [self._prefill_view(w, now) for w in self.prefill.values()]
+        prefill_views = [self._prefill_view(w, now, excluded) for w in self.prefill.values()]
         result = schedule(request, prefill_views, decode_views, self.index, self.policy(), now)
         if isinstance(result, Rejection):
             if result.reason != REASON_NO_PREFILL:
@@ -178,7 +273,7 @@ class ClusterView:
             return inline if isinstance(inline, Placement) else result
         decode = self.decode[result.decode_instance]
         if self._uncached_tokens(request, decode.store_id) <= self._inline_max(decode):
-            return self._place_inline(request, [self._decode_view(decode, now)], now, max_uncached=None)
+            return self._place_inline(request, [self._decode_view(decode, now, excluded)], now, max_uncached=None)
         return result
 
     def _inline_max(self, worker: WorkerState) -> int:
@@ -200,71 +295,38 @@ class ClusterView:
             return Rejection(request.request_id, REASON_NO_PREFILL)
         num_blocks = self.index.prefix_lengths(request.block_keys).get(decode.store_id, 0)
         num_prefix_tokens = min(num_blocks * self.block_size, request.num_prompt_tokens - 1)
-        prefill_s = predictors.prefill.predict(request.num_prompt_tokens, num_prefix_tokens)
+        prefill_s = self.predictors.prefill_for(decode.instance.name).predict(request.num_prompt_tokens,
+                                                                              num_prefix_tokens)
         tbt_s = choice.predicted_tbt_s
+        ttft_s = prefill_s + (decode.load.overhead_s if decode.load is not None else 0.0)
         if config.admission != "none":
-            if prefill_s > config.ttft_slo_s:
-                return Rejection(request.request_id, REASON_TTFT_SLO, prefill_s, tbt_s)
+            if ttft_s > config.ttft_slo_s:
+                return Rejection(request.request_id, REASON_TTFT_SLO, ttft_s, tbt_s)
             if rejects_at_arrival(config) and not choice.has_room:
-                return Rejection(request.request_id, REASON_DECODE_FULL, prefill_s, tbt_s)
+                return Rejection(request.request_id, REASON_DECODE_FULL, ttft_s, tbt_s)
             if rejects_at_arrival(config) and tbt_s > config.tbt_slo_s * config.decode_load_threshold:
-                return Rejection(request.request_id, REASON_TBT_SLO, prefill_s, tbt_s)
+                return Rejection(request.request_id, REASON_TBT_SLO, ttft_s, tbt_s)
         return Placement(request.request_id, "", decode.instance.name, num_blocks, num_blocks, None, 0,
-                         0.0, 0.0, prefill_s, prefill_s, tbt_s)
+                         0.0, 0.0, prefill_s, ttft_s, tbt_s)
 
-    def _prefill_view(self, worker: WorkerState, now: float) -> PrefillInstanceView:
+    def _prefill_view(self, worker: WorkerState, now: float, excluded: frozenset[str]) -> PrefillInstanceView:
         name = worker.instance.name
-        pending = sorted((f for f in self._in_flight.values() if f.prefill_instance == name and not f.is_prefilled),
-                         key=lambda f: f.dispatched_at)
-        busy_until = pending[0].dispatched_at + pending[0].predicted_prefill_s if pending else 0.0
-        queued_s = sum(f.predicted_prefill_s for f in pending[1:])
-        num_queued = len(pending)
-        if worker.load is not None and worker.load.num_queued_tokens > 0:  # other conductors' requests too
-            queued_s = max(queued_s, self.predictors.current.prefill.predict(worker.load.num_queued_tokens, 0))
-            num_queued = max(num_queued, worker.load.num_waiting)
-        return PrefillInstanceView(name, worker.store_id, busy_until, queued_s, num_queued, worker.is_up)
+        view = prefill_view(worker, self.flights.on_prefill(name), self.predictors, now)
+        if self.recency is not None:
+            view = dataclasses.replace(view, coldest_use=self.recency.coldest_use(worker.store_id))
+        return dataclasses.replace(view, is_available=False) if name in excluded else view
 
-    def _decode_view(self, worker: WorkerState, now: float) -> DecodeInstanceView:
-        mine = [f for f in self._in_flight.values() if f.decode_instance == worker.instance.name]
-        running = [f for f in mine if f.decode_started_at is not None]
-        started_at = [f.decode_started_at or now for f in running]
-        tokens = [f.num_context_tokens for f in running]
-        num_running, num_context_tokens = len(mine), sum(f.num_context_tokens for f in mine)
-        max_context_tokens = worker.default_max_context_tokens
-        load = worker.load
-        if load is not None:
-            max_context_tokens = load.num_pages * self.block_size
-            num_others = load.num_running - len(running)
-            if num_others > 0:  # requests of other conductors: assume they just started
-                other_tokens = max(load.num_context_tokens - sum(tokens), 0) // num_others
-                started_at += [now] * num_others
-                tokens += [other_tokens] * num_others
-            num_running = max(num_running, load.num_running + load.num_waiting)
-            num_context_tokens = max(num_context_tokens, load.num_context_tokens)
-        incoming = tuple((f.ready_at, f.num_context_tokens) for f in mine if f.decode_started_at is None)
-        return DecodeInstanceView(worker.instance.name, worker.store_id, num_running, num_context_tokens,
-                                  worker.max_num_running, max_context_tokens, tuple(started_at), tuple(tokens),
-                                  incoming, worker.is_up)
+    def _decode_view(self, worker: WorkerState, now: float, excluded: frozenset[str]) -> DecodeInstanceView:
+        name = worker.instance.name
+        view = decode_view(worker, self.flights.on_decode(name), self.predictors, self.forecast, self.block_size, now)
+        return dataclasses.replace(view, is_available=False) if name in excluded else view
 
-    # ---- the queue model ----------------------------------------------------------------------------------
-    def begin(self, request: RequestInfo, placement: Placement, now: float) -> None:
-        self._in_flight[request.request_id] = InFlight(
-            request.request_id, placement.prefill_instance, placement.decode_instance,
-            placement.predicted_prefill_s, now, now + placement.predicted_ttft_s, request.num_prompt_tokens,
-            is_prefilled=not placement.prefill_instance)
-
-    def prefill_done(self, request_id: str) -> None:
-        flight = self._in_flight.get(request_id)
-        if flight is not None:
-            flight.is_prefilled = True
-
-    def decode_started(self, request_id: str, now: float) -> None:
-        flight = self._in_flight.get(request_id)
-        if flight is not None:
-            flight.is_prefilled, flight.decode_started_at = True, now
-
-    def finish(self, request_id: str) -> None:
-        self._in_flight.pop(request_id, None)
+    def observe_output_length(self, max_tokens: int, num_prompt_tokens: int, client_id: str,
+                              num_output_tokens: int) -> None:
+        """A request that ended by itself (EOS, stop, max_tokens): a sample of the output-length predictor (a
+        cancelled or failed request's length says nothing about its own end)."""
+        self.output_lengths.observe(api_key=client_id, max_tokens=max_tokens, num_prompt_tokens=num_prompt_tokens,
+                                    num_output_tokens=num_output_tokens)
 
     def record_prefix(self, *, num_local: int, num_remote: int, num_computed: int) -> None:
         self.prefix_blocks["reused_local"] += num_local
@@ -272,47 +334,4 @@ class ClusterView:
         self.prefix_blocks["computed"] += num_computed
 
     def num_waiting(self) -> tuple[int, int]:
-        """(requests waiting for or in prefill, requests placed on decode that have not started decoding)."""
-        flights = self._in_flight.values()
-        return (sum(1 for f in flights if not f.is_prefilled),
-                sum(1 for f in flights if f.decode_started_at is None))
-
-    # ---- GET /v1/cluster ----------------------------------------------------------------------------------
-    async def describe(self) -> dict[str, Any]:
-        stats = await asyncio.gather(*(self._store_stats(f) for f in self.followers.values()))
-        stores = [{"name": f.store.name, "host": f.store.host, "is_up": f.is_up, "last_seq": f.last_seq,
-                   "num_resyncs": f.num_resyncs, "num_indexed_blocks": self.index.num_blocks(f.store.name),
-                   "stats": s, "last_error": f.last_error} for f, s in zip(self.followers.values(), stats)]
-        prefill_waiting, decode_incoming = self.num_waiting()
-        return {
-            "instances": [self._describe_worker(w) for w in self.workers],
-            "stores": stores,
-            "prefix_blocks": dict(self.prefix_blocks),
-            "index": {"num_keys": self.index.num_keys, "stale_stores": sorted(self.index.stale_stores())},
-            "in_flight": {"total": len(self._in_flight), "prefill_waiting": prefill_waiting,
-                          "decode_incoming": decode_incoming},
-            "scheduler": {"policy": self.policy_config.scheduler, "admission": self.policy_config.admission,
-                          "num_predictor_refits": self.predictors.num_refits,
-                          "num_predictor_samples": self.predictors.num_samples()},
-        }
-
-    def _describe_worker(self, worker: WorkerState) -> dict[str, Any]:
-        load = worker.load
-        return {"name": worker.instance.name, "role": worker.instance.role, "host": worker.instance.host,
-                "port": worker.instance.port, "store": worker.store_id, "is_up": worker.is_up,
-                "last_error": worker.last_error,
-                "load": None if load is None else {
-                    "num_running": load.num_running, "num_waiting": load.num_waiting,
-                    "num_queued_tokens": load.num_queued_tokens, "num_free_pages": load.num_free_pages,
-                    "num_pages": load.num_pages, "step_time_s": load.step_time_s,
-                    "num_context_tokens": load.num_context_tokens}}
-
-    async def _store_stats(self, follower: StoreFollower) -> dict[str, int] | None:
-        if not follower.is_up:
-            return None
-        try:
-            reply = await follower.client.call(kv_msg.STATS, kv_msg.StatsRequest(),
-                                               timeout_s=self.settings.poll_timeout_s)
-        except RpcError:
-            return None
-        return dict(reply.counters)
+        return self.flights.num_waiting()

@@ -1,56 +1,46 @@
-"""One request's legs across the cluster, driven by `ConductorBackend.generate` (DESIGN section 3).
+"""One request across the cluster, driven by `ConductorBackend.generate` (DESIGN section 3).
 
-1. Place it (`ClusterView.place`): a Rejection is a 429 with Retry-After, or a 503 when no instance of a
-   needed role is up.
-2. RESERVE on the decode instance (a refusal is a 429).
-3. PREFILL on the prefill instance (fetching a remote prefix first when placed so); the first token goes out at
-   once. Placed inline, DECODE prefills on the decode instance itself.
-4. DECODE streams the rest; text and stop strings are handled here (`GenerationState`); a matched stop string
+1. An attempt (`Leg`, leg.py) places the request (a Rejection is a 429 with Retry-After, or a 503 when no
+   instance of a needed role is up), RESERVEs on the decode instance (under admission `none` and `baseline` it
+   waits for room) and PREFILLs (fetching a remote prefix first when placed so); the first token goes out at
+   once, with the placement's predicted TTFT and TBT. Placed inline, DECODE prefills on the decode instance.
+   Under `baseline` the decode instance checks its load only when DECODE arrives, so the first token waits for
+   DECODE's first item: a refusal there is a 429 and the prefill was wasted (paper section 6).
+2. DECODE streams the rest; text and stop strings are handled here (`GenerationState`); a matched stop string
    ends the request and closes the stream, which cancels it on the decode instance.
-5. Settle, however the request ended: close the open leg (cancelling it remotely); when the first token
-   already ended the request, DECODE still runs (max_tokens 1) so the decode instance commits the blocks the
-   prefill wrote there; when a reservation may be held but DECODE was never sent (prefill failed, client gone,
-   deadline), UNRESERVE it; then settle the view's queue model and the metrics.
-
-Each leg has its deadline (prefill_timeout_s, first_token_timeout_s, token_timeout_s).
+3. Migration: when a leg fails in a way another instance may not (killed, unreachable, stopping, past its
+   deadline), the attempt is settled and a new one serves the prompt plus every token already streamed, with
+   the tokens left and the seed state (tokens sampled so far), on other instances, reusing the prefix KV the
+   stores hold. The client's stream goes on: no token repeated or missing, usage counted once. At most
+   `conductor.max_migrations` times; then, or with no instance left, the client gets the error.
+4. Settle, however the request ended: settle the open attempt, teach the output-length predictor a naturally
+   ended request's length, record how far the predictions were from what happened, and count it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from mooncaked.api.backend import GenerationChunk, TokenLogprob
-from mooncaked.api.errors import ApiError, deadline_exceeded, internal_error, overloaded, unavailable
+from mooncaked.api.errors import ApiError
 from mooncaked.config import Config
+from mooncaked.kv.keys import block_keys
 from mooncaked.logs import request_id_var
 from mooncaked.metrics import Metrics
 from mooncaked.model.stopping import FINISH_LENGTH, FINISH_STOP, GenerationState
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.cluster_view import ClusterView
 from mooncaked.roles.conductor.frontend import ConductorRequest, ModelFrontend
-from mooncaked.roles.worker.messages import (
-    DECODE, FINISH_EOS, PREFILL, RESERVE, UNRESERVE, DecodeItem, DecodeRequest, PrefillReply, PrefillRequest,
-    ReserveReply, ReserveRequest, SamplingSpec, TokenSample, UnreserveRequest,
-)
-from mooncaked.rpc import Cancelled, DeadlineExceeded, ResourceExhausted, RpcClient, RpcError, Unavailable
-from mooncaked.sched.types import REASON_NO_DECODE, REASON_NO_PREFILL, Placement, Rejection, RequestInfo
+from mooncaked.roles.conductor.leg import Leg, LegFailed, LegWork, Rejected
+from mooncaked.roles.conductor.prediction_errors import PredictionErrors, PredictionRecord
+from mooncaked.roles.worker.messages import FINISH_EOS, PrefillReply, SamplingSpec, TokenSample
+from mooncaked.sched.types import Placement
 
 logger = logging.getLogger(__name__)
-
-UNRESERVE_TIMEOUT_S = 2.0  # cleanup only: an unclaimed reservation also ends with its lease
-
-
-_REJECTION_TEXT = {
-    "ttft_slo": "predicted time to first token {ttft:.2f} s is over its SLO",
-    "tbt_slo": "predicted time between tokens {tbt:.3f} s is over its SLO",
-    "decode_full": "every decode instance is full",
-    "decode_refused_after_prefill": "the decode instance refused the request",
-}
 
 
 class RunServices(Protocol):
@@ -61,13 +51,15 @@ class RunServices(Protocol):
     view: ClusterView
     peers: PeerClients
     metrics: Metrics
+    prediction_errors: PredictionErrors
+    namespace: bytes
     num_active: int
 
     def update_queue_metrics(self) -> None: ...
 
 
 class RequestRun:
-    """One request's legs. Owns its DECODE stream and `GenerationState` until `chunks()` is closed."""
+    """One request. Owns its current `Leg`, its `GenerationState` and its migration count until `chunks()` closes."""
 
     def __init__(self, backend: RunServices, prepared: ConductorRequest, state: GenerationState,
                  sampling: SamplingSpec) -> None:
@@ -78,38 +70,35 @@ class RequestRun:
         self.request_id = prepared.request_id
         self.state = state
         self.sampling = sampling  # max_tokens is the request's; a leg may ask for fewer
-        self.placement: Placement | None = None
-        self.decode_stream: AsyncIterator[DecodeItem] | None = None
-        self.is_decode_owed = False  # the first token ended the request: DECODE still runs, to commit and free
-        self.may_hold_reservation = False  # RESERVE was sent and not refused: the decode instance may hold one
-        self.is_decode_sent = False  # DECODE went out: the decode instance frees the reservation itself
-        self.num_decode_items = 0
+        self.leg: Leg | None = None
+        self.first_placement: Placement | None = None
+        self.failed_instances: set[str] = set()
+        self.num_migrations = 0
         self.num_cached_tokens = 0
         self.first_token_at: float | None = None
+        self.last_token_at = 0.0
         self.status = "cancelled"  # until the request finishes or fails
 
     async def chunks(self) -> AsyncIterator[GenerationChunk]:
         request_id_var.set(self.request_id)
         self.backend.num_active += 1
         try:
-            placement = self._place()
-            reservation = await self._reserve(placement)
-            if placement.prefill_instance:
-                first = await self._prefill(placement, reservation)
-                yield first
-                if first.finish_reason is not None:
-                    return
-            else:
-                self._open_decode(None, self.prepared.max_tokens)
             while True:
-                chunk = await self._next_decode_chunk()
-                if chunk is not None:
-                    yield chunk
-                    if chunk.finish_reason is not None:
-                        return
+                self.leg = Leg(self.config, self.view, self.backend.peers, self._work())
+                try:
+                    async for chunk in self._serve(self.leg):
+                        yield chunk
+                    return
+                except LegFailed as failure:
+                    await self._migrate(failure)
+        except Rejected as rejection:
+            self._reject(rejection.reason)
+            raise rejection.error from None
+        except LegFailed as failure:
+            self.status = "timeout" if failure.error.status == 504 else "failed"
+            raise failure.error from None
         except ApiError as error:
-            if self.status != "rejected":
-                self.status = "timeout" if error.status == 504 else "failed"
+            self.status = "timeout" if error.status == 504 else "failed"
             raise
         except Exception:
             self.status = "failed"
@@ -117,104 +106,78 @@ class RequestRun:
         finally:
             await self._settle()
 
-    # ---- legs ---------------------------------------------------------------------------------------------
-    def _place(self) -> Placement:
-        prepared = self.prepared
-        info = RequestInfo(self.request_id, prepared.num_prompt_tokens, prepared.block_keys, prepared.arrival_time)
-        now = time.monotonic()
-        result = self.view.place(info, now)
-        if isinstance(result, Rejection):
-            raise self._rejected(result)
-        self.view.begin(info, result, now)
-        self.placement = result
+    def _work(self) -> LegWork:
+        """The first attempt serves the prompt; a migrated one the prompt plus every token already streamed."""
+        prepared, output = self.prepared, tuple(self.state.output_ids)
+        sampling = dataclasses.replace(self.sampling, max_tokens=prepared.max_tokens - len(output),
+                                       num_sampled=len(output))
+        leg_id = self.request_id if not self.num_migrations else f"{self.request_id}~{self.num_migrations}"
+        token_ids = prepared.prompt_token_ids + output
+        keys = prepared.block_keys if not output else tuple(
+            block_keys(list(token_ids), self.config.kv.block_size, self.backend.namespace))
+        return LegWork(leg_id, token_ids, keys, sampling, prepared.arrival_time, prepared.max_tokens,
+                       prepared.request.client_id)
+
+    async def _serve(self, leg: Leg) -> AsyncIterator[GenerationChunk]:
+        placement = leg.place(frozenset(self.failed_instances))
+        self.first_placement = self.first_placement or placement
         self.backend.update_queue_metrics()
-        logger.debug("placed: prefill %s, decode %s, prefix %d blocks (%d local, fetch %s), predicted TTFT %.3f s",
-                     result.prefill_instance or "inline", result.decode_instance, result.num_prefix_blocks,
-                     result.num_local_prefix_blocks, result.fetch_from_store, result.predicted_ttft_s)
-        return result
+        reservation = await leg.reserve()
+        if placement.prefill_instance:
+            reply = await leg.prefill(reservation)
+            self._record_prefill(reply)
+            chunk = self._make_chunk([reply.first_token], "")
+            assert chunk is not None
+            leg.is_decode_owed = chunk.finish_reason is not None
+            leg.open_decode(reply.first_token, 1 if leg.is_decode_owed else leg.work.sampling.max_tokens)
+            self.backend.update_queue_metrics()
+            admitted = await self._admitted_after_prefill(leg) if chunk.finish_reason is None else None
+            yield chunk
+            if chunk.finish_reason is not None:
+                return
+            if admitted is not None:
+                yield admitted
+                if admitted.finish_reason is not None:
+                    return
+        else:
+            leg.open_decode(None, leg.work.sampling.max_tokens)
+            self.backend.update_queue_metrics()
+        while True:
+            next_chunk = await self._next_chunk(leg)
+            if next_chunk is not None:
+                yield next_chunk
+                if next_chunk.finish_reason is not None:
+                    return
 
-    def _rejected(self, rejection: Rejection) -> ApiError:
-        self.status = "rejected"
-        self.backend.metrics.requests.observe_rejection(rejection.reason)
-        logger.info("rejected: %s (predicted TTFT %.3f s, TBT %.3f s)", rejection.reason,
-                    rejection.predicted_ttft_s, rejection.predicted_tbt_s)
-        if rejection.reason in (REASON_NO_PREFILL, REASON_NO_DECODE):
-            role = "prefill" if rejection.reason == REASON_NO_PREFILL else "decode"
-            return unavailable(f"No {role} instance is up; retry shortly.")
-        text = _REJECTION_TEXT.get(rejection.reason, rejection.reason)
-        reason = text.format(ttft=rejection.predicted_ttft_s, tbt=rejection.predicted_tbt_s)
-        return overloaded(reason, float(self.config.conductor.retry_after_s))
+    async def _admitted_after_prefill(self, leg: Leg) -> GenerationChunk | None:
+        """`baseline`: DECODE's first item (the decode instance's admission check happens on its arrival)."""
+        if self.config.scheduler.admission != "baseline":
+            return None
+        return await self._next_chunk(leg)
 
-    async def _reserve(self, placement: Placement) -> ReserveReply:
-        prepared, conductor = self.prepared, self.config.conductor
-        lease_s = conductor.prefill_timeout_s + self.config.rpc.call_timeout_s
-        request = ReserveRequest(self.request_id, list(prepared.block_keys), prepared.num_prompt_tokens,
-                                 prepared.max_tokens, min(int(lease_s * 1000), self.config.store.max_lease_ms),
-                                 is_inline_prefill=not placement.prefill_instance)
-        client = self._client(placement.decode_instance)
-        self.may_hold_reservation = True  # from here a cancel or a lost reply may leave one behind
-        try:
-            reply = await client.call(RESERVE, request, timeout_s=self.config.rpc.call_timeout_s)
-        except RpcError as exc:
-            raise self._leg_error("reserve", placement.decode_instance, exc) from None
-        if not reply.is_accepted:
-            self.may_hold_reservation = False
-            self.status = "rejected"
-            self.backend.metrics.requests.observe_rejection("decode_" + (reply.reason.partition(":")[0] or "refused"))
-            logger.info("decode instance %s refused: %s", placement.decode_instance, reply.reason)
-            raise overloaded(f"decode instance {placement.decode_instance} refused it: {reply.reason}",
-                             float(conductor.retry_after_s))
-        return reply
-
-    async def _prefill(self, placement: Placement, reservation: ReserveReply) -> GenerationChunk:
-        prepared = self.prepared
-        fetch_store = placement.fetch_from_store or ""
-        request = PrefillRequest(
-            self.request_id, list(prepared.prompt_token_ids), list(prepared.block_keys), self.sampling,
-            fetch_store=fetch_store, num_fetch_blocks=placement.num_prefix_blocks if fetch_store else 0,
-            decode_store=reservation.store_instance, destinations=list(reservation.destinations))
-        client = self._client(placement.prefill_instance)
-        try:
-            reply = await client.call(PREFILL, request, timeout_s=self.config.conductor.prefill_timeout_s)
-        except RpcError as exc:
-            raise self._leg_error("prefill", placement.prefill_instance, exc) from None
-        self.view.prefill_done(self.request_id)
-        self._record_prefill(reply)
-        chunk = self._make_chunk([reply.first_token], "")
-        assert chunk is not None
-        self.is_decode_owed = chunk.finish_reason is not None
-        self._open_decode(reply.first_token, 1 if self.is_decode_owed else prepared.max_tokens)
-        return chunk
-
-    def _open_decode(self, first_token: TokenSample | None, max_tokens: int) -> None:
-        assert self.placement is not None
-        prepared, conductor = self.prepared, self.config.conductor
-        request = DecodeRequest(self.request_id, list(prepared.prompt_token_ids), list(prepared.block_keys),
-                                dataclasses.replace(self.sampling, max_tokens=max_tokens), first_token)
-        stream_s = conductor.first_token_timeout_s + max_tokens * conductor.token_timeout_s
-        self.decode_stream = self._client(self.placement.decode_instance).stream(DECODE, request, timeout_s=stream_s)
-        self.view.decode_started(self.request_id, time.monotonic())
-        self.backend.update_queue_metrics()
-
-    async def _next_decode_chunk(self) -> GenerationChunk | None:
-        assert self.decode_stream is not None and self.placement is not None
-        conductor = self.config.conductor
-        timeout_s = conductor.token_timeout_s if self.num_decode_items else conductor.first_token_timeout_s
-        self.is_decode_sent = True  # the stream sends its request on the first anext
-        try:
-            async with asyncio.timeout(timeout_s):
-                item = await anext(self.decode_stream)
-        except StopAsyncIteration:
-            raise internal_error("The decode instance ended the stream without a finish reason.") from None
-        except TimeoutError:
-            raise deadline_exceeded(f"No token from decode instance {self.placement.decode_instance} "
-                                    f"within {timeout_s:g} s.") from None
-        except RpcError as exc:
-            raise self._leg_error("decode", self.placement.decode_instance, exc) from None
-        self.num_decode_items += 1
-        if item.num_cached_tokens and not self.placement.prefill_instance:
+    async def _next_chunk(self, leg: Leg) -> GenerationChunk | None:
+        item = await leg.next_item()
+        if item.num_cached_tokens and leg.placement is not None and not leg.placement.prefill_instance:
             self._record_prefix(item.num_cached_tokens, 0)
         return self._make_chunk(item.tokens, item.finish_reason)
+
+    async def _migrate(self, failure: LegFailed) -> None:
+        """Settle the failed attempt; raise its error when the request may not move again."""
+        assert self.leg is not None
+        await self.leg.settle()
+        self.failed_instances.add(failure.instance)
+        if self.num_migrations >= self.config.conductor.max_migrations or self.state.finish_reason is not None:
+            logger.warning("%s; not migrating again (%d migrations)", failure, self.num_migrations)
+            raise failure
+        self.num_migrations += 1
+        self.backend.metrics.requests.observe_migration(failure.cause)
+        logger.warning("%s; migrating after %d streamed tokens (migration %d)", failure,
+                       len(self.state.output_ids), self.num_migrations)
+
+    def _reject(self, reason: str) -> None:
+        self.status = "rejected"
+        self.backend.metrics.requests.observe_rejection(reason)
+        logger.info("rejected: %s", reason)
 
     # ---- output -------------------------------------------------------------------------------------------
     def _make_chunk(self, samples: Sequence[TokenSample], decode_finish: str) -> GenerationChunk | None:
@@ -234,14 +197,21 @@ class RequestRun:
             self.state.finish_reason = finish_reason
         if not token_ids and finish_reason is None:
             return None
-        if token_ids and self.first_token_at is None:
-            self.first_token_at = time.monotonic()
+        is_first = bool(token_ids) and self.first_token_at is None
+        if token_ids:
+            self.last_token_at = time.monotonic()
+            self.first_token_at = self.first_token_at or self.last_token_at
+            if self.leg is not None:
+                self.view.flights.generated(self.leg.work.leg_id, len(self.state.output_ids))
         if finish_reason is not None:
             self.status = "ok"
         logprobs = self._logprobs(samples[: len(token_ids)]) if self.prepared.request.num_logprobs is not None \
             else None
+        placement = self.first_placement if is_first else None
         return GenerationChunk(tuple(token_ids), "".join(texts), logprobs, finish_reason,
-                               self.prepared.num_prompt_tokens, self.num_cached_tokens)
+                               self.prepared.num_prompt_tokens, self.num_cached_tokens,
+                               placement.predicted_ttft_s if placement else None,
+                               placement.predicted_tbt_s if placement else None)
 
     def _flush(self) -> str:
         matcher = self.state.matcher
@@ -257,10 +227,8 @@ class RequestRun:
 
     # ---- bookkeeping --------------------------------------------------------------------------------------
     def _record_prefill(self, reply: PrefillReply) -> None:
-        if reply.compute_s > 0:  # the forward alone: queueing on the instance is the queue model's part
-            self.view.predictors.add_prefill(self.prepared.num_prompt_tokens, reply.num_cached_tokens,
-                                             reply.compute_s)
-        self._record_prefix(reply.num_cached_tokens, reply.num_fetched_blocks)
+        if not self.num_migrations:  # a migrated attempt's cached tokens include streamed output
+            self._record_prefix(reply.num_cached_tokens, reply.num_fetched_blocks)
 
     def _record_prefix(self, num_cached_tokens: int, num_fetched_blocks: int) -> None:
         self.num_cached_tokens = min(num_cached_tokens, self.prepared.num_prompt_tokens)
@@ -272,64 +240,31 @@ class RequestRun:
         self.backend.metrics.cache.observe_prefix(num_local=num_cached_blocks - num_remote, num_remote=num_remote,
                                                   num_computed=num_blocks - num_cached_blocks)
 
-    def _client(self, instance_name: str) -> RpcClient:
-        return self.backend.peers.for_instance(self.config.instance_named(instance_name))
-
-    def _leg_error(self, leg: str, instance: str, exc: RpcError) -> ApiError:
-        logger.warning("%s leg on %s failed: %s", leg, instance, exc)
-        if isinstance(exc, DeadlineExceeded):
-            return deadline_exceeded(f"The {leg} leg on {instance} missed its deadline; retry later.")
-        if isinstance(exc, ResourceExhausted):
-            return overloaded(f"{instance} is out of capacity: {exc.message}",
-                              float(self.config.conductor.retry_after_s))
-        if isinstance(exc, (Unavailable, Cancelled)):  # unreachable, or stopping and cancelling its calls
-            self.view.report_failure(instance, str(exc))
-            return unavailable(f"The {leg} instance {instance} is unreachable; retry shortly.")
-        return internal_error(f"The {leg} leg on {instance} failed: {exc.message}")
-
     async def _settle(self) -> None:
         try:
-            if self.decode_stream is not None:
-                if self.is_decode_owed:
-                    await self._drain_decode()
-                await _aclose(self.decode_stream)
-            if self.may_hold_reservation and not self.is_decode_sent:
-                await self._unreserve()
+            if self.leg is not None:
+                await self.leg.settle()
         finally:
-            self.view.finish(self.request_id)
+            num_output_tokens = len(self.state.output_ids)
+            if self.status == "ok":
+                self.view.observe_output_length(self.prepared.max_tokens, self.prepared.num_prompt_tokens,
+                                                self.prepared.request.client_id, num_output_tokens)
+            self._record_prediction_error(num_output_tokens)
             self.backend.num_active -= 1
             self.backend.update_queue_metrics()
             if self.status != "rejected":
                 e2e_s = time.monotonic() - self.prepared.arrival_time
                 ttft_s = None if self.first_token_at is None else self.first_token_at - self.prepared.arrival_time
                 self.backend.metrics.requests.observe_finished(status=self.status, ttft_s=ttft_s, e2e_s=e2e_s,
-                                                               num_output_tokens=len(self.state.output_ids))
+                                                               num_output_tokens=num_output_tokens)
 
-    async def _drain_decode(self) -> None:
-        """Run the owed DECODE (max_tokens 1) to its end: the decode instance commits and frees the request."""
-        assert self.decode_stream is not None
-        self.is_decode_sent = True
-        try:
-            async with asyncio.timeout(self.config.conductor.first_token_timeout_s):
-                async for _ in self.decode_stream:
-                    pass
-        except (RpcError, TimeoutError) as exc:
-            logger.warning("the closing decode leg failed: %s", exc)
-
-    async def _unreserve(self) -> None:
-        """Give back a reservation DECODE will never claim; a failure only leaves it to its lease."""
-        assert self.placement is not None
-        instance = self.placement.decode_instance
-        timeout_s = min(UNRESERVE_TIMEOUT_S, self.config.rpc.call_timeout_s)
-        try:
-            reply = await self._client(instance).call(UNRESERVE, UnreserveRequest(self.request_id), timeout_s=timeout_s)
-        except RpcError as exc:
-            logger.warning("unreserve on %s failed (its lease frees it): %s", instance, exc)
+    def _record_prediction_error(self, num_output_tokens: int) -> None:
+        placement = self.first_placement
+        if placement is None or self.first_token_at is None:
             return
-        logger.debug("unreserved on %s (was reserved: %s)", instance, reply.was_reserved)
-
-
-async def _aclose(stream: AsyncIterator[Any]) -> None:
-    close = getattr(stream, "aclose", None)
-    if close is not None:
-        await close()
+        actual_tbt_s = None
+        if num_output_tokens > 1:
+            actual_tbt_s = (self.last_token_at - self.first_token_at) / (num_output_tokens - 1)
+        self.backend.prediction_errors.record(PredictionRecord(
+            self.request_id, placement.predicted_ttft_s, self.first_token_at - self.prepared.arrival_time,
+            placement.predicted_tbt_s, actual_tbt_s))

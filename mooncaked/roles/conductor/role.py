@@ -23,12 +23,15 @@ from aiohttp import web
 
 from mooncaked.api.app import create_app
 from mooncaked.config import Config, InstanceConfig
+from mooncaked.etcd_membership import EtcdMembership
+from mooncaked.membership import Membership, StaticMembership
 from mooncaked.metrics import Metrics
 from mooncaked.model.loader import ModelFrontendInfo, load_frontend, num_parameters, resolve_dtype
 from mooncaked.roles.base import PeerClients, RoleEndpoint
 from mooncaked.roles.conductor.cluster_view import ClusterView, ClusterViewSettings
 from mooncaked.roles.conductor.backend import ConductorBackend
 from mooncaked.roles.conductor.frontend import ModelFrontend
+from mooncaked.roles.conductor.leader import PdController
 from mooncaked.roles.conductor.live_predictors import LivePredictors
 from mooncaked.roles.conductor.store_follower import FollowerSettings
 from mooncaked.sched.predictors import DecodeStepPredictor, Predictors, PrefillTimePredictor, TransferTimePredictor
@@ -47,9 +50,10 @@ class ConductorRole:
 
     name = "conductor"
 
-    def __init__(self, config: Config, instance: InstanceConfig) -> None:
+    def __init__(self, config: Config, instance: InstanceConfig, membership: Membership | None = None) -> None:
         self.config = config
         self.instance = instance
+        self.membership = membership or StaticMembership(config, instance)  # borrowed: started by its owner
         self.name = f"conductor {instance.name}"
         self.metrics = Metrics()
         self.peers = PeerClients(config, instance)
@@ -57,6 +61,7 @@ class ConductorRole:
         self.backend: ConductorBackend | None = None
         self.runner: web.AppRunner | None = None
         self.endpoint: RoleEndpoint | None = None
+        self.controller: PdController | None = None
         self.bound_port = 0
 
     async def start(self) -> None:
@@ -65,9 +70,13 @@ class ConductorRole:
         loaded = await asyncio.to_thread(load_frontend, model.source)
         frontend = model_frontend(config, loaded)
         predictors = LivePredictors(default_predictors(config, loaded))
-        self.view = ClusterView(config, self.peers, policy_config(config), predictors, view_settings(config))
+        self.view = ClusterView(config, self.peers, policy_config(config), predictors, view_settings(config),
+                                self.membership)
         await self.view.start()
-        self.backend = ConductorBackend(config, frontend, self.view, self.peers, self.metrics)
+        if isinstance(self.membership, EtcdMembership):
+            self.controller = PdController(config, self.view, self.peers, self.membership)
+            await self.controller.start()
+        self.backend = ConductorBackend(config, frontend, self.view, self.peers, self.metrics, self.controller)
         app = create_app(self.backend, api_keys=read_api_keys(config.conductor.api_keys_file),
                          max_body_bytes=config.conductor.max_body_bytes,
                          request_timeout_s=config.conductor.request_timeout_s)
@@ -91,6 +100,8 @@ class ConductorRole:
         if self.endpoint is not None:
             await self.endpoint.stop()
             self.endpoint = None
+        if self.controller is not None:
+            await self.controller.stop()
         if self.view is not None:
             await self.view.stop()
         await self.peers.close()
@@ -119,7 +130,9 @@ def policy_config(config: Config) -> PolicyConfig:
     return PolicyConfig(scheduler=section.policy, admission=section.admission,
                         kvcache_balancing_threshold=section.kvcache_balancing_threshold,
                         ttft_slo_s=section.ttft_slo_ms / 1000, tbt_slo_s=section.tbt_slo_ms / 1000,
-                        block_size=config.kv.block_size, decode_time_s=section.decode_time_s, seed=section.seed)
+                        block_size=config.kv.block_size, decode_time_s=section.decode_time_s, seed=section.seed,
+                        replication=section.replication, heat_half_life_s=section.heat_half_life_s,
+                        replica_displaced_reuse=section.replica_displaced_reuse, tie_break=section.tie_break)
 
 
 def view_settings(config: Config) -> ClusterViewSettings:
@@ -128,7 +141,8 @@ def view_settings(config: Config) -> ClusterViewSettings:
                                 min_backoff_s=conductor.load_poll_interval_s)
     return ClusterViewSettings(poll_interval_s=conductor.load_poll_interval_s,
                                poll_timeout_s=conductor.load_poll_timeout_s,
-                               startup_timeout_s=conductor.startup_sync_timeout_s, follower=follower)
+                               startup_timeout_s=conductor.startup_sync_timeout_s, follower=follower,
+                               spare_marks_interval_s=conductor.spare_marks_interval_s)
 
 
 def default_predictors(config: Config, loaded: ModelFrontendInfo) -> Predictors:

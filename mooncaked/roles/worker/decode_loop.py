@@ -3,7 +3,8 @@
 1. `add(seq)` puts a sequence (its KV already in pages, its first token sampled) into the running batch;
    the loop wakes up. A sequence joins between steps, never inside one.
 2. A step runs on the compute thread: one decode forward over the whole batch, then one sample per row.
-   Each sequence gets its token through its own queue; finished sequences leave the batch.
+   Each sequence gets its token through its own queue; finished sequences leave the batch. The step's time
+   (batch size, context) is a live sample of the worker's performance model.
 3. `remove(seq)` takes a sequence out (finished, or its client went away); it returns once no step uses the
    sequence's pages any more, so the caller may free them.
 4. `stop()` cancels the loop task and awaits it; sequences still running get a final error through their queues.
@@ -24,7 +25,7 @@ from mooncaked.engine.batch import DecodeSeq, build_decode_batch
 from mooncaked.model.sampler import SamplingParams
 from mooncaked.roles.worker.messages import FINISH_EOS, FINISH_LENGTH, TokenSample
 from mooncaked.roles.worker.request_kv import RequestKv
-from mooncaked.roles.worker.sampling import sample_rows
+from mooncaked.roles.worker.sampling import reseed, sample_rows
 from mooncaked.roles.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class RunningSeq:
     generator: torch.Generator | None
     outbox: asyncio.Queue[tuple[TokenSample, str] | BaseException] = field(default_factory=asyncio.Queue)
     finish_reason: str = ""
+    num_sampled_before: int = 0  # output tokens sampled before this leg (the request's seed state)
 
     @property
     def num_generated(self) -> int:
@@ -107,8 +109,9 @@ class DecodeLoop:
                 continue
             batch = list(self.running)
             self._in_step = batch
+            num_context_tokens = sum(len(seq.token_ids) for seq in batch)
             try:
-                samples, step_s = await self.worker.compute(self._step, batch)
+                samples, step_s = await self._compute(batch)
             except Exception as exc:
                 logger.exception("decode step over %d sequences failed", len(batch))
                 self._fail(batch, exc)
@@ -117,8 +120,19 @@ class DecodeLoop:
                 self._in_step = []
                 self._step_done.set()
             self._observe(step_s)
+            self.worker.perf.add_decode(len(batch), num_context_tokens, step_s)
             self.on_step(len(batch), step_s)
             self._deliver(batch, samples)
+
+    async def _compute(self, batch: list[RunningSeq]) -> tuple[list[TokenSample], float]:
+        """One step on the compute thread; cancelled (stop), it still waits for the thread to leave the step, so
+        no page of the batch is freed while the step reads it."""
+        step = asyncio.ensure_future(self.worker.compute(self._step, batch))
+        try:
+            return await asyncio.shield(step)
+        except asyncio.CancelledError:
+            await asyncio.wait([step])
+            raise
 
     def _observe(self, step_s: float) -> None:
         self.num_steps += 1
@@ -135,6 +149,8 @@ class DecodeLoop:
         decode_batch = build_decode_batch(seqs, block_size=worker.block_size, num_pages=worker.kv_pages.num_pages,
                                           device=worker.kv_pages.device)
         logits = worker.runner.decode(decode_batch)
+        for seq in batch:
+            reseed(seq.generator, seq.params, seq.num_sampled_before + seq.num_generated)
         samples = sample_rows(worker, logits, [s.params for s in batch], [s.generator for s in batch])
         return samples, time.monotonic() - started
 

@@ -10,7 +10,8 @@
 3. DECODE (conductor -> decode, server-streaming): commit the destinations, load the KV into pages, join the
    continuous batch, stream token ids until EOS, a stop token or max_tokens. Stop strings and detokenization
    are the conductor's (it holds the tokenizer); it ends the stream by cancelling the call.
-4. LOAD (conductor -> prefill or decode): the instance's load, polled to keep every conductor's view fresh.
+4. LOAD (conductor -> prefill or decode): the instance's load, polled to keep every conductor's view fresh, and
+   its own fitted performance model (the conductor predicts with it from its first request).
 
 Token text never rides these messages; bulk KV bytes go through the store and the transfer engine.
 """
@@ -37,6 +38,7 @@ class SamplingSpec(Message):
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     num_logprobs: Optional[int] = None  # None: no logprobs; 0: the sampled token's only
+    num_sampled: int = 0  # output tokens sampled before this leg (a migrated request's seed state)
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,11 @@ class LoadReply(Message):
     num_pages: int
     step_time_s: float  # recent mean step time (decode) or prefill time (prefill)
     num_context_tokens: int = 0  # decode: total context of the running batch
+    prefill_coefficients: list[float] = field(default_factory=list)  # PrefillTimePredictor's; [] until fitted
+    decode_coefficients: list[float] = field(default_factory=list)  # DecodeStepPredictor's; [] until fitted
+    pending_work_s: float = 0.0  # prefill: predicted seconds of work held (rest of the running batch + queue)
+    held_request_ids: list[str] = field(default_factory=list)  # prefill: the requests pending_work_s counts
+    overhead_s: float = 0.0  # recent mean seconds a request spends outside queue and compute (decode: inline prefills)
 
 
 RESERVE = Method("reserve", ReserveRequest, ReserveReply)

@@ -8,6 +8,8 @@
    copied to staging and written into this host's store and into the decode host's reserved blocks.
 4. After the last layer: wait for every write, commit the new blocks (they become cache), sample the first
    token, reply. Whatever happens, `finally` aborts uncommitted handles, ends leases and frees pages.
+5. Each batch's time, split per prompt by compute share, refits the instance's performance model (profiled at
+   start); LOAD reports the model, the predicted work the instance holds and its per-request overhead.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 
 from mooncaked.config import Config, InstanceConfig
 from mooncaked.logs import request_id_var
+from mooncaked.membership import Membership
 from mooncaked.metrics import Metrics
 from mooncaked.roles.base import RoleEndpoint
 from mooncaked.roles.metrics_http import MetricsEndpoint
@@ -27,9 +30,11 @@ from mooncaked.roles.worker.kv_plan import KvPlan, plan_prompt_kv
 from mooncaked.roles.worker.messages import LOAD, PREFILL, LoadReply, LoadRequest, PrefillReply, PrefillRequest
 from mooncaked.roles.worker.messages import TokenSample
 from mooncaked.roles.worker.prefill_forward import PrefillCancelled, run_prefill_forward
+from mooncaked.roles.worker.prefill_load import PrefillLoad
+from mooncaked.roles.worker.profiler import profile
 from mooncaked.roles.worker.sampling import to_params
 from mooncaked.roles.worker.worker import Worker
-from mooncaked.rpc import CallContext
+from mooncaked.rpc import CallContext, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -40,14 +45,25 @@ class PrefillJob:
 
     request: PrefillRequest
     plan: KvPlan
+    arrived_at: float  # the PREFILL call's arrival (before planning its KV)
     enqueued_at: float
     future: asyncio.Future[PrefillReply]
     is_running: bool = False
+    started_at: float = 0.0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
+    def num_prefix_tokens(self) -> int:
+        return self.plan.num_prefix_blocks * self.plan.kv.worker.block_size
+
+    @property
     def num_new_tokens(self) -> int:
-        return self.plan.kv.num_tokens - self.plan.num_prefix_blocks * self.plan.kv.worker.block_size
+        return self.plan.kv.num_tokens - self.num_prefix_tokens
+
+    @property
+    def prompt(self) -> tuple[int, int]:
+        """(prompt tokens, reused prefix tokens): what the performance model is keyed by."""
+        return self.plan.kv.num_tokens, self.num_prefix_tokens
 
 
 class PrefillRole:
@@ -55,10 +71,11 @@ class PrefillRole:
 
     name = "prefill"
 
-    def __init__(self, config: Config, instance: InstanceConfig) -> None:
+    def __init__(self, config: Config, instance: InstanceConfig, membership: Membership | None = None,
+                 worker: Worker | None = None) -> None:
         self.config = config
         self.instance = instance
-        self.worker = Worker(config, instance)
+        self.worker = worker or Worker(config, instance, membership)
         self.endpoint = RoleEndpoint(config, instance, extra_info=self._info)
         self.endpoint.add_method(PREFILL, self._prefill)
         self.endpoint.add_method(LOAD, self._load, is_eager=True)
@@ -66,25 +83,45 @@ class PrefillRole:
         self._running: list[PrefillJob] = []
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
-        self._mean_prefill_s = 0.0
+        self.load: PrefillLoad | None = None  # from start(): needs the model's hidden size
         self.metrics = Metrics()
         self.metrics_endpoint = MetricsEndpoint(instance.host, instance.metrics_port, self.metrics,
                                                 self._refresh_metrics)
 
     async def start(self) -> None:
         await self.worker.start()
-        self._loop_task = asyncio.create_task(self._batch_loop(), name="prefill-batch-loop")
+        await profile(self.worker, with_decode=False)
+        self.activate()
         await self.endpoint.start()
         await self.metrics_endpoint.start()
 
     async def stop(self) -> None:
         await self.metrics_endpoint.stop()
         await self.endpoint.stop()
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop_task
+        await self.deactivate()
         await self.worker.stop()
+
+    def activate(self) -> None:
+        """Start taking prefills on the (started) worker; a switchable instance calls this when it becomes prefill."""
+        if self.load is None:
+            assert self.worker.loaded is not None
+            self.load = PrefillLoad(self.worker.perf, self.worker.loaded.args.hidden_size)
+        self._loop_task = asyncio.create_task(self._batch_loop(), name="prefill-batch-loop")
+
+    async def deactivate(self) -> None:
+        """Stop the batch loop and fail what is still queued (nothing, after a drain); the worker stays."""
+        task, self._loop_task = self._loop_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for job in self._queue:
+            if not job.future.done():
+                job.future.set_exception(Unavailable(f"{self.instance.name} stopped taking prefills"))
+
+    @property
+    def is_idle(self) -> bool:
+        return not self._queue and not self._running
 
     def _refresh_metrics(self) -> None:
         self.metrics.queues.set_length("prefill", len(self._queue))
@@ -107,28 +144,34 @@ class PrefillRole:
         return {"queued": str(len(self._queue)), "running": str(len(self._running))}
 
     async def _load(self, request: LoadRequest, ctx: CallContext) -> LoadReply:
-        pages = self.worker.pages
-        assert pages is not None
+        pages, load = self.worker.pages, self.load
+        assert pages is not None and load is not None
+        coefficients = self.worker.perf.coefficients()
         return LoadReply(role="prefill", num_running=len(self._running), num_waiting=len(self._queue),
                          num_queued_tokens=sum(job.num_new_tokens for job in self._queue + self._running),
                          num_free_pages=pages.num_free, num_pages=self.worker.section.num_kv_pages,
-                         step_time_s=self._mean_prefill_s)
+                         step_time_s=load.mean_batch_s, prefill_coefficients=list(coefficients.prefill),
+                         decode_coefficients=list(coefficients.decode),
+                         pending_work_s=load.pending_work_s([job.prompt for job in self._queue], time.monotonic()),
+                         held_request_ids=[job.request.request_id for job in self._running + self._queue],
+                         overhead_s=load.overhead.value)
 
     async def _prefill(self, request: PrefillRequest, ctx: CallContext) -> PrefillReply:
         request_id_var.set(request.request_id)
+        arrived_at = time.monotonic()
         to_params(request.sampling)  # invalid sampling parameters fail here, not inside a batch
         plan = await plan_prompt_kv(self.worker, request.request_id, request.token_ids, request.block_keys,
                                     fetch_store=request.fetch_store, num_fetch_blocks=request.num_fetch_blocks,
                                     decode_store=request.decode_store, destinations=request.destinations,
                                     timeout_s=max(ctx.deadline - time.monotonic(), 0.001))
-        job = PrefillJob(request, plan, time.monotonic(), asyncio.get_running_loop().create_future())
+        job = PrefillJob(request, plan, arrived_at, time.monotonic(), asyncio.get_running_loop().create_future())
         job.idle.set()
         try:
             self._queue.append(job)
             self._wakeup.set()
             return await job.future
         finally:
-            if not job.future.done():
+            if not job.future.done() or job.future.cancelled():  # cancelling this call cancels job.future
                 plan.is_cancelled = True  # the forward sends nothing more for it
             if job in self._queue:
                 self._queue.remove(job)
@@ -160,15 +203,18 @@ class PrefillRole:
                 await self._run_batch(batch)
 
     async def _run_batch(self, batch: list[PrefillJob]) -> None:
+        started = time.monotonic()
         for job in batch:
-            job.is_running = True
+            job.is_running, job.started_at = True, started
             job.idle.clear()
         self._running = batch
-        started = time.monotonic()
+        assert self.load is not None
+        self.load.batch_started([job.prompt for job in batch], started)
         try:
-            first_tokens = await self.worker.compute(self._forward, batch)
+            first_tokens = await self._compute(batch)
             elapsed_s = time.monotonic() - started
             self._observe(batch, started, elapsed_s)
+            self.load.batch_finished([job.prompt for job in batch], elapsed_s)
             await self._finish(batch, first_tokens, elapsed_s)
         except Exception as exc:
             if not isinstance(exc, PrefillCancelled):
@@ -183,7 +229,7 @@ class PrefillRole:
                 job.idle.set()
 
     async def _finish(self, batch: list[PrefillJob], samples: list[TokenSample], elapsed_s: float) -> None:
-        self._mean_prefill_s = 0.8 * self._mean_prefill_s + 0.2 * elapsed_s if self._mean_prefill_s else elapsed_s
+        assert self.load is not None
         for job, sample in zip(batch, samples):
             if job.future.done():
                 continue
@@ -192,10 +238,24 @@ class PrefillRole:
             except Exception as exc:
                 job.future.set_exception(exc)
                 continue
+            now = time.monotonic()
+            self.load.replied(now - job.arrived_at, job.started_at - job.enqueued_at, elapsed_s)
             job.future.set_result(PrefillReply(
-                first_token=sample, num_cached_tokens=job.plan.num_prefix_blocks * self.worker.block_size,
-                num_fetched_blocks=job.plan.num_fetched_blocks, prefill_s=time.monotonic() - job.enqueued_at,
-                compute_s=elapsed_s))
+                first_token=sample, num_cached_tokens=job.num_prefix_tokens,
+                num_fetched_blocks=job.plan.num_fetched_blocks, prefill_s=now - job.enqueued_at, compute_s=elapsed_s))
+
+    async def _compute(self, batch: list[PrefillJob]) -> list[TokenSample]:
+        """The forward on the compute thread. Cancelled (the role is stopping), it marks every plan cancelled and
+        still waits for the thread to leave the batch (at its next layer boundary): until then the batch's pages
+        and staging are in use."""
+        forward = asyncio.ensure_future(self.worker.compute(self._forward, batch))
+        try:
+            return await asyncio.shield(forward)
+        except asyncio.CancelledError:
+            for job in batch:
+                job.plan.is_cancelled = True
+            await asyncio.wait([forward])
+            raise
 
     def _forward(self, batch: list[PrefillJob]) -> list[TokenSample]:
         return run_prefill_forward(self.worker, [job.plan for job in batch], [job.request.sampling for job in batch])

@@ -17,10 +17,9 @@ from collections.abc import Sequence
 import torch
 
 from mooncaked.engine.batch import build_prefill_batch, split_prefill_chunks
-from mooncaked.model.sampler import make_generator
 from mooncaked.roles.worker.kv_plan import KvPlan
 from mooncaked.roles.worker.messages import SamplingSpec, TokenSample
-from mooncaked.roles.worker.sampling import sample_rows, to_params
+from mooncaked.roles.worker.sampling import generator_at, sample_rows, to_params
 from mooncaked.roles.worker.worker import Worker
 
 
@@ -41,7 +40,7 @@ def run_prefill_forward(worker: Worker, plans: Sequence[KvPlan], specs: Sequence
             after_layer=lambda i: _after_layer(worker, plans, i, is_last))
     assert logits is not None
     params = [to_params(spec) for spec in specs]
-    return sample_rows(worker, logits, params, [make_generator(p) for p in params])
+    return sample_rows(worker, logits, params, [generator_at(p, s.num_sampled) for p, s in zip(params, specs)])
 
 
 class PrefillCancelled(Exception):

@@ -3,6 +3,9 @@
 1. `to_params(spec)` builds the sampler's SamplingParams (its validation names the bad parameter).
 2. `sample_rows(worker, logits, params, generators)` samples one token per row on the compute thread and
    returns wire `TokenSample`s with logprobs when asked.
+3. A seeded request's k-th output token is sampled from a generator seeded by (seed, k) (`generator_at`,
+   `reseed`), so sampling does not depend on which instance, or how many, produced the tokens before it:
+   a request migrated mid-stream samples on exactly as it would have.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mooncaked.model.sampler import SamplingParams
+from mooncaked.model.sampler import SamplingParams, make_generator
 from mooncaked.roles.worker.messages import SamplingSpec, TokenSample
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import InvalidArgument
@@ -24,6 +27,26 @@ def to_params(spec: SamplingSpec) -> SamplingParams:
                               ignore_eos=spec.ignore_eos, logprobs=spec.num_logprobs)
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from None
+
+
+def seed_for_token(seed: int, index: int) -> int:
+    """The generator seed of a request's `index`-th output token (a splitmix64-style mix, in [0, 2**63))."""
+    value = (seed + (index + 1) * 0x9E3779B97F4A7C15) % 2**64
+    value = (value ^ (value >> 30)) * 0xBF58476D1CE4E5B9 % 2**64
+    value = (value ^ (value >> 27)) * 0x94D049BB133111EB % 2**64
+    return (value ^ (value >> 31)) % 2**63
+
+
+def reseed(generator: torch.Generator | None, params: SamplingParams, index: int) -> None:
+    if generator is not None and params.seed is not None:
+        generator.manual_seed(seed_for_token(params.seed, index))
+
+
+def generator_at(params: SamplingParams, index: int) -> torch.Generator | None:
+    """The generator for output token `index` of a request (None when unseeded or greedy)."""
+    generator = make_generator(params)
+    reseed(generator, params, index)
+    return generator
 
 
 def sample_rows(worker: Worker, logits: torch.Tensor, params: Sequence[SamplingParams],

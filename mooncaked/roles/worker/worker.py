@@ -12,6 +12,9 @@
 4. `await stop()`: close store clients, give back staging, stop the engine, shut the compute and copy threads
    down (after the role has drained).
 
+The worker also owns its performance model (`perf`): the role profiles it before serving (profiler.py) and feeds
+it live samples; LOAD replies report its coefficients, which the conductor predicts with.
+
 The runner does not know which role drives it (DESIGN 11): a decode instance prefills inline with the same code.
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 from collections.abc import Callable, Coroutine
@@ -36,12 +40,14 @@ from mooncaked.engine.staging_pool import StagingPool
 from mooncaked.engine.timeline import LayerTimeline
 from mooncaked.kv.client import Staging, StoreClient
 from mooncaked.kv.keys import model_namespace
+from mooncaked.membership import Membership, StaticMembership, store_on_host
 from mooncaked.model.loader import LoadedModel, load_model
 from mooncaked.model.sampler import Sampler
 from mooncaked.numa import allowed_memory_nodes
 from mooncaked.roles.worker.kv_placement import register_kv_pages, staging_placement
 from mooncaked.roles.base import PeerClients, make_transfer_engine
 from mooncaked.rpc import InvalidArgument
+from mooncaked.sched.perf_model import PerformanceModel
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +55,14 @@ T = TypeVar("T")
 
 
 class Worker:
-    """Owns the model replica, KV pages and page allocator, compute and copy threads, staging pool, transfer engine
-    and store clients; `timeline`, when set (tests, benchmarks), records when layers compute, load and store."""
+    """Owns the model replica, KV pages and page allocator, compute and copy threads, staging pool, transfer engine,
+    store clients and the performance model; `timeline`, when set (tests, benchmarks), records when layers
+    compute, load and store."""
 
-    def __init__(self, config: Config, instance: InstanceConfig) -> None:
+    def __init__(self, config: Config, instance: InstanceConfig, membership: Membership | None = None) -> None:
         self.config = config
         self.instance = instance
+        self.membership = membership or StaticMembership(config, instance)  # borrowed
         self.section: WorkerSection = config.role_section(instance)
         self.engine = make_transfer_engine(config, instance.host, 0)
         self.peers = PeerClients(config, instance)
@@ -75,8 +83,8 @@ class Worker:
         self.copier: KVCopier | None = None
         self.sampler: Sampler | None = None
         self.namespace = b""
-        local_store = config.store_for_host(instance.host)
-        self.local_store_name = local_store.name if local_store is not None else ""
+        self.perf = PerformanceModel()
+        self.local_store_name = ""
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -105,9 +113,7 @@ class Worker:
             self.kv_pages_segment = pages_segment
         self.sampler = Sampler(seed=model.seed, device=self.loaded.device)
         self.namespace = model_namespace(self.loaded.model_id, model.dtype, block_size)
-        if not self.local_store_name:
-            raise RuntimeError(f"no store instance is configured on host {self.instance.host}; "
-                               "every prefill and decode host needs one")
+        self.local_store_name = await self._find_local_store()
         await self.store_client(self.local_store_name)
         logger.info("%s loaded %s: %d KV pages of %d tokens", self.instance.name, self.loaded.model_id,
                     self.section.num_kv_pages, block_size)
@@ -122,6 +128,23 @@ class Worker:
         assert self.pages is not None
         self.pages.free_owner(owner)
 
+    async def _find_local_store(self) -> str:
+        """The store on this host; with etcd it may register after us, so wait for it up to a deadline."""
+        store = store_on_host(self.membership, self.instance.host)
+        if store is None and self.config.cluster.membership == "etcd":
+            appeared = asyncio.Event()
+            self.membership.add_listener(lambda name, old, new: appeared.set() if new and new.role == "store" else None)
+            deadline = asyncio.get_running_loop().time() + self.config.cluster.etcd.startup_timeout_s
+            while store is None and asyncio.get_running_loop().time() < deadline:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(appeared.wait(), deadline - asyncio.get_running_loop().time())
+                appeared.clear()
+                store = store_on_host(self.membership, self.instance.host)
+        if store is None:
+            raise RuntimeError(f"no store instance is configured on host {self.instance.host}; "
+                               "every prefill and decode host needs one")
+        return store.name
+
     async def stop(self) -> None:
         for handle in self._deferred_frees.values():  # the pages go with the worker
             handle.cancel()
@@ -133,8 +156,9 @@ class Worker:
         if self.staging_pool is not None:
             self.staging_pool.close()
         await self.engine.stop()
-        self._executor.shutdown(wait=True, cancel_futures=True)
-        self.copy_thread.shutdown(wait=True, cancel_futures=True)
+        # off the event loop: a forward still running may need the loop (its writes) to reach its end
+        await asyncio.to_thread(self._executor.shutdown, True, cancel_futures=True)
+        await asyncio.to_thread(self.copy_thread.shutdown, True, cancel_futures=True)
 
     async def compute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -160,10 +184,10 @@ class Worker:
 
     def store_instance(self, store_name: str) -> InstanceConfig:
         """The configured store called `store_name`; InvalidArgument for anything else (it came off the wire)."""
-        found = [i for i in self.config.instances_of("store") if i.name == store_name]
-        if not found:
+        record = self.membership.members().get(store_name)
+        if record is None or record.role != "store":
             raise InvalidArgument(f"{store_name!r} is not a store instance of this cluster")
-        return found[0]
+        return record.instance_config()
 
     @property
     def local_store(self) -> StoreClient:

@@ -1,8 +1,6 @@
-"""LivePredictors: refits from measured samples every min_samples; only the refitted predictor changes."""
+"""LivePredictors: every instance's reported model, the newest one as the default, the built-in model until then."""
 
 from __future__ import annotations
-
-import pytest
 
 from mooncaked.roles.conductor.live_predictors import LivePredictors
 from mooncaked.sched.predictors import DecodeStepPredictor, Predictors, PrefillTimePredictor, TransferTimePredictor
@@ -13,23 +11,32 @@ def defaults() -> Predictors:
                       TransferTimePredictor(4096, 1e9))
 
 
-def test_prefill_refits_every_min_samples_from_the_measurements() -> None:
-    live = LivePredictors(defaults(), min_samples=8)
-    samples = [(n, p, 0.002 * (n - p)) for n in (100, 200, 400, 800) for p in (0, n // 2)]  # 2 ms per new token
-    for n, p, seconds in samples[:7]:
-        live.add_prefill(n, p, seconds)
-    assert live.num_refits == 0 and live.current.prefill.predict(300, 0) == 1.0  # the default until 8 samples
-    live.add_prefill(*samples[7])
-    assert live.num_refits == 1 and live.num_samples() == {"prefill": 8, "decode": 0}
-    assert live.current.prefill.predict(300, 100) == pytest.approx(0.4, rel=1e-3)
-    assert live.current.decode == defaults().decode and live.current.transfer == defaults().transfer
+def test_the_built_in_model_serves_until_an_instance_reports() -> None:
+    live = LivePredictors(defaults())
+    assert live.prefill_for("p0").predict(300, 0) == 1.0 and live.decode_for("d0").predict(1, 10) == 0.5
+    live.report("p0", [], [])  # a LOAD reply from an instance whose model is not fitted
+    assert live.current == defaults() and live.num_reports == 0
 
 
-def test_decode_skips_repeated_idle_polls() -> None:
-    live = LivePredictors(defaults(), min_samples=4)
-    for _ in range(10):
-        live.add_decode(2, 100, 0.01)  # one step's numbers, repeated by polls while idle
-    assert live.num_samples()["decode"] == 1 and live.num_refits == 0
-    for batch in (2, 4, 8):
-        live.add_decode(batch, 1000 * batch, 0.01 + 0.001 * batch)
-    assert live.num_refits == 1 and live.current.decode.predict(6, 6000) == pytest.approx(0.016, rel=1e-3)
+def test_each_instance_predicts_with_its_own_model_and_the_newest_is_the_default() -> None:
+    live = LivePredictors(defaults())
+    live.report("p0", [0.0, 2.0, -2.0, 0.0, 0.0, 0.0], [])  # 2 ms per new token
+    live.report("p1", [0.0, 4.0, -4.0, 0.0, 0.0, 0.0], [])
+    live.report("d0", [], [0.01, 0.001, 0.0])
+    assert abs(live.prefill_for("p0").predict(1000, 0) - 2.0) < 1e-9
+    assert abs(live.prefill_for("p1").predict(1000, 500) - 2.0) < 1e-9
+    assert abs(live.prefill_for("p9").predict(1000, 0) - 4.0) < 1e-9  # unknown: the newest reported
+    assert abs(live.decode_for("d0").predict(10, 0) - 0.02) < 1e-9
+    assert live.current.transfer == defaults().transfer and live.num_reports == 3
+    live.report("p0", [0.0, 2.0, -2.0, 0.0, 0.0, 0.0], [])  # an unchanged model is no new report
+    assert live.num_reports == 3
+    assert live.has_model("p0") == {"prefill": True, "decode": False}
+
+
+def test_malformed_coefficients_are_ignored_and_a_gone_instance_is_forgotten() -> None:
+    live = LivePredictors(defaults())
+    live.report("p0", [1.0, 2.0], [1.0])
+    assert live.has_model("p0") == {"prefill": False, "decode": False}
+    live.report("p0", [0.0] * 6, [0.1, 0.0, 0.0])
+    live.forget("p0")
+    assert live.has_model("p0") == {"prefill": False, "decode": False}

@@ -1,0 +1,218 @@
+"""Hugging Face `config.json` -> ModelArgs for the supported families, refusing what they cannot run.
+
+1. `args_from_hf_config(config)` reads the model_type and picks the family: llama (Llama 2/3/3.1/3.2),
+   mistral, qwen2 (Qwen2/2.5), qwen3 (dense). An architecture or option outside what the model definition
+   runs (another model_type, a MoE class, quantization, rope types other than llama3, activations other
+   than SiLU, partial rotary) raises UnsupportedModel naming it.
+2. Every field is type-checked on the way (ConfigError names the key), so a hostile config.json gives a
+   ValueError with a message, never a KeyError or TypeError.
+3. Each family's small differences (biases, q/k norm, sliding window layers) become ModelArgs fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from mooncaked.model.config import ModelArgs, RopeScaling
+
+# model_type -> the transformers class whose checkpoints we load
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+_SUPPORTED = ", ".join(f"{t} ({a})" for t, a in ARCHITECTURES.items())
+
+
+class ConfigError(ValueError):
+    """config.json has a missing, mistyped or out-of-range field; the message names it."""
+
+
+class UnsupportedModel(ValueError):
+    """The checkpoint's architecture or one of its options is outside what mooncaked runs; the message names it."""
+
+
+def args_from_hf_config(config: Mapping[str, Any]) -> ModelArgs:
+    """ModelArgs of a Hugging Face config.json dict; raises ConfigError or UnsupportedModel."""
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"config.json must hold a JSON object, got {type(config).__name__}")
+    model_type = config.get("model_type")
+    architectures = config.get("architectures")
+    if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
+        raise UnsupportedModel(f"model_type {model_type!r} (architectures {architectures}) is not supported; "
+                               f"supported: {_SUPPORTED}")
+    expected = ARCHITECTURES[model_type]
+    if architectures is not None and architectures != [expected]:
+        raise UnsupportedModel(f"architectures {architectures!r} is not supported for model_type {model_type!r}; "
+                               f"only [{expected!r}]")
+    _refuse_unsupported_options(config)
+    try:
+        return _build(model_type, config)
+    except (ConfigError, UnsupportedModel):
+        raise
+    except ValueError as exc:  # ModelArgs / RopeScaling validation
+        raise ConfigError(str(exc)) from exc
+
+
+def _refuse_unsupported_options(config: Mapping[str, Any]) -> None:
+    if config.get("quantization_config") is not None:
+        quant = config["quantization_config"]
+        method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
+        raise UnsupportedModel(f"quantization_config (quant_method {method!r}) is not supported; serve an "
+                               "unquantized (bf16/fp16/fp32) checkpoint or a GGUF file")
+    activation = config.get("hidden_act", "silu")
+    if activation != "silu":
+        raise UnsupportedModel(f"hidden_act {activation!r} is not supported; only 'silu'")
+    rotary = config.get("partial_rotary_factor", 1.0)
+    if rotary != 1.0:
+        raise UnsupportedModel(f"partial_rotary_factor {rotary!r} is not supported; only 1.0 (full rotary)")
+
+
+def _build(model_type: str, config: Mapping[str, Any]) -> ModelArgs:
+    num_heads = _int(config, "num_attention_heads")
+    hidden_size = _int(config, "hidden_size")
+    head_dim = _optional_int(config, "head_dim")
+    if head_dim is None:
+        if num_heads <= 0 or hidden_size % num_heads != 0:
+            raise ConfigError(f"config.json: hidden_size ({hidden_size}) is not a multiple of num_attention_heads "
+                              f"({num_heads}) and no head_dim is given")
+        head_dim = hidden_size // num_heads
+    num_layers = _int(config, "num_hidden_layers")
+    num_kv_heads = _optional_int(config, "num_key_value_heads")
+    rope = _rope_parameters(config)
+    return ModelArgs(
+        vocab_size=_int(config, "vocab_size"),
+        hidden_size=hidden_size,
+        intermediate_size=_int(config, "intermediate_size"),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_heads if num_kv_heads is None else num_kv_heads,  # null: multi-head attention
+        head_dim=head_dim,
+        rms_norm_eps=_float(config, "rms_norm_eps", 1e-6),
+        rope_theta=_rope_theta(config, rope),
+        rope_scaling=_rope_scaling(rope),
+        max_position_embeddings=_int(config, "max_position_embeddings", 2048),
+        tie_word_embeddings=_bool(config, "tie_word_embeddings", False),
+        bos_token_id=_optional_int(config, "bos_token_id"),
+        eos_token_ids=_token_ids(config, "eos_token_id"),
+        family=model_type,
+        **_FAMILY_OPTIONS[model_type](config, num_layers),
+    )
+
+
+def _llama_options(config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    attention_bias = _bool(config, "attention_bias", False)
+    return {"qkv_bias": attention_bias, "o_bias": attention_bias, "mlp_bias": _bool(config, "mlp_bias", False)}
+
+
+def _mistral_options(config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    # transformers' Mistral applies sliding_window to every layer (it ignores layer_types)
+    return {"sliding_window": _optional_int(config, "sliding_window")}
+
+
+def _qwen2_options(config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    return {"qkv_bias": True, **_qwen_window(config, num_layers)}
+
+
+def _qwen3_options(config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    attention_bias = _bool(config, "attention_bias", False)
+    return {"qkv_bias": attention_bias, "o_bias": attention_bias, "qk_norm": True,
+            **_qwen_window(config, num_layers)}
+
+
+def _qwen_window(config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """Qwen: a window only with use_sliding_window, on the layers layer_types (or max_window_layers) marks."""
+    if not _bool(config, "use_sliding_window", False):
+        return {}
+    window = _optional_int(config, "sliding_window")
+    if window is None:
+        raise ConfigError("config.json: use_sliding_window is set but sliding_window is null")
+    layer_types = config.get("layer_types")
+    if layer_types is None:
+        first_windowed = _int(config, "max_window_layers", 28)
+        layer_types = ["sliding_attention" if i >= first_windowed else "full_attention" for i in range(num_layers)]
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+        raise ConfigError(f"config.json: layer_types must list one entry per layer ({num_layers})")
+    unknown = sorted({str(t) for t in layer_types} - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise UnsupportedModel(f"layer_types {unknown} are not supported; only full_attention, sliding_attention")
+    full = tuple(i for i, t in enumerate(layer_types) if t == "full_attention")
+    if len(full) == num_layers:
+        return {}
+    return {"sliding_window": window, "full_attention_layers": full}
+
+
+_FAMILY_OPTIONS: dict[str, Callable[[Mapping[str, Any], int], dict[str, Any]]] = {
+    "llama": _llama_options, "mistral": _mistral_options, "qwen2": _qwen2_options, "qwen3": _qwen3_options,
+}
+
+
+def _rope_parameters(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`rope_scaling` (transformers 4) or `rope_parameters` (transformers 5); {} when neither is set."""
+    for key in ("rope_scaling", "rope_parameters"):
+        value = config.get(key)
+        if value is not None:
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"config.json: {key} must be an object, got {value!r}")
+            return value
+    return {}
+
+
+def _rope_theta(config: Mapping[str, Any], rope: Mapping[str, Any]) -> float:
+    if "rope_theta" in config:
+        return _float(config, "rope_theta")
+    return _float(rope, "rope_theta", 10000.0)
+
+
+def _rope_scaling(rope: Mapping[str, Any]) -> RopeScaling | None:
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type != "llama3":
+        raise UnsupportedModel(f"rope_scaling type {rope_type!r} is not supported; only 'default' and 'llama3'")
+    return RopeScaling(factor=_float(rope, "factor"), low_freq_factor=_float(rope, "low_freq_factor", 1.0),
+                       high_freq_factor=_float(rope, "high_freq_factor", 4.0),
+                       original_max_position_embeddings=_int(rope, "original_max_position_embeddings", 8192))
+
+
+_MISSING = object()
+
+
+def _get(config: Mapping[str, Any], key: str, default: Any) -> Any:
+    value = config.get(key, default)
+    if value is _MISSING:
+        raise ConfigError(f"config.json has no {key!r}")
+    return value
+
+
+def _int(config: Mapping[str, Any], key: str, default: Any = _MISSING) -> int:
+    value = _get(config, key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"config.json: {key} must be an integer, got {value!r}")
+    return value
+
+
+def _optional_int(config: Mapping[str, Any], key: str) -> int | None:
+    return None if config.get(key) is None else _int(config, key)
+
+
+def _float(config: Mapping[str, Any], key: str, default: Any = _MISSING) -> float:
+    value = _get(config, key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"config.json: {key} must be a number, got {value!r}")
+    return float(value)
+
+
+def _bool(config: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = config.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"config.json: {key} must be true or false, got {value!r}")
+    return value
+
+
+def _token_ids(config: Mapping[str, Any], key: str) -> tuple[int, ...]:
+    value = config.get(key)
+    if value is None:
+        return ()
+    values = value if isinstance(value, list) else [value]
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+        raise ConfigError(f"config.json: {key} must be an integer or a list of integers, got {value!r}")
+    return tuple(dict.fromkeys(values))

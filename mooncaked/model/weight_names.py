@@ -1,0 +1,104 @@
+"""The tensors a checkpoint of a model holds: Hugging Face names and shapes, derived from ModelArgs alone.
+
+1. `hf_tensor_shapes(args)`: every tensor the model needs, name -> shape in Hugging Face layout ([out, in]
+   for projections). The count of parameters, the random test weights and checkpoint validation all read it.
+2. `is_ignored(name, args)`: tensors checkpoints may carry that the model does not use (precomputed RoPE
+   buffers, the duplicate lm_head of a model with tied embeddings).
+3. `check_tensor` / `check_complete`: a checkpoint's tensor list against the expected one, before any weight
+   memory is allocated (safetensors headers) and again while copying; errors name the tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from mooncaked.model.config import ModelArgs
+
+
+class CheckpointError(ValueError):
+    """A checkpoint's tensors do not match its config (missing, unexpected or mis-shaped); the message names one."""
+
+
+def hf_tensor_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    h, inter = args.hidden_size, args.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (args.vocab_size, h), "model.norm.weight": (h,)}
+    if not args.tie_word_embeddings:
+        shapes["lm_head.weight"] = (args.vocab_size, h)
+    for i in range(args.num_layers):
+        shapes.update(_layer_shapes(args, f"model.layers.{i}.", h, inter))
+    return shapes
+
+
+def _layer_shapes(args: ModelArgs, p: str, h: int, inter: int) -> dict[str, tuple[int, ...]]:
+    # The order of the first nine is the draw order of random_hf_state_dict (seeded presets stay the same).
+    shapes: dict[str, tuple[int, ...]] = {
+        p + "input_layernorm.weight": (h,),
+        p + "self_attn.q_proj.weight": (args.q_size, h),
+        p + "self_attn.k_proj.weight": (args.kv_size, h),
+        p + "self_attn.v_proj.weight": (args.kv_size, h),
+        p + "self_attn.o_proj.weight": (h, args.q_size),
+        p + "post_attention_layernorm.weight": (h,),
+        p + "mlp.gate_proj.weight": (inter, h),
+        p + "mlp.up_proj.weight": (inter, h),
+        p + "mlp.down_proj.weight": (h, inter),
+    }
+    if args.qkv_bias:
+        shapes.update({p + "self_attn.q_proj.bias": (args.q_size,), p + "self_attn.k_proj.bias": (args.kv_size,),
+                       p + "self_attn.v_proj.bias": (args.kv_size,)})
+    if args.o_bias:
+        shapes[p + "self_attn.o_proj.bias"] = (h,)
+    if args.qk_norm:
+        shapes.update({p + "self_attn.q_norm.weight": (args.head_dim,),
+                       p + "self_attn.k_norm.weight": (args.head_dim,)})
+    if args.mlp_bias:
+        shapes.update({p + "mlp.gate_proj.bias": (inter,), p + "mlp.up_proj.bias": (inter,),
+                       p + "mlp.down_proj.bias": (h,)})
+    return shapes
+
+
+def is_ignored(name: str, args: ModelArgs) -> bool:
+    """A tensor the model may find in a checkpoint and does not need."""
+    return name.endswith("rotary_emb.inv_freq") or (args.tie_word_embeddings and name == "lm_head.weight")
+
+
+def check_tensor(name: str, shape: tuple[int, ...], expected: Mapping[str, tuple[int, ...]], source: str) -> None:
+    """Raise CheckpointError unless `name` is expected with exactly `shape` (call is_ignored first)."""
+    if name not in expected:
+        raise CheckpointError(f"{source}: tensor {name!r} is not part of this model (a different architecture "
+                              "or a config.json that does not match the weights)")
+    if tuple(shape) != expected[name]:
+        raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(shape)}, config.json implies "
+                              f"{expected[name]}")
+
+
+def check_complete(seen: Iterable[str], expected: Mapping[str, tuple[int, ...]], source: str) -> None:
+    missing = sorted(set(expected) - set(seen))
+    if missing:
+        shown = ", ".join(repr(n) for n in missing[:5])
+        raise CheckpointError(f"{source}: checkpoint is missing {len(missing)} tensor(s): {shown}"
+                              + (", ..." if len(missing) > 5 else ""))
+
+
+def num_parameters(args: ModelArgs) -> int:
+    """Weights of a model with `args`, as a checkpoint stores them (an untied output head included)."""
+    total = 0
+    for shape in hf_tensor_shapes(args).values():
+        count = 1
+        for dim in shape:
+            count *= dim
+        total += count
+    return total
+
+
+def random_hf_state_dict(args: ModelArgs, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded random fp32 weights with Hugging Face names (std 0.02 like transformers' init; norms near 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    state: dict[str, torch.Tensor] = {}
+    for name, shape in hf_tensor_shapes(args).items():
+        if name.endswith("norm.weight"):
+            state[name] = 1.0 + 0.1 * torch.randn(*shape, generator=gen)
+        else:
+            state[name] = torch.randn(*shape, generator=gen) * 0.02
+    return state

@@ -1,0 +1,156 @@
+"""The conductor that leads (one at a time, by etcd election) runs the dynamic P/D ratio controller.
+
+1. `start()` stands for election (a key on this conductor's lease, membership in etcd only) and starts the loop.
+   Every conductor runs the loop; only the leader acts, so a new leader takes over within the lease TTL of the
+   old one's death (its key expires, the next oldest candidate leads).
+2. Each period (`pd_controller.interval_s`) the leader measures each pool from the workers' LOAD replies:
+   prefill load = queue time (queued and running work times the measured prefill time) / TTFT SLO; decode
+   load = the larger of the measured step time / TBT SLO and the batch's fill. It feeds `SwitchPlanner`
+   (sched/pd_switch.py: pd_ratio with hysteresis, confirmation and dwell time), and when that names an
+   instance, sends it SWITCH and waits for the reply (the instance drains, switches, registers again).
+3. `stop()` cancels the loop; the candidacy goes with the lease when the membership stops.
+
+Owns the planner, the loop task and the record of switches this conductor ordered. Borrows the view, the peer
+clients and the membership.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from typing import Any
+
+from mooncaked.config import Config
+from mooncaked.etcd_membership import EtcdMembership
+from mooncaked.roles.base import PeerClients
+from mooncaked.roles.conductor.cluster_view import ClusterView, WorkerState
+from mooncaked.roles.worker.switch_messages import SWITCH, SwitchRequest
+from mooncaked.rpc import RpcError
+from mooncaked.sched.pd_ratio import PdRatioConfig
+from mooncaked.sched.pd_switch import SwitchCandidate, SwitchPlan, SwitchPlanner
+
+logger = logging.getLogger(__name__)
+
+NUM_SWITCHES_KEPT = 32
+
+
+def prefill_load(worker: WorkerState, ttft_slo_s: float) -> float:
+    load = worker.load
+    if load is None:
+        return 0.0
+    return (load.num_waiting + load.num_running) * load.step_time_s / ttft_slo_s
+
+
+def decode_load(worker: WorkerState, tbt_slo_s: float) -> float:
+    load = worker.load
+    if load is None:
+        return 0.0
+    fill = (load.num_running + load.num_waiting) / max(worker.max_num_running, 1)
+    step = load.step_time_s / tbt_slo_s if load.num_running else 0.0
+    return max(step, fill)
+
+
+class PdController:
+    """See the module docstring."""
+
+    def __init__(self, config: Config, view: ClusterView, peers: PeerClients, membership: EtcdMembership) -> None:
+        section = config.pd_controller
+        self.config = config
+        self.section = section
+        self.view = view
+        self.peers = peers
+        self.membership = membership
+        ratio = PdRatioConfig(trim_fraction=section.trim_fraction, tolerance=section.tolerance,
+                              scale_out_load=section.scale_out_load, scale_in_load=section.scale_in_load,
+                              max_step=1, min_per_side=section.min_per_side)
+        self.planner = SwitchPlanner(ratio, section.window, section.num_confirm, section.dwell_s)
+        self.switches: deque[dict[str, Any]] = deque(maxlen=NUM_SWITCHES_KEPT)
+        self.last_switch_at: dict[str, float] = {}
+        self.is_leading = False
+        self.num_switches = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.membership.campaign()
+        self._task = asyncio.create_task(self._run(), name="pd-controller")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    def describe(self) -> dict[str, Any]:
+        decision = self.planner.last_decision
+        return {"leader": self.membership.leader(), "is_leader": self.is_leading, "enabled": self.section.enabled,
+                "last_decision": None if decision is None else {"reason": decision.reason,
+                                                                "imbalance_factor": decision.imbalance_factor},
+                "prefill_loads": list(self.planner.prefill_loads), "decode_loads": list(self.planner.decode_loads),
+                "num_switches": self.num_switches,
+                "switches": list(self.switches)}
+
+    async def _run(self) -> None:
+        while True:
+            changed = self.membership.leader_changed()
+            self._follow_leadership()
+            if self.is_leading and self.section.enabled:
+                try:
+                    await self._step(time.monotonic())
+                except Exception:  # a bad sample must not end the controller
+                    logger.exception("P/D controller step failed")
+            try:
+                await asyncio.wait_for(changed.wait(), self.section.interval_s)
+            except TimeoutError:
+                pass
+
+    def _follow_leadership(self) -> None:
+        is_leading = self.membership.is_leader()
+        if is_leading != self.is_leading:
+            logger.info("P/D controller: %s", "this conductor leads" if is_leading
+                        else f"following (leader: {self.membership.leader() or 'unknown'})")
+            self.planner.reset()  # samples a former leader's period left are stale
+        self.is_leading = is_leading
+
+    async def _step(self, now: float) -> None:
+        scheduler = self.config.scheduler
+        prefill = [w for w in self.view.prefill.values() if w.is_placeable]
+        decode = [w for w in self.view.decode.values() if w.is_placeable]
+        ttft_slo_s, tbt_slo_s = scheduler.ttft_slo_ms / 1000, scheduler.tbt_slo_ms / 1000
+        self.planner.observe(
+            sum(prefill_load(w, ttft_slo_s) for w in prefill) / len(prefill) if prefill else None,
+            sum(decode_load(w, tbt_slo_s) for w in decode) / len(decode) if decode else None)
+        records = self.membership.members()
+        candidates = [SwitchCandidate(w.instance.name, w.instance.role,
+                                      records[w.instance.name].is_switchable if w.instance.name in records else False,
+                                      w.is_placeable, prefill_load(w, ttft_slo_s) if w.instance.role == "prefill"
+                                      else decode_load(w, tbt_slo_s), self.last_switch_at.get(w.instance.name))
+                      for w in self.view.workers if w.state != "draining"]
+        plan = self.planner.plan(candidates, now)
+        if plan is not None:
+            await self._apply(plan)
+
+    async def _apply(self, plan: SwitchPlan) -> None:
+        decision = plan.decision
+        logger.info("P/D controller: switching %s %s -> %s (%s, imbalance %.2f)", plan.name, plan.from_role,
+                    plan.to_role, decision.reason, decision.imbalance_factor)
+        timeout_s = self.section.switch_timeout_s
+        record: dict[str, Any] = {"instance": plan.name, "from_role": plan.from_role, "to_role": plan.to_role,
+                                  "reason": decision.reason, "at": time.time(), "is_switched": False}
+        try:
+            reply = await self.peers.for_instance(self.view.instance_config(plan.name)).call(
+                SWITCH, SwitchRequest(plan.to_role, decision.reason, timeout_s), timeout_s=timeout_s + 5.0)
+        except RpcError as exc:
+            logger.warning("P/D controller: switching %s failed: %s", plan.name, exc)
+            record["error"] = str(exc)
+        else:
+            record.update(is_switched=reply.is_switched, drain_s=reply.drain_s, num_cancelled=reply.num_cancelled)
+            self.num_switches += int(reply.is_switched)
+            if not reply.is_switched:
+                logger.info("P/D controller: %s did not switch: %s", plan.name, reply.reason)
+                record["error"] = reply.reason
+        now = time.monotonic()
+        self.last_switch_at[plan.name] = now
+        self.planner.switched(plan.name, now)
+        self.switches.append(record)

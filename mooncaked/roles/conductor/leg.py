@@ -1,0 +1,252 @@
+"""One attempt at serving a request: place it, RESERVE, PREFILL, DECODE, and give back what it held.
+
+1. `LegWork` is what the attempt serves: the prompt (a migrated request's prompt plus the tokens it already
+   streamed), its block keys, the tokens left and the seed state; `leg_id` names it on the instances.
+2. `place()` runs Algorithm 1 (a Rejection becomes a 429 or 503), leaving out instances this request saw fail.
+3. `reserve()`, `prefill()`, `open_decode()` and `next_item()` drive the legs, each with its deadline. A leg
+   that fails in a way another instance can fix (unreachable, stopping, past its deadline) raises `LegFailed`
+   with the cause; every other failure raises the `ApiError` the client gets.
+4. `settle()` closes the DECODE stream (cancelling it remotely), runs an owed DECODE to its end, and UNRESERVEs a
+   reservation DECODE never claimed; then the view forgets the leg.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from mooncaked.api.errors import ApiError, deadline_exceeded, internal_error, overloaded, unavailable
+from mooncaked.config import Config
+from mooncaked.roles.base import PeerClients
+from mooncaked.roles.conductor.cluster_view import ClusterView
+from mooncaked.roles.worker.messages import (DECODE, PREFILL, RESERVE, UNRESERVE, DecodeItem, DecodeRequest,
+                                             PrefillReply, PrefillRequest, ReserveReply, ReserveRequest,
+                                             SamplingSpec, TokenSample, UnreserveRequest)
+from mooncaked.rpc import Cancelled, DeadlineExceeded, ResourceExhausted, RpcClient, RpcError, Unavailable
+from mooncaked.sched.types import REASON_DECODE_REFUSED, Placement, Rejection, RequestInfo
+
+logger = logging.getLogger(__name__)
+
+UNRESERVE_TIMEOUT_S = 2.0  # cleanup only: an unclaimed reservation also ends with its lease
+MIGRATION_CAUSES = frozenset(f"{leg}_{kind}" for leg in ("reserve", "prefill", "decode")
+                             for kind in ("lost", "deadline"))
+
+
+@dataclass(frozen=True)
+class LegWork:
+    leg_id: str
+    token_ids: tuple[int, ...]
+    block_keys: tuple[bytes, ...]
+    sampling: SamplingSpec  # max_tokens: the tokens left; num_sampled: those already streamed
+    arrival_time: float
+    max_tokens: int  # the request's own max_tokens (the output-length predictor's key)
+    client_id: str
+
+
+class LegFailed(Exception):
+    """A leg failed in a way another instance may not: `cause` is one of MIGRATION_CAUSES."""
+
+    def __init__(self, cause: str, instance: str, error: ApiError) -> None:
+        super().__init__(f"{cause} on {instance}: {error.message}")
+        self.cause = cause
+        self.instance = instance
+        self.error = error
+
+
+class Rejected(Exception):
+    """The scheduler or an instance refused the request: `error` is the 429 or 503 and `reason` why."""
+
+    def __init__(self, reason: str, error: ApiError) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.error = error
+
+
+class Leg:
+    """Owns one attempt's placement, reservation state and DECODE stream."""
+
+    def __init__(self, config: Config, view: ClusterView, peers: PeerClients, work: LegWork) -> None:
+        self.config = config
+        self.view = view
+        self.peers = peers
+        self.work = work
+        self.placement: Placement | None = None
+        self.decode_stream: AsyncIterator[DecodeItem] | None = None
+        self.is_decode_owed = False  # the first token ended the request: DECODE still runs, to commit and free
+        self.may_hold_reservation = False  # RESERVE was sent and not refused: the decode instance may hold one
+        self.is_decode_sent = False  # DECODE went out: the decode instance frees the reservation itself
+        self.num_decode_items = 0
+        self.is_settled = False
+
+    # ---- placement ----------------------------------------------------------------------------------------
+    def place(self, excluded: frozenset[str]) -> Placement:
+        work = self.work
+        info = RequestInfo(work.leg_id, len(work.token_ids), work.block_keys, work.arrival_time)
+        now = time.monotonic()
+        result = self.view.place(info, now, excluded=excluded)
+        if isinstance(result, Rejection):
+            raise Rejected(result.reason, self._rejection_error(result))
+        self.view.flights.begin(info, result, now, max_tokens=work.max_tokens, client_id=work.client_id)
+        self.placement = result
+        logger.debug("placed: prefill %s, decode %s, prefix %d blocks (%d local, fetch %s), predicted TTFT %.3f s",
+                     result.prefill_instance or "inline", result.decode_instance, result.num_prefix_blocks,
+                     result.num_local_prefix_blocks, result.fetch_from_store, result.predicted_ttft_s)
+        return result
+
+    def _rejection_error(self, rejection: Rejection) -> ApiError:
+        if rejection.reason in ("no_prefill_instance", "no_decode_instance"):
+            role = "prefill" if rejection.reason == "no_prefill_instance" else "decode"
+            return unavailable(f"No {role} instance is up; retry shortly.")
+        text = _REJECTION_TEXT.get(rejection.reason, rejection.reason)
+        reason = text.format(ttft=rejection.predicted_ttft_s, tbt=rejection.predicted_tbt_s)
+        return overloaded(reason, float(self.config.conductor.retry_after_s))
+
+    # ---- legs ---------------------------------------------------------------------------------------------
+    async def reserve(self) -> ReserveReply:
+        placement, work, conductor = self._placed(), self.work, self.config.conductor
+        lease_s = conductor.prefill_timeout_s + self.config.rpc.call_timeout_s
+        request = ReserveRequest(work.leg_id, list(work.block_keys), len(work.token_ids), work.sampling.max_tokens,
+                                 min(int(lease_s * 1000), self.config.store.max_lease_ms),
+                                 is_inline_prefill=not placement.prefill_instance)
+        self.may_hold_reservation = True  # from here a cancel or a lost reply may leave one behind
+        waits = self.config.scheduler.admission in ("none", "baseline")  # RESERVE waits for room there
+        timeout_s = conductor.prefill_timeout_s if waits else self.config.rpc.call_timeout_s
+        try:
+            reply = await self._client(placement.decode_instance).call(RESERVE, request, timeout_s=timeout_s)
+        except RpcError as exc:
+            raise self._failure("reserve", placement.decode_instance, exc) from None
+        if not reply.is_accepted:
+            self.may_hold_reservation = False
+            logger.info("decode instance %s refused: %s", placement.decode_instance, reply.reason)
+            if reply.reason.startswith("switching:"):  # it is changing role: another decode instance may take it
+                raise LegFailed("reserve_lost", placement.decode_instance,
+                                unavailable(f"decode instance {placement.decode_instance} is switching roles"))
+            error = overloaded(f"decode instance {placement.decode_instance} refused it: {reply.reason}",
+                               float(conductor.retry_after_s))
+            raise Rejected("decode_" + (reply.reason.partition(":")[0] or "refused"), error)
+        return reply
+
+    async def prefill(self, reservation: ReserveReply) -> PrefillReply:
+        placement, work = self._placed(), self.work
+        fetch_store = placement.fetch_from_store or ""
+        request = PrefillRequest(
+            work.leg_id, list(work.token_ids), list(work.block_keys), work.sampling, fetch_store=fetch_store,
+            num_fetch_blocks=placement.num_prefix_blocks if fetch_store else 0,
+            decode_store=reservation.store_instance, destinations=list(reservation.destinations))
+        try:
+            reply = await self._client(placement.prefill_instance).call(
+                PREFILL, request, timeout_s=self.config.conductor.prefill_timeout_s)
+        except RpcError as exc:
+            raise self._failure("prefill", placement.prefill_instance, exc) from None
+        self.view.flights.prefill_done(work.leg_id)
+        return reply
+
+    def open_decode(self, first_token: TokenSample | None, max_tokens: int) -> None:
+        placement, work, conductor = self._placed(), self.work, self.config.conductor
+        request = DecodeRequest(work.leg_id, list(work.token_ids), list(work.block_keys),
+                                dataclasses.replace(work.sampling, max_tokens=max_tokens), first_token)
+        stream_s = conductor.first_token_timeout_s + max_tokens * conductor.token_timeout_s
+        self.decode_stream = self._client(placement.decode_instance).stream(DECODE, request, timeout_s=stream_s)
+        self.view.flights.decode_started(work.leg_id, time.monotonic())
+
+    async def next_item(self) -> DecodeItem:
+        assert self.decode_stream is not None
+        instance, conductor = self._placed().decode_instance, self.config.conductor
+        timeout_s = conductor.token_timeout_s if self.num_decode_items else conductor.first_token_timeout_s
+        self.is_decode_sent = True  # the stream sends its request on the first anext
+        try:
+            async with asyncio.timeout(timeout_s):
+                item = await anext(self.decode_stream)
+        except StopAsyncIteration:
+            raise internal_error("The decode instance ended the stream without a finish reason.") from None
+        except TimeoutError:
+            error = deadline_exceeded(f"No token from decode instance {instance} within {timeout_s:g} s.")
+            raise LegFailed("decode_deadline", instance, error) from None
+        except RpcError as exc:
+            raise self._failure("decode", instance, exc) from None
+        self.num_decode_items += 1
+        return item
+
+    def _failure(self, leg: str, instance: str, exc: RpcError) -> Exception:
+        """LegFailed when another instance may succeed, Rejected for a refusal, else the ApiError."""
+        logger.warning("%s leg on %s failed: %s", leg, instance, exc)
+        if isinstance(exc, DeadlineExceeded):
+            self.view.report_failure(instance, str(exc))
+            error = deadline_exceeded(f"The {leg} leg on {instance} missed its deadline; retry later.")
+            return LegFailed(f"{leg}_deadline", instance, error)
+        if isinstance(exc, (Unavailable, Cancelled)):  # unreachable, or stopping and cancelling its calls
+            self.view.report_failure(instance, str(exc))
+            return LegFailed(f"{leg}_lost", instance,
+                             unavailable(f"The {leg} instance {instance} is unreachable; retry shortly."))
+        if isinstance(exc, ResourceExhausted) and exc.message.startswith(REASON_DECODE_REFUSED):
+            return Rejected(REASON_DECODE_REFUSED, self._rejection_error(Rejection(self.work.leg_id,
+                                                                                   REASON_DECODE_REFUSED)))
+        if isinstance(exc, ResourceExhausted):
+            return overloaded(f"{instance} is out of capacity: {exc.message}",
+                              float(self.config.conductor.retry_after_s))
+        return internal_error(f"The {leg} leg on {instance} failed: {exc.message}")
+
+    # ---- settling -----------------------------------------------------------------------------------------
+    async def settle(self) -> None:
+        """Idempotent."""
+        if self.is_settled:
+            return
+        self.is_settled = True
+        try:
+            if self.decode_stream is not None:
+                if self.is_decode_owed:
+                    await self._drain_decode()
+                await _aclose(self.decode_stream)
+            if self.may_hold_reservation and not self.is_decode_sent:
+                await self._unreserve()
+        finally:
+            self.view.flights.finish(self.work.leg_id)
+
+    async def _drain_decode(self) -> None:
+        """Run the owed DECODE (max_tokens 1) to its end: the decode instance commits and frees the request."""
+        assert self.decode_stream is not None
+        self.is_decode_sent = True
+        try:
+            async with asyncio.timeout(self.config.conductor.first_token_timeout_s):
+                async for _ in self.decode_stream:
+                    pass
+        except (RpcError, TimeoutError) as exc:
+            logger.warning("the closing decode leg failed: %s", exc)
+
+    async def _unreserve(self) -> None:
+        """Give back a reservation DECODE will never claim; a failure only leaves it to its lease."""
+        instance = self._placed().decode_instance
+        timeout_s = min(UNRESERVE_TIMEOUT_S, self.config.rpc.call_timeout_s)
+        try:
+            reply = await self._client(instance).call(UNRESERVE, UnreserveRequest(self.work.leg_id),
+                                                      timeout_s=timeout_s)
+        except RpcError as exc:
+            logger.warning("unreserve on %s failed (its lease frees it): %s", instance, exc)
+            return
+        logger.debug("unreserved on %s (was reserved: %s)", instance, reply.was_reserved)
+
+    def _placed(self) -> Placement:
+        assert self.placement is not None, "place() first"
+        return self.placement
+
+    def _client(self, instance_name: str) -> RpcClient:
+        return self.peers.for_instance(self.view.instance_config(instance_name))
+
+
+_REJECTION_TEXT = {
+    "ttft_slo": "predicted time to first token {ttft:.2f} s is over its SLO",
+    "tbt_slo": "predicted time between tokens {tbt:.3f} s is over its SLO",
+    "decode_full": "every decode instance is full",
+    REASON_DECODE_REFUSED: "the decode instance refused the request",
+}
+
+
+async def _aclose(stream: AsyncIterator[Any]) -> None:
+    close = getattr(stream, "aclose", None)
+    if close is not None:
+        await close()

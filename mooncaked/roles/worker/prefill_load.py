@@ -1,0 +1,50 @@
+"""What a prefill instance measures of itself and reports in LOAD: samples for its model, held work, overhead.
+
+1. `batch_started(prompts, now)`: the running batch's predicted seconds (its model, per prompt).
+2. `batch_finished(prompts, elapsed_s)`: the batch's time split over its prompts by compute share
+   (`attribute_batch_time`), one honest per-request sample each into the worker's performance model.
+3. `replied(total_s, wait_s, compute_s)`: a request's seconds on this instance outside queueing and compute
+   (KV planning, fetches, write confirmation), averaged into `overhead_s`.
+4. `pending_work_s(queued, now)`: what the instance still holds, in predicted seconds: the rest of the running
+   batch plus every queued prompt. Conductors add their own requests this does not count yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mooncaked.sched.perf_model import PerformanceModel, RecentMean, attribute_batch_time
+
+
+class PrefillLoad:
+    """Owns the running batch's prediction and the overhead average (owned by the PrefillRole)."""
+
+    def __init__(self, perf: PerformanceModel, hidden_size: int) -> None:
+        self.perf = perf
+        self.hidden_size = hidden_size
+        self.overhead = RecentMean()
+        self.mean_batch_s = 0.0
+        self._batch_predicted_s = 0.0
+        self._batch_started = 0.0
+
+    def predict(self, num_tokens: int, num_prefix_tokens: int) -> float:
+        """This instance's predicted compute seconds for one prompt (0 until its model is fitted)."""
+        model = self.perf.prefill
+        return model.predict(num_tokens, num_prefix_tokens) if model is not None else 0.0
+
+    def batch_started(self, prompts: Sequence[tuple[int, int]], now: float) -> None:
+        self._batch_predicted_s = sum(self.predict(n, p) for n, p in prompts)
+        self._batch_started = now
+
+    def batch_finished(self, prompts: Sequence[tuple[int, int]], elapsed_s: float) -> None:
+        self._batch_predicted_s = 0.0
+        self.mean_batch_s = elapsed_s if not self.mean_batch_s else 0.8 * self.mean_batch_s + 0.2 * elapsed_s
+        for (n, p), seconds in zip(prompts, attribute_batch_time(elapsed_s, prompts, self.hidden_size)):
+            self.perf.add_prefill(n, p, seconds)
+
+    def replied(self, total_s: float, wait_s: float, compute_s: float) -> None:
+        self.overhead.add(max(total_s - wait_s - compute_s, 0.0))
+
+    def pending_work_s(self, queued: Sequence[tuple[int, int]], now: float) -> float:
+        running_s = max(self._batch_predicted_s - (now - self._batch_started), 0.0)
+        return running_s + sum(self.predict(n, p) for n, p in queued)

@@ -1,0 +1,145 @@
+"""One instance's performance model: its prefill-time and decode-step predictors, fitted from its own samples.
+
+1. The worker profiles itself before it reports ready (`add_profile_prefill` / `add_profile_decode`); profile
+   samples are kept for good, because they span the lengths and batch sizes live traffic may not reach.
+2. While serving it adds one sample per prefilled request (`add_prefill`: a batch's time split by
+   `attribute_batch_time`, so samples are per-request costs) and one per decode step (`add_decode`).
+3. Every `refit_every` new samples of a kind (and after the profile) that predictor is refitted by least squares
+   of the relative error (TTFT and TBT errors matter relative to their size) over the profile plus the newest
+   `max_live_samples` live samples: prefill in the paper's form (a constant, new tokens, and attention over
+   the context: n^2 - p^2), decode as a constant plus per-sequence and per-context-token terms, every term but
+   the constant non-negative. A fit the samples do not determine keeps the previous predictor. `coefficients()` is what the instance reports in its LOAD replies.
+
+Pure: no clock, no I/O; the caller measures and passes seconds in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mooncaked.sched.predictors import DecodeStepPredictor, PrefillTimePredictor
+
+# Eq. 1's constants (FLOPs per layer: a n^2 d for attention, b n d^2 for the projections and MLP).
+ATTENTION_FLOPS_A = 4.0
+PROJECTION_FLOPS_B = 22.0
+
+
+def prefill_flops(num_tokens: int, num_prefix_tokens: int, hidden_size: int) -> float:
+    """Eq. 1's FLOPs (per layer) of computing tokens p..n after a reused prefix of p: a d (n^2 - p^2) + b d^2 (n - p)."""
+    n = float(num_tokens)
+    p = float(min(max(num_prefix_tokens, 0), num_tokens))
+    return ATTENTION_FLOPS_A * hidden_size * (n * n - p * p) + PROJECTION_FLOPS_B * hidden_size**2 * (n - p)
+
+
+def attribute_batch_time(batch_s: float, prompts: Sequence[tuple[int, int]], hidden_size: int) -> list[float]:
+    """A batched prefill's seconds split over its prompts `(num_tokens, num_prefix_tokens)` by compute share.
+
+    The shares sum to `batch_s` exactly; a batch whose prompts have no new tokens splits evenly.
+    """
+    weights = [prefill_flops(n, p, hidden_size) for n, p in prompts]
+    total = sum(weights)
+    if total <= 0:
+        return [batch_s / len(prompts)] * len(prompts) if prompts else []
+    return [batch_s * w / total for w in weights]
+
+
+def _is_time(seconds: float) -> bool:
+    return math.isfinite(seconds) and seconds > 0
+
+
+class RecentMean:
+    """A running mean that weighs the newest value by at least `weight` (a plain mean until then)."""
+
+    def __init__(self, weight: float = 0.2) -> None:
+        self.weight = weight
+        self.value = 0.0
+        self.count = 0
+
+    def add(self, value: float) -> None:
+        if not math.isfinite(value):
+            return
+        self.count += 1
+        self.value += max(self.weight, 1.0 / self.count) * (value - self.value)
+
+
+@dataclass(frozen=True)
+class ModelCoefficients:
+    """What an instance reports: its fitted predictors' coefficients (empty until fitted)."""
+
+    prefill: tuple[float, ...] = ()
+    decode: tuple[float, ...] = ()
+
+
+class PerformanceModel:
+    """Owns one instance's samples and its current fitted predictors (owned by the worker)."""
+
+    def __init__(self, *, refit_every: int = 8, max_live_samples: int = 256) -> None:
+        if refit_every < 1 or max_live_samples < 1:
+            raise ValueError("refit_every and max_live_samples must be >= 1")
+        self.refit_every = refit_every
+        self.prefill: PrefillTimePredictor | None = None
+        self.decode: DecodeStepPredictor | None = None
+        self.num_refits = 0
+        self._profile_prefill: list[tuple[int, int, float]] = []
+        self._profile_decode: list[tuple[int, int, float]] = []
+        self._live_prefill: deque[tuple[int, int, float]] = deque(maxlen=max_live_samples)
+        self._live_decode: deque[tuple[int, int, float]] = deque(maxlen=max_live_samples)
+        self._num_new_prefill = 0
+        self._num_new_decode = 0
+
+    # ---- samples ------------------------------------------------------------------------------------------
+    def add_profile_prefill(self, num_tokens: int, num_prefix_tokens: int, seconds: float) -> None:
+        if _is_time(seconds):
+            self._profile_prefill.append((num_tokens, num_prefix_tokens, seconds))
+
+    def add_profile_decode(self, batch_size: int, num_context_tokens: int, seconds: float) -> None:
+        if _is_time(seconds):
+            self._profile_decode.append((batch_size, num_context_tokens, seconds))
+
+    def add_prefill(self, num_tokens: int, num_prefix_tokens: int, seconds: float) -> None:
+        if not _is_time(seconds):
+            return
+        self._live_prefill.append((num_tokens, num_prefix_tokens, seconds))
+        self._num_new_prefill += 1
+        if self._num_new_prefill >= self.refit_every:
+            self.refit_prefill()
+
+    def add_decode(self, batch_size: int, num_context_tokens: int, seconds: float) -> None:
+        if not _is_time(seconds):
+            return
+        self._live_decode.append((batch_size, num_context_tokens, seconds))
+        self._num_new_decode += 1
+        if self._num_new_decode >= self.refit_every:
+            self.refit_decode()
+
+    def num_samples(self) -> dict[str, int]:
+        return {"prefill_profile": len(self._profile_prefill), "prefill_live": len(self._live_prefill),
+                "decode_profile": len(self._profile_decode), "decode_live": len(self._live_decode)}
+
+    # ---- fits ---------------------------------------------------------------------------------------------
+    def refit(self) -> None:
+        self.refit_prefill()
+        self.refit_decode()
+
+    def refit_prefill(self) -> None:
+        self._num_new_prefill = 0
+        try:
+            self.prefill = PrefillTimePredictor.fit_paper_form([*self._profile_prefill, *self._live_prefill])
+        except ValueError:
+            return
+        self.num_refits += 1
+
+    def refit_decode(self) -> None:
+        self._num_new_decode = 0
+        try:
+            self.decode = DecodeStepPredictor.fit([*self._profile_decode, *self._live_decode], relative=True)
+        except ValueError:
+            return
+        self.num_refits += 1
+
+    def coefficients(self) -> ModelCoefficients:
+        return ModelCoefficients(self.prefill.coefficients if self.prefill is not None else (),
+                                 self.decode.coefficients if self.decode is not None else ())

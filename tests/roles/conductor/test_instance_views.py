@@ -1,0 +1,69 @@
+"""Instance views: an instance's reported held work plus this conductor's requests it has not counted; per-request
+predicted ends from the output-length predictor."""
+
+from __future__ import annotations
+
+import pytest
+
+from mooncaked.config import InstanceConfig
+from mooncaked.roles.conductor.instance_views import InFlight, OutputForecast, WorkerState, decode_view, prefill_view
+from mooncaked.roles.conductor.live_predictors import LivePredictors
+from mooncaked.roles.worker.messages import LoadReply
+from mooncaked.sched.output_length import OutputLengthPredictor
+from mooncaked.sched.predictors import DecodeStepPredictor, Predictors, PrefillTimePredictor, TransferTimePredictor
+
+MODEL = [0.0, 1.0, -1.0, 0.0, 0.0, 0.0]  # 1 s per 1000 new tokens
+
+
+def predictors() -> LivePredictors:
+    return LivePredictors(Predictors(PrefillTimePredictor((9.0, 0, 0, 0, 0, 0)), DecodeStepPredictor((0.5, 0, 0)),
+                                     TransferTimePredictor(1, 1.0)))
+
+
+def worker(role: str, load: LoadReply | None, polled_at: float = 0.0) -> WorkerState:
+    return WorkerState(InstanceConfig(name="w", role=role), "s", 8, 1000, load=load, polled_at=polled_at, is_up=True)
+
+
+def flight(request_id: str, predicted_s: float, **extra: object) -> InFlight:
+    return InFlight(request_id, "w", "d", predicted_s, dispatched_at=1.0, ready_at=5.0, num_context_tokens=100,
+                    **extra)  # type: ignore[arg-type]
+
+
+def load(**fields: object) -> LoadReply:
+    base: dict[str, object] = {"role": "prefill", "num_running": 1, "num_waiting": 1, "num_queued_tokens": 0,
+                               "num_free_pages": 10, "num_pages": 10, "step_time_s": 0.0}
+    return LoadReply(**{**base, **fields})  # type: ignore[arg-type]
+
+
+def test_held_work_decays_and_uncounted_requests_are_added() -> None:
+    live = predictors()
+    live.report("w", MODEL, [])
+    reply = load(prefill_coefficients=MODEL, pending_work_s=4.0, held_request_ids=["a"], overhead_s=0.05)
+    flights = [flight("a", 1.0), flight("b", 2.0)]  # a is counted by the instance, b not yet
+    view = prefill_view(worker("prefill", reply, polled_at=10.0), flights, live, now=11.0)
+    assert view.queued_prefill_s == pytest.approx(3.0 + 2.0) and view.busy_until == 11.0
+    assert view.prefill_coefficients == tuple(MODEL) and view.overhead_s == 0.05
+    gone = prefill_view(worker("prefill", reply, polled_at=10.0), [], live, now=20.0)
+    assert gone.queued_prefill_s == 0.0
+
+
+def test_before_any_model_the_conductor_queue_model_stands() -> None:
+    view = prefill_view(worker("prefill", None), [flight("a", 1.0), flight("b", 2.0)], predictors(), now=1.5)
+    assert view.busy_until == pytest.approx(2.0) and view.queued_prefill_s == pytest.approx(2.0)
+    assert view.prefill_coefficients == ()
+
+
+def test_decode_view_predicts_each_request_end_from_its_output_length() -> None:
+    lengths = OutputLengthPredictor(quantile=1.0, min_samples=1)
+    lengths.observe(api_key="k", max_tokens=100, num_prompt_tokens=100, num_output_tokens=20)
+    forecast = OutputForecast(lengths, default_max_tokens=50, is_enabled=True)
+    live = predictors()
+    live.report("w", [], [0.1, 0.0, 0.0])  # 100 ms per step
+    running = flight("a", 0.0, max_tokens=100, client_id="k", decode_started_at=2.0, num_generated=5)
+    incoming = flight("b", 0.0, max_tokens=100, client_id="k")
+    view = decode_view(worker("decode", None), [running, incoming], live, forecast, 16, now=3.0)
+    assert view.running_ends_at == (pytest.approx(3.0 + 15 * 0.1),)
+    assert view.incoming_decode_s == (pytest.approx(20 * 0.1),)
+    assert view.step_coefficients == (0.1, 0.0, 0.0)
+    uniform = decode_view(worker("decode", None), [running], live, OutputForecast(lengths, 50, False), 16, now=3.0)
+    assert uniform.running_ends_at == () and uniform.incoming_decode_s == ()
