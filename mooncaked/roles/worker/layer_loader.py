@@ -19,10 +19,9 @@ import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from mooncaked.roles.worker.request_kv import RequestKv
+from mooncaked.roles.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +35,19 @@ class BlockSource:
     offsets: list[int]
 
 
+class LoadTarget(Protocol):
+    """What the loader uses of a request's KV (request_kv.RequestKv, which owns the loader)."""
+
+    request_id: str
+    worker: Worker
+    is_direct: bool  # reads land in the pages themselves; else in staging, then `copy_layer_in`
+
+    async def read_layer(self, store_name: str, indices: Sequence[int], offsets: Sequence[int],
+                         layer: int) -> None: ...
+
+    def copy_layer_in(self, layer: int, num_blocks: int) -> None: ...
+
+
 class LoadFailed(Exception):
     """Loading a request's KV failed or ran past its deadline; the message says which layer and why."""
 
@@ -43,7 +55,7 @@ class LoadFailed(Exception):
 class LayerLoader:
     """Owns the loading task of one request, its per-layer readiness and the copies it queued."""
 
-    def __init__(self, kv: RequestKv, sources: Sequence[BlockSource], num_blocks: int) -> None:
+    def __init__(self, kv: LoadTarget, sources: Sequence[BlockSource], num_blocks: int) -> None:
         self.kv = kv
         self.sources = [s for s in sources if s.indices]
         self.num_blocks = num_blocks  # staging rows [0, num_blocks) are loaded
@@ -79,8 +91,9 @@ class LayerLoader:
             raise self.error
 
     async def close(self, timeout_s: float) -> bool:
-        """Cancel the task and wait for its queued copies; False when one is still running past `timeout_s`."""
-        if self._task is not None:
+        """Cancel the task and wait for its queued copies; False when one is still running past `timeout_s`.
+        Awaits nothing when nothing runs (a caller being cancelled then still gets its pages back at once)."""
+        if self._task is not None and not self._task.done():
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         pending = [asyncio.wrap_future(c) for c in self._copies if not c.done()]

@@ -229,7 +229,8 @@ class RequestKv:
 
     # ---- end -------------------------------------------------------------------------------------------
     async def release(self) -> None:
-        """Free pages and staging; idempotent. In-flight writes are cancelled, queued copies awaited."""
+        """Free pages and staging; idempotent, and safe to cancel (what then still runs ends by its deadline
+        before the pages are freed). In-flight writes are cancelled, queued copies awaited."""
         if self._is_released:
             return
         self._is_released = True
@@ -238,19 +239,28 @@ class RequestKv:
                 self._is_moves_clean = False
         self._writes = []
         timeout_s = self.worker.config.transfer.timeout_s
-        is_quiet = await self._settle_copies(timeout_s)
-        if self.loader is not None:
-            is_quiet = await self.loader.close(timeout_s) and is_quiet
+        try:
+            is_quiet = await self._settle_copies(timeout_s)
+            if self.loader is not None:
+                is_quiet = await self.loader.close(timeout_s) and is_quiet
+        except asyncio.CancelledError:
+            self._give_back(delay_s=timeout_s, is_reusable=False)
+            raise
         if not is_quiet:  # a copy still runs: its pages and staging stay taken rather than reused under it
             logger.error("%s: KV copies still running after %gs; its pages and staging are not reused",
                          self.request_id, timeout_s)
             return
+        is_late_write_possible = self.is_direct and not self._is_moves_clean
+        self._give_back(delay_s=self.worker.config.transfer.io_timeout_s if is_late_write_possible else 0.0,
+                        is_reusable=self._is_moves_clean)
+
+    def _give_back(self, delay_s: float, is_reusable: bool) -> None:
         worker = self.worker
         assert worker.pages is not None and worker.staging_pool is not None
         if self._buffer is not None:
-            worker.staging_pool.release(self._buffer, is_reusable=self._is_moves_clean)
-        if self.is_direct and not self._is_moves_clean:
-            worker.free_pages_later(self.request_id, worker.config.transfer.io_timeout_s)
+            worker.staging_pool.release(self._buffer, is_reusable=is_reusable)
+        if delay_s > 0:
+            worker.free_pages_later(self.request_id, delay_s)
         else:
             worker.pages.free_owner(self.request_id)
 

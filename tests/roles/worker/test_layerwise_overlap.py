@@ -321,3 +321,31 @@ async def test_pages_go_straight_into_another_hosts_store(tmp_path: Path, monkey
         await worker.local_store.read_blocks(worker.local_store.register_staging("here", buffers[0]), here.locations)
         await remote.read_blocks(remote.register_staging("there", buffers[1]), there.locations)
         assert np.array_equal(buffers[0], buffers[1]) and buffers[0].any()
+
+
+async def test_a_cancelled_release_still_gives_the_pages_back_at_once(tmp_path: Path) -> None:
+    """A stream handler is often cancelled as its request ends; with nothing left running, release frees the
+    pages before it could be interrupted (it awaits nothing)."""
+    config = make_config(tmp_path)
+    tokens = [random.Random(9).randrange(3, 300) for _ in range(2 * BLOCK + 3)]
+    async with running_worker(config) as worker:
+        assert worker.pages is not None
+        num_free = worker.pages.num_free
+        plan = await plan_prompt_kv(worker, "s", tokens, keys_of(worker, tokens), timeout_s=30)
+        await prefill(worker, [plan])
+        await plan.kv.wait_writes(30)
+        await plan.close_store(commit=True)
+        await plan.kv.release()
+        reuse = await plan_prompt_kv(worker, "c", tokens, keys_of(worker, tokens), timeout_s=30)
+        await reuse.kv.wait_loaded()
+        await reuse.close_store(commit=False)
+
+        async def cancelled_caller() -> None:
+            current = asyncio.current_task()
+            assert current is not None
+            current.cancel()
+            await reuse.kv.release()
+            await asyncio.sleep(0)  # the cancellation lands here, after the release
+
+        await asyncio.gather(asyncio.ensure_future(cancelled_caller()), return_exceptions=True)
+        assert worker.pages.num_free == num_free
