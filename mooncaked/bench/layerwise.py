@@ -1,10 +1,11 @@
 """`mooncaked bench layerwise`: what layer-wise KV storing and loading cost a prefill (paper 3.3.2, its Fig 7).
 
-1. Start two stores (this host 127.0.0.1 and another host 127.0.0.2) and a prefill worker on 127.0.0.1, in this
-   process, with the configured model. Compute and copies do not share a core: the worker's compute thread runs
-   on `--compute-cpus` with as many torch threads (runtime.num_threads; worker.compute_cpus), while this
-   process's other threads (event loop, KV copy thread, transfer and store threads) run on `--copy-cpus`
-   (worker.copy_cpus for the copy thread). By default the last usable CPU is the copy CPU, the others compute.
+1. Start two stores as processes of their own (this host 127.0.0.1 and another host 127.0.0.2) and a prefill
+   worker on 127.0.0.1 in this process, with the configured model. Compute and copies do not share a core: the
+   worker's compute thread runs on `--compute-cpus` with as many torch threads (runtime.num_threads;
+   worker.compute_cpus), while its other threads (event loop, KV copy thread, transfer threads) and the store
+   processes run on `--copy-cpus` (worker.copy_cpus; the stores' cluster.instances[].cpus). By default the
+   last usable CPU is the copy CPU, the others compute.
 2. Storing, fresh random prompts (no reuse): `none` (compute only), `layerwise` (after layer i its KV goes to
    the local store and over TCP to the other host's store while layer i+1 computes), `serialized` (the same
    bytes copied and sent after the whole forward).
@@ -34,14 +35,15 @@ from typing import Any
 
 from mooncaked.bench.cluster import instance, write_config
 from mooncaked.bench.layerwise_modes import LOAD_MODES, STORE_MODES, ModeRunner, RunTimes
+from mooncaked.bench.store_processes import store_processes
 from mooncaked.config import Config, load_config
 from mooncaked.cpu_affinity import check_usable, usable_cpus
 from mooncaked.numa import parse_id_list
-from mooncaked.roles.store import StoreRole
 from mooncaked.roles.worker.worker import Worker
 
 MODES = STORE_MODES + LOAD_MODES
 MIN_ROUNDS = 5
+STORE_START_TIMEOUT_S = 120.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,9 +68,10 @@ def cpu_split(args: argparse.Namespace) -> tuple[list[int], list[int]]:
     return compute, copy
 
 
-def _config(tmp: Path, args: argparse.Namespace, compute: list[int], copy: list[int]) -> Config:
+def _config(tmp: Path, args: argparse.Namespace, compute: list[int], copy: list[int]) -> tuple[Path, Config]:
     max_len = max(int(x) for x in args.lengths.split(","))
-    instances = [instance("s_local", "store", "127.0.0.1"), instance("s_decode", "store", "127.0.0.2"),
+    instances = [instance("s_local", "store", "127.0.0.1", cpus=copy), instance("s_decode", "store", "127.0.0.2",
+                                                                                 cpus=copy),
                  instance("p0", "prefill", "127.0.0.1")]
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     sections: dict[str, dict[str, Any]] = {
@@ -80,7 +83,8 @@ def _config(tmp: Path, args: argparse.Namespace, compute: list[int], copy: list[
                    "copy_cpus": copy},
         "transfer": {"timeout_s": 300.0},
     }
-    return load_config(write_config(tmp / "bench-layerwise.yaml", "bench-layerwise", instances, sections))
+    path = write_config(tmp / "bench-layerwise.yaml", "bench-layerwise", instances, sections)
+    return path, load_config(path)
 
 
 @contextlib.contextmanager
@@ -103,19 +107,16 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--rounds must be >= 1")
     compute, copy = cpu_split(args)
     with tempfile.TemporaryDirectory() as tmp:
-        config = _config(Path(tmp), args, compute, copy)
+        config_path, config = _config(Path(tmp), args, compute, copy)
         worker = Worker(config, config.instance_named("p0"))  # checks its CPUs against this thread's
-        with _pinned_main_thread(copy, len(compute)):  # before any thread of the stores and worker starts
-            stores = [StoreRole(config, config.instance_named(n)) for n in ("s_local", "s_decode")]
-            try:
-                for store in stores:
-                    await store.start()
-                await worker.start()
-                result = await _measure(ModeRunner(worker, args.prefix_fraction), args)
-            finally:
-                await worker.stop()
-                for store in stores:
-                    await store.stop()
+        async with store_processes(config_path, config, ("s_local", "s_decode"), Path(tmp) / "stores.log",
+                                   STORE_START_TIMEOUT_S):
+            with _pinned_main_thread(copy, len(compute)):  # before any thread of the worker starts
+                try:
+                    await worker.start()
+                    result = await _measure(ModeRunner(worker, args.prefix_fraction), args)
+                finally:
+                    await worker.stop()
     result["setup"] = {"compute_cpus": compute, "copy_cpus": copy, "num_threads": len(compute),
                        "device": args.device, "rounds": args.rounds, "prefix_fraction": args.prefix_fraction,
                        "max_layers_in_flight": args.max_layers_in_flight, "load_average": os.getloadavg()}
