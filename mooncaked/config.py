@@ -48,6 +48,7 @@ class ModelSection:
 @dataclass(frozen=True)
 class RuntimeSection:
     num_threads: int = bounded(1, min=1, max=1024)
+    gil_switch_interval_ms: float = bounded(0.5, min=0.01, max=100.0)
     log_level: str = bounded("info", choices=("debug", "info", "warning", "error"))
     log_format: str = bounded("text", choices=("text", "json"))
     drain_timeout_s: float = bounded(10.0, min=0.0)

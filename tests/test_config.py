@@ -175,7 +175,9 @@ def test_cuda_graphs_need_a_cuda_device(tmp_path: Path) -> None:
 
 
 def test_layerwise_worker_options(tmp_path: Path) -> None:
-    message = errors_of(tmp_path, {"worker": {"max_layers_in_flight": 0}, "store": {"numa_node": -2}})
+    message = errors_of(tmp_path, {"worker": {"max_layers_in_flight": 0}, "store": {"numa_node": -2},
+                                   "runtime": {"gil_switch_interval_ms": 0}})
+    assert "runtime.gil_switch_interval_ms: must be >= 0.01, got 0" in message
     assert "worker.max_layers_in_flight: must be >= 1, got 0" in message
     assert "store.numa_node: must be >= 0, got -2" in message
     message = errors_of(tmp_path, {"worker": {"compute_cpus": [0, 0], "copy_cpus": [-1]}})

@@ -5,7 +5,8 @@
    worker's compute thread runs on `--compute-cpus` with as many torch threads (runtime.num_threads;
    worker.compute_cpus), while its other threads (event loop, KV copy thread, transfer threads) and the store
    processes run on `--copy-cpus` (worker.copy_cpus; the stores' cluster.instances[].cpus). By default the
-   last usable CPU is the copy CPU, the others compute.
+   last usable CPU is the copy CPU, the others compute. The interpreter lock's switch interval is the one a
+   worker process sets (runtime.gil_switch_interval_ms).
 2. Storing, fresh random prompts (no reuse): `none` (compute only), `layerwise` (after layer i its KV goes to
    the local store and over TCP to the other host's store while layer i+1 computes), `serialized` (the same
    bytes copied and sent after the whole forward).
@@ -28,6 +29,7 @@ import contextlib
 import json
 import os
 import statistics
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -88,16 +90,19 @@ def _config(tmp: Path, args: argparse.Namespace, compute: list[int], copy: list[
 
 
 @contextlib.contextmanager
-def _pinned_main_thread(cpus: list[int], num_threads: int) -> Iterator[None]:
-    """This thread (and every thread it starts from now on) on `cpus`; torch's thread count set; both restored."""
+def _pinned_main_thread(cpus: list[int], config: Config) -> Iterator[None]:
+    """This thread (and every thread it starts from now on) on `cpus`; torch's thread count and the interpreter
+    lock's switch interval as a worker process sets them (cli.py); all restored."""
     import torch
 
-    affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    affinity, threads, switch_s = os.sched_getaffinity(0), torch.get_num_threads(), sys.getswitchinterval()
     os.sched_setaffinity(0, cpus)
-    torch.set_num_threads(num_threads)
+    torch.set_num_threads(config.runtime.num_threads)
+    sys.setswitchinterval(config.runtime.gil_switch_interval_ms / 1000)
     try:
         yield
     finally:
+        sys.setswitchinterval(switch_s)
         torch.set_num_threads(threads)
         os.sched_setaffinity(0, affinity)
 
@@ -111,7 +116,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
         worker = Worker(config, config.instance_named("p0"))  # checks its CPUs against this thread's
         async with store_processes(config_path, config, ("s_local", "s_decode"), Path(tmp) / "stores.log",
                                    STORE_START_TIMEOUT_S):
-            with _pinned_main_thread(copy, len(compute)):  # before any thread of the worker starts
+            with _pinned_main_thread(copy, config):  # before any thread of the worker starts
                 try:
                     await worker.start()
                     result = await _measure(ModeRunner(worker, args.prefix_fraction), args)
