@@ -1,8 +1,7 @@
 """Layer-wise loading of one request's blocks from stores into its pages (a reused prefix, a prefilled prompt).
 
 1. `LayerLoader(kv, sources, num_blocks)`; `start()` (event loop) starts its task.
-2. The task walks the layers in order, layer 0 alone (the forward waits for it), then with at most
-   `worker.max_layers_in_flight` of them in flight: for layer i
+2. The task walks the layers in order with at most `worker.max_layers_in_flight` of them in flight: for layer i
    it reads layer i's slice of every source block from its store (one transfer batch per store; same-host
    stores are a memcpy on the worker's copy thread, others the transfer engine) straight into host pages, or
    into staging and then, on the copy thread, into GPU pages; layer i is then ready. Layer i+1's read is
@@ -119,8 +118,6 @@ class LayerLoader:
                 if self.error is not None:
                     break
                 layers.append(asyncio.create_task(self._load_layer(layer, slots)))
-                if layer == 0:  # the forward waits for layer 0 alone: it gets the whole link first
-                    await asyncio.wait(layers)
             await asyncio.gather(*layers)
         finally:
             for task in layers:
