@@ -135,6 +135,9 @@ def _run_role(args: argparse.Namespace, config: Config) -> int:
             raise CliError(str(exc)) from exc
     if args.role in ("prefill", "decode"):
         _set_torch_threads(config.runtime.num_threads)
+        # the compute thread takes the interpreter lock back after every op; with copy and transfer threads busy
+        # the default 5 ms handover stalls it layer after layer (measured: bench layerwise)
+        sys.setswitchinterval(config.runtime.gil_switch_interval_ms / 1000)
     from mooncaked.roles import make_role
 
     return run_role(lambda: make_role(config, instance), notifier, interval)

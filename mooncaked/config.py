@@ -41,6 +41,7 @@ class ModelSection:
     device: str = "cpu"
     kernel_backend: str = bounded("auto", choices=("auto", "triton", "torch"))
     cpu_packed_gemm: bool = True
+    cuda_graphs: bool = False
     max_model_len: int = bounded(2048, min=16)
     seed: int = 0
 
@@ -48,6 +49,7 @@ class ModelSection:
 @dataclass(frozen=True)
 class RuntimeSection:
     num_threads: int = bounded(1, min=1, max=1024)
+    gil_switch_interval_ms: float = bounded(0.5, min=0.01, max=100.0)
     log_level: str = bounded("info", choices=("debug", "info", "warning", "error"))
     log_format: str = bounded("text", choices=("text", "json"))
     drain_timeout_s: float = bounded(10.0, min=0.0)
@@ -97,6 +99,7 @@ class StoreSection:
     max_lease_ms: int = bounded(600_000, min=1)
     maintenance_interval_s: float = bounded(0.5, min=0.01)
     max_events_buffered: int = bounded(100_000, min=16)
+    numa_node: Optional[int] = bounded(None, min=0, max=1023, doc="bind the pool here (null: the NIC's node)")
 
 
 @dataclass(frozen=True)
@@ -166,6 +169,9 @@ class WorkerSection:
     inline_prefill_max_tokens: int = bounded(256, min=0)
     kv_load_timeout_s: float = bounded(60.0, min=0.01)
     abort_grace_s: float = bounded(35.0, min=0.0)
+    max_layers_in_flight: int = bounded(4, min=1, max=1024)
+    compute_cpus: list[int] = bounded([], doc="CPU ids the compute thread runs on (empty: the process's)")
+    copy_cpus: list[int] = bounded([], doc="CPU ids the KV copy thread runs on (empty: the process's)")
     profile_s: float = bounded(5.0, min=0.0, max=600.0)
     switchable: bool = False
 
@@ -368,9 +374,20 @@ def validate(config: Config) -> list[ConfigIssue]:
     if config.conductor.tenants_file is not None and config.conductor.api_keys_file is not None:
         issues.append(ConfigIssue("conductor.tenants_file", "set either tenants_file or api_keys_file, not both "
                                   "(a tenant's api_keys list replaces the keys file)"))
+    if config.model.cuda_graphs and not config.model.device.startswith("cuda"):
+        issues.append(ConfigIssue("model.cuda_graphs", f"needs a CUDA model.device, got {config.model.device!r}; "
+                                  "set it to false on CPU"))
+    issues.extend(_validate_cpu_list(config.worker.compute_cpus, "worker.compute_cpus"))
+    issues.extend(_validate_cpu_list(config.worker.copy_cpus, "worker.copy_cpus"))
     issues.extend(_validate_instances(config))
     issues.extend(_validate_membership(config))
     return issues
+
+
+def _validate_cpu_list(cpus: list[int], where: str) -> list[ConfigIssue]:
+    if any(cpu < 0 for cpu in cpus) or len(set(cpus)) != len(cpus):
+        return [ConfigIssue(where, f"CPU ids must be distinct and >= 0, got {cpus}")]
+    return []
 
 
 def _validate_membership(config: Config) -> list[ConfigIssue]:
@@ -420,8 +437,7 @@ def _validate_instances(config: Config) -> list[ConfigIssue]:
             if port and (instance.host, port) in seen_ports:
                 issues.append(ConfigIssue(where, f"port {port} on {instance.host} is used twice"))
             seen_ports.add((instance.host, port))
-        if any(cpu < 0 for cpu in instance.cpus) or len(set(instance.cpus)) != len(instance.cpus):
-            issues.append(ConfigIssue(f"{where}.cpus", f"CPU ids must be distinct and >= 0, got {instance.cpus}"))
+        issues.extend(_validate_cpu_list(instance.cpus, f"{where}.cpus"))
         issues.extend(_validate_settings(config, instance, f"{where}.settings"))
     return issues
 

@@ -18,6 +18,7 @@ A block is `[layer][k|v][token][kv_head][head_dim]`; one layer's slice is `layer
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 from collections.abc import AsyncIterator, Sequence
@@ -196,13 +197,19 @@ class StoreClient:
                  for i, loc in enumerate(locations)]
         await self.move(TransferOp.READ, staging, spans)
 
-    async def move(self, op: TransferOp, staging: Staging, spans: Sequence[Span]) -> None:
-        """READ: pool -> staging; WRITE: staging -> pool. Raises TransferError or ValueError on failure."""
+    async def move(self, op: TransferOp, staging: Staging, spans: Sequence[Span],
+                   executor: concurrent.futures.Executor | None = None) -> None:
+        """READ: pool -> staging; WRITE: staging -> pool. Raises TransferError or ValueError on failure.
+        A same-host copy runs on `executor` when given (a worker's copy thread), else off the event loop once
+        it is large."""
         if not spans:
             return
         if self.pool is not None:
             pool = await self._current_pool(self.pool)
-            if sum(span.num_bytes for span in spans) >= _THREAD_COPY_BYTES:
+            if executor is not None:
+                loop = asyncio.get_running_loop()
+                await loop.run_in_executor(executor, _copy_spans, pool.array, staging.array, op, spans)
+            elif sum(span.num_bytes for span in spans) >= _THREAD_COPY_BYTES:
                 await asyncio.to_thread(_copy_spans, pool.array, staging.array, op, spans)
             else:
                 _copy_spans(pool.array, staging.array, op, spans)

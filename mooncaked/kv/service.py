@@ -61,6 +61,7 @@ class StoreServiceConfig:
     maintenance_interval_s: float = 0.5
     stop_timeout_s: float = 5.0
     alignment: int = 4096
+    numa_node: int | None = None  # the pool's pages are bound there and registered as "cpu:N" (None: unbound)
 
 
 class StoreService:
@@ -88,13 +89,13 @@ class StoreService:
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     async def start(self) -> None:
-        self.pool = ShmPool.create(self.config.pool_path, self.config.dram_bytes)
+        self.pool = ShmPool.create(self.config.pool_path, self.config.dram_bytes, numa_node=self.config.numa_node)
         if self.ssd is not None:
             for key, num_bytes in self.ssd.start(self.clock()):
                 self.core.ssd_loaded(key, num_bytes)
             logger.info("store: %d objects indexed on ssd at %s", len(self.ssd), self.config.ssd_dir)
         if self.engine is not None:
-            self.engine.register(self.config.segment_name, self.pool.view, "cpu:0")
+            self.engine.register(self.config.segment_name, self.pool.view, f"cpu:{self.config.numa_node or 0}")
         self._maintenance = asyncio.create_task(self._maintain(), name="store-maintenance")
 
     def end_streams(self) -> None:

@@ -2,7 +2,7 @@
 
 1. The store `create`s the file (e.g. /dev/shm/mooncaked-<cluster>-<instance>) at its configured size, replacing a
    stale one a crashed store left behind, and reserves the memory up front so a full /dev/shm fails here, not
-   with SIGBUS on a later write.
+   with SIGBUS on a later write. With `numa_node` the reserved pages come from that NUMA node.
 2. Same-host workers `attach` by path; both sides see the same bytes. Offsets come from the store's allocator.
 3. `close` drops the mapping; the creator also unlinks the file. Buffers handed out (`view`, `array`) must be
    released first (unregister the pool from the transfer engine before closing).
@@ -17,7 +17,11 @@ import mmap
 import os
 import re
 
+import contextlib
+
 import numpy as np
+
+from mooncaked.numa import NumaError, memory_bound_to
 
 logger = logging.getLogger(__name__)
 
@@ -42,16 +46,21 @@ class ShmPool:
         self.array: np.ndarray = np.frombuffer(self.view, dtype=np.uint8)  # [num_bytes]
 
     @classmethod
-    def create(cls, path: str, num_bytes: int, is_populate: bool = True) -> ShmPool:
+    def create(cls, path: str, num_bytes: int, is_populate: bool = True, numa_node: int | None = None) -> ShmPool:
         if num_bytes <= 0:
             raise ValueError(f"pool size must be positive, got {num_bytes}")
         if os.path.exists(path):
             logger.warning("replacing stale pool file %s", path)
             os.unlink(path)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        placement = memory_bound_to(numa_node) if numa_node is not None else contextlib.nullcontext()
         try:
             try:
-                os.posix_fallocate(fd, 0, num_bytes)
+                with placement:  # tmpfs allocates the file's pages here, under this thread's memory policy
+                    os.posix_fallocate(fd, 0, num_bytes)
+            except NumaError:
+                os.unlink(path)
+                raise
             except OSError as error:
                 os.unlink(path)
                 raise OSError(f"cannot reserve {num_bytes} bytes for pool {path}: {error}; "

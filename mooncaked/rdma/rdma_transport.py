@@ -1,8 +1,8 @@
 """RDMA transport: NICs, memory regions, the endpoint pool, per-peer links, and the target side of `connect`.
 
 1. Construction opens every NIC of the topology through the verbs provider (RdmaUnavailable when none opens).
-2. `register_segment` registers the segment's memory on every NIC (one memory region each); `unregister_segment`
-   deregisters them.
+2. `register_segment` registers the segment's memory on every NIC (one memory region each; all or none: GPU
+   memory where a NIC cannot map it fails as a whole); `unregister_segment` deregisters them.
 3. `submit(peer, pieces)` hands pieces to the peer's link (created on first use), which moves them by RDMA.
 4. `handle_control` answers peers: `describe` (NICs, topology, segment regions), `connect` (build, connect and
    keep a passive queue pair), `disconnect` (close it).
@@ -95,7 +95,14 @@ class RdmaTransport:
         return list(self._nics)
 
     def register_segment(self, segment: Segment) -> None:
-        regions = {(segment.name, name): nic.register(segment.view) for name, nic in self._nics.items()}
+        regions: dict[tuple[str, str], VerbsMemoryRegion] = {}
+        try:
+            for name, nic in self._nics.items():
+                regions[(segment.name, name)] = nic.register(segment.view, is_device=segment.is_device)
+        except OSError:
+            for region in regions.values():
+                region.close()
+            raise
         with self._lock:
             self._regions.update(regions)
 

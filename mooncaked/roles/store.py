@@ -20,6 +20,8 @@ from mooncaked.kv.cache_service import StoreCaches
 from mooncaked.kv.service import StoreService, StoreServiceConfig
 from mooncaked.kv.shm_pool import pool_path
 from mooncaked.metrics import Metrics
+from mooncaked.numa import allowed_memory_nodes
+from mooncaked.rdma.topology import nic_numa_node
 from mooncaked.roles.base import RoleEndpoint, make_transfer_engine
 from mooncaked.roles.metrics_http import MetricsEndpoint
 
@@ -42,7 +44,21 @@ def service_config(config: Config, instance: InstanceConfig, section: StoreSecti
         max_events=section.max_events_buffered,
         maintenance_interval_s=section.maintenance_interval_s,
         stop_timeout_s=config.runtime.drain_timeout_s,
+        numa_node=pool_numa_node(section.numa_node, nic_numa_node(config.transfer.sysfs_root),
+                                 allowed_memory_nodes()),
     )
+
+
+def pool_numa_node(configured: int | None, nic_node: int | None, allowed: set[int]) -> int | None:
+    """Where the pool's pages go: `store.numa_node` when set (checked when the pool is made), else the NIC's
+    node when this process may allocate there, else nowhere in particular (None)."""
+    if configured is not None:
+        return configured
+    if nic_node is not None and nic_node not in allowed:
+        logger.warning("the RDMA NIC is on NUMA node %d, where this process may not allocate (allowed: %s): "
+                       "the store pool is left unbound", nic_node, sorted(allowed))
+        return None
+    return nic_node
 
 
 class StoreRole:

@@ -5,9 +5,11 @@
    interactive first, then by priority and arrival), set pages aside, and allocate store space on this host for
    the prompt blocks it lacks (plus a private block for the partial tail); the reply names them. A reservation
    lives until DECODE claims it or its lease runs out.
-2. DECODE with a first token: read the prompt's blocks from this host's store into staging (the prefill
-   instance wrote them), commit the full blocks (they become cache here), drop the tail block, load the KV
-   into pages and join the batch. DECODE without one: prefill inline (the colocated path), then join.
+2. DECODE with a first token: load the prompt's blocks from this host's store (the prefill instance wrote them)
+   into pages layer by layer, layer i+1's read under way while layer i is copied into the pages, off the
+   compute thread (running sequences keep decoding meanwhile); commit the full blocks (they become cache
+   here), drop the tail block and join the batch. DECODE without one: prefill inline (the colocated path),
+   then join.
 3. Stream one item per step (several when the consumer lags) until EOS, a stop token or max_tokens; when the
    stream ends for any reason, leave the batch and free the pages.
 """
@@ -35,7 +37,7 @@ from mooncaked.roles.worker.messages import (DECODE, LOAD, RESERVE, UNRESERVE, D
                                              UnreserveReply, UnreserveRequest)
 from mooncaked.roles.worker.prefill_forward import run_prefill_forward
 from mooncaked.roles.worker.profiler import profile
-from mooncaked.roles.worker.request_kv import RequestKv, num_blocks_for
+from mooncaked.roles.worker.request_kv import BlockSource, RequestKv, num_blocks_for
 from mooncaked.roles.worker.reservations import Reservation, ReservationBook
 from mooncaked.roles.worker.sampling import to_params
 from mooncaked.roles.worker.worker import Worker
@@ -206,12 +208,12 @@ class DecodeRole:
             blocks += [(index_of[h.key], h.offset) for h in reservation.handles]
             if reservation.tail is not None:
                 blocks.append((len(request.block_keys), reservation.tail.offset))
-            async with asyncio.timeout(worker.section.kv_load_timeout_s):
-                await kv.read_blocks(worker.local_store_name, [i for i, _ in blocks], [o for _, o in blocks])
-                if reservation.handles:
-                    await store.commit([h.handle_id for h in reservation.handles])
-                    reservation.handles = []
-                await worker.compute(kv.load_all_layers, kv.num_blocks)
+            kv.start_loading([BlockSource(worker.local_store_name, [i for i, _ in blocks], [o for _, o in blocks])],
+                             kv.num_blocks)
+            await kv.wait_loaded()
+            if reservation.handles:
+                await store.commit([h.handle_id for h in reservation.handles])
+                reservation.handles = []
         except BaseException:
             await kv.release()
             raise
