@@ -66,7 +66,7 @@ class StoreCore:
         self._leases: dict[int, ReadLease] = {}
         self._evictions: list[Eviction] = []
         self.tenants = TenantUsage()
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(config.first_id)
         self.num_hits = 0
         self.num_misses = 0
         self.num_evicted = 0
