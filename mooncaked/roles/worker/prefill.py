@@ -147,15 +147,15 @@ class PrefillRole:
         return {"queued": str(len(self._queue)), "running": str(len(self._running))}
 
     async def _load(self, request: LoadRequest, ctx: CallContext) -> LoadReply:
-        pages, load = self.worker.pages, self.load
+        pages, load, now = self.worker.pages, self.load, time.monotonic()
         assert pages is not None and load is not None
-        coefficients = self.worker.perf.coefficients()
+        coefficients = load.coefficients(now)
         return LoadReply(role="prefill", num_running=len(self._running), num_waiting=len(self._queue),
                          num_queued_tokens=sum(job.num_new_tokens for job in self._queue + self._running),
                          num_free_pages=pages.num_free, num_pages=self.worker.section.num_kv_pages,
                          step_time_s=load.mean_batch_s, prefill_coefficients=list(coefficients.prefill),
                          decode_coefficients=list(coefficients.decode),
-                         pending_work_s=load.pending_work_s([job.prompt for job in self._queue], time.monotonic()),
+                         pending_work_s=load.pending_work_s([job.prompt for job in self._queue], now),
                          held_request_ids=[job.request.request_id for job in self._running + self._queue],
                          overhead_s=load.overhead.value)
 
