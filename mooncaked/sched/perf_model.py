@@ -12,8 +12,9 @@
 4. Between refits a scale follows how the instance runs now against its fit: `observe_prefill_batch` (a batch's
    time over its prediction) and `observe_decode_interval` (the time from one step's start to the next, which
    includes inline prefills and anything else sharing the compute thread, over the step's prediction). The
-   predictors used and reported (`prefill`, `decode`, `coefficients()`) are the fits times their scale; a refit
-   of a kind resets its scale to 1.
+   predictors used and reported (`prefill`, `decode`, `coefficients()`) are the fits times their scale. A refit
+   carries the scale over so that the newest samples are predicted as before it: the new fit (which mixes the
+   profile, taken idle, with live samples) changes how sizes compare, not how fast the instance runs now.
 
 Pure: no clock, no I/O; the caller measures and passes seconds in.
 """
@@ -53,12 +54,27 @@ def attribute_batch_time(batch_s: float, prompts: Sequence[tuple[int, int]], hid
 
 SCALE_WEIGHT = 0.3  # weight of the newest ratio in a scale: a change of speed shows within a few batches or steps
 SCALE_LIMITS = (0.25, 8.0)
+CARRY_SAMPLES = 16  # the newest live samples a refit keeps predicting as before
 
 
 def _factor(scale: RecentMean) -> float:
     if not scale.count:
         return 1.0
     return min(max(scale.value, SCALE_LIMITS[0]), SCALE_LIMITS[1])
+
+
+def _mean_ratio(old_s: list[float], new_s: list[float]) -> float:
+    """How much longer the old fit predicted the same samples than the new one (1 without samples)."""
+    old_total, new_total = sum(old_s), sum(new_s)
+    return old_total / new_total if old_total > 0 and new_total > 0 else 1.0
+
+
+def _carried(scale: RecentMean, fit_ratio: float) -> RecentMean:
+    """A new fit's scale that keeps the recent samples' predictions: the old factor times old over new."""
+    carried = RecentMean(SCALE_WEIGHT)
+    if scale.count:
+        carried.add(_factor(scale) * fit_ratio)
+    return carried
 
 
 def _is_time(seconds: float) -> bool:
@@ -173,19 +189,29 @@ class PerformanceModel:
     def refit_prefill(self) -> None:
         self._num_new_prefill = 0
         try:
-            self.prefill_fit = PrefillTimePredictor.fit_paper_form([*self._profile_prefill, *self._live_prefill])
+            fit = PrefillTimePredictor.fit_paper_form([*self._profile_prefill, *self._live_prefill])
         except ValueError:
             return
-        self.prefill_scale = RecentMean(SCALE_WEIGHT)
+        recent = [(n, p) for n, p, _ in list(self._live_prefill)[-CARRY_SAMPLES:]]
+        old = self.prefill_fit
+        ratio = _mean_ratio([old.predict(n, p) for n, p in recent], [fit.predict(n, p) for n, p in recent]) \
+            if old is not None else 1.0
+        self.prefill_scale = _carried(self.prefill_scale, ratio)
+        self.prefill_fit = fit
         self.num_refits += 1
 
     def refit_decode(self) -> None:
         self._num_new_decode = 0
         try:
-            self.decode_fit = DecodeStepPredictor.fit([*self._profile_decode, *self._live_decode], relative=True)
+            fit = DecodeStepPredictor.fit([*self._profile_decode, *self._live_decode], relative=True)
         except ValueError:
             return
-        self.decode_scale = RecentMean(SCALE_WEIGHT)
+        recent = [(b, c) for b, c, _ in list(self._live_decode)[-CARRY_SAMPLES:]]
+        old = self.decode_fit
+        ratio = _mean_ratio([old.predict(b, c) for b, c in recent], [fit.predict(b, c) for b, c in recent]) \
+            if old is not None else 1.0
+        self.decode_scale = _carried(self.decode_scale, ratio)
+        self.decode_fit = fit
         self.num_refits += 1
 
     def coefficients(self) -> ModelCoefficients:

@@ -69,7 +69,7 @@ def test_profile_samples_stay_and_live_samples_refit_every_few() -> None:
     assert model.coefficients().decode == () and len(model.coefficients().prefill) == 6
 
 
-def test_a_scale_follows_the_instance_between_refits_and_a_refit_resets_it() -> None:
+def test_a_scale_follows_the_instance_between_refits_and_a_refit_carries_it() -> None:
     model = PerformanceModel(refit_every=100)
     for n in (64, 256, 1024):
         model.add_profile_prefill(n, 0, 0.001 * n)
@@ -87,8 +87,23 @@ def test_a_scale_follows_the_instance_between_refits_and_a_refit_resets_it() -> 
     for _ in range(20):  # inline prefills between steps: tokens come 50% later than the steps alone
         model.observe_decode_interval(4, 400, 1.5 * step_s)
     assert model.decode.predict(4, 400) == pytest.approx(1.5 * step_s, rel=1e-3)
-    model.refit_prefill()
-    assert model.prefill.predict(1000, 0) == pytest.approx(1.0, rel=1e-6)
+    model.refit_prefill()  # the same samples: the same fit, and the instance is still twice as slow
+    assert model.prefill.predict(1000, 0) == pytest.approx(2.0, rel=1e-3)
     model.observe_prefill_batch(predicted_s=0.0, actual_s=1.0)  # nothing predicted: no ratio
     model.observe_decode_interval(4, 400, math.nan)
-    assert model.prefill_scale.count == 0
+    assert model.prefill_scale.count == 1 and model.decode.predict(4, 400) == pytest.approx(1.5 * step_s, rel=1e-3)
+
+
+def test_a_refit_on_slow_live_samples_keeps_predicting_them_as_before() -> None:
+    model = PerformanceModel(refit_every=8)
+    for n in (64, 256, 1024, 2048):
+        model.add_profile_prefill(n, 0, 0.001 * n)  # profiled idle
+    model.refit()
+    for _ in range(3):
+        model.observe_prefill_batch(predicted_s=0.5, actual_s=1.0)  # serving beside a busy decoder: twice as slow
+    assert model.prefill is not None
+    before = model.prefill.predict(512, 0)
+    for _ in range(8):
+        model.add_prefill(512, 0, 2 * 0.001 * 512)  # the eighth refits, over the profile and these
+    assert model.num_refits == 2
+    assert model.prefill.predict(512, 0) == pytest.approx(before, rel=0.05)
