@@ -87,8 +87,8 @@ def size_kv(budget: KVBudget, *, args: ModelArgs, block_size: int, dtype: torch.
         needed = needed_pages * per_page
         raise KVBudgetTooSmall(
             f"{origin} holds {sizing.num_pages} KV pages ({sizing.num_tokens} tokens) but one request of "
-            f"model.max_model_len = {max_model_len} tokens needs {needed_pages} pages of {per_page / MIB:.2f} MiB "
-            f"= {needed / MIB:.1f} MiB; set worker.kv_memory_bytes to at least {needed} ({needed / MIB:.1f} MiB)"
+            f"model.max_model_len = {max_model_len} tokens needs {needed_pages} pages of {_size(per_page)} = "
+            f"{_size(needed)}; set worker.kv_memory_bytes to at least {needed} ({_size(needed)})"
             f"{_fraction_hint(budget, device_type)} or lower model.max_model_len")
     return sizing
 
@@ -118,4 +118,9 @@ def _fraction_hint(budget: KVBudget, device_type: str) -> str:
 
 
 def _size(num_bytes: int) -> str:
-    return f"{num_bytes / GIB:.2f} GiB" if abs(num_bytes) >= GIB else f"{num_bytes / MIB:.0f} MiB"
+    """1.50 GiB, 90.0 MiB, 512 MiB, 8192 bytes."""
+    if abs(num_bytes) >= GIB:
+        return f"{num_bytes / GIB:.2f} GiB"
+    if abs(num_bytes) >= MIB:
+        return f"{num_bytes // MIB} MiB" if num_bytes % MIB == 0 else f"{num_bytes / MIB:.2f} MiB"
+    return f"{num_bytes} bytes"
