@@ -141,7 +141,7 @@ class WorkerSection:
     """Settings shared by prefill and decode instances (a model replica with paged KV)."""
 
     num_kv_pages: Optional[int] = bounded(None, min=1, doc="explicit page count; overrides the memory budget")
-    kv_memory_bytes: Optional[int] = bounded(None, min=1, doc="KV page budget (null: 256 MiB on CPU)")
+    kv_memory_bytes: Optional[int] = bounded(None, min=1, doc="KV page budget (null: 192 MiB on CPU)")
     memory_fraction: Optional[float] = bounded(None, min=0.01, max=1.0, doc="CUDA: of free memory (null: 0.9)")
     max_batch_size: int = bounded(32, min=1)
     max_batch_tokens: int = bounded(4096, min=16)

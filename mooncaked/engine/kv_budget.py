@@ -23,7 +23,7 @@ from mooncaked.model.config import ModelArgs
 
 MIB = 1 << 20
 GIB = 1 << 30
-DEFAULT_CPU_KV_BYTES = 256 * MIB
+DEFAULT_CPU_KV_BYTES = 192 * MIB
 DEFAULT_MEMORY_FRACTION = 0.9
 
 
