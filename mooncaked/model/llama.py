@@ -7,8 +7,12 @@
    ~1.8x faster than x @ W.T (measured at M=8, 576x3072 fp32, 2 threads).
    The families differ only in ModelArgs flags: q/k/v (and o, MLP) biases, q/k RMSNorm before RoPE (Qwen3),
    per-layer sliding windows (applied by the runner's attention), tied embeddings, RoPE scaling.
+   With `is_weights_deferred` it allocates none: `bind_weights(views)` then makes each parameter a given tensor
+   (a view of the host's memory-mapped weight file, model.weight_file; `weight_layout()` lists what it needs).
 2. `load_weights(named tensors)` streams Hugging Face named tensors (safetensors, GGUF or a random init)
    into the fused parameters, one at a time, checking names and shapes (model.weight_names).
+   `pack_for_cpu(is_replacing)` adds MKL-packed copies of the projections, or (a decode process) puts them in
+   the plain ones' place (model.packed_gemm).
 3. Per forward the runner calls `embed`, `rope.lookup`, then each layer with an `attend` callable that owns
    the paged KV (store, then attention), then `compute_logits` on the rows it needs.
 """
