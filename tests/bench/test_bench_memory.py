@@ -28,10 +28,12 @@ def test_reads_a_mapping_it_is_told_about(tmp_path: Path) -> None:
 
 
 def test_a_process_tree_lists_children() -> None:
-    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.readline()"], stdin=subprocess.PIPE)
+    script = "import sys; print('ready', flush=True); sys.stdin.readline()"
+    child = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
+        assert child.stdout is not None and child.stdout.readline() == b"ready\n"  # exec'd: its own command line
         assert child.pid in process_tree(os.getpid())
-        assert command_line(child.pid)[1:] == ["-c", "import sys; sys.stdin.readline()"]
+        assert command_line(child.pid)[1:] == ["-c", script]
     finally:
         child.communicate(b"\n", timeout=10)
 
