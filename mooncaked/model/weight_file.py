@@ -5,11 +5,13 @@
    (embedding, norms, biases). Each section starts on a page boundary, so a process keeps one mapped and lets
    the other go.
 2. `open_weight_file(path, key, layout, fill)` maps the file at `path` when its header names `key` (the
-   source's identity, dtype and layout) and `layout`. Else it builds one: a nameless file (O_TMPFILE) in the
-   same directory, its space reserved up front (a full disk fails here, not with SIGBUS on a later write),
-   mapped writable and filled by `fill(views)` (the loader streams the checkpoint into the views), flushed to
-   disk, then linked under `path`. Two processes that race both build; the first link wins and the other maps
-   the winner's file, so both end up on the same page-cache pages.
+   source's identity, dtype and layout) and `layout`. Else it builds one, holding a lock next to it (flock on
+   `.<name>.lock`) so that the host's other processes wait for it instead of converting too, up to
+   `lock_wait_s`: a nameless file (O_TMPFILE) in the same directory, its space reserved up front (a full disk
+   fails here, not with SIGBUS on a later write), mapped writable and filled by `fill(views)` (the loader
+   streams the checkpoint into the views), flushed to disk, then linked under `path`. A process that waited
+   maps the file the lock holder linked; one that waited past `lock_wait_s` builds too, and then the first link
+   wins and the other maps the winner's file: either way all end up on the same page-cache pages.
 3. It returns read-only views (PROT_READ, MAP_SHARED), one per tensor. A view keeps its section's mapping
    alive; the mapping is unmapped when its section's last view is dropped.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -27,8 +30,9 @@ import mmap
 import os
 import struct
 import tempfile
+import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +46,8 @@ SECTIONS = ("resident", "projections")
 _TENSOR_ALIGN = 64
 _PAGE = mmap.ALLOCATIONGRANULARITY
 _PREFIX = struct.Struct("<8sQ")  # magic, header length
+LOCK_WAIT_S = 600.0  # longest wait for another process's conversion (a large checkpoint takes minutes)
+_LOCK_POLL_S = 0.1
 
 
 class WeightFileError(OSError):
@@ -102,23 +108,56 @@ def cache_key(source_files: Iterable[Path], layout: WeightLayout) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def open_weight_file(path: Path, key: str, layout: WeightLayout,
-                     fill: Callable[[dict[str, torch.Tensor]], None]) -> dict[str, torch.Tensor]:
+def open_weight_file(path: Path, key: str, layout: WeightLayout, fill: Callable[[dict[str, torch.Tensor]], None],
+                     lock_wait_s: float = LOCK_WAIT_S) -> dict[str, torch.Tensor]:
     """Read-only views of every tensor of `layout` in the file at `path` (built with `fill` if needed)."""
     views = _map_if_valid(path, key, layout)
-    if views is not None:
-        logger.info("mapped weights from %s (%.2f GiB, shared with this host's other processes)", path,
-                    layout.nbytes / (1 << 30))
-        return views
+    if views is None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _build_lock(path, lock_wait_s):
+            views = _map_if_valid(path, key, layout)  # built by the process we waited for
+            if views is None:
+                _build_unlocked(path, key, layout, fill)
+                views = _map_if_valid(path, key, layout)
+    if views is None:
+        raise WeightFileError(f"{path} was written but does not read back; delete it and restart")
+    logger.info("mapped weights from %s (%.2f GiB, shared with this host's other processes)", path,
+                layout.nbytes / (1 << 30))
+    return views
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path, wait_s: float) -> Iterator[None]:
+    """Hold `.<name>.lock` beside `path` (released when the process dies, too); past `wait_s`, go on without."""
+    fd = os.open(path.parent / f".{path.name}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        deadline = time.monotonic() + wait_s
+        while not _try_lock(fd):
+            if time.monotonic() >= deadline:
+                logger.warning("%s: another process has been converting it for %.0f s; converting here too",
+                               path, wait_s)
+                break
+            time.sleep(_LOCK_POLL_S)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _build_unlocked(path: Path, key: str, layout: WeightLayout,
+                    fill: Callable[[dict[str, torch.Tensor]], None]) -> None:
     if path.exists():
         logger.warning("weight file %s does not match this model (stale or damaged); rebuilding it", path)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # processes that mapped it keep their mapping
     _build(path, key, layout, fill)
-    views = _map_if_valid(path, key, layout)
-    if views is None:
-        raise WeightFileError(f"{path} was written but does not read back; delete it and restart")
-    return views
 
 
 def _header(key: str, layout: WeightLayout) -> tuple[bytes, dict[str, int]]:
@@ -166,7 +205,6 @@ def _views(fd: int, layout: WeightLayout, offsets: Mapping[str, int], is_writabl
 def _build(path: Path, key: str, layout: WeightLayout, fill: Callable[[dict[str, torch.Tensor]], None]) -> None:
     header, offsets = _header(key, layout)
     total = max([offsets[s] + n for s, n in layout.section_nbytes] + [len(header)])
-    path.parent.mkdir(parents=True, exist_ok=True)
     fd, temp_name = _nameless_file(path.parent)
     try:
         try:

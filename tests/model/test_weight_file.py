@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import fcntl
 import gc
 import os
 from collections.abc import Callable
@@ -48,7 +50,7 @@ def test_built_once_then_mapped_read_only_and_shared(tmp_path: Path) -> None:
         torch.testing.assert_close(second[name], expected, rtol=0, atol=0)
     lines = _mappings(path)
     assert lines and all(line.split()[1] == "r--s" for line in lines)  # read-only, shared with the page cache
-    assert sorted(os.listdir(tmp_path)) == ["m.weights"]  # nothing left behind
+    assert sorted(os.listdir(tmp_path)) == [".m.weights.lock", "m.weights"]  # nothing else left behind
 
 
 def test_each_section_is_unmapped_with_its_last_view(tmp_path: Path) -> None:
@@ -81,19 +83,36 @@ def test_a_stale_file_is_rebuilt(tmp_path: Path) -> None:
 
 
 def test_racing_builders_end_on_one_file(tmp_path: Path) -> None:
-    """A second builder links its file while the first is still filling: the first maps the winner's file."""
+    """A second builder that gave up waiting for the lock links its file while the first is still filling: the
+    first maps the winner's file."""
     layout = WeightLayout.of(SHAPES, torch.float32)
     path, winner, loser = tmp_path / "m.weights", _values(layout, 4), _values(layout, 5)
 
     def fill_then_lose(views: dict[str, torch.Tensor]) -> None:
         for name, view in views.items():
             view.copy_(loser[name])
-        open_weight_file(path, "k", layout, _filler(winner, []))
+        open_weight_file(path, "k", layout, _filler(winner, []), lock_wait_s=0.0)
 
     views = open_weight_file(path, "k", layout, fill_then_lose)
     for name, expected in winner.items():
         torch.testing.assert_close(views[name], expected, rtol=0, atol=0)
-    assert sorted(os.listdir(tmp_path)) == ["m.weights"]
+    assert sorted(os.listdir(tmp_path)) == [".m.weights.lock", "m.weights"]
+
+
+def test_a_process_waits_for_the_one_converting(tmp_path: Path) -> None:
+    """While another holds the lock, a process waits; it then maps the file that one built, converting nothing."""
+    layout = WeightLayout.of(SHAPES, torch.float32)
+    path, values = tmp_path / "m.weights", _values(layout, 6)
+    holder = os.open(tmp_path / ".m.weights.lock", os.O_CREAT | os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # the converting process
+    calls: list[str] = []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        waiting = pool.submit(open_weight_file, path, "k", layout, _filler(values, calls), 30.0)
+        open_weight_file(path, "k", layout, _filler(values, []), lock_wait_s=0.0)  # what the holder writes
+        assert not waiting.done()  # still waiting for the lock, though the file is there
+        os.close(holder)
+        views = waiting.result(timeout=30)
+    assert calls == [] and torch.equal(views["qkv"], values["qkv"])
 
 
 def test_a_failed_fill_leaves_no_file(tmp_path: Path) -> None:
@@ -104,7 +123,7 @@ def test_a_failed_fill_leaves_no_file(tmp_path: Path) -> None:
 
     with pytest.raises(ValueError, match="checkpoint tensor missing"):
         open_weight_file(tmp_path / "m.weights", "k", layout, broken)
-    assert os.listdir(tmp_path) == []
+    assert os.listdir(tmp_path) == [".m.weights.lock"]
 
 
 def test_the_key_names_the_source_files_and_layout(tmp_path: Path) -> None:
