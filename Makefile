@@ -18,7 +18,8 @@ $(STAMP): pyproject.toml scripts/setup_pyverbs.sh
 	bash scripts/setup_pyverbs.sh $(BIN)/python
 	touch $(STAMP)
 
-# Debian packages the tests and benchmarks use (redis-server, etcd-server, python3-pyverbs); skipped when present.
+# Debian packages the tests and benchmarks use (redis-server, etcd-server, python3-pyverbs, prometheus); skipped
+# when present.
 debs:
 	bash scripts/install_debs.sh
 

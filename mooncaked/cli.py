@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import logging
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -23,8 +24,10 @@ from pathlib import Path
 from mooncaked import __version__
 from mooncaked.config import ROLES, Config, ConfigError, config_as_dict, load_config
 
+logger = logging.getLogger(__name__)
+
 BENCHMARKS = ("rpc", "model", "kernels", "transfer", "store", "sched", "serve", "pd", "prefix", "layerwise",
-              "elastic", "memory")
+              "elastic", "chaos", "batch", "memory")
 
 
 class CliError(Exception):
@@ -132,7 +135,7 @@ def _check_config(path: str, overrides: list[str]) -> int:
 
 
 def _run_role(args: argparse.Namespace, config: Config) -> int:
-    from mooncaked.lifecycle import run_role, watchdog_interval
+    from mooncaked.lifecycle import EXIT_FATAL, run_role, watchdog_interval
     from mooncaked.logs import setup_logging
     from mooncaked.sdnotify import Notifier
 
@@ -143,9 +146,11 @@ def _run_role(args: argparse.Namespace, config: Config) -> int:
 
         setup_logging(config.runtime.log_level, config.runtime.log_format, "supervisor")
         supervisor = Supervisor(config, config_path=args.config, overrides=args.overrides)
-        return run_role(lambda: supervisor, notifier, interval)
+        exit_code = run_role(lambda: supervisor, notifier, interval, supervisor.stop_requested)
+        return EXIT_FATAL if supervisor.fatal_error else exit_code
     instance = config.instance_for(args.role, name=args.instance)
     setup_logging(config.runtime.log_level, config.runtime.log_format, instance.name)
+    warn_if_unauthenticated(config)
     if instance.cpus:
         from mooncaked.cpu_affinity import CpuAffinityError, pin_to_cpus
 
@@ -155,9 +160,20 @@ def _run_role(args: argparse.Namespace, config: Config) -> int:
             raise CliError(str(exc)) from exc
     if args.role in ("prefill", "decode"):
         _set_torch_threads(config.runtime.num_threads)
+        # the compute thread takes the interpreter lock back after every op; with copy and transfer threads busy
+        # the default 5 ms handover stalls it layer after layer (measured: bench layerwise)
+        sys.setswitchinterval(config.runtime.gil_switch_interval_ms / 1000)
     from mooncaked.roles import make_role
 
     return run_role(lambda: make_role(config, instance), notifier, interval)
+
+
+def warn_if_unauthenticated(config: Config) -> None:
+    """One warning at start when the cluster has no secret: its RPC and data ports serve anyone."""
+    if config.cluster.secret_file is None:
+        logger.warning("cluster.secret_file is not set: this cluster is unauthenticated, and anyone who can reach "
+                       "its RPC and data ports can read and write its KVCache (other users' prompts, in effect); "
+                       "set cluster.secret_file to a file holding a shared secret")
 
 
 def _set_torch_threads(num_threads: int) -> None:

@@ -19,12 +19,13 @@ from typing import Any, Literal, Optional
 import yaml
 
 from mooncaked.config_schema import ConfigIssue, bounded, build, suggest
+from mooncaked.errors import StartupError
 
 ROLES = ("conductor", "prefill", "decode", "store")
 Role = Literal["conductor", "prefill", "decode", "store"]
 
 
-class ConfigError(Exception):
+class ConfigError(StartupError):
     """Every problem found in a configuration, one per line."""
 
     def __init__(self, issues: list[ConfigIssue]) -> None:
@@ -40,6 +41,7 @@ class ModelSection:
     device: str = "cpu"
     kernel_backend: str = bounded("auto", choices=("auto", "triton", "torch"))
     cpu_packed_gemm: bool = True
+    cuda_graphs: bool = False
     share_weights: bool = True
     weight_cache_dir: Optional[str] = bounded(None, doc="null: $XDG_CACHE_HOME/mooncaked/weights, resolved at start")
     max_model_len: int = bounded(2048, min=16)
@@ -49,6 +51,7 @@ class ModelSection:
 @dataclass(frozen=True)
 class RuntimeSection:
     num_threads: int = bounded(1, min=1, max=1024)
+    gil_switch_interval_ms: float = bounded(0.5, min=0.01, max=100.0)
     log_level: str = bounded("info", choices=("debug", "info", "warning", "error"))
     log_format: str = bounded("text", choices=("text", "json"))
     drain_timeout_s: float = bounded(10.0, min=0.0)
@@ -98,6 +101,7 @@ class StoreSection:
     max_lease_ms: int = bounded(600_000, min=1)
     maintenance_interval_s: float = bounded(0.5, min=0.01)
     max_events_buffered: int = bounded(100_000, min=16)
+    numa_node: Optional[int] = bounded(None, min=0, max=1023, doc="bind the pool here (null: the NIC's node)")
 
 
 @dataclass(frozen=True)
@@ -117,11 +121,16 @@ class SchedulerSection:
     device_flops: Optional[float] = bounded(None, min=1.0)
     device_memory_bandwidth: Optional[float] = bounded(None, min=1.0)
     seed: int = 0
+    replication: str = bounded("by_reuse", choices=("always", "by_reuse"))
+    heat_half_life_s: float = bounded(60.0, min=0.001)
+    replica_displaced_reuse: float = bounded(0.5, min=0.0)
+    tie_break: str = bounded("coldest_store", choices=("first", "coldest_store"))
 
 
 @dataclass(frozen=True)
 class ConductorSection:
     api_keys_file: Optional[str] = None
+    tenants_file: Optional[str] = None
     max_body_bytes: int = bounded(8 << 20, min=1024)
     request_timeout_s: float = bounded(600.0, min=0.1)
     prefill_timeout_s: float = bounded(120.0, min=0.1)
@@ -133,7 +142,22 @@ class ConductorSection:
     load_poll_timeout_s: float = bounded(1.0, min=0.01)
     startup_sync_timeout_s: float = bounded(5.0, min=0.0)
     events_renew_s: float = bounded(30.0, min=0.1)
+    spare_marks_interval_s: float = bounded(0.5, min=0.01)
     max_migrations: int = bounded(2, min=0, max=16)
+    client_timeout_s: float = bounded(30.0, min=0.1)
+    max_connections_per_client: int = bounded(256, min=1)
+    max_cache_ttl_s: float = bounded(86_400.0, min=1.0, doc="longest ttl_s of a context cache (POST /v1/caches)")
+    default_cache_ttl_s: float = bounded(3600.0, min=1.0, doc="ttl_s of a context cache that names none")
+    cache_quota_tokens: int = bounded(1_000_000, min=0, doc="context-cache tokens one API key may hold")
+    cache_refresh_s: float = bounded(5.0, min=0.05, doc="how often the cache listing is rebuilt from the stores")
+    batch_dir: Optional[str] = None  # files and batch state of the Batch API; None: /v1/files and /v1/batches off
+    max_file_bytes: int = bounded(200 << 20, min=1024, doc="largest upload to POST /v1/files")
+    max_batch_lines: int = bounded(50_000, min=1, doc="most lines in one batch input file")
+    batch_max_in_flight: int = bounded(4, min=1, doc="batch lines being served at once")
+    batch_slo_margin: float = bounded(0.5, min=0.01, max=1.0,
+                                      doc="a batch line starts only when predicted TTFT and TBT stay under this "
+                                      "fraction of their SLOs")
+    batch_backoff_s: float = bounded(2.0, min=0.0, doc="pause of batch lines after an interactive rejection")
 
 
 @dataclass(frozen=True)
@@ -144,11 +168,14 @@ class WorkerSection:
     kv_memory_bytes: Optional[int] = bounded(None, min=1, doc="KV page budget (null: 192 MiB on CPU)")
     memory_fraction: Optional[float] = bounded(None, min=0.01, max=1.0, doc="CUDA: of free memory (null: 0.9)")
     max_batch_size: int = bounded(32, min=1)
-    max_batch_tokens: int = bounded(4096, min=16)
+    max_batch_tokens: int = bounded(1024, min=16)
     prefill_chunk: int = bounded(1024, min=16)
     inline_prefill_max_tokens: int = bounded(256, min=0)
     kv_load_timeout_s: float = bounded(60.0, min=0.01)
     abort_grace_s: float = bounded(35.0, min=0.0)
+    max_layers_in_flight: int = bounded(4, min=1, max=1024)
+    compute_cpus: list[int] = bounded([], doc="CPU ids the compute thread runs on (empty: the process's)")
+    copy_cpus: list[int] = bounded([], doc="CPU ids the KV copy thread runs on (empty: the process's)")
     profile_s: float = bounded(5.0, min=0.0, max=600.0)
     switchable: bool = False
 
@@ -342,10 +369,20 @@ def validate(config: Config) -> list[ConfigIssue]:
     issues: list[ConfigIssue] = []
     if config.store.low_watermark > config.store.high_watermark:
         issues.append(ConfigIssue("store.low_watermark", "must not exceed store.high_watermark"))
+    if config.conductor.default_cache_ttl_s > config.conductor.max_cache_ttl_s:
+        issues.append(ConfigIssue("conductor.default_cache_ttl_s", "must not exceed conductor.max_cache_ttl_s"))
     for transport in config.transfer.transports:
         if transport not in ("local", "tcp", "rdma"):
             issues.append(ConfigIssue("transfer.transports", f"unknown transport {transport!r}"
                                       + suggest(transport, ["local", "tcp", "rdma"])))
+    if config.conductor.tenants_file is not None and config.conductor.api_keys_file is not None:
+        issues.append(ConfigIssue("conductor.tenants_file", "set either tenants_file or api_keys_file, not both "
+                                  "(a tenant's api_keys list replaces the keys file)"))
+    if config.model.cuda_graphs and not config.model.device.startswith("cuda"):
+        issues.append(ConfigIssue("model.cuda_graphs", f"needs a CUDA model.device, got {config.model.device!r}; "
+                                  "set it to false on CPU"))
+    issues.extend(_validate_cpu_list(config.worker.compute_cpus, "worker.compute_cpus"))
+    issues.extend(_validate_cpu_list(config.worker.copy_cpus, "worker.copy_cpus"))
     issues.extend(_validate_instances(config))
     issues.extend(_validate_membership(config))
     issues.extend(_validate_kv_budget(config.worker, config.model.device, "worker"))
@@ -366,6 +403,12 @@ def _validate_kv_budget(section: WorkerSection, device: str, where: str) -> list
     if not device.startswith("cuda"):
         return [ConfigIssue(f"{where}.memory_fraction", f"sizes KV from free GPU memory but model.device is "
                             f"{device!r}; set {where}.kv_memory_bytes instead")]
+    return []
+
+
+def _validate_cpu_list(cpus: list[int], where: str) -> list[ConfigIssue]:
+    if any(cpu < 0 for cpu in cpus) or len(set(cpus)) != len(cpus):
+        return [ConfigIssue(where, f"CPU ids must be distinct and >= 0, got {cpus}")]
     return []
 
 
@@ -416,8 +459,7 @@ def _validate_instances(config: Config) -> list[ConfigIssue]:
             if port and (instance.host, port) in seen_ports:
                 issues.append(ConfigIssue(where, f"port {port} on {instance.host} is used twice"))
             seen_ports.add((instance.host, port))
-        if any(cpu < 0 for cpu in instance.cpus) or len(set(instance.cpus)) != len(instance.cpus):
-            issues.append(ConfigIssue(f"{where}.cpus", f"CPU ids must be distinct and >= 0, got {instance.cpus}"))
+        issues.extend(_validate_cpu_list(instance.cpus, f"{where}.cpus"))
         issues.extend(_validate_settings(config, instance, f"{where}.settings"))
     return issues
 

@@ -4,10 +4,13 @@
    event loop exists: every thread started later inherits the set.
 2. CPU ids this process may not use (absent, offline, outside its cgroup's cpuset) are an error that names them
    and the usable ones; nothing is pinned then.
+3. Within a worker, `pinned_executor(name, cpus)` runs one thread pinned to a subset (`worker.compute_cpus`,
+   `worker.copy_cpus`), so the compute thread and the KV copy thread do not take turns on one core.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 from collections.abc import Sequence
@@ -26,13 +29,28 @@ def usable_cpus() -> set[int]:
 
 def pin_to_cpus(cpus: Sequence[int], instance_name: str) -> None:
     """Restrict this process (its calling thread and every thread it starts later) to `cpus`."""
+    check_usable(cpus, f"instance {instance_name}", "cluster.instances[].cpus")
+    os.sched_setaffinity(0, cpus)  # pid 0: the calling thread; threads started later inherit its set
+    logger.info("instance %s pinned to CPUs %s", instance_name, format_cpus(cpus))
+
+
+def check_usable(cpus: Sequence[int], what: str, option: str) -> None:
+    """CpuAffinityError naming `option` when some of `cpus` are not usable by this process."""
     usable = usable_cpus()
     missing = sorted(set(cpus) - usable)
     if missing:
-        raise CpuAffinityError(f"instance {instance_name}: cpus {missing} are not usable by this process "
-                               f"(usable: {format_cpus(usable)}); fix cluster.instances[].cpus")
-    os.sched_setaffinity(0, cpus)
-    logger.info("instance %s pinned to CPUs %s", instance_name, format_cpus(cpus))
+        raise CpuAffinityError(f"{what}: cpus {missing} are not usable by this process "
+                               f"(usable: {format_cpus(usable)}); fix {option}")
+
+
+def pinned_executor(name: str, cpus: Sequence[int], option: str) -> concurrent.futures.ThreadPoolExecutor:
+    """One worker thread that pins itself to `cpus` before its first job (empty: no pinning); CpuAffinityError
+    naming `option` when they are not usable."""
+    check_usable(cpus, f"thread {name}", option)
+    if not cpus:
+        return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name,
+                                                 initializer=os.sched_setaffinity, initargs=(0, list(cpus)))
 
 
 def format_cpus(cpus: Sequence[int] | set[int]) -> str:

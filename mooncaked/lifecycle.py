@@ -2,15 +2,21 @@
 
 1. `run_role(make_role, ...)` starts a uvloop event loop and builds the role inside it.
 2. `await role.start()`; then sd_notify READY=1 and, when systemd asked for it, a WATCHDOG=1 heartbeat task.
-3. SIGTERM or SIGINT sets the stop event: sd_notify STOPPING=1, then `await role.stop()`, which stops accepting,
-   drains in-flight work up to its deadline, cancels the rest and releases resources, in that order.
-4. The heartbeat task is cancelled and awaited; the exit code is 0 after a clean stop, 1 if start failed.
+3. SIGTERM or SIGINT (or the caller's stop event) sets the stop event: sd_notify STOPPING=1, then
+   `await role.stop()`, which stops accepting, drains in-flight work up to its deadline, cancels the rest and
+   releases resources, in that order.
+4. The heartbeat task is cancelled and awaited; the exit code is 0 after a clean stop.
+
+A role that cannot be built or started exits at once: with EXIT_FATAL (2) and sd_notify STATUS= naming the
+error when it is a configuration or load error (`is_fatal_start_error`), which a restart cannot fix; with
+EXIT_FAILED (1) otherwise (a port still held by a previous process, say), which a restart may fix.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import signal
 from collections.abc import Callable
@@ -18,9 +24,16 @@ from typing import Protocol
 
 import uvloop
 
+from mooncaked.errors import StartupError
 from mooncaked.sdnotify import Notifier
 
 logger = logging.getLogger(__name__)
+
+EXIT_FAILED = 1
+EXIT_FATAL = 2
+# OSErrors at start that name a configured path or address: wrong until the configuration changes.
+_FATAL_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS,
+                           errno.EADDRNOTAVAIL, errno.ENAMETOOLONG})
 
 
 class Role(Protocol):
@@ -43,10 +56,10 @@ async def serve(role: Role, notifier: Notifier, watchdog_interval_s: float | Non
     try:
         await role.start()
     except Exception as exc:
-        logger.error("%s failed to start: %s", role.name, exc, exc_info=logger.isEnabledFor(logging.DEBUG))
+        exit_code = start_failed(role.name, exc, notifier)
         with contextlib.suppress(Exception):
             await role.stop()
-        return 1
+        return exit_code
     notifier.ready()
     logger.info("%s ready", role.name)
     heartbeat = _start_heartbeat(notifier, watchdog_interval_s)
@@ -64,6 +77,22 @@ async def serve(role: Role, notifier: Notifier, watchdog_interval_s: float | Non
             loop.remove_signal_handler(signum)
     logger.info("%s stopped", role.name)
     return 0
+
+
+def is_fatal_start_error(exc: BaseException) -> bool:
+    """Whether a failure to build or start a role is a configuration or load error (not worth a restart)."""
+    return isinstance(exc, StartupError) or (isinstance(exc, OSError) and exc.errno in _FATAL_ERRNOS)
+
+
+def start_failed(name: str, exc: Exception, notifier: Notifier) -> int:
+    """Log why `name` could not start and tell the supervisor (sd_notify STATUS=); returns the exit code."""
+    if not is_fatal_start_error(exc):
+        logger.error("%s failed to start: %s", name, exc, exc_info=logger.isEnabledFor(logging.DEBUG))
+        return EXIT_FAILED
+    reason = "; ".join(str(exc).splitlines()) or type(exc).__name__
+    logger.error("%s cannot start: %s (a configuration or load error: restarting will not help)", name, reason)
+    notifier.status(f"cannot start: {reason}")
+    return EXIT_FATAL
 
 
 def _start_heartbeat(notifier: Notifier, interval_s: float | None) -> asyncio.Task[None] | None:
@@ -90,8 +119,13 @@ def watchdog_interval(watchdog_usec: str | None) -> float | None:
     return usec / 2e6 if usec > 0 else None
 
 
-def run_role(make_role: Callable[[], Role], notifier: Notifier, watchdog_interval_s: float | None) -> int:
+def run_role(make_role: Callable[[], Role], notifier: Notifier, watchdog_interval_s: float | None,
+             stop_event: asyncio.Event | None = None) -> int:
     async def main() -> int:
-        return await serve(make_role(), notifier, watchdog_interval_s)
+        try:
+            role = make_role()
+        except Exception as exc:
+            return start_failed("mooncaked", exc, notifier)
+        return await serve(role, notifier, watchdog_interval_s, stop_event)
 
     return uvloop.run(main())

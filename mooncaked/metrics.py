@@ -3,7 +3,9 @@
 1. A role makes one `Metrics()` at start and hands its groups to the components that record into them:
    `requests` (conductor: latencies, outcomes, rejections, tokens), `queues` (conductor and workers),
    `engine` (prefill and decode workers: batch size, step time), `cache` (prefix reuse, transfers, store),
-   `predictions` (conductor: relative error of predicted TTFT and TBT against what happened).
+   `predictions` (conductor: relative error of predicted TTFT and TBT against what happened), `tenants`
+   (conductor: requests, tokens and rejections per tenant; tenant ids come from the tenants file only, so the
+   label's values are bounded).
 2. Components record with the groups' methods; label values that form a closed set are checked.
 3. GET /metrics serves `render()` with `CONTENT_TYPE`.
 Every name starts with `mooncaked_`; times are in seconds, sizes in bytes (Prometheus conventions).
@@ -18,7 +20,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # Buckets after vLLM's, widened at the low end for CPU-sized models and at the high end for long prompts.
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+                  20.0, 30.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # 30 s: the default TTFT SLO
 TPOT_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                   7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS_S = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
@@ -175,6 +177,44 @@ class PredictionMetrics:
             self.tbt_error.observe(tbt_error)
 
 
+class TenantMetrics:
+    """Per-tenant use, labelled by the ids of the tenants file."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests_total = Counter("mooncaked_tenant_requests", "Finished requests by tenant and outcome.",
+                                      ["tenant", "status"], registry=registry)
+        self.tokens_total = Counter("mooncaked_tenant_tokens", "Tokens by tenant: prompt, cached (prompt tokens "
+                                    "served from KVCache) and generated.", ["tenant", "kind"], registry=registry)
+        self.rejections_total = Counter("mooncaked_tenant_rejections", "Requests rejected (429) by tenant and "
+                                        "reason; rate_limit: the tenant's own limits.", ["tenant", "reason"],
+                                        registry=registry)
+        self.pool_bytes = Gauge("mooncaked_tenant_pool_bytes", "Bytes a tenant's blocks hold in a store, by tier "
+                                "(stores).", ["tenant", "tier"], registry=registry)
+        self._pool_labels: set[tuple[str, str]] = set()
+
+    def set_pool_bytes(self, tier: str, bytes_by_tenant: dict[str, int]) -> None:
+        """The store's bytes per tenant in `tier`, replacing the last values (blocks of no tenant are left out)."""
+        _check("tier", tier, TIERS)
+        for tenant, seen_tier in self._pool_labels:  # tenants whose blocks are gone read 0, not their last value
+            if seen_tier == tier and tenant not in bytes_by_tenant:
+                self.pool_bytes.labels(tenant=tenant, tier=tier).set(0)
+        for tenant, num_bytes in bytes_by_tenant.items():
+            if tenant:
+                self.pool_bytes.labels(tenant=tenant, tier=tier).set(num_bytes)
+                self._pool_labels.add((tenant, tier))
+
+    def observe_finished(self, tenant: str, *, status: str, num_prompt_tokens: int, num_cached_tokens: int,
+                         num_output_tokens: int) -> None:
+        _check("status", status, REQUEST_STATUSES)
+        self.requests_total.labels(tenant=tenant, status=status).inc()
+        self.tokens_total.labels(tenant=tenant, kind="prompt").inc(num_prompt_tokens)
+        self.tokens_total.labels(tenant=tenant, kind="cached").inc(num_cached_tokens)
+        self.tokens_total.labels(tenant=tenant, kind="generated").inc(num_output_tokens)
+
+    def observe_rejection(self, tenant: str, reason: str) -> None:
+        self.rejections_total.labels(tenant=tenant, reason=reason).inc()
+
+
 class Metrics:
     """Owns one process's registry and every metric group on it."""
 
@@ -185,6 +225,7 @@ class Metrics:
         self.engine = EngineMetrics(self.registry)
         self.cache = CacheMetrics(self.registry)
         self.predictions = PredictionMetrics(self.registry)
+        self.tenants = TenantMetrics(self.registry)
         self.role_switches_total = Counter("mooncaked_role_switches", "Role switches of this instance (P/D ratio "
                                            "controller).", ["from_role", "to_role"], registry=self.registry)
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Debian packages for tests and benchmarks: redis-server (store benchmark), etcd-server (membership tests),
-# python3-pyverbs (RDMA transport). Installed only when missing and when we may (root with apt-get).
+# python3-pyverbs (RDMA transport), prometheus (the dashboard test). Installed only when missing and when we may (root with apt-get).
 set -uo pipefail
-want=(redis-server etcd-server python3-pyverbs)
+want=(redis-server etcd-server python3-pyverbs prometheus)
 missing=()
 for p in "${want[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 [ ${#missing[@]} -eq 0 ] && exit 0
@@ -15,5 +15,5 @@ apt-get update -q >/dev/null 2>&1 || true
 apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null 2>&1 \
   || echo "install_debs: could not install ${missing[*]}; dependent tests will skip"
 # Debian's postinst may start the daemons; tests start their own on free ports.
-for svc in redis-server etcd; do (service "$svc" stop >/dev/null 2>&1 || true); done
+for svc in redis-server etcd prometheus; do (service "$svc" stop >/dev/null 2>&1 || true); done
 exit 0

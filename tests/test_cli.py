@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import pytest
 import yaml
 
 from mooncaked import __version__
-from mooncaked.cli import main, with_default_paths
+from mooncaked.cli import main, warn_if_unauthenticated, with_default_paths
 from mooncaked.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,3 +84,16 @@ def test_weight_cache_dir_defaults_to_the_user_cache() -> None:
     assert with_default_paths(config, {}).model.weight_cache_dir is None  # no place: weights stay private
     chosen = load_config(EXAMPLE, ["model.weight_cache_dir=/w"])
     assert with_default_paths(chosen, {"HOME": "/h"}).model.weight_cache_dir == "/w"
+
+
+def test_an_unauthenticated_cluster_is_warned_about_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    open_cluster = load_config(EXAMPLE)
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\n")
+    closed_cluster = load_config(EXAMPLE, [f"cluster.secret_file={secret}"])
+    with caplog.at_level(logging.WARNING, logger="mooncaked.cli"):
+        warn_if_unauthenticated(closed_cluster)
+        assert not caplog.records
+        warn_if_unauthenticated(open_cluster)
+    assert len(caplog.records) == 1 and "unauthenticated" in caplog.records[0].getMessage()
+    assert "s3cret" not in caplog.text

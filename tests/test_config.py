@@ -183,3 +183,23 @@ def test_kv_budget_settings_are_checked_together(tmp_path: Path) -> None:
                                                                      "settings": {"num_kv_pages": 64}}]}}))
     assert config.worker.memory_fraction == 0.6 and config.worker.num_kv_pages is None
     assert config.role_section(config.instance_named("d")).num_kv_pages == 64
+
+
+def test_cuda_graphs_need_a_cuda_device(tmp_path: Path) -> None:
+    message = errors_of(tmp_path, {"model": {"cuda_graphs": True, "device": "cpu"}})
+    assert "model.cuda_graphs: needs a CUDA model.device, got 'cpu'" in message
+    config = load_config(write(tmp_path, {"model": {"cuda_graphs": True, "device": "cuda:1"}}))
+    assert config.model.cuda_graphs
+
+
+def test_layerwise_worker_options(tmp_path: Path) -> None:
+    message = errors_of(tmp_path, {"worker": {"max_layers_in_flight": 0}, "store": {"numa_node": -2},
+                                   "runtime": {"gil_switch_interval_ms": 0}})
+    assert "runtime.gil_switch_interval_ms: must be >= 0.01, got 0" in message
+    assert "worker.max_layers_in_flight: must be >= 1, got 0" in message
+    assert "store.numa_node: must be >= 0, got -2" in message
+    message = errors_of(tmp_path, {"worker": {"compute_cpus": [0, 0], "copy_cpus": [-1]}})
+    assert "worker.compute_cpus: CPU ids must be distinct and >= 0, got [0, 0]" in message
+    assert "worker.copy_cpus: CPU ids must be distinct and >= 0, got [-1]" in message
+    config = load_config(write(tmp_path, {"worker": {"compute_cpus": [0], "copy_cpus": [1]}, "store": {"numa_node": 1}}))
+    assert (config.worker.compute_cpus, config.worker.copy_cpus, config.store.numa_node) == ([0], [1], 1)

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from mooncaked.config import ConfigError, load_config
-from mooncaked.cpu_affinity import CpuAffinityError, format_cpus, pin_to_cpus, usable_cpus
+from mooncaked.cpu_affinity import CpuAffinityError, format_cpus, pin_to_cpus, pinned_executor, usable_cpus
 
 
 @pytest.fixture
@@ -57,3 +57,15 @@ def test_role_with_unusable_cpus_exits_2_naming_them(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "mooncaked: error: instance s0: cpus [4095] are not usable" in done.stderr
+
+
+def test_pinned_executor_pins_its_thread_only(restore_affinity: set[int]) -> None:
+    cpu = max(restore_affinity)
+    executor = pinned_executor("pin-test", [cpu], "worker.copy_cpus")
+    try:
+        assert executor.submit(os.sched_getaffinity, 0).result(timeout=10) == {cpu}
+    finally:
+        executor.shutdown(wait=True)
+    assert os.sched_getaffinity(0) == restore_affinity
+    with pytest.raises(CpuAffinityError, match=r"thread kv-copy: cpus \[4095\] .* fix worker.copy_cpus"):
+        pinned_executor("kv-copy", [4095], "worker.copy_cpus")

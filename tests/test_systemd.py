@@ -8,6 +8,7 @@ from pathlib import Path
 
 from mooncaked.cli import build_parser
 from mooncaked.config import ROLES
+from mooncaked.lifecycle import EXIT_FATAL
 
 UNIT = Path(__file__).resolve().parents[1] / "systemd" / "mooncaked@.service"
 
@@ -23,6 +24,7 @@ def test_unit_settings() -> None:
     service = unit()["Service"]
     assert service["Type"] == "notify"
     assert service["Restart"] == "on-failure"
+    assert service["RestartPreventExitStatus"] == str(EXIT_FATAL)  # a configuration or load error
     assert service["LimitMEMLOCK"] == "infinity"
     assert service["KillSignal"] == "SIGTERM"
     assert int(service["TimeoutStopSec"]) > 10  # covers runtime.drain_timeout_s's default

@@ -1,9 +1,11 @@
 """The OpenAI-compatible aiohttp application in front of a `GenerationBackend`.
 
 1. `create_app` builds the application; the caller owns its runner (start/stop) and the backend.
-2. Per request, middlewares in order: take the `X-Request-Id` header (or make one) and log the outcome;
-   turn `ApiError` and aiohttp's HTTP errors into OpenAI error JSON; check the Bearer key on /v1 routes
-   when keys are configured (/health and /metrics stay open for probes and scrapers).
+2. Per request, middlewares in order: with a client guard, stop the request's header clock (client_guard.py);
+   take the `X-Request-Id` header (or make one) and log the outcome;
+   turn `ApiError` and aiohttp's HTTP errors into OpenAI error JSON; on /v1 routes, find the caller's tenant by
+   its Bearer key when tenants or keys are configured (tenant_gate.py; /health and /metrics stay open for
+   probes and scrapers); a generation request also passes its tenant's rate and concurrency limits.
 3. Routes: POST /v1/completions, POST /v1/chat/completions (see `generation`), GET /v1/models,
    GET /health, GET /metrics, GET /v1/cluster.
 """
@@ -11,7 +13,6 @@
 from __future__ import annotations
 
 import hashlib
-import hmac
 import logging
 import re
 import time
@@ -22,14 +23,18 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from mooncaked.api.backend import GenerationBackend
-from mooncaked.api.errors import ApiError, error_response, internal_error, unauthorized
+from mooncaked.api.client_guard import ClientGuard
+from mooncaked.api.errors import ApiError, error_response, internal_error
 from mooncaked.api.generation import request_log, serve_generation
 from mooncaked.api.requests import decode_json_body, parse_chat_request, parse_completion_request
+from mooncaked.api.tenant_gate import TenantGate
+from mooncaked.api.tenants import Tenant, from_api_keys
 
 logger = logging.getLogger(__name__)
 
 REQUEST_ID_KEY = web.RequestKey("request_id", str)
 CLIENT_ID_KEY = web.RequestKey("client_id", str)  # a digest of the caller's API key, set by the auth middleware
+TENANT_KEY = web.RequestKey("tenant", Tenant)  # the caller's tenant, set by the auth middleware
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
@@ -37,16 +42,22 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def create_app(
-    backend: GenerationBackend, *, api_keys: frozenset[str], max_body_bytes: int, request_timeout_s: float
+    backend: GenerationBackend, *, api_keys: frozenset[str] = frozenset(), gate: TenantGate | None = None,
+    max_body_bytes: int, request_timeout_s: float, client_guard: ClientGuard | None = None,
 ) -> web.Application:
-    """`request_timeout_s` bounds every wait without progress: admission, then each next chunk."""
+    """`request_timeout_s` bounds every wait without progress: admission, then each next chunk. `gate` (the
+    tenants; the caller keeps it to reload them) defaults to one tenant holding `api_keys` (none: open). With
+    `client_guard` (served through its GuardedSite) a request's headers and body must arrive in time."""
     if max_body_bytes <= 0 or request_timeout_s <= 0:
         raise ValueError("max_body_bytes and request_timeout_s must be positive")
+    gate = gate or TenantGate(from_api_keys(api_keys))
+    middlewares: list[Middleware] = [_request_id_middleware, _error_middleware, _auth_middleware(gate)]
     app = web.Application(
         client_max_size=max_body_bytes,
-        middlewares=[_request_id_middleware, _error_middleware, _auth_middleware(api_keys)],
+        middlewares=[client_guard.middleware, *middlewares] if client_guard is not None else middlewares,
     )
-    routes = _Routes(backend, max_body_bytes=max_body_bytes, request_timeout_s=request_timeout_s)
+    routes = _Routes(backend, gate, max_body_bytes=max_body_bytes, request_timeout_s=request_timeout_s,
+                     client_guard=client_guard)
     app.router.add_post("/v1/completions", routes.completions)
     app.router.add_post("/v1/chat/completions", routes.chat_completions)
     app.router.add_get("/v1/models", routes.models)
@@ -92,19 +103,16 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
         return error_response(internal_error("Internal server error."), request_id=request_id)
 
 
-def _auth_middleware(api_keys: frozenset[str]) -> Middleware:
-    encoded_keys = tuple(key.encode("utf-8") for key in api_keys)
-
+def _auth_middleware(gate: TenantGate) -> Middleware:
     @web.middleware
     async def check_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if encoded_keys and request.path.startswith("/v1"):
-            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-            given = token.strip().encode("utf-8")
-            # compare_digest against every key so timing does not reveal which prefix matched
-            is_valid = [hmac.compare_digest(given, key) for key in encoded_keys]
-            if scheme.lower() != "bearer" or not any(is_valid):
-                raise unauthorized()
-            request[CLIENT_ID_KEY] = hashlib.blake2b(given, digest_size=8).hexdigest()
+        if request.path.startswith("/v1"):
+            authorization = request.headers.get("Authorization", "")
+            tenant = gate.identify(authorization)
+            if tenant is not None:
+                request[TENANT_KEY] = tenant
+                token = authorization.partition(" ")[2].strip().encode("utf-8", "surrogatepass")
+                request[CLIENT_ID_KEY] = hashlib.blake2b(token, digest_size=8).hexdigest()
         return await handler(request)
 
     return check_api_key
@@ -113,24 +121,29 @@ def _auth_middleware(api_keys: frozenset[str]) -> Middleware:
 class _Routes:
     """Request handlers; holds no per-request state."""
 
-    def __init__(self, backend: GenerationBackend, *, max_body_bytes: int, request_timeout_s: float) -> None:
+    def __init__(self, backend: GenerationBackend, gate: TenantGate, *, max_body_bytes: int,
+                 request_timeout_s: float, client_guard: ClientGuard | None) -> None:
         self.backend = backend
+        self.gate = gate
         self.max_body_bytes = max_body_bytes
         self.request_timeout_s = request_timeout_s
+        self.client_guard = client_guard
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = decode_json_body(await self._read_body(request))
         api_request = parse_completion_request(
             body, request_id=request[REQUEST_ID_KEY], model_ids=self.backend.model_ids(),
-            client_id=request.get(CLIENT_ID_KEY, "")
+            client_id=request.get(CLIENT_ID_KEY, ""), tenant=request.get(TENANT_KEY)
         )
-        return await serve_generation(request, api_request, self.backend, timeout_s=self.request_timeout_s)
+        with self.gate.admit(api_request.tenant):
+            return await serve_generation(request, api_request, self.backend, timeout_s=self.request_timeout_s)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = decode_json_body(await self._read_body(request))
         api_request = parse_chat_request(body, request_id=request[REQUEST_ID_KEY], model_ids=self.backend.model_ids(),
-                                         client_id=request.get(CLIENT_ID_KEY, ""))
-        return await serve_generation(request, api_request, self.backend, timeout_s=self.request_timeout_s)
+                                         client_id=request.get(CLIENT_ID_KEY, ""), tenant=request.get(TENANT_KEY))
+        with self.gate.admit(api_request.tenant):
+            return await serve_generation(request, api_request, self.backend, timeout_s=self.request_timeout_s)
 
     async def models(self, request: web.Request) -> web.Response:
         created = int(time.time())
@@ -156,4 +169,10 @@ class _Routes:
                 413, f"The request body is {request.content_length} bytes; the limit is {self.max_body_bytes}.",
                 code="request_too_large",
             )
-        return await request.read()
+        try:
+            if self.client_guard is not None:
+                return await self.client_guard.read_body(request)
+            return await request.read()
+        except ConnectionResetError:  # nobody is left to answer; say so in the log, not as a server error
+            raise ApiError(400, "The client closed the connection before sending the whole body.",
+                           code="client_closed") from None

@@ -25,6 +25,16 @@ def read_str(body: Mapping[str, Any], name: str, default: str | None = None) -> 
     return value
 
 
+def check_text(text: str, param: str) -> str:
+    """`text` if it is valid Unicode; JSON's \\u escapes can carry an unpaired surrogate, which no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise invalid_field(param, f"contains an unpaired surrogate (U+{ord(text[exc.start]):04X}) at character "
+                            f"{exc.start}; send valid Unicode text") from None
+    return text
+
+
 def read_bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
     value = body.get(name)
     if value is None:
@@ -78,6 +88,7 @@ def read_stop(body: Mapping[str, Any], max_stop: int) -> tuple[str, ...]:
     for item in items:
         if not isinstance(item, str) or not item:
             raise invalid_field("stop", "every stop sequence must be a non-empty string")
+        check_text(item, "stop")
     return tuple(items)
 
 

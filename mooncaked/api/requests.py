@@ -2,8 +2,8 @@
 
 1. `decode_json_body` turns the raw body into a JSON object (400 when it is not one).
 2. `parse_completion_request` / `parse_chat_request` read every supported OpenAI field (plus vLLM's
-   `ignore_eos` and `top_k`), check types and ranges, and return a frozen request; the first bad field raises
-   `ApiError(400, param=<field>)`; an unknown model raises 404 `model_not_found`.
+   `ignore_eos`, `top_k` and `priority`), check types and ranges, and return a frozen request; the first bad
+   field raises `ApiError(400, param=<field>)`; an unknown model raises 404 `model_not_found`.
 Fields keep their wire names (`stream`, `include_usage`, `logprobs`) so they read like the API docs.
 Unknown fields are ignored, as OpenAI-compatible servers do; fields that would change the output in a way
 this server cannot honour (`n` > 1, `best_of` > 1, `echo`, `suffix`, `tools`) are rejected.
@@ -18,12 +18,16 @@ from typing import Any
 
 from mooncaked.api.errors import ApiError, invalid_field, model_not_found
 from mooncaked.api.fields import (
-    is_int, json_type, read_bool, read_float, read_int, read_stop, read_str, read_token_ids,
+    check_text, is_int, json_type, read_bool, read_float, read_int, read_stop, read_str, read_token_ids,
 )
+from mooncaked.api.tenants import Tenant
 
 MAX_STOP_SEQUENCES = 16
 MAX_LOGPROBS = 20
+MAX_CACHE_SALT_CHARS = 1024
+MAX_SEED = 2**63 - 1  # a torch generator's seed
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1  # `priority` is an int32, as vLLM's
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
@@ -48,6 +52,10 @@ class CompletionRequest:
     include_usage: bool
     logprobs: int | None  # alternatives per token; None: no logprobs
     client_id: str = ""  # who sent it: a digest of the API key ("" without keys), never the key itself
+    cache_salt: str | None = None  # vLLM's: requests with different salts never share KV
+    tenant: Tenant | None = None  # the caller's tenant (None: tenants are not configured)
+    priority: int = 0  # lower runs first within its class (vLLM's `priority`)
+    is_batch: bool = False  # a Batch API line (the batch class), never an HTTP request
 
     @property
     def num_logprobs(self) -> int | None:
@@ -71,6 +79,10 @@ class ChatRequest:
     logprobs: bool
     top_logprobs: int
     client_id: str = ""  # who sent it: a digest of the API key ("" without keys), never the key itself
+    cache_salt: str | None = None  # vLLM's: requests with different salts never share KV
+    tenant: Tenant | None = None  # the caller's tenant (None: tenants are not configured)
+    priority: int = 0  # lower runs first within its class (vLLM's `priority`)
+    is_batch: bool = False  # a Batch API line (the batch class), never an HTTP request
 
     @property
     def num_logprobs(self) -> int | None:
@@ -80,7 +92,10 @@ class ChatRequest:
 def decode_json_body(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except RecursionError:
+        raise ApiError(400, "The request body is not valid JSON: it is nested too deeply; send a JSON object.") \
+            from None
+    except ValueError as exc:  # not JSON, not UTF-8, or an integer of more digits than Python converts
         raise ApiError(400, f"The request body is not valid JSON: {exc}; send a JSON object.") from exc
     if not isinstance(body, dict):
         raise ApiError(400, f"The request body must be a JSON object, got {json_type(body)}.")
@@ -88,7 +103,8 @@ def decode_json_body(raw: bytes) -> dict[str, Any]:
 
 
 def parse_completion_request(
-    body: Mapping[str, Any], *, request_id: str, model_ids: Sequence[str], client_id: str = ""
+    body: Mapping[str, Any], *, request_id: str, model_ids: Sequence[str], client_id: str = "",
+    tenant: Tenant | None = None
 ) -> CompletionRequest:
     _reject_unsupported(body)
     if body.get("echo") not in (None, False):
@@ -105,11 +121,14 @@ def parse_completion_request(
         include_usage=_read_include_usage(body, stream),
         logprobs=read_int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS),
         client_id=client_id,
+        cache_salt=_read_cache_salt(body),
+        tenant=tenant,
+        priority=_read_priority(body),
     )
 
 
 def parse_chat_request(body: Mapping[str, Any], *, request_id: str, model_ids: Sequence[str],
-                       client_id: str = "") -> ChatRequest:
+                       client_id: str = "", tenant: Tenant | None = None) -> ChatRequest:
     _reject_unsupported(body)
     if body.get("tools"):
         raise invalid_field("tools", "tool calling is not supported")
@@ -130,13 +149,30 @@ def parse_chat_request(body: Mapping[str, Any], *, request_id: str, model_ids: S
         logprobs=logprobs,
         top_logprobs=top_logprobs or 0,
         client_id=client_id,
+        cache_salt=_read_cache_salt(body),
+        tenant=tenant,
+        priority=_read_priority(body),
     )
+
+
+def _read_cache_salt(body: Mapping[str, Any]) -> str | None:
+    salt = read_str(body, "cache_salt")
+    if salt is not None and not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise invalid_field("cache_salt", f"cache_salt must be a non-empty string of at most "
+                            f"{MAX_CACHE_SALT_CHARS} characters")
+    return salt
 
 
 def _reject_unsupported(body: Mapping[str, Any]) -> None:
     read_int(body, "n", 1, lo=1, hi=1)
     read_int(body, "best_of", 1, lo=1, hi=1)
     read_str(body, "user")
+
+
+def _read_priority(body: Mapping[str, Any]) -> int:
+    priority = read_int(body, "priority", 0, lo=MIN_PRIORITY, hi=MAX_PRIORITY)
+    assert priority is not None
+    return priority
 
 
 def _read_model(body: Mapping[str, Any], model_ids: Sequence[str]) -> str:
@@ -157,7 +193,7 @@ def _read_sampling(body: Mapping[str, Any], max_tokens: int | None) -> SamplingO
         temperature=read_float(body, "temperature", 1.0, lo=0.0, hi=2.0),
         top_p=read_float(body, "top_p", 1.0, lo=0.0, hi=1.0, is_lo_open=True),
         top_k=max(0, top_k or 0),
-        seed=read_int(body, "seed", None),
+        seed=read_int(body, "seed", None, lo=0, hi=MAX_SEED),
         stop=read_stop(body, MAX_STOP_SEQUENCES),
         ignore_eos=read_bool(body, "ignore_eos", False),
     )
@@ -186,7 +222,7 @@ def _read_prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
     if isinstance(prompt, str):
         if not prompt:
             raise invalid_field("prompt", "the prompt is empty")
-        return prompt
+        return check_text(prompt, "prompt")
     if isinstance(prompt, list):
         if prompt and not all(is_int(item) for item in prompt):
             raise invalid_field("prompt", "one prompt per request: a string or a list of token ids")
@@ -215,7 +251,7 @@ def _read_message(message: object, param: str) -> ChatMessage:
 
 def _read_content(content: object, param: str) -> str:
     if isinstance(content, str):
-        return content
+        return check_text(content, param)
     if not isinstance(content, list):
         raise invalid_field(param, f"expected a string or a list of text parts, got {json_type(content)}")
     texts = []
@@ -225,5 +261,5 @@ def _read_content(content: object, param: str) -> str:
         text = part.get("text")
         if not isinstance(text, str):
             raise invalid_field(f"{param}[{j}].text", f"expected a string, got {json_type(text)}")
-        texts.append(text)
+        texts.append(check_text(text, f"{param}[{j}].text"))
     return "\n".join(texts)

@@ -1,157 +1,182 @@
-"""`mooncaked bench layerwise`: what layer-wise KV storing costs a prefill (paper section 3.3.2 / 5.2).
+"""`mooncaked bench layerwise`: what layer-wise KV storing and loading cost a prefill (paper 3.3.2, its Fig 7).
 
-1. Start two stores (this host 127.0.0.1 and a "decode host" 127.0.0.2) and a prefill worker on 127.0.0.1, in
-   this process, with the configured model (SmolLM2 by default).
-2. For each prompt length and each mode, prefill fresh random prompts (no prefix reuse):
-   `none` (compute only), `layerwise` (after layer i, layer i's KV goes to the local store and over TCP to the
-   decode host's store while layer i+1 computes), `serialized` (the same bytes sent after the whole forward).
-3. Modes are interleaved round by round and the median is kept; the JSON holds `layerwise_overhead`
-   (layer-wise / none - 1) and `serialized_overhead` per length, and overall (the longest length).
+1. Start two stores as processes of their own (this host 127.0.0.1 and another host 127.0.0.2) and a prefill
+   worker on 127.0.0.1 in this process, with the configured model. Compute and copies do not share a core: the
+   worker's compute thread runs on `--compute-cpus` with as many torch threads (runtime.num_threads;
+   worker.compute_cpus), while its other threads (event loop, KV copy thread, transfer threads) and the store
+   processes run on `--copy-cpus` (worker.copy_cpus; the stores' cluster.instances[].cpus). By default the
+   last usable CPU is the copy CPU, the others compute. The interpreter lock's switch interval is the one a
+   worker process sets (runtime.gil_switch_interval_ms).
+2. Storing, fresh random prompts (no reuse): `none` (compute only), `layerwise` (after layer i its KV goes to
+   the local store and over TCP to the other host's store while layer i+1 computes), `serialized` (the same
+   bytes copied and sent after the whole forward).
+3. Loading, a prompt whose first `--prefix-fraction` of blocks sit in the other host's store (seeded untimed):
+   `load_layerwise` (the forward starts at once and waits per layer), `load_serial` (every layer loaded, then
+   the forward), `in_pages` (the prefix already in the pages: the forward alone), `no_prefix` (the whole prompt
+   computed) and `transfer` (the loading alone).
+4. Every mode runs once per round, rounds interleave the modes and the lengths (>= 5 rounds), medians are kept.
+   JSON per length and overall (the longest): `layerwise_overhead` = layerwise / none - 1,
+   `serialized_overhead`, `load_hidden_fraction` = 1 - (load_layerwise - in_pages) / transfer; per mode the
+   spread (max - min over rounds), the compute thread's stall between layers and its median layer time
+   (from the worker's layer timeline: on a shared machine these say what the wall times cannot).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
-import random
+import os
 import statistics
+import sys
 import tempfile
-import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from mooncaked.bench.cluster import free_port
+from mooncaked.bench.cluster import instance, write_config
+from mooncaked.bench.layerwise_modes import LOAD_MODES, STORE_MODES, ModeRunner, RunTimes
+from mooncaked.bench.store_processes import store_processes
 from mooncaked.config import Config, load_config
-from mooncaked.kv.keys import block_keys
-from mooncaked.roles.worker.kv_plan import KvPlan, plan_prompt_kv
-from mooncaked.roles.worker.messages import Destination, SamplingSpec
-from mooncaked.roles.worker.prefill_forward import run_prefill_forward
-from mooncaked.roles.store import StoreRole
+from mooncaked.cpu_affinity import check_usable, usable_cpus
+from mooncaked.numa import parse_id_list
 from mooncaked.roles.worker.worker import Worker
 
-MODES = ("none", "layerwise", "serialized")
+MODES = STORE_MODES + LOAD_MODES
+MIN_ROUNDS = 5
+STORE_START_TIMEOUT_S = 120.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="embedded:smollm2", help="model source (default: the embedded SmolLM2)")
     parser.add_argument("--lengths", default="1024,2048", help="prompt lengths in tokens")
-    parser.add_argument("--rounds", type=int, default=3, help="prefills per mode and length")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--rounds", type=int, default=MIN_ROUNDS, help="interleaved rounds (medians need >= 5)")
+    parser.add_argument("--prefix-fraction", type=float, default=0.9, help="share of blocks in the other store")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    parser.add_argument("--dtype", default=None, help="float32 on cpu, bfloat16 on cuda unless given")
+    parser.add_argument("--compute-cpus", default=None, help="e.g. 0 or 0-2 (default: all usable but the last)")
+    parser.add_argument("--copy-cpus", default=None, help="e.g. 1 (default: the last usable CPU)")
+    parser.add_argument("--max-layers-in-flight", type=int, default=4, help="worker.max_layers_in_flight")
     parser.add_argument("--json", help="write the result here")
 
 
-def _config(tmp: Path, model: str, max_len: int) -> Config:
-    local, remote = "127.0.0.1", "127.0.0.2"
-    instances = [
-        {"name": "s_local", "role": "store", "host": local, "port": free_port(local), "data_port": free_port(local)},
-        {"name": "s_decode", "role": "store", "host": remote, "port": free_port(remote),
-         "data_port": free_port(remote)},
-        {"name": "p0", "role": "prefill", "host": local, "port": free_port(local)},
-    ]
-    data = {"cluster": {"id": "bench-layerwise", "instances": instances},
-            "model": {"source": model, "max_model_len": max_len + 16},
-            "store": {"dram_bytes": 1 << 30, "shm_dir": str(tmp)},
-            "worker": {"num_kv_pages": max_len // 64 + 4, "prefill_chunk": max_len, "max_batch_tokens": max_len}}
-    path = tmp / "bench.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return load_config(path)
+def cpu_split(args: argparse.Namespace) -> tuple[list[int], list[int]]:
+    """(compute CPUs, copy CPUs): given ones, else the last usable CPU copies and the others compute."""
+    usable = sorted(usable_cpus())
+    compute = sorted(parse_id_list(args.compute_cpus)) if args.compute_cpus else usable[:-1] or usable
+    copy = sorted(parse_id_list(args.copy_cpus)) if args.copy_cpus else usable[-1:]
+    check_usable(compute + copy, "bench layerwise", "--compute-cpus / --copy-cpus")
+    return compute, copy
 
 
-async def _plan(worker: Worker, tokens: list[int], mode: str, request_id: str) -> KvPlan:
-    keys = block_keys(tokens, worker.block_size, worker.namespace)
-    destinations: list[Destination] = []
-    if mode != "none":
-        remote = await worker.store_client("s_decode")
-        reply = await remote.allocate(keys, worker.block_nbytes, 60_000)
-        destinations = [Destination(i, h) for i, h in enumerate(reply.handles)]
-    plan = await plan_prompt_kv(worker, request_id, tokens, keys, timeout_s=60, decode_store="s_decode",
-                                destinations=destinations)
-    if mode == "none":
-        plan.local_handles = []
-    return plan
+def _config(tmp: Path, args: argparse.Namespace, compute: list[int], copy: list[int]) -> tuple[Path, Config]:
+    max_len = max(int(x) for x in args.lengths.split(","))
+    instances = [instance("s_local", "store", "127.0.0.1", cpus=copy), instance("s_decode", "store", "127.0.0.2",
+                                                                                 cpus=copy),
+                 instance("p0", "prefill", "127.0.0.1")]
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    sections: dict[str, dict[str, Any]] = {
+        "model": {"source": args.model, "max_model_len": max_len + 16, "device": args.device, "dtype": dtype},
+        "runtime": {"num_threads": len(compute)},
+        "store": {"dram_bytes": 1 << 30, "shm_dir": str(tmp)},
+        "worker": {"num_kv_pages": max_len // 64 + 8, "prefill_chunk": max_len, "max_batch_tokens": max_len,
+                   "max_layers_in_flight": args.max_layers_in_flight, "compute_cpus": compute,
+                   "copy_cpus": copy},
+        "transfer": {"timeout_s": 300.0},
+    }
+    path = write_config(tmp / "bench-layerwise.yaml", "bench-layerwise", instances, sections)
+    return path, load_config(path)
 
 
-def _forward(worker: Worker, plan: KvPlan, mode: str) -> None:
-    """Compute thread: the prefill, storing per `mode`."""
-    if mode == "serialized":
-        saved, plan.destinations, plan.local_handles = (plan.destinations, plan.local_handles), {}, []
-        run_prefill_forward(worker, [plan], [SamplingSpec(max_tokens=1, temperature=0.0)])
-        plan.destinations, plan.local_handles = saved
-        assert worker.kv_pages is not None
-        for layer in range(worker.kv_pages.num_layers):
-            plan.store_layer(layer)
-        return
-    run_prefill_forward(worker, [plan], [SamplingSpec(max_tokens=1, temperature=0.0)])
+@contextlib.contextmanager
+def _pinned_main_thread(cpus: list[int], config: Config) -> Iterator[None]:
+    """This thread (and every thread it starts from now on) on `cpus`; torch's thread count and the interpreter
+    lock's switch interval as a worker process sets them (cli.py); all restored."""
+    import torch
 
-
-async def _one(worker: Worker, length: int, mode: str, rng: random.Random, index: int) -> float:
-    assert worker.loaded is not None
-    tokens = [rng.randrange(3, worker.loaded.args.vocab_size) for _ in range(length)]
-    plan = await _plan(worker, tokens, mode, f"bench-{mode}-{length}-{index}")
+    affinity, threads, switch_s = os.sched_getaffinity(0), torch.get_num_threads(), sys.getswitchinterval()
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(config.runtime.num_threads)
+    sys.setswitchinterval(config.runtime.gil_switch_interval_ms / 1000)
     try:
-        started = time.perf_counter()
-        await worker.compute(_forward, worker, plan, mode)
-        await plan.kv.wait_writes(60)
-        elapsed = time.perf_counter() - started
+        yield
     finally:
-        await plan.close(commit=False)
-        remote_ids = [d.handle.handle_id for d in plan.destinations.get("s_decode", [])]
-        if remote_ids:
-            await (await worker.store_client("s_decode")).abort(remote_ids)
-    return elapsed
+        sys.setswitchinterval(switch_s)
+        torch.set_num_threads(threads)
+        os.sched_setaffinity(0, affinity)
 
 
 async def _bench(args: argparse.Namespace) -> dict[str, Any]:
-    import torch
-
-    torch.set_num_threads(args.threads)
-    lengths = [int(x) for x in args.lengths.split(",")]
+    if args.rounds < 1:
+        raise ValueError("--rounds must be >= 1")
+    compute, copy = cpu_split(args)
     with tempfile.TemporaryDirectory() as tmp:
-        config = _config(Path(tmp), args.model, max(lengths))
-        stores = [StoreRole(config, config.instance_named(n)) for n in ("s_local", "s_decode")]
-        for store in stores:
-            await store.start()
-        worker = Worker(config, config.instance_named("p0"))
-        await worker.start()
-        try:
-            return await _measure(worker, lengths, args.rounds)
-        finally:
-            await worker.stop()
-            for store in stores:
-                await store.stop()
-
-
-async def _measure(worker: Worker, lengths: list[int], rounds: int) -> dict[str, Any]:
-    rng = random.Random(0)
-    await _one(worker, lengths[0], "layerwise", rng, -1)  # warm-up: connections, allocator, kernels
-    result: dict[str, Any] = {"lengths": {}}
-    for length in lengths:
-        times: dict[str, list[float]] = {mode: [] for mode in MODES}
-        for index in range(rounds):
-            for mode in MODES:
-                times[mode].append(await _one(worker, length, mode, rng, index))
-        medians = {mode: statistics.median(values) for mode, values in times.items()}
-        result["lengths"][str(length)] = {
-            **{f"{mode}_s": value for mode, value in medians.items()},
-            "layerwise_overhead": medians["layerwise"] / medians["none"] - 1,
-            "serialized_overhead": medians["serialized"] / medians["none"] - 1,
-            "kv_bytes": -(-length // worker.block_size) * worker.block_nbytes,
-        }
-    longest = result["lengths"][str(max(lengths))]
-    result["layerwise_overhead"] = longest["layerwise_overhead"]
-    result["serialized_overhead"] = longest["serialized_overhead"]
+        config_path, config = _config(Path(tmp), args, compute, copy)
+        worker = Worker(config, config.instance_named("p0"))  # checks its CPUs against this thread's
+        async with store_processes(config_path, config, ("s_local", "s_decode"), Path(tmp) / "stores.log",
+                                   STORE_START_TIMEOUT_S):
+            with _pinned_main_thread(copy, config):  # before any thread of the worker starts
+                try:
+                    await worker.start()
+                    result = await _measure(ModeRunner(worker, args.prefix_fraction), args)
+                finally:
+                    await worker.stop()
+    result["setup"] = {"compute_cpus": compute, "copy_cpus": copy, "num_threads": len(compute),
+                       "device": args.device, "rounds": args.rounds, "prefix_fraction": args.prefix_fraction,
+                       "max_layers_in_flight": args.max_layers_in_flight, "load_average": os.getloadavg()}
     return result
+
+
+async def _measure(runner: ModeRunner, args: argparse.Namespace) -> dict[str, Any]:
+    lengths = [int(x) for x in args.lengths.split(",")]
+    for mode in MODES:  # warm-up: connections, staging buffers, allocator, kernels
+        await runner.run(mode, lengths[0])
+    times: dict[int, dict[str, list[RunTimes]]] = {n: {mode: [] for mode in MODES} for n in lengths}
+    for _ in range(args.rounds):
+        for length in lengths:
+            for mode in MODES:
+                times[length][mode].append(await runner.run(mode, length))
+    result: dict[str, Any] = {"lengths": {str(n): _summary(runner, n, times[n]) for n in lengths}}
+    longest = result["lengths"][str(max(lengths))]
+    for key in ("layerwise_overhead", "serialized_overhead", "load_hidden_fraction"):
+        result[key] = longest[key]
+    return result
+
+
+def _summary(runner: ModeRunner, length: int, runs: dict[str, list[RunTimes]]) -> dict[str, Any]:
+    times = {mode: [run.wall_s for run in values] for mode, values in runs.items()}
+    medians = {mode: statistics.median(values) for mode, values in times.items()}
+    return {
+        **{f"{mode}_s": value for mode, value in medians.items()},
+        **{f"{mode}_spread_s": max(values) - min(values) for mode, values in times.items()},
+        **{f"{mode}_stall_s": statistics.median(run.stall_s for run in values) for mode, values in runs.items()},
+        **{f"{mode}_layer_s": statistics.median(run.layer_s for run in values) for mode, values in runs.items()},
+        "layerwise_overhead": medians["layerwise"] / medians["none"] - 1,
+        "serialized_overhead": medians["serialized"] / medians["none"] - 1,
+        "load_hidden_fraction": 1 - (medians["load_layerwise"] - medians["in_pages"]) / medians["transfer"],
+        "kv_bytes": -(-length // runner.worker.block_size) * runner.worker.block_nbytes,
+        "num_prefix_blocks": runner.num_prefix_blocks(length),
+    }
 
 
 def run(args: argparse.Namespace) -> int:
     result = asyncio.run(_bench(args))
-    print(f"{'tokens':>7} {'none ms':>9} {'layerwise ms':>13} {'serialized ms':>14} {'lw ovh':>8} {'ser ovh':>8}")
+    print(f"{'tokens':>7} {'none':>9} {'layerwise':>10} {'serialized':>10} {'lw ovh':>7} {'ser ovh':>7}   "
+          f"{'no prefix':>9} {'in pages':>9} {'load lw':>9} {'load ser':>9} {'transfer':>9} {'hidden':>7}  (ms)")
     for length, row in result["lengths"].items():
-        print(f"{length:>7} {row['none_s'] * 1e3:9.1f} {row['layerwise_s'] * 1e3:13.1f} "
-              f"{row['serialized_s'] * 1e3:14.1f} {row['layerwise_overhead']:8.3f} {row['serialized_overhead']:8.3f}")
+        ms = {mode: row[f"{mode}_s"] * 1e3 for mode in MODES}
+        print(f"{length:>7} {ms['none']:9.1f} {ms['layerwise']:10.1f} {ms['serialized']:10.1f} "
+              f"{row['layerwise_overhead']:7.3f} {row['serialized_overhead']:7.3f}   {ms['no_prefix']:9.1f} "
+              f"{ms['in_pages']:9.1f} {ms['load_layerwise']:9.1f} {ms['load_serial']:9.1f} {ms['transfer']:9.1f} "
+              f"{row['load_hidden_fraction']:7.3f}")
+    print(f"{'tokens':>7} " + " ".join(f"{mode:>14}" for mode in MODES) + "   compute stall / median layer (ms)")
+    for length, row in result["lengths"].items():
+        print(f"{length:>7} " + " ".join(f"{row[f'{m}_stall_s'] * 1e3:6.1f} / {row[f'{m}_layer_s'] * 1e3:5.1f}"
+                                         for m in MODES))
+    setup = result["setup"]
+    print(f"compute CPUs {setup['compute_cpus']} ({setup['num_threads']} torch threads), copy CPUs "
+          f"{setup['copy_cpus']}, {setup['rounds']} rounds, load average {setup['load_average'][0]:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0

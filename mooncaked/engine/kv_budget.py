@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mooncaked.errors import StartupError
 from mooncaked.model.config import ModelArgs
 
 MIB = 1 << 20
@@ -27,8 +28,9 @@ DEFAULT_CPU_KV_BYTES = 192 * MIB
 DEFAULT_MEMORY_FRACTION = 0.9
 
 
-class KVBudgetTooSmall(ValueError):
-    """The memory budget holds fewer KV pages than one max-length request needs; the message says how much."""
+class KVBudgetTooSmall(StartupError, ValueError):
+    """The memory budget holds fewer KV pages than one max-length request needs; the message says how much.
+    A StartupError: the process exits with status 2 and is not restarted (a restart cannot fix it)."""
 
 
 @dataclass(frozen=True)

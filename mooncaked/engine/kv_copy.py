@@ -5,17 +5,23 @@ object, and one layer's slice of it (`staging[n, layer]`, K then V) is one conti
 `layer_byte_range(kv_pages, layer)`. Staging may live in host memory (pinned, or a shared-memory pool mapped
 as a tensor) or on the device.
 
-1. `KVCopier(device)` owns the copy stream: on CUDA a dedicated stream, so loads and stores overlap compute;
-   on CPU copies run synchronously in the caller, with the same API.
-2. Load before layer i: `load_layer(kv_pages, layer, staging, page_ids)` -> CopyHandle; the compute side calls
-   `handle.wait_on_current_stream()` in `before_layer(i)` (no host block on CUDA).
-3. Store after layer i: `store_layer(...)` starts after the compute stream's work so far (an event), and
-   `handle.synchronize()` / `handle.is_done()` tell the host when staging holds the bytes to send.
+1. `KVCopier(device)` owns the copy stream on CUDA. Submitting a copy never runs it on the caller's thread:
+   - CUDA: the copy is queued on the dedicated copy stream and the handle holds an event recorded after it.
+     A store of layer i first waits for one event recorded on the compute stream at submission (right after
+     layer i's kernels were queued): it waits for layer i's compute and for nothing queued later. A load waits
+     for no compute at all: it fills pages of a request that no queued kernel touches yet.
+   - CPU: the handle holds the copy itself; the first `synchronize()` runs it (the worker's copy thread).
+2. Load before layer i: `load_layer(kv_pages, layer, staging, page_ids)` -> CopyHandle; once synchronized the
+   compute side may run layer i (`wait_on_current_stream()` orders the compute stream after it on CUDA).
+3. Store after layer i: the compute thread marks layer i's end (`mark_compute()`), the copy thread submits
+   `store_layer(..., compute_done)` -> CopyHandle and `synchronize()`s it: staging then holds the bytes.
    Staging must not be modified or reused until its handle is done.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -49,32 +55,47 @@ def new_staging(kv_pages: KVPages, num_blocks: int, device: torch.device | str =
     return torch.empty(staging_shape(kv_pages, num_blocks), dtype=kv_pages.dtype, device=device, pin_memory=pin)
 
 
-# work(page_ids int64 [N] on the pages' device), run on the copy stream
+# work(page_ids int64 [N] on the pages' device): the copy, run on the copy stream or the copy thread
 _Work = Callable[[torch.Tensor], None]
 
 
 class CopyHandle:
-    """Completion of one submitted copy: an event on CUDA, already complete on CPU."""
+    """Completion of one submitted copy: an event on CUDA; on CPU the copy itself, run once by `synchronize`."""
 
-    def __init__(self, event: torch.cuda.Event | None) -> None:
+    def __init__(self, event: torch.cuda.Event | None = None, work: Callable[[], None] | None = None) -> None:
         self.event = event
+        self._work = work
+        self._lock = threading.Lock()
 
     def is_done(self) -> bool:
-        return self.event is None or bool(self.event.query())
+        if self.event is not None:
+            return bool(self.event.query())
+        return self._work is None
 
     def synchronize(self) -> None:
-        """Block the host until the copy finished."""
+        """Block until the copy finished; on CPU run it here unless another thread did (or is doing) so."""
         if self.event is not None:
             self.event.synchronize()
+            return
+        with self._lock:
+            if self._work is None:
+                return
+            try:
+                with torch.no_grad():
+                    self._work()
+            finally:
+                self._work = None
 
     def wait_on_current_stream(self) -> None:
-        """Make work queued later on the current stream wait for the copy (host does not block)."""
+        """Order work queued later on the current stream after the copy (CUDA: no host block)."""
         if self.event is not None:
             torch.cuda.current_stream().wait_event(self.event)
+        else:
+            self.synchronize()
 
 
 class KVCopier:
-    """Owns the copy stream for one device; all block copies of a worker go through it in submission order."""
+    """Owns the copy stream for one device; the block copies of a worker go through it in submission order."""
 
     def __init__(self, device: torch.device | str, backend: str = "auto") -> None:
         self.device = torch.device(device)
@@ -84,39 +105,53 @@ class KVCopier:
     def load_layer(self, kv_pages: KVPages, layer: int, staging: torch.Tensor,
                    page_ids: Sequence[int]) -> CopyHandle:
         """staging[n, layer] -> pages page_ids[n] of `layer`."""
-        return self._submit(lambda ids: self._load(kv_pages, layer, staging, ids), kv_pages, staging, page_ids)
+        return self._submit(functools.partial(self._load, kv_pages, layer, staging), kv_pages, staging, page_ids,
+                            after_compute=False)
 
-    def store_layer(self, kv_pages: KVPages, layer: int, staging: torch.Tensor,
-                    page_ids: Sequence[int]) -> CopyHandle:
-        """pages page_ids[n] of `layer` -> staging[n, layer]."""
-        return self._submit(lambda ids: self._store(kv_pages, layer, staging, ids), kv_pages, staging, page_ids)
+    def mark_compute(self) -> torch.cuda.Event | None:
+        """An event after the compute queued so far on this thread's current stream (CUDA; None on CPU): the
+        compute thread marks layer i's end with it, and a store submitted later from another thread waits on it."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def store_layer(self, kv_pages: KVPages, layer: int, staging: torch.Tensor, page_ids: Sequence[int],
+                    compute_done: torch.cuda.Event | None = None) -> CopyHandle:
+        """pages page_ids[n] of `layer` -> staging[n, layer], after `compute_done` (`mark_compute()` of the
+        compute thread after layer `layer`), else after the compute queued so far on this thread's stream."""
+        return self._submit(functools.partial(self._store, kv_pages, layer, staging), kv_pages, staging, page_ids,
+                            after_compute=True, compute_done=compute_done)
 
     def load_all_layers(self, kv_pages: KVPages, staging: torch.Tensor, page_ids: Sequence[int]) -> CopyHandle:
         def run(ids: torch.Tensor) -> None:
             for layer in range(kv_pages.num_layers):
                 self._load(kv_pages, layer, staging, ids)
-        return self._submit(run, kv_pages, staging, page_ids)
+        return self._submit(run, kv_pages, staging, page_ids, after_compute=False)
 
     def store_all_layers(self, kv_pages: KVPages, staging: torch.Tensor, page_ids: Sequence[int]) -> CopyHandle:
         def run(ids: torch.Tensor) -> None:
             for layer in range(kv_pages.num_layers):
                 self._store(kv_pages, layer, staging, ids)
-        return self._submit(run, kv_pages, staging, page_ids)
+        return self._submit(run, kv_pages, staging, page_ids, after_compute=True)
 
-    def _submit(self, work: _Work, kv_pages: KVPages, staging: torch.Tensor, page_ids: Sequence[int]) -> CopyHandle:
+    def _submit(self, work: _Work, kv_pages: KVPages, staging: torch.Tensor, page_ids: Sequence[int], *,
+                after_compute: bool, compute_done: torch.cuda.Event | None = None) -> CopyHandle:
         _check_staging(kv_pages, staging, len(page_ids))
         if self.stream is None:
-            work(torch.tensor(list(page_ids), dtype=torch.int64, device=kv_pages.device))
-            return CopyHandle(None)
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))
+            ids = torch.tensor(list(page_ids), dtype=torch.int64, device=kv_pages.device)
+            return CopyHandle(work=functools.partial(work, ids))
+        if after_compute and compute_done is None:
+            compute_done = self.mark_compute()
         with torch.cuda.stream(self.stream):
-            self.stream.wait_event(ready)  # copies see every page write queued before this call
-            ids = torch.tensor(list(page_ids), dtype=torch.int64).to(self.device, non_blocking=True)
-            work(ids)
+            if compute_done is not None:
+                self.stream.wait_event(compute_done)
+            # a small synchronous copy on the copy stream: a pinned allocation here could serialize the streams
+            work(torch.tensor(list(page_ids), dtype=torch.int64, device=self.device))
             done = torch.cuda.Event()
             done.record(self.stream)
-        return CopyHandle(done)
+        return CopyHandle(event=done)
 
     def _load(self, kv_pages: KVPages, layer: int, staging: torch.Tensor, ids: torch.Tensor) -> None:
         if staging.device == kv_pages.device:
@@ -131,10 +166,11 @@ class KVCopier:
     def _store(self, kv_pages: KVPages, layer: int, staging: torch.Tensor, ids: torch.Tensor) -> None:
         k = kernels.gather_blocks(kv_pages.k_pages[layer], ids, self.backend)  # [N, B, Hkv, D]
         v = kernels.gather_blocks(kv_pages.v_pages[layer], ids, self.backend)
-        both = torch.stack([k, v], dim=1)  # [N, 2, B, Hkv, D]
-        if staging.device == both.device:
-            staging[:, layer].copy_(both)
+        if staging.device == k.device:
+            staging[:, layer, 0].copy_(k)
+            staging[:, layer, 1].copy_(v)
             return
+        both = torch.stack([k, v], dim=1)  # [N, 2, B, Hkv, D]
         for n in range(both.shape[0]):  # device -> host per block: each destination range is contiguous
             staging[n, layer].copy_(both[n], non_blocking=True)
 
@@ -145,4 +181,3 @@ def _check_staging(kv_pages: KVPages, staging: torch.Tensor, num_blocks: int) ->
         raise ValueError(f"staging must be {kv_pages.dtype} {expected}, got {staging.dtype} {tuple(staging.shape)}")
     if not staging.is_contiguous():
         raise ValueError("staging must be contiguous (the store object layout)")
-

@@ -1,7 +1,9 @@
 """Device KV pages and their allocator.
 
-1. `KVPages.for_model(args, num_pages, block_size, dtype, device)` allocates, per layer, k_pages[layer] and
-   v_pages[layer], each [num_pages, block_size, kv_heads, head_dim], once at start-up.
+1. `KVPages.for_model(args, num_pages, block_size, dtype, device)` allocates, once at start-up, one buffer
+   [layers, 2, num_pages, block_size, kv_heads, head_dim] (one allocation, so it registers with the transfer
+   engine as one segment) and views it per layer as k_pages[layer] and v_pages[layer], each contiguous
+   [num_pages, block_size, kv_heads, head_dim].
 2. Requests take whole pages from `KVPages.allocator` (`allocate(n, owner)`), and name them in block tables;
    token t of a sequence lives in page block_table[t // block_size] at offset t % block_size.
 3. When a request ends (or fails) its owner frees its pages (`free` / `free_owner`); the page contents are left
@@ -96,9 +98,10 @@ class KVPages:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_pages, block_size, num_kv_heads, head_dim)
-        self.k_pages = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_pages = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (num_layers, 2, num_pages, block_size, num_kv_heads, head_dim)
+        self.buffer = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_pages = [self.buffer[layer, 0] for layer in range(num_layers)]
+        self.v_pages = [self.buffer[layer, 1] for layer in range(num_layers)]
         self.allocator = PageAllocator(num_pages)
 
     @classmethod
@@ -111,6 +114,15 @@ class KVPages:
     def page_shape(self) -> tuple[int, int, int]:
         """One page of one layer, K or V: [block_size, kv_heads, head_dim]."""
         return (self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes of one page of one layer, K or V."""
+        return self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def page_byte_offset(self, layer: int, kind: int, page_id: int) -> int:
+        """Where page `page_id` of `layer`'s K (kind 0) or V (kind 1) starts in `buffer`, in bytes."""
+        return ((layer * 2 + kind) * self.num_pages + page_id) * self.page_nbytes
 
     @property
     def layer_block_nbytes(self) -> int:

@@ -4,7 +4,8 @@
    owns nothing mutable, so a role can switch between prefill and decode work with the same runner.
 2. `prefill(batch)` runs one chunk of new tokens per sequence (each after its cached prefix) and returns the
    last new token's logits per sequence (all rows with `return_all_logits`). `decode(batch)` runs one new
-   token per sequence and returns logits [S, vocab].
+   token per sequence and returns logits [S, vocab]; with `cuda_graphs` (CUDA, Triton) a step without layer
+   callbacks replays the CUDA graph of its batch-size bucket (engine/cuda_graphs.py) instead.
 3. For every layer i: `before_layer(i)` (the caller waits there until layer i's prefix KV is in the pages),
    then the layer: store the new tokens' K/V into pages, attend over the pages (within the layer's sliding
    window, if the model has one: every token's KV is still stored, so prefixes stay shareable), MLP; then
@@ -22,6 +23,7 @@ import torch
 
 from mooncaked import kernels
 from mooncaked.engine.batch import DecodeBatch, PrefillBatch
+from mooncaked.engine.cuda_graphs import DecodeGraphs
 from mooncaked.engine.kv_pages import KVPages
 from mooncaked.model.llama import AttendFn, LlamaForCausalLM
 
@@ -29,9 +31,11 @@ LayerCallback = Callable[[int], None]
 
 
 class ModelRunner:
-    """Stateless executor of forwards over `kv_pages` (owned by the worker) with `model` (shared, read-only)."""
+    """Executor of forwards over `kv_pages` (owned by the worker) with `model` (shared, read-only); its only
+    state is the decode graphs (their static inputs are rewritten every step)."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_pages: KVPages, backend: str = "auto") -> None:
+    def __init__(self, model: LlamaForCausalLM, kv_pages: KVPages, backend: str = "auto", *,
+                 cuda_graphs: bool = False, max_batch_size: int = 32, max_seq_len: int = 2048) -> None:
         args = model.args
         if (kv_pages.num_layers, kv_pages.num_kv_heads, kv_pages.head_dim) != (
                 args.num_layers, args.num_kv_heads, args.head_dim):
@@ -44,6 +48,12 @@ class ModelRunner:
         self.backend = backend
         self.scale = args.head_dim ** -0.5
         self.layer_windows = [args.layer_sliding_window(i) for i in range(args.num_layers)]
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs:
+            if kv_pages.device.type != "cuda" or kernels.resolve_backend(backend, kv_pages.buffer) != "triton":
+                raise ValueError("cuda_graphs needs the model on CUDA with the Triton kernel backend")
+            max_blocks = -(-max_seq_len // kv_pages.block_size)
+            self.graphs = DecodeGraphs(self._decode_eager, kv_pages.device, max_batch_size, max_blocks)
 
     def prefill(self, batch: PrefillBatch, *, before_layer: LayerCallback | None = None,
                 after_layer: LayerCallback | None = None, return_all_logits: bool = False) -> torch.Tensor:
@@ -66,6 +76,13 @@ class ModelRunner:
     def decode(self, batch: DecodeBatch, *, before_layer: LayerCallback | None = None,
                after_layer: LayerCallback | None = None) -> torch.Tensor:
         """One new token per sequence -> logits fp32 [S, vocab]."""
+        if self.graphs is not None and before_layer is None and after_layer is None:
+            with torch.inference_mode():
+                return self.graphs.run(batch)
+        return self._decode_eager(batch, before_layer, after_layer)
+
+    def _decode_eager(self, batch: DecodeBatch, before_layer: LayerCallback | None = None,
+                      after_layer: LayerCallback | None = None) -> torch.Tensor:
         k_pages, v_pages = self.kv_pages.k_pages, self.kv_pages.v_pages
         backend, scale, windows = self.backend, self.scale, self.layer_windows
         # one plan per distinct window (a Qwen model may mix windowed and full layers), shared by its layers

@@ -43,7 +43,10 @@ def store_kv(
     slot_mapping: torch.Tensor,
     backend: str = "auto",
 ) -> None:
-    """Write k, v [T, Hkv, D] into k_pages, v_pages [P, B, Hkv, D] at slot_mapping [T] (page_id * B + offset)."""
+    """Write k, v [T, Hkv, D] into k_pages, v_pages [P, B, Hkv, D] at slot_mapping [T] (page_id * B + offset).
+
+    Triton skips rows whose slot is negative (padding rows of a captured decode step); the torch reference,
+    which never runs padded batches, does not check (a check would cost a host sync per layer on CPU)."""
     _check_pages(k_pages, v_pages)
     if k.dim() != 3 or k.shape != v.shape or k.shape[1:] != k_pages.shape[2:]:
         raise ValueError(f"k, v must be [T, Hkv, D] matching pages {tuple(k_pages.shape)}; got {tuple(k.shape)}")

@@ -2,7 +2,8 @@
 
 Stages:
   1. `store_kv`: one program per new token copies its [Hkv, D] K and V rows to slot_mapping[t]
-     (flat slot = page_id * B + offset; pages are contiguous, so a slot is Hkv * D elements).
+     (flat slot = page_id * B + offset; pages are contiguous, so a slot is Hkv * D elements); a negative slot
+     (the padding rows of a CUDA-graph decode step) writes nothing.
   2. `gather_blocks` / `scatter_blocks`: programs (page, chunk) copy BLOCK elements of one page between the
      page pool and a contiguous staging tensor.
 All page offsets are computed in int64: P * B * Hkv * D easily exceeds 2**31 elements.
@@ -28,7 +29,7 @@ def _store_kv_kernel(  # type: ignore[no-untyped-def]
     slot = tl.load(slot_ptr + token).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)[:, None]
     offs_d = tl.arange(0, BLOCK_D)[None, :]
-    mask = (offs_h < num_kv_heads) & (offs_d < head_dim)
+    mask = (offs_h < num_kv_heads) & (offs_d < head_dim) & (slot >= 0)  # slot -1: a padding row, skipped
     dst = slot * num_kv_heads * head_dim + offs_h * head_dim + offs_d
     k = tl.load(k_ptr + token * stride_kt + offs_h * stride_kh + offs_d, mask=mask)
     tl.store(k_pages_ptr + dst, k.to(k_pages_ptr.dtype.element_ty), mask=mask)

@@ -74,6 +74,11 @@ class LruPolicy:
             if key in self._order:  # skipped, or offered and kept by the caller: second chance
                 self._order.move_to_end(key)
 
+    def make_least_recent(self, key: Hashable) -> None:
+        """Put a resident key first in line for eviction (a key that is not resident is ignored)."""
+        if key in self._order:
+            self._order.move_to_end(key, last=False)
+
     def __len__(self) -> int:
         return len(self._order)
 
@@ -81,7 +86,7 @@ class LruPolicy:
         return key in self._order
 
 
-class _HeapPolicy:
+class HeapPolicy:
     """Shared machinery: a min-heap of (priority, seq, key) with lazy deletion.
 
     `_rank` maps a key to its live (priority, seq); heap entries whose pair differs are stale. The heap is rebuilt
@@ -162,7 +167,7 @@ class _HeapPolicy:
         return key in self._rank
 
 
-class LfuPolicy(_HeapPolicy):
+class LfuPolicy(HeapPolicy):
     """Least frequently used first (inserts + hits while resident), ties least recently used first."""
 
     name = "lfu"
@@ -171,7 +176,7 @@ class LfuPolicy(_HeapPolicy):
         return (float(self._counts[key]), self._used_at[key])
 
 
-class LengthAwarePolicy(_HeapPolicy):
+class LengthAwarePolicy(HeapPolicy):
     """Least recently used first; among blocks used at the same `now`, later positions in the request first.
 
     Callers pass one `now` for all blocks of one request, so a cold prefix is evicted from its tail inwards and

@@ -1,8 +1,11 @@
 """Block keys: the one definition of prefix-block identity (DESIGN section 5).
 
 1. A model namespace folds the model id, dtype and block size into 16 bytes, so two models never share a key.
-2. Block key i = blake2b-128(key i-1 || namespace || the block's token ids as little-endian uint32).
-3. Only full blocks get keys; a prompt of n tokens has n // block_size keys.
+2. Requests that may share KV only with each other (one tenant's, or one `cache_salt`'s, as vLLM defines it)
+   get an isolated namespace: the model's with their isolation tag folded in (`isolation_tag`,
+   `isolated_namespace`); the empty tag keeps the model's namespace, shared by everyone.
+3. Block key i = blake2b-128(key i-1 || namespace || the block's token ids as little-endian uint32).
+4. Only full blocks get keys; a prompt of n tokens has n // block_size keys.
 
 Every role and the simulator call these functions; a second definition would silently break cache-aware routing.
 """
@@ -10,6 +13,7 @@ Every role and the simulator call these functions; a second definition would sil
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 from array import array
 from collections.abc import Sequence
@@ -24,6 +28,21 @@ def model_namespace(model_id: str, dtype: str, block_size: int) -> bytes:
         raise ValueError(f"block_size must be positive, got {block_size}")
     text = f"mooncaked/v1|{model_id}|{dtype}|{block_size}".encode()
     return hashlib.blake2b(text, digest_size=KEY_BYTES).digest()
+
+
+def isolation_tag(*, tenant: str | None = None, cache_salt: str | None = None) -> bytes:
+    """16 bytes naming who may share KV (b"": everyone). Different tenants or salts never share a tag."""
+    if tenant is None and cache_salt is None:
+        return b""
+    text = json.dumps([tenant, cache_salt], ensure_ascii=True)  # unambiguous, whatever the strings hold
+    return hashlib.blake2b(text.encode(), digest_size=KEY_BYTES, person=b"mooncaked-isolat").digest()
+
+
+def isolated_namespace(namespace: bytes, tag: bytes) -> bytes:
+    """The namespace of requests with isolation `tag` (the model's own namespace for b"")."""
+    if not tag:
+        return namespace
+    return hashlib.blake2b(namespace + tag, digest_size=KEY_BYTES).digest()
 
 
 def block_keys(token_ids: Sequence[int], block_size: int, namespace: bytes) -> list[bytes]:

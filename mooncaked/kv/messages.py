@@ -7,6 +7,8 @@
 3. PIN/UNPIN keep a prefix (context cache) with a TTL; STATS also tells clients where the pool lives.
 4. A conductor calls DUMP (server-streaming chunks of every present key, all as of one sequence number), then
    EVENTS after that number; a gap in sequence numbers (or a `not_found` error from EVENTS) means: dump again.
+5. A conductor under `scheduler.replication: by_reuse` calls MARK_SPARE, in the background, with the keys whose
+   copy here another store keeps (spare: evicted first) and those whose copy is kept again.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class WriteHandle(Message):
     key: bytes
     offset: int
     num_bytes: int
+    incarnation: int = 0  # the store's run that granted `offset` (StatsReply.incarnation); 0: unchecked
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class BlockLocation(Message):
     tier: str  # "dram" | "ssd"
     offset: int  # pool offset when tier is "dram", else -1
     num_bytes: int
+    incarnation: int = 0  # the store's run that `offset` belongs to; 0: unchecked
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,9 @@ class AllocateRequest(Message):
     num_bytes: int  # every object of one call has the same size (one model's block)
     lease_ms: int
     first_position: int = 0  # position of keys[0] within its request (length-aware eviction)
+    tenant: str = ""  # the writer's tenant: it owns the new blocks ("" for none)
+    pool_share: float = 0.0  # the tenant's cap on this store (0: none) and its floor (kv/tenant_quota.py)
+    min_pool_share: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -126,6 +133,7 @@ class StatsReply(Message):
     segment_endpoint: str  # transfer-engine endpoint "host:port" of the pool
     segment_name: str
     host: str  # host identity: a client on the same host may map the pool instead of using the network
+    incarnation: int = 0  # this run of the store: pool offsets of another run must never be used
 
 
 @dataclass(frozen=True)
@@ -158,6 +166,17 @@ class DumpChunk(Message):
     is_last: bool = True
 
 
+@dataclass(frozen=True)
+class MarkSpareRequest(Message):
+    spare_keys: list[bytes]  # another store keeps a copy: give this one back first
+    kept_keys: list[bytes]  # kept again (the other copy is gone, or the block turned hot)
+
+
+@dataclass(frozen=True)
+class MarkSpareReply(Message):
+    num_marked: int  # keys of either list present in DRAM here (the others are ignored)
+
+
 ALLOCATE = Method("store.allocate", AllocateRequest, AllocateReply)
 COMMIT = Method("store.commit", CommitRequest, CommitReply)
 ABORT = Method("store.abort", AbortRequest, AbortReply)
@@ -168,5 +187,6 @@ UNPIN = Method("store.unpin", UnpinRequest, UnpinReply)
 STATS = Method("store.stats", StatsRequest, StatsReply)
 EVENTS = Method("store.events", EventsRequest, EventBatch, is_streaming=True)
 DUMP = Method("store.dump", DumpRequest, DumpChunk, is_streaming=True)
+MARK_SPARE = Method("store.mark_spare", MarkSpareRequest, MarkSpareReply)
 
-STORE_METHODS = (ALLOCATE, COMMIT, ABORT, LOOKUP, RELEASE, PIN, UNPIN, STATS, EVENTS, DUMP)
+STORE_METHODS = (ALLOCATE, COMMIT, ABORT, LOOKUP, RELEASE, PIN, UNPIN, STATS, EVENTS, DUMP, MARK_SPARE)

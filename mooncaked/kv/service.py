@@ -1,19 +1,24 @@
 """StoreService: the store's RPC handlers over its metadata, DRAM pool, SSD tier and transfer-engine segment.
 
 1. `start()` creates the shared-memory pool, indexes the SSD directory (its objects become present again),
-   registers the pool with the transfer engine as segment `segment_name`, and starts the maintenance task.
+   registers the pool with the transfer engine as segment `<segment_name>.<incarnation>`, and starts the
+   maintenance task. The incarnation (random per run) goes with every pool offset handed out: clients refuse
+   offsets of an earlier run of a restarted store, whose pool is gone.
 2. Handlers (`add_methods(server)`) call the pure `StoreCore` with `now`, then at once, before any await or new
    pool write, copy the bytes of blocks evicted to SSD out of the pool (`_flush_evictions`); a read lease on
    blocks that are only on SSD promotes them back into DRAM before the reply.
 3. The maintenance task (owned here) reclaims expired leases and pins and evicts from the high watermark down
    to the low one, every `maintenance_interval_s`.
-4. `stop()`: stop the maintenance task, end event streams, unregister the segment, let the SSD writer finish its
-   backlog within the deadline, close (and unlink) the pool.
+4. `stop()`: stop the maintenance task, end event streams, unregister the segment; with an SSD tier, queue every
+   committed DRAM block SSD does not hold yet, most recently used first, ahead of the write-behind backlog (a warm
+   restart: the next start indexes them); let the SSD writer work until `stop_timeout_s`; close (and unlink) the
+   pool.
 """
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -23,11 +28,14 @@ from typing import Any, Protocol
 from mooncaked.kv import messages as msg
 from mooncaked.kv.shm_pool import ShmPool
 from mooncaked.kv.ssd import SsdConfig, SsdTier
-from mooncaked.kv.store_core import TIER_DRAM, Location, StoreConfig, StoreCore, StoreFull, UnknownHandle
+from mooncaked.kv.store_core import TIER_DRAM, Grant, Location, StoreConfig, StoreCore, StoreFull, UnknownHandle
+from mooncaked.kv.tenant_quota import TenantShare
 from mooncaked.rdma import TransferEngine
 from mooncaked.rpc import InvalidArgument, Method, NotFound, ResourceExhausted, RpcError
 
 logger = logging.getLogger(__name__)
+
+MAX_TENANT_CHARS = 64  # tenant ids are metric labels: bounded (api/tenants.py)
 
 
 class MethodRegistry(Protocol):
@@ -56,6 +64,7 @@ class StoreServiceConfig:
     maintenance_interval_s: float = 0.5
     stop_timeout_s: float = 5.0
     alignment: int = 4096
+    numa_node: int | None = None  # the pool's pages are bound there and registered as "cpu:N" (None: unbound)
 
 
 class StoreService:
@@ -66,11 +75,13 @@ class StoreService:
         self.config = config
         self.engine = engine
         self.clock = clock
+        self.incarnation = secrets.randbits(62) + 1  # tells this run's pool offsets from a restarted store's
+        self.segment_name = f"{config.segment_name}.{self.incarnation:x}"  # old runs' transfers find no segment
         has_ssd = config.ssd_dir is not None and config.ssd_bytes > 0
         self.core = StoreCore(StoreConfig(
             capacity_bytes=config.dram_bytes, alignment=config.alignment, eviction_policy=config.eviction_policy,
             high_watermark=config.high_watermark, low_watermark=config.low_watermark, has_ssd=has_ssd,
-            max_events=config.max_events))
+            max_events=config.max_events, first_id=1 + secrets.randbits(60)))
         self.ssd: SsdTier | None = None
         if has_ssd:
             assert config.ssd_dir is not None
@@ -83,13 +94,13 @@ class StoreService:
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     async def start(self) -> None:
-        self.pool = ShmPool.create(self.config.pool_path, self.config.dram_bytes)
+        self.pool = ShmPool.create(self.config.pool_path, self.config.dram_bytes, numa_node=self.config.numa_node)
         if self.ssd is not None:
             for key, num_bytes in self.ssd.start(self.clock()):
                 self.core.ssd_loaded(key, num_bytes)
             logger.info("store: %d objects indexed on ssd at %s", len(self.ssd), self.config.ssd_dir)
         if self.engine is not None:
-            self.engine.register(self.config.segment_name, self.pool.view, "cpu:0")
+            self.engine.register(self.segment_name, self.pool.view, f"cpu:{self.config.numa_node or 0}")
         self._maintenance = asyncio.create_task(self._maintain(), name="store-maintenance")
 
     def end_streams(self) -> None:
@@ -104,18 +115,39 @@ class StoreService:
             await asyncio.gather(self._maintenance, return_exceptions=True)
             self._maintenance = None
         if self.engine is not None and self.pool is not None:
-            self.engine.unregister(self.config.segment_name)
+            self.engine.unregister(self.segment_name)
         if self.ssd is not None:
+            persisted = self._persist_dram() if self.pool is not None else []
+            started = time.monotonic()
             await asyncio.to_thread(self.ssd.stop, self.config.stop_timeout_s)
+            if persisted:
+                num_lost = self.ssd.num_unwritten(persisted)
+                logger.info("store: %d of %d DRAM blocks written to the ssd tier for the next start in %.2f s",
+                            len(persisted) - num_lost, len(persisted), time.monotonic() - started)
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+
+    def _persist_dram(self) -> list[bytes]:
+        """Queue the DRAM blocks for SSD, most recently used first, writing from the pool (mapped until stop)."""
+        assert self.ssd is not None and self.pool is not None
+        self._flush_evictions()
+        locations = self.core.dram_blocks_by_recency()
+        pool_view = self.pool.view
+        blocks = [(loc.key, pool_view[loc.offset : loc.offset + loc.num_bytes]) for loc in locations]
+        queued = self.ssd.persist(blocks, self.clock())
+        if locations:
+            num_bytes = sum(loc.num_bytes for loc in locations[: len(queued)])
+            logger.info("store: writing %d of its %d DRAM blocks (%.1f MiB) to the ssd tier within %.1f s, most "
+                        "recently used first", len(queued), len(locations), num_bytes / (1 << 20),
+                        self.config.stop_timeout_s)
+        return queued
 
     def add_methods(self, server: MethodRegistry) -> None:
         handlers: dict[Method, Callable[..., Any]] = {
             msg.ALLOCATE: self.allocate, msg.COMMIT: self.commit, msg.ABORT: self.abort,
             msg.LOOKUP: self.lookup, msg.RELEASE: self.release, msg.PIN: self.pin, msg.UNPIN: self.unpin,
-            msg.STATS: self.stats, msg.EVENTS: self.events, msg.DUMP: self.dump,
+            msg.STATS: self.stats, msg.EVENTS: self.events, msg.DUMP: self.dump, msg.MARK_SPARE: self.mark_spare,
         }
         for method, handler in handlers.items():
             # Unary handlers are eager: most never suspend, so running them inline saves a task per call.
@@ -125,13 +157,42 @@ class StoreService:
     async def allocate(self, request: msg.AllocateRequest, ctx: object) -> msg.AllocateReply:
         self._check_lease(request.lease_ms)
         now = self.clock()
+        if len(request.tenant) > MAX_TENANT_CHARS:
+            raise InvalidArgument(f"tenant must be at most {MAX_TENANT_CHARS} characters")
         grants, present, lease_id = self._call(
             lambda: self.core.allocate(request.keys, request.num_bytes, request.lease_ms, now,
-                                       request.first_position))
+                                       request.first_position, request.tenant, _share(request)))
         if any(location.tier != TIER_DRAM for location in present):
             present = await self._promote(present)
-        handles = [msg.WriteHandle(g.handle_id, g.key, g.offset, g.num_bytes) for g in grants]
-        return msg.AllocateReply(handles, [_location_message(loc) for loc in present], lease_id)
+            try:
+                grants += self._grant_dropped(request, present)
+            except RpcError:
+                self.core.release([lease_id])
+                self._call(lambda: self.core.abort([g.handle_id for g in grants]))
+                raise
+            present = [location for location in present if location.tier == TIER_DRAM]
+        handles = [msg.WriteHandle(g.handle_id, g.key, g.offset, g.num_bytes, self.incarnation) for g in grants]
+        return msg.AllocateReply(handles, [self._location_message(loc) for loc in present], lease_id)
+
+    def _grant_dropped(self, request: msg.AllocateRequest, present: Sequence[Location]) -> list[Grant]:
+        """Every key must come back present in DRAM or with a write handle: a key whose SSD copy was found corrupt
+        while promoting is absent now and gets a handle; one that stays on SSD (no DRAM room) fails the call."""
+        if any(loc.tier != TIER_DRAM and self.core.location(loc.key) is not None for loc in present):
+            raise ResourceExhausted("store full: blocks on SSD cannot be brought back into DRAM (nothing "
+                                    "evictable left); retry later")
+        position_of = {key: request.first_position + i for i, key in enumerate(request.keys)}
+        grants: list[Grant] = []
+        try:
+            for location in present:
+                if location.tier != TIER_DRAM:
+                    key = location.key
+                    grants += self._call(lambda: self.core.allocate([key], request.num_bytes, request.lease_ms,
+                                                                    self.clock(), position_of[key], request.tenant,
+                                                                    _share(request)))[0]
+        except RpcError:
+            self._call(lambda: self.core.abort([g.handle_id for g in grants]))
+            raise
+        return grants
 
     async def commit(self, request: msg.CommitRequest, ctx: object) -> msg.CommitReply:
         num_new, num_duplicates = self._call(lambda: self.core.commit(request.handle_ids, self.clock()))
@@ -148,7 +209,7 @@ class StoreService:
             promoted = await self._promote(locations)
             locations = promoted[: next((i for i, loc in enumerate(promoted) if loc.tier != TIER_DRAM),
                                         len(promoted))]
-        return msg.LookupReply([_location_message(loc) for loc in locations], lease_id)
+        return msg.LookupReply([self._location_message(loc) for loc in locations], lease_id)
 
     async def release(self, request: msg.ReleaseRequest, ctx: object) -> msg.ReleaseReply:
         return msg.ReleaseReply(self.core.release(request.lease_ids))
@@ -159,14 +220,17 @@ class StoreService:
     async def unpin(self, request: msg.UnpinRequest, ctx: object) -> msg.UnpinReply:
         return msg.UnpinReply(self._call(lambda: self.core.unpin(request.keys)))
 
+    async def mark_spare(self, request: msg.MarkSpareRequest, ctx: object) -> msg.MarkSpareReply:
+        return msg.MarkSpareReply(self._call(lambda: self.core.mark_spare(request.spare_keys, request.kept_keys)))
+
     async def stats(self, request: msg.StatsRequest, ctx: object) -> msg.StatsReply:
         counters = self.core.stats()
         if self.ssd is not None:
             counters.update(ssd_used_bytes=self.ssd.num_used_bytes, ssd_num_corrupt=self.ssd.num_corrupt)
         assert self.pool is not None, "stats before start()"
         endpoint = self.engine.endpoint if self.engine is not None else ""
-        return msg.StatsReply(counters, self.pool.path, self.pool.num_bytes, endpoint, self.config.segment_name,
-                              self.config.host)
+        return msg.StatsReply(counters, self.pool.path, self.pool.num_bytes, endpoint, self.segment_name,
+                              self.config.host, self.incarnation)
 
     async def events(self, request: msg.EventsRequest, ctx: CallDeadline) -> AsyncIterator[msg.EventBatch]:
         """Events after `after_seq` as they happen, until the call's deadline or the store stops."""
@@ -263,6 +327,9 @@ class StoreService:
         self._new_events.set()
         self._new_events = asyncio.Event()
 
+    def _location_message(self, location: Location) -> msg.BlockLocation:
+        return msg.BlockLocation(location.key, location.tier, location.offset, location.num_bytes, self.incarnation)
+
     async def _maintain(self) -> None:
         while True:
             await asyncio.sleep(self.config.maintenance_interval_s)
@@ -272,6 +339,8 @@ class StoreService:
                 logger.error("store maintenance failed: %s", error)
 
 
-def _location_message(location: Location) -> msg.BlockLocation:
-    return msg.BlockLocation(location.key, location.tier, location.offset, location.num_bytes)
-
+def _share(request: msg.AllocateRequest) -> TenantShare | None:
+    """The request's tenant shares (None without a tenant); bad values raise ValueError (InvalidArgument)."""
+    if not request.tenant:
+        return None
+    return TenantShare(request.pool_share, request.min_pool_share)

@@ -9,7 +9,11 @@
    File layout: header (magic, version, key, payload length, xxh3_64 of the payload), then the payload.
 4. `get(key)` reads and verifies in a worker thread; a torn or corrupted file is logged, deleted, reported
    through `on_dropped` and never served.
-5. `stop(deadline_s)` lets the thread finish queued writes until the deadline, then abandons the rest.
+5. `persist(blocks, now)` (a store stopping for a warm restart) queues DRAM blocks, most valuable first, ahead of
+   the write-behind backlog, writing straight from the pool's memory; it stops where the budget would have to
+   give up one of them.
+6. `stop(deadline_s)` lets the thread finish queued operations until the deadline, then has it abandon the rest
+   (a write under way completes: files appear whole or not at all).
 """
 
 from __future__ import annotations
@@ -17,10 +21,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import queue
 import struct
 import threading
-from collections.abc import Callable, Hashable
+from collections import deque
+from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -63,9 +67,11 @@ class SsdTier:
         self._sizes: dict[bytes, int] = {}  # key -> payload bytes, for every object on disk or queued
         self.num_used_bytes = 0
         self._lock = threading.Lock()
-        self._pending: dict[bytes, bytes] = {}  # queued writes, readable until written
+        self._has_work = threading.Condition(self._lock)
+        self._pending: dict[bytes, bytes | memoryview] = {}  # queued writes, readable until written
         self._pending_bytes = 0
-        self._queue: queue.Queue[tuple[str, bytes] | None] = queue.Queue()
+        self._operations: deque[tuple[str, bytes] | None] = deque()  # ("write"|"delete", key); None: finish
+        self._is_abandoned = False
         self._thread: threading.Thread | None = None
         self.num_corrupt = 0
 
@@ -81,12 +87,21 @@ class SsdTier:
     def stop(self, deadline_s: float) -> None:
         if self._thread is None:
             return
-        self._queue.put(None)
+        self._enqueue(None)
         self._thread.join(deadline_s)
         if self._thread.is_alive():
-            logger.warning("ssd writer did not finish %d queued writes within %.1fs; they are lost",
-                           self._queue.qsize(), deadline_s)
+            with self._has_work:
+                self._is_abandoned = True
+                num_left = sum(1 for operation in self._operations if operation is not None)
+                self._has_work.notify()
+            logger.warning("ssd writer did not finish %d queued operations within %.1fs; they are lost",
+                           num_left, deadline_s)
         self._thread = None
+
+    def num_unwritten(self, keys: Collection[bytes]) -> int:
+        """How many of `keys` were queued for writing and are not on disk (after stop: never will be)."""
+        with self._lock:
+            return sum(1 for key in keys if key in self._pending)
 
     # ---- event-loop side ----------------------------------------------------------------------------------
     def __contains__(self, key: object) -> bool:
@@ -102,14 +117,41 @@ class SsdTier:
             return True  # immutable objects: the copy on disk is the same
         if self._pending_bytes + len(data) > self.config.max_pending_bytes or not self._make_room(len(data)):
             return False
+        self._add(key, data, now, position)
+        self._enqueue(("write", key))
+        return True
+
+    def persist(self, blocks: Sequence[tuple[bytes, memoryview]], now: float) -> list[bytes]:
+        """Queue `blocks` (most valuable first) ahead of everything else, writing from the given memory (it must
+        stay mapped until `stop` returns); returns the keys queued. Stops at the first block that fits only by
+        evicting one queued before it."""
+        queued: list[bytes] = []
+        protected: set[bytes] = set()
+        for key, data in blocks:
+            if key in self._sizes:
+                continue
+            if not self._make_room(len(data), protected):
+                break
+            self._add(key, data, now, 0)
+            protected.add(key)
+            queued.append(key)
+        with self._has_work:
+            self._operations.extendleft(("write", key) for key in reversed(queued))
+            self._has_work.notify()
+        return queued
+
+    def _add(self, key: bytes, data: bytes | memoryview, now: float, position: int) -> None:
         self._sizes[key] = len(data)
         self.num_used_bytes += len(data) + _HEADER.size
         self._policy.on_insert(key, now, position)
         with self._lock:
             self._pending[key] = data
             self._pending_bytes += len(data)
-        self._queue.put(("write", key))
-        return True
+
+    def _enqueue(self, operation: tuple[str, bytes] | None) -> None:
+        with self._has_work:
+            self._operations.append(operation)
+            self._has_work.notify()
 
     async def get(self, key: bytes, now: float) -> bytes | None:
         """The object's bytes, or None when absent or found corrupt (then deleted and reported)."""
@@ -117,9 +159,9 @@ class SsdTier:
             return None
         self._policy.on_access(key, now, 0)
         with self._lock:
-            data = self._pending.get(key)
-        if data is not None:
-            return data
+            pending = self._pending.get(key)
+        if pending is not None:
+            return bytes(pending)
         data, problem = await asyncio.to_thread(self._read_file, key)
         if data is None:
             if key in self._sizes:
@@ -139,17 +181,18 @@ class SsdTier:
         with self._lock:
             data = self._pending.pop(key, None)
             self._pending_bytes -= len(data) if data is not None else 0
-        self._queue.put(("delete", key))
+        self._enqueue(("delete", key))
 
     def path_of(self, key: bytes) -> str:
         return os.path.join(self.config.directory, key.hex() + _SUFFIX)
 
-    def _make_room(self, num_bytes: int) -> bool:
+    def _make_room(self, num_bytes: int, protected: Collection[bytes] = ()) -> bool:
         needed = num_bytes + _HEADER.size
         if needed > self.config.budget_bytes:
             return False
         while self.num_used_bytes + needed > self.config.budget_bytes:
-            victim = next(iter(self._policy.victims(self._is_evictable)), None)
+            victims = self._policy.victims(lambda key: key not in protected and self._is_evictable(key))
+            victim = next(iter(victims), None)
             if victim is None:
                 return False
             self.remove(victim)  # type: ignore[arg-type]
@@ -179,7 +222,12 @@ class SsdTier:
     # ---- thread side --------------------------------------------------------------------------------------
     def _write_loop(self) -> None:
         while True:
-            item = self._queue.get()
+            with self._has_work:
+                while not self._operations and not self._is_abandoned:
+                    self._has_work.wait()
+                if self._is_abandoned:
+                    return
+                item = self._operations.popleft()
             if item is None:
                 return
             op, key = item

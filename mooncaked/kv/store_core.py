@@ -6,20 +6,24 @@
    A key another writer committed first keeps the first object; the duplicate's space is freed.
 3. `abort(handle_ids)` frees reserved space; `release(lease_ids)` ends read leases; `expire(now)` reclaims both
    when their lease runs out (a writer or reader that died), and unpins expired pins.
-4. Eviction (`evict_to_watermark`, and on allocation pressure) follows the policy of `kv/eviction.py` and never
-   touches a leased or uncommitted block; a pinned block only moves to SSD. Each eviction is queued for the
+4. Eviction (`evict_to_watermark`, and on allocation pressure) follows the policy of `kv/eviction.py`, spare
+   copies first (`mark_spare`: the conductor says another store keeps the block; `kv/replica_eviction.py`), and
+   never touches a leased or uncommitted block; a pinned block only moves to SSD. Each eviction is queued for the
    service (`drain_evictions`), which copies the bytes out to SSD before the space can be handed out again.
 5. `lookup`, `pin`/`unpin`, `dump`, `stats`; the SSD tier reports what it dropped with `ssd_dropped`.
+6. `dram_blocks_by_recency()`: what a store stopping for a warm restart writes to SSD, most recently used first.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from mooncaked.kv.allocator import ExtentAllocator, OutOfSpace
-from mooncaked.kv.eviction import blocks_to_free, make_eviction_policy
+from mooncaked.kv.block_table import BlockTable
+from mooncaked.kv.eviction import blocks_to_free
+from mooncaked.kv.replica_eviction import make_spare_first_policy
 from mooncaked.kv.events import BLOCK_REMOVED, BLOCK_STORED, EventLog, StoreEvent
 from mooncaked.kv.store_types import (
     TIER_DRAM,
@@ -29,13 +33,13 @@ from mooncaked.kv.store_types import (
     Grant,
     Location,
     PendingWrite,
-    ReadLease,
     StoreConfig,
     StoreFull,
     UnknownHandle,
     check_keys,
     check_lease_ms,
 )
+from mooncaked.kv.tenant_quota import TenantShare, TenantUsage
 
 logger = logging.getLogger(__name__)
 
@@ -43,20 +47,25 @@ __all__ = ["TIER_DRAM", "TIER_SSD", "Eviction", "Grant", "Location", "StoreConfi
            "UnknownHandle", "check_keys"]
 
 
+def _anyone(owner: str) -> bool:
+    return True
+
+
 class StoreCore:
-    """All metadata of one store. Owner: the `StoreService`; the allocator, policy and event log are its own."""
+    """All metadata of one store. Owner: the `StoreService`; the allocator, policy, event log and the bytes per
+    tenant are its own."""
 
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
         self.allocator = ExtentAllocator(config.capacity_bytes, config.alignment)
-        self.policy = make_eviction_policy(config.eviction_policy)
+        self.policy = make_spare_first_policy(config.eviction_policy)  # the base order until a copy is marked spare
         blocks_to_free(0, 1, config.high_watermark, config.low_watermark)  # validates the watermarks
         self.events = EventLog(config.max_events)
-        self._blocks: dict[bytes, BlockRecord] = {}
+        self.blocks = BlockTable()
         self._pending: dict[int, PendingWrite] = {}
-        self._leases: dict[int, ReadLease] = {}
         self._evictions: list[Eviction] = []
-        self._ids = itertools.count(1)
+        self.tenants = TenantUsage()
+        self._ids = itertools.count(config.first_id)
         self.num_hits = 0
         self.num_misses = 0
         self.num_evicted = 0
@@ -65,20 +74,23 @@ class StoreCore:
 
     # ---- writes -------------------------------------------------------------------------------------------
     def allocate(
-        self, keys: Sequence[bytes], num_bytes: int, lease_ms: int, now: float, first_position: int = 0
+        self, keys: Sequence[bytes], num_bytes: int, lease_ms: int, now: float, first_position: int = 0,
+        tenant: str = "", share: TenantShare | None = None,
     ) -> tuple[list[Grant], list[Location], int]:
-        """(write grants for absent keys, locations of present keys, read lease id or 0 if none present)."""
+        """(write grants for absent keys, locations of present keys, read lease id or 0 if none present).
+        `tenant` will own the new blocks, within `share` of the capacity (tenant_quota.py)."""
         check_keys(keys)
+        self.tenants.state(tenant, share)
         check_lease_ms(lease_ms)
         if num_bytes <= 0:
             raise ValueError(f"num_bytes must be positive, got {num_bytes}")
         deadline = now + lease_ms / 1000.0
-        present = [key for key in keys if key in self._blocks]
+        present = [key for key in keys if key in self.blocks]
         for key in present:
-            if self._blocks[key].num_bytes != num_bytes:
-                raise ValueError(f"key {key.hex()} is stored with {self._blocks[key].num_bytes} bytes, not {num_bytes}")
-        absent = [(first_position + i, key) for i, key in enumerate(keys) if key not in self._blocks]
-        grants = self._reserve(absent, num_bytes, deadline, now, protected=set(present))
+            if self.blocks[key].num_bytes != num_bytes:
+                raise ValueError(f"key {key.hex()} is stored with {self.blocks[key].num_bytes} bytes, not {num_bytes}")
+        absent = [(first_position + i, key) for i, key in enumerate(keys) if key not in self.blocks]
+        grants = self._reserve(absent, num_bytes, deadline, now, protected=set(present), tenant=tenant)
         lease_id = self._open_read_lease(present, deadline, now) if present else 0
         return grants, [self._location(key) for key in present], lease_id
 
@@ -89,19 +101,24 @@ class StoreCore:
         for handle_id in handle_ids:
             pending = self._pending.pop(handle_id)
             grant = pending.grant
-            block = self._blocks.get(grant.key)
+            block = self.blocks.get(grant.key)
             if block is not None and block.dram_offset is not None:
                 self.allocator.free(grant.offset, grant.num_bytes)  # another writer won: keep the first object
+                self.tenants.add(pending.tenant, TIER_DRAM, -grant.num_bytes)
                 self.num_duplicates += 1
                 continue
             if block is None:
-                self._blocks[grant.key] = BlockRecord(grant.num_bytes, grant.offset, False, pending.position)
+                block = BlockRecord(grant.num_bytes, grant.offset, False, pending.position, tenant=pending.tenant)
+                self.blocks.add(grant.key, block)
                 self.events.append(BLOCK_STORED, grant.key)
                 num_new += 1
-            else:  # present only on SSD: this copy becomes its DRAM copy
+            else:  # present only on SSD: this copy becomes its DRAM copy, its owner's
                 block.dram_offset = grant.offset
+                self.tenants.add(pending.tenant, TIER_DRAM, -grant.num_bytes)
+                self.tenants.add(block.tenant, TIER_DRAM, grant.num_bytes)
                 self.num_duplicates += 1
             self.policy.on_insert(grant.key, now, pending.position)
+            self.blocks[grant.key].last_used = now
         return num_new, len(handle_ids) - num_new
 
     def abort(self, handle_ids: Sequence[int]) -> int:
@@ -111,6 +128,7 @@ class StoreCore:
             pending = self._pending.pop(handle_id, None)
             if pending is not None:
                 self.allocator.free(pending.grant.offset, pending.grant.num_bytes)
+                self.tenants.add(pending.tenant, TIER_DRAM, -pending.grant.num_bytes)
                 num_freed += 1
         return num_freed
 
@@ -119,7 +137,7 @@ class StoreCore:
 
         None when the key is no longer SSD-only (already promoted, or gone) or DRAM has no evictable room.
         """
-        block = self._blocks.get(key)
+        block = self.blocks.get(key)
         if block is None or block.dram_offset is not None:
             return None
         try:
@@ -127,6 +145,8 @@ class StoreCore:
         except StoreFull:
             return None
         block.dram_offset = offset
+        block.last_used = now
+        self.tenants.add(block.tenant, TIER_DRAM, block.num_bytes)
         self.policy.on_insert(key, now, block.position)
         return offset
 
@@ -138,28 +158,23 @@ class StoreCore:
             raise ValueError(f"lease_ms must be >= 0, got {lease_ms}")
         prefix: list[bytes] = []
         for key in keys:
-            if key not in self._blocks:
+            if key not in self.blocks:
                 break
             prefix.append(key)
         self.num_hits += len(prefix)
         self.num_misses += len(keys) - len(prefix)
         for key in prefix:
-            self.policy.on_access(key, now, self._blocks[key].position)
+            self.policy.on_access(key, now, self.blocks[key].position)
+            self.blocks[key].last_used = now
         lease_id = self._open_read_lease(prefix, now + lease_ms / 1000.0, now) if prefix and lease_ms else 0
         return [self._location(key) for key in prefix], lease_id
 
     def release(self, lease_ids: Sequence[int]) -> int:
         """End read leases; ids no longer held are ignored. Returns the number ended."""
-        num_released = 0
-        for lease_id in lease_ids:
-            lease = self._leases.pop(lease_id, None)
-            if lease is not None:
-                self._unread(lease.keys)
-                num_released += 1
-        return num_released
+        return self.blocks.release(lease_ids)
 
     def location(self, key: bytes) -> Location | None:
-        return self._location(key) if key in self._blocks else None
+        return self.blocks.location(key) if key in self.blocks else None
 
     # ---- pins ---------------------------------------------------------------------------------------------
     def pin(self, keys: Sequence[bytes], ttl_ms: int, now: float) -> list[bytes]:
@@ -167,26 +182,24 @@ class StoreCore:
         check_keys(keys)
         if ttl_ms <= 0:
             raise ValueError(f"ttl_ms must be positive, got {ttl_ms}")
-        until = now + ttl_ms / 1000.0
-        for key in keys:
-            block = self._blocks.get(key)
-            if block is not None:
-                block.pinned_until = max(block.pinned_until, until)
-        return [key for key in keys if key not in self._blocks]
+        return self.blocks.pin(keys, now + ttl_ms / 1000.0)
 
     def unpin(self, keys: Sequence[bytes]) -> int:
         check_keys(keys)
-        num_unpinned = 0
-        for key in keys:
-            block = self._blocks.get(key)
-            if block is not None and block.pinned_until:
-                block.pinned_until = 0.0
-                num_unpinned += 1
-        return num_unpinned
+        return self.blocks.unpin(keys)
 
     def is_pinned(self, key: bytes, now: float) -> bool:
-        block = self._blocks.get(key)
-        return block is not None and block.pinned_until > now
+        return self.blocks.is_pinned(key, now)
+
+    def mark_spare(self, spare_keys: Sequence[bytes], kept_keys: Sequence[bytes]) -> int:
+        """Spare copies are evicted before every kept block; returns how many keys are in DRAM (the rest, gone
+        since the conductor decided or only on SSD, are ignored)."""
+        check_keys(spare_keys)
+        check_keys(kept_keys)
+        if set(spare_keys) & set(kept_keys):
+            raise ValueError("a key cannot be both spare and kept in one call")
+        num_marked = sum(1 for key in spare_keys if self.policy.mark_spare(key, True))
+        return num_marked + sum(1 for key in kept_keys if self.policy.mark_spare(key, False))
 
     # ---- expiry and eviction ------------------------------------------------------------------------------
     def expire(self, now: float) -> int:
@@ -196,10 +209,7 @@ class StoreCore:
             logger.warning("write handle %d for key %s expired before commit; space reclaimed",
                            handle_id, self._pending[handle_id].grant.key.hex())
         self.abort(dead_handles)
-        self.release([lease_id for lease_id, lease in self._leases.items() if lease.deadline <= now])
-        for block in self._blocks.values():
-            if block.pinned_until and block.pinned_until <= now:
-                block.pinned_until = 0.0
+        self.blocks.expire(now)
         self.num_expired += len(dead_handles)
         return len(dead_handles)
 
@@ -222,93 +232,108 @@ class StoreCore:
 
     def ssd_dropped(self, key: bytes) -> None:
         """The SSD tier no longer holds `key` (its own eviction, a failed write or a corrupt file)."""
-        block = self._blocks.get(key)
+        block = self.blocks.get(key)
         if block is None or not block.is_on_ssd:
             return
         block.is_on_ssd = False
+        self.tenants.add(block.tenant, TIER_SSD, -block.num_bytes)
         if block.dram_offset is None:
             self._remove_block(key)
 
     def ssd_loaded(self, key: bytes, num_bytes: int) -> None:
         """A block found on SSD at start-up (after a restart) becomes present."""
-        if key not in self._blocks:
-            self._blocks[key] = BlockRecord(num_bytes, None, True, 0)
+        if key not in self.blocks:
+            self.blocks.add(key, BlockRecord(num_bytes, None, True, 0))
+            self.tenants.add("", TIER_SSD, num_bytes)
             self.events.append(BLOCK_STORED, key)
 
+    def dram_blocks_by_recency(self) -> list[Location]:
+        """Committed blocks in DRAM that SSD does not hold yet, most recently used first."""
+        return self.blocks.dram_by_recency()
+
     def is_ssd_evictable(self, key: Hashable) -> bool:
-        block = self._blocks.get(key)  # type: ignore[call-overload]
+        block = self.blocks.get(key)  # type: ignore[arg-type]
         return block is None or (block.num_readers == 0 and block.pinned_until == 0.0)
 
     # ---- inspection ---------------------------------------------------------------------------------------
     def dump(self) -> tuple[int, list[bytes]]:
         """(sequence number of the last event, every present key), consistent with each other."""
-        return self.events.last_seq, list(self._blocks)
+        return self.events.last_seq, list(self.blocks)
 
     def events_after(self, seq: int, max_count: int = 4096) -> list[StoreEvent] | None:
         return self.events.events_after(seq, max_count)
 
     def stats(self) -> dict[str, int]:
-        num_dram = sum(1 for b in self._blocks.values() if b.dram_offset is not None)
+        num_dram = sum(1 for b in self.blocks.records() if b.dram_offset is not None)
         return {
             "capacity_bytes": self.allocator.capacity_bytes,
             "used_bytes": self.allocator.num_used_bytes,
-            "num_blocks": len(self._blocks),
+            "num_blocks": len(self.blocks),
             "num_dram_blocks": num_dram,
-            "num_ssd_blocks": sum(1 for b in self._blocks.values() if b.is_on_ssd),
+            "num_ssd_blocks": sum(1 for b in self.blocks.records() if b.is_on_ssd),
             "num_pending": len(self._pending),
-            "num_read_leases": len(self._leases),
-            "num_pinned": sum(1 for b in self._blocks.values() if b.pinned_until),
+            "num_read_leases": self.blocks.num_leases,
+            "num_pinned": sum(1 for b in self.blocks.records() if b.pinned_until),
             "num_hits": self.num_hits,
             "num_misses": self.num_misses,
             "num_evicted": self.num_evicted,
             "num_duplicates": self.num_duplicates,
+            "num_spare_blocks": self.policy.num_spare,
             "num_expired": self.num_expired,
             "last_seq": self.events.last_seq,
         }
 
     # ---- internals ----------------------------------------------------------------------------------------
     def _reserve(self, absent: list[tuple[int, bytes]], num_bytes: int, deadline: float, now: float,
-                 protected: set[bytes]) -> list[Grant]:
+                 protected: set[bytes], tenant: str = "") -> list[Grant]:
         grants: list[Grant] = []
         try:
             for position, key in absent:
-                offset = self._make_room_and_allocate(num_bytes, protected, now)
+                offset = self._make_room_and_allocate(num_bytes, protected, now, tenant)
+                self.tenants.add(tenant, TIER_DRAM, num_bytes)  # counted from the grant: writes in flight too
                 grant = Grant(next(self._ids), key, offset, num_bytes)
-                self._pending[grant.handle_id] = PendingWrite(grant, deadline, position)
+                self._pending[grant.handle_id] = PendingWrite(grant, deadline, position, tenant)
                 grants.append(grant)
         except StoreFull:
             self.abort([grant.handle_id for grant in grants])
             raise
         return grants
 
-    def _make_room_and_allocate(self, num_bytes: int, protected: set[bytes], now: float) -> int:
+    def _make_room_and_allocate(self, num_bytes: int, protected: set[bytes], now: float, tenant: str = "") -> int:
+        capacity = self.allocator.capacity_bytes
+        while self.tenants.is_over_share(tenant, num_bytes, capacity):  # its own blocks go first, room or not
+            if not self._evict_one(protected, now, self.tenants.may_evict(tenant, num_bytes, capacity)):
+                raise StoreFull(f"tenant {tenant} is at its pool_share of this store and holds nothing evictable")
         while True:
             try:
                 return self.allocator.allocate(num_bytes)
             except OutOfSpace:
-                if not self._evict_one(protected, now):
+                if not self._evict_one(protected, now, self.tenants.may_evict(tenant, num_bytes, capacity)):
                     raise StoreFull(
                         f"store full: {num_bytes} bytes do not fit ({self.allocator.num_used_bytes} of "
-                        f"{self.allocator.capacity_bytes} used, nothing evictable left)"
+                        f"{capacity} used, nothing evictable left)"
                     ) from None
 
-    def _evict_one(self, protected: set[bytes], now: float) -> int:
-        """Evict one DRAM block (unpinned first; pinned ones only when they can go to SSD); bytes freed."""
+    def _evict_one(self, protected: set[bytes], now: float, may_evict: Callable[[str], bool] = _anyone) -> int:
+        """Evict one DRAM block (unpinned first; pinned ones only when they can go to SSD); bytes freed.
+        `may_evict`: whose blocks this allocation may take (tenant shares)."""
         def is_evictable(key: Hashable) -> bool:
-            block = self._blocks[key]  # type: ignore[index]
-            return block.num_readers == 0 and key not in protected and block.pinned_until <= now
+            block = self.blocks[key]  # type: ignore[index]
+            return (block.num_readers == 0 and key not in protected and block.pinned_until <= now
+                    and may_evict(block.tenant))
 
         victim = next(iter(self.policy.victims(is_evictable)), None)
         if victim is None and self.config.has_ssd:
             def is_movable(key: Hashable) -> bool:
-                return self._blocks[key].num_readers == 0 and key not in protected  # type: ignore[index]
+                block = self.blocks[key]  # type: ignore[index]
+                return block.num_readers == 0 and key not in protected and may_evict(block.tenant)
             victim = next(iter(self.policy.victims(is_movable)), None)
         if victim is None:
             return 0
         return self._evict(victim)  # type: ignore[arg-type]
 
     def _evict(self, key: bytes) -> int:
-        block = self._blocks[key]
+        block = self.blocks[key]
         assert block.dram_offset is not None and block.num_readers == 0
         self.policy.on_remove(key)
         is_to_ssd = self.config.has_ssd and not block.is_on_ssd
@@ -316,38 +341,23 @@ class StoreCore:
         self.allocator.free(block.dram_offset, block.num_bytes)
         block.dram_offset = None
         self.num_evicted += 1
+        self.tenants.add(block.tenant, TIER_DRAM, -block.num_bytes)
         if self.config.has_ssd:
+            if not block.is_on_ssd:
+                self.tenants.add(block.tenant, TIER_SSD, block.num_bytes)
             block.is_on_ssd = True  # optimistic: the service writes it behind; failures come back as ssd_dropped
         else:
             self._remove_block(key)
         return self.allocator.extent_bytes(block.num_bytes)
 
     def _remove_block(self, key: bytes) -> None:
-        block = self._blocks.pop(key)
-        assert block.num_readers == 0 or block.dram_offset is None
-        if block.pinned_until:
-            logger.warning("pinned block %s dropped: no tier holds it any more", key.hex())
-        if block.num_readers:
-            self._drop_from_leases(key)
+        self.blocks.remove(key)
         self.events.append(BLOCK_REMOVED, key)
-
-    def _drop_from_leases(self, key: bytes) -> None:
-        for lease in self._leases.values():
-            if key in lease.keys:
-                lease.keys.remove(key)
 
     def _open_read_lease(self, keys: list[bytes], deadline: float, now: float) -> int:
         lease_id = next(self._ids)
-        self._leases[lease_id] = ReadLease(list(keys), deadline)
-        for key in keys:
-            self._blocks[key].num_readers += 1
+        self.blocks.open_lease(lease_id, keys, deadline, now)
         return lease_id
-
-    def _unread(self, keys: list[bytes]) -> None:
-        for key in keys:
-            block = self._blocks.get(key)
-            if block is not None:
-                block.num_readers -= 1
 
     def _check_handles(self, handle_ids: Sequence[int]) -> None:
         if len(set(handle_ids)) != len(handle_ids):
@@ -360,7 +370,4 @@ class StoreCore:
                 )
 
     def _location(self, key: bytes) -> Location:
-        block = self._blocks[key]
-        if block.dram_offset is not None:
-            return Location(key, TIER_DRAM, block.dram_offset, block.num_bytes)
-        return Location(key, TIER_SSD, -1, block.num_bytes)
+        return self.blocks.location(key)

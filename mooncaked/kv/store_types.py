@@ -54,6 +54,7 @@ class PendingWrite:
     grant: Grant
     deadline: float
     position: int
+    tenant: str = ""  # the writer's tenant: it will own the block
 
 
 @dataclass
@@ -66,6 +67,8 @@ class BlockRecord:
     position: int
     num_readers: int = 0
     pinned_until: float = 0.0
+    last_used: float = 0.0  # `now` of its commit, promotion, last lookup or read lease
+    tenant: str = ""  # the tenant whose write made it ("" for none: shared, or found on SSD at start)
 
 
 @dataclass
@@ -85,6 +88,7 @@ class StoreConfig:
     low_watermark: float = 0.85
     has_ssd: bool = False
     max_events: int = 1 << 16
+    first_id: int = 1  # of handles and leases: a restarted store starts elsewhere, so no old id names a new one
 
 
 def check_keys(keys: Sequence[bytes]) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from mooncaked.errors import StartupError
 from mooncaked.model.config import ModelArgs, RopeScaling
 
 # model_type -> the transformers class whose checkpoints we load
@@ -22,11 +23,11 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
 _SUPPORTED = ", ".join(f"{t} ({a})" for t, a in ARCHITECTURES.items())
 
 
-class ConfigError(ValueError):
+class ConfigError(StartupError, ValueError):
     """config.json has a missing, mistyped or out-of-range field; the message names it."""
 
 
-class UnsupportedModel(ValueError):
+class UnsupportedModel(StartupError, ValueError):
     """The checkpoint's architecture or one of its options is outside what mooncaked runs; the message names it."""
 
 

@@ -20,6 +20,10 @@ Sources:
    both, `plain` packs nothing.
 5. Cache the LoadedModel per process and (source, dtype, device, seed, packing, cache directory): the model
    holds no per-request state, so every runner in the process can share it.
+
+Every failure of `load_model` or `load_frontend` is a StartupError (errors.py: a restart cannot fix it): the
+named ones (UnsupportedModel, CheckpointError, ModelDoesNotFit, ...) as they are, anything else (a missing file,
+a malformed header) as a `ModelLoadError` naming the source.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import Any
 
 import torch
 
+from mooncaked.errors import StartupError
 from mooncaked.model.chat_template import CHATML_TEMPLATE, ChatTemplate
 from mooncaked.model.config import ModelArgs, random_preset
 from mooncaked.model.build import WeightSource, build_model
@@ -59,6 +64,10 @@ SMOLLM2_MODEL_ID = "smollm2-135m"
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+class ModelLoadError(StartupError, ValueError):
+    """The model source cannot be loaded; the message names the source and the cause."""
 
 
 @dataclass(frozen=True)
@@ -122,11 +131,17 @@ def load_model(source: str, *, dtype: str | torch.dtype = "auto", device: str | 
     weight_cache_dir: on CPU, hold the weights in a file there (converted once per host, then memory-mapped
     read-only by every process: model.weight_file); None: in this process's private memory.
     """
-    torch_device = torch.device(device)
-    torch_dtype = resolve_dtype(dtype, torch_device)
-    is_packable = cpu_packed_gemm and torch_device.type == "cpu" and torch_dtype == torch.float32
-    cache_dir = str(weight_cache_dir) if weight_cache_dir is not None and torch_device.type == "cpu" else None
-    return _load_cached(source, torch_dtype, str(torch_device), seed, packing if is_packable else "plain", cache_dir)
+    try:
+        torch_device = torch.device(device)
+        torch_dtype = resolve_dtype(dtype, torch_device)
+        is_packable = cpu_packed_gemm and torch_device.type == "cpu" and torch_dtype == torch.float32
+        cache_dir = str(weight_cache_dir) if weight_cache_dir is not None and torch_device.type == "cpu" else None
+        return _load_cached(source, torch_dtype, str(torch_device), seed, packing if is_packable else "plain",
+                            cache_dir)
+    except StartupError:
+        raise  # already names what is wrong (an unsupported model, a damaged checkpoint, too little memory)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load model {source!r}: {exc}") from exc
 
 
 def clear_model_cache() -> None:
@@ -147,6 +162,15 @@ def model_args(source: str) -> ModelArgs:
 
 def load_frontend(source: str) -> ModelFrontendInfo:
     """Hyperparameters, tokenizer, chat template and EOS ids of `source`, reading no weights."""
+    try:
+        return _load_frontend(source)
+    except StartupError:
+        raise  # already names what is wrong (an unsupported model, a damaged checkpoint, too little memory)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load model {source!r}: {exc}") from exc
+
+
+def _load_frontend(source: str) -> ModelFrontendInfo:
     if source == EMBEDDED_SMOLLM2 or source.endswith(".gguf"):
         path = embedded_smollm2_path() if source == EMBEDDED_SMOLLM2 else Path(source)
         model_id = SMOLLM2_MODEL_ID if source == EMBEDDED_SMOLLM2 else path.stem

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from mooncaked.errors import StartupError
 from mooncaked.model.config import ModelArgs
 from mooncaked.model.packed_gemm import Packing
 from mooncaked.model.weight_names import hf_tensor_shapes, num_parameters
@@ -24,7 +25,7 @@ GIB = 1 << 30
 _MEMINFO = Path("/proc/meminfo")
 
 
-class ModelDoesNotFit(ValueError):
+class ModelDoesNotFit(StartupError, ValueError):
     """The weights need more memory than the device has free; the message gives both figures."""
 
 

@@ -14,10 +14,11 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from mooncaked.errors import StartupError
 from mooncaked.model.config import ModelArgs
 
 
-class CheckpointError(ValueError):
+class CheckpointError(StartupError, ValueError):
     """A checkpoint's tensors do not match its config (missing, unexpected or mis-shaped); the message names one."""
 
 

@@ -4,8 +4,10 @@
 2. To open an endpoint it sends `connect` with its QpInfo and the target NIC; the peer creates, connects and
    keeps its own queue pair and answers with its QpInfo. `disconnect` closes the peer's side (eviction, error).
 3. Messages are versioned JSON objects. A `ControlChannel` carries them: over the peer's data listener
-   (`TcpControlChannel`, an OP_CONTROL frame) or over the RPC layer (`AsyncControlChannel` wrapping a
-   `QpExchange` coroutine function, called from transport threads).
+   (`TcpControlChannel`, an OP_CONTROL frame after the data handshake, so queue-pair information and remote keys
+   go only to a peer that proved the cluster secret when one is configured) or over the RPC layer
+   (`AsyncControlChannel` wrapping a `QpExchange` coroutine function, called from transport threads; RPC
+   connections run their own handshake).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from mooncaked.rdma import wire
+from mooncaked.rdma.handshake import DataCredentials, client_handshake
 from mooncaked.rdma.types import split_endpoint
 from mooncaked.rdma.verbs import QpInfo
 
@@ -130,10 +133,16 @@ class ControlChannel(Protocol):
 
 
 class TcpControlChannel:
-    """Sends each control message as one OP_CONTROL frame on a short-lived connection to the peer's listener."""
+    """Sends each control message as one OP_CONTROL frame on a short-lived, authenticated connection to the
+    peer's listener."""
+
+    def __init__(self, credentials: DataCredentials) -> None:
+        self._credentials = credentials
 
     def exchange(self, endpoint: str, payload: bytes, timeout_s: float) -> bytes:
         with socket.create_connection(split_endpoint(endpoint), timeout=timeout_s) as sock:
+            wire.set_io_timeout(sock, timeout_s)
+            client_handshake(sock, self._credentials, endpoint)
             sock.sendall(wire.REQUEST.pack(wire.WIRE_VERSION, wire.OP_CONTROL, 0, 0, 1, 0, len(payload)) + payload)
             status, message = wire.recv_reply(sock, 1)
         if status != wire.STATUS_OK:

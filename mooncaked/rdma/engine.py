@@ -1,7 +1,11 @@
 """The transfer engine (the paper's Listing 1): register memory, submit batches, poll or await them.
 
-1. `start` binds the data listener (its "host:port" is `endpoint`) and captures the event loop.
-2. `register(name, buffer, location)` makes memory addressable as `SegmentRef(endpoint, name)`.
+1. `start` binds the data listener (its "host:port" is `endpoint`) and captures the event loop. Every data
+   connection, both ways, starts with the handshake of handshake.py under this engine's `cluster_id` and, when
+   given, its `secret`: a peer without them reads and writes nothing here.
+2. `register(name, buffer, location)` makes memory addressable as `SegmentRef(endpoint, name)`;
+   `register_device(name, address, num_bytes, "cuda:N")` does so for GPU memory when RDMA is active and every
+   NIC can map it (GPUDirect), else raises: the caller then stages through pinned host memory.
 3. `submit(requests)` validates every request (bounds of local and same-host segments, known segments, endpoint
    syntax), then routes each one: `local` (memcpy) when the remote segment is on this host, else `tcp` (or
    `rdma` when enabled and available), cut into slices spread over the peer's paths. It returns a batch id.
@@ -28,6 +32,7 @@ from typing import Any
 from mooncaked.rdma.batch import BatchTable
 from mooncaked.rdma.control import DescribeReply, DescribeRequest, QpExchange, decode_control, encode_control
 from mooncaked.rdma.dispatch import Piece, run_bytes_for
+from mooncaked.rdma.handshake import DataCredentials
 from mooncaked.rdma.local import LocalTransport
 from mooncaked.rdma.options import TransferOptions
 from mooncaked.rdma.segments import DEFAULT_LOCATION, SegmentTable
@@ -82,9 +87,12 @@ class TransferEngine:
         rdma_slices_per_run: int = 16,
         verbs: VerbsProvider | None = None,
         qp_exchange: QpExchange | None = None,
+        cluster_id: str = "",
+        secret: bytes | None = None,
     ) -> None:
         """Options as in TransferOptions; `verbs` replaces pyverbs (tests pass a fake); `qp_exchange` carries
-        RDMA control messages over RPC instead of this engine's data listener."""
+        RDMA control messages over RPC instead of this engine's data listener; `cluster_id` and `secret` are
+        what the data handshake checks (peers must have the same)."""
         self.options = TransferOptions(
             transports=tuple(transports), slice_bytes=slice_bytes, num_connections_per_peer=num_connections_per_peer,
             max_retries=max_retries, path_cooldown_s=path_cooldown_s, topology=topology,
@@ -100,10 +108,12 @@ class TransferEngine:
         self._verbs = verbs
         self._qp_exchange = qp_exchange
         self._port = port
+        self._credentials = DataCredentials(cluster_id, secret)
         self._segments = SegmentTable()
         self._batches = BatchTable()
         self._server = DataServer(
             host, port, self._segments, lambda payload: self.handle_control(payload).decode(),
+            credentials=self._credentials, handshake_timeout_s=connect_timeout_s,
             send_buffer_bytes=tcp_send_buffer_bytes,
         )
         self._links: dict[str, TcpPeerLink] = {}
@@ -128,6 +138,7 @@ class TransferEngine:
                     self.options, endpoint=self.endpoint, segments=self._segments, loop=self._loop,
                     verbs=self._verbs, qp_exchange=self._qp_exchange,
                     fallback=self._tcp_fallback if "tcp" in self.transports else None,
+                    credentials=self._credentials,
                 )
             except RdmaUnavailable as exc:
                 self.rdma_unavailable_reason = str(exc)
@@ -166,6 +177,21 @@ class TransferEngine:
                 raise
         return SegmentRef(endpoint, name)
 
+    def register_device(self, name: str, address: int, num_bytes: int, location: str, owner: Any) -> SegmentRef:
+        """GPU memory as a segment that only RDMA moves; ValueError without RDMA, OSError when a NIC cannot map
+        it (no GPUDirect)."""
+        if self._rdma is None:
+            raise ValueError(f"GPU memory moves only by RDMA, which is not active here "
+                             f"({self.rdma_unavailable_reason or 'no NIC'})")
+        endpoint = self.endpoint
+        segment = self._segments.register_device(name, address, num_bytes, location, owner)
+        try:
+            self._rdma.register_segment(segment)
+        except OSError:
+            self._segments.unregister(name)
+            raise
+        return SegmentRef(endpoint, name)
+
     def unregister(self, name: str) -> None:
         self._segments.unregister(name)
         if self._rdma is not None:
@@ -186,6 +212,11 @@ class TransferEngine:
 
     def segment_names(self) -> list[str]:
         return self._segments.names()
+
+    def segment_location(self, name: str) -> str | None:
+        """Where a registered segment's memory is ("cpu:N", "cuda:N"); None when `name` is not registered."""
+        segment = self._segments.get(name)
+        return None if segment is None else segment.location
 
     def path_states(self, endpoint: str) -> dict[str, bool]:
         """Every path this engine has used towards `endpoint`, and whether it is usable now (not cooling down)."""
@@ -265,7 +296,12 @@ class TransferEngine:
             )
         try:
             split_endpoint(request.remote.endpoint)
-            local_view = self._segments.view(request.local_segment, request.local_offset, request.length)
+            is_device = self._is_device(request.local_segment)
+            if is_device and (self._rdma is None or self._is_same_host(request.remote)):
+                raise ValueError(f"segment {request.local_segment!r} is GPU memory: only RDMA to another host "
+                                 "moves it")
+            local_view = self._segments.view(request.local_segment, request.local_offset, request.length,
+                                             allow_device=is_device)
             same_host_view = None
             if self._is_same_host(request.remote):
                 same_host_view = self._segments.view(request.remote.name, request.remote_offset, request.length)
@@ -286,9 +322,18 @@ class TransferEngine:
         host, _ = split_endpoint(remote.endpoint)
         return host == self.host and self._segments.get(remote.name) is not None
 
+    def _is_device(self, segment_name: str) -> bool:
+        segment = self._segments.get(segment_name)
+        return segment is not None and segment.is_device
+
     def _tcp_fallback(self, endpoint: str, pieces: list[Piece]) -> None:
-        """A peer without RDMA: its pieces go over tcp (called from the rdma intake thread)."""
-        self._link(endpoint).queue.put(pieces)
+        """A peer without RDMA: its pieces go over tcp (called from the rdma intake thread); GPU memory cannot."""
+        device = [piece for piece in pieces if self._is_device(piece.local_segment)]
+        for piece in device:
+            piece.batch.fail(f"request {piece.request_index}: {endpoint} has no RDMA, and segment "
+                             f"{piece.local_segment!r} is GPU memory (stage it through host memory)")
+        if len(device) < len(pieces):
+            self._link(endpoint).queue.put([piece for piece in pieces if piece not in device])
 
     def _link(self, endpoint: str) -> TcpPeerLink:
         with self._links_lock:
@@ -297,7 +342,7 @@ class TransferEngine:
     def _link_locked(self, endpoint: str) -> TcpPeerLink:
         link = self._links.get(endpoint)
         if link is None:
-            link = TcpPeerLink(endpoint, self.options)
+            link = TcpPeerLink(endpoint, self.options, self._credentials)
             link.start()
             self._links[endpoint] = link
         return link

@@ -79,7 +79,8 @@ class PyverbsNic:
         gid = str(self._context.query_gid(port_num, gid_index))
         self.gid = "" if gid.strip(":0") == "" else gid
 
-    def register(self, view: memoryview) -> PyverbsRegion:
+    def register(self, view: memoryview, is_device: bool = False) -> PyverbsRegion:
+        """Device memory registers the same way (by address) where nvidia-peermem lets the NIC map it."""
         import pyverbs.enums as e
         from pyverbs.mr import MR
 
@@ -88,7 +89,8 @@ class PyverbsNic:
         try:
             mr = MR(self._pd, view.nbytes, access, address=addr)
         except Exception as exc:
-            raise OSError(f"{self.name}: memory registration of {view.nbytes} bytes failed: {exc}") from exc
+            where = "GPU memory (GPUDirect: is nvidia-peermem loaded?)" if is_device else "memory"
+            raise OSError(f"{self.name}: registration of {view.nbytes} bytes of {where} failed: {exc}") from exc
         return PyverbsRegion(mr, addr, view.nbytes, view)
 
     def create_qp(self, max_send_wr: int) -> PyverbsQueuePair:

@@ -1,8 +1,8 @@
 """RDMA transport: NICs, memory regions, the endpoint pool, per-peer links, and the target side of `connect`.
 
 1. Construction opens every NIC of the topology through the verbs provider (RdmaUnavailable when none opens).
-2. `register_segment` registers the segment's memory on every NIC (one memory region each); `unregister_segment`
-   deregisters them.
+2. `register_segment` registers the segment's memory on every NIC (one memory region each; all or none: GPU
+   memory where a NIC cannot map it fails as a whole); `unregister_segment` deregisters them.
 3. `submit(peer, pieces)` hands pieces to the peer's link (created on first use), which moves them by RDMA.
 4. `handle_control` answers peers: `describe` (NICs, topology, segment regions), `connect` (build, connect and
    keep a passive queue pair), `disconnect` (close it).
@@ -34,6 +34,7 @@ from mooncaked.rdma.control import (
 )
 from mooncaked.rdma.dispatch import Piece
 from mooncaked.rdma.endpoints import Endpoint, EndpointKey, EndpointPool
+from mooncaked.rdma.handshake import DataCredentials
 from mooncaked.rdma.options import TransferOptions
 from mooncaked.rdma.paths import PathHealth
 from mooncaked.rdma.pyverbs_provider import PyverbsProvider
@@ -68,6 +69,7 @@ class RdmaTransport:
     def open(
         cls, options: TransferOptions, *, endpoint: str, segments: SegmentTable, loop: asyncio.AbstractEventLoop,
         verbs: VerbsProvider | None, qp_exchange: QpExchange | None, fallback: Fallback | None,
+        credentials: DataCredentials,
     ) -> RdmaTransport:
         """Pick the verbs provider (pyverbs unless given), the topology (sysfs unless given) and the control
         channel (RPC when `qp_exchange` is given, else the peer's data listener); register existing segments."""
@@ -75,7 +77,7 @@ class RdmaTransport:
         topology = options.topology if options.topology is not None else discover_topology(options.sysfs_root)
         if not topology.nics:
             raise RdmaUnavailable(f"no RDMA NICs in the topology (sysfs root {options.sysfs_root})")
-        control: ControlChannel = TcpControlChannel()
+        control: ControlChannel = TcpControlChannel(credentials)
         if qp_exchange is not None:
             control = AsyncControlChannel(qp_exchange, loop)
         transport = cls(
@@ -93,7 +95,14 @@ class RdmaTransport:
         return list(self._nics)
 
     def register_segment(self, segment: Segment) -> None:
-        regions = {(segment.name, name): nic.register(segment.view) for name, nic in self._nics.items()}
+        regions: dict[tuple[str, str], VerbsMemoryRegion] = {}
+        try:
+            for name, nic in self._nics.items():
+                regions[(segment.name, name)] = nic.register(segment.view, is_device=segment.is_device)
+        except OSError:
+            for region in regions.values():
+                region.close()
+            raise
         with self._lock:
             self._regions.update(regions)
 

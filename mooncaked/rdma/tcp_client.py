@@ -1,11 +1,13 @@
 """TCP transport, client side: several data connections to one peer, each driven by its own thread.
 
-1. `TcpPeerLink.start` starts one worker thread per connection (path "tcp:<endpoint>#<i>"); sockets connect lazily.
+1. `TcpPeerLink.start` starts one worker thread per connection (path "tcp:<endpoint>#<i>"); sockets connect
+   lazily and run the client side of the handshake (handshake.py) before their first frame.
 2. A worker takes a run of slices from the peer's queue and sends one frame: WRITE sends the header and the
    local segment's memoryview in one `sendmsg`; READ receives the payload with `recv_into` straight into the
    local segment. No intermediate copies. Up to two frames are outstanding per connection.
 3. A socket error closes that connection and hands the run back for another path; a refusal from the server
-   fails the batch. `stop` closes the queue, shuts sockets down and joins the threads within a deadline.
+   (of a frame, or of the handshake) fails the batch. `stop` closes the queue, shuts sockets down and joins the
+   threads within a deadline.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 
 from mooncaked.rdma import wire
 from mooncaked.rdma.dispatch import PeerQueue, Piece
+from mooncaked.rdma.handshake import DataCredentials, client_handshake
 from mooncaked.rdma.options import TransferOptions
 from mooncaked.rdma.paths import PathHealth
 from mooncaked.rdma.types import TransferOp, split_endpoint
@@ -33,8 +36,9 @@ InFlight = collections.deque[tuple[int, Piece]]  # (frame tag, piece), oldest fi
 class TcpPeerLink:
     """Owns one peer's PeerQueue, its connection sockets and their worker threads."""
 
-    def __init__(self, endpoint: str, options: TransferOptions) -> None:
+    def __init__(self, endpoint: str, options: TransferOptions, credentials: DataCredentials) -> None:
         self.endpoint = endpoint
+        self._credentials = credentials
         self._address = split_endpoint(endpoint)
         self.paths = [f"tcp:{endpoint}#{i}" for i in range(options.num_connections_per_peer)]
         health = PathHealth(options.path_failure_threshold, options.path_cooldown_s)
@@ -87,14 +91,16 @@ class TcpPeerLink:
                 _send_frame(sock, piece, in_flight[-1][0])
                 if len(in_flight) >= _PIPELINE_DEPTH:
                     self._complete_oldest(sock, path, in_flight)
+            except wire.RemoteRejected as exc:  # the handshake was refused: another path cannot help
+                self._close(path, sock)
+                sock = None
+                for failed_piece in _take_failed(in_flight, piece):
+                    self.queue.reject(failed_piece, str(exc))
             except OSError as exc:
                 self._close(path, sock)
                 sock = None
-                failed = [p for _, p in in_flight]
-                failed += [piece] if piece is not None and piece not in failed else []
-                for failed_piece in failed:
+                for failed_piece in _take_failed(in_flight, piece):
                     self.queue.retry(path, failed_piece, f"{path}: {type(exc).__name__}: {exc}")
-                in_flight.clear()
         self._close(path, sock)
 
     def _complete_oldest(self, sock: socket.socket | None, path: str, in_flight: InFlight) -> None:
@@ -120,6 +126,11 @@ class TcpPeerLink:
             self._sockets[path] = sock
         if self._is_stopping.is_set():
             sock.shutdown(socket.SHUT_RDWR)
+        try:
+            client_handshake(sock, self._credentials, self.endpoint)
+        except BaseException:
+            self._close(path, sock)
+            raise
         return sock
 
     def _close(self, path: str, sock: socket.socket | None) -> None:
@@ -127,6 +138,14 @@ class TcpPeerLink:
             self._sockets.pop(path, None)
         if sock is not None:
             sock.close()
+
+
+def _take_failed(in_flight: InFlight, piece: Piece | None) -> list[Piece]:
+    """Every piece in flight on a failed connection, and the one being sent; empties `in_flight`."""
+    failed = [p for _, p in in_flight]
+    failed += [piece] if piece is not None and piece not in failed else []
+    in_flight.clear()
+    return failed
 
 
 def _send_frame(sock: socket.socket, piece: Piece, tag: int) -> None:

@@ -8,6 +8,8 @@
 3. `Topology.from_config` takes the same matrix from config, as {"cpu:0": {"preferred": [...], "secondary": [...]}}
    or Mooncake's {"cpu:0": [[preferred...], [secondary...]]}; `to_config` writes the first form.
 4. Path choice ranks a (local NIC, remote NIC) pair by `tier` on both ends (0 = preferred, 1 = secondary).
+5. Memory placement asks the same tree where things are: `nic_numa_node` (a store binds its pool there by
+   default) and `gpu_numa_node` (where a GPU's pinned staging buffers belong).
 """
 
 from __future__ import annotations
@@ -97,6 +99,19 @@ def discover_topology(sysfs_root: str | os.PathLike[str] = "/sys") -> Topology:
             preferred = [nic.name for nic in nics if nic.numa_node == gpu.numa_node]
         matrix[f"cuda:{index}"] = _tiers(preferred, nics)
     return Topology(matrix)
+
+
+def nic_numa_node(sysfs_root: str | os.PathLike[str] = "/sys") -> int | None:
+    """The NUMA node of the first RDMA NIC (in name order) whose node is known; None without one."""
+    return next((nic.numa_node for nic in _discover_nics(Path(sysfs_root)) if nic.numa_node >= 0), None)
+
+
+def gpu_numa_node(index: int, sysfs_root: str | os.PathLike[str] = "/sys") -> int | None:
+    """The NUMA node of GPU `cuda:index` (PCI address order, as in the matrix); None when unknown."""
+    gpus = _discover_gpus(Path(sysfs_root))
+    if not 0 <= index < len(gpus) or gpus[index].numa_node < 0:
+        return None
+    return gpus[index].numa_node
 
 
 def _tiers(preferred: list[str], nics: list[PciDevice]) -> NicTiers:

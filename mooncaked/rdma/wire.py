@@ -1,5 +1,7 @@
-"""The data-connection wire format (TCP transport), version 1.
+"""The data-connection wire format (TCP transport), version 2.
 
+0. Every connection starts with the handshake of handshake.py (cluster id, and the cluster secret when one is
+   configured); only then are frames served.
 1. The client sends a request header, the segment name, and for WRITE `length` payload bytes.
 2. The server answers with a reply header and an error message (empty when ok); for an ok READ the
    `length` payload bytes follow the reply header.
@@ -22,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 OP_READ = 1
 OP_WRITE = 2
 OP_CONTROL = 3  # payload: a control message (e.g. RDMA queue-pair info); reply message carries the answer
@@ -30,6 +32,7 @@ OP_CONTROL = 3  # payload: a control message (e.g. RDMA queue-pair info); reply 
 STATUS_OK = 0
 STATUS_BAD_REQUEST = 1  # not retryable: unknown segment, out of bounds, bad version
 STATUS_INTERNAL = 2
+STATUS_UNAUTHENTICATED = 3  # the handshake failed: the connection closes after this reply
 
 REQUEST = struct.Struct("<BBHIQQQ")
 REPLY = struct.Struct("<QB3xI")
@@ -67,6 +70,13 @@ def set_io_timeout(sock: socket.socket, timeout_s: float) -> None:
     sock.settimeout(None)
     micros = max(int(timeout_s * 1e6), 1)  # a zero timeval would mean "no timeout"
     timeval = struct.pack("@ll", micros // 1_000_000, micros % 1_000_000)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+
+
+def clear_io_timeout(sock: socket.socket) -> None:
+    """Remove the kernel timeouts of `set_io_timeout`: calls wait as long as the peer takes."""
+    timeval = struct.pack("@ll", 0, 0)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
 
@@ -117,12 +127,22 @@ def recv_request_header(sock: socket.socket, scratch: bytearray) -> RequestHeade
 
 
 def send_reply(sock: socket.socket, tag: int, status: int, message: str = "") -> None:
-    message_bytes = message.encode()[:MAX_MESSAGE_BYTES]
-    sock.sendall(REPLY.pack(tag, status, len(message_bytes)) + message_bytes)
+    send_reply_bytes(sock, tag, status, message.encode())
+
+
+def send_reply_bytes(sock: socket.socket, tag: int, status: int, message: bytes) -> None:
+    message = message[:MAX_MESSAGE_BYTES]
+    sock.sendall(REPLY.pack(tag, status, len(message)) + message)
 
 
 def recv_reply(sock: socket.socket, expected_tag: int) -> tuple[int, str]:
     """(status, message) of the next reply; ConnectionError on a protocol violation."""
+    status, message = recv_reply_bytes(sock, expected_tag)
+    return status, message.decode(errors="replace")
+
+
+def recv_reply_bytes(sock: socket.socket, expected_tag: int) -> tuple[int, bytes]:
+    """(status, raw message) of the next reply; ConnectionError on a protocol violation."""
     head = bytearray(REPLY.size)
     recv_exactly(sock, memoryview(head))
     tag, status, message_len = REPLY.unpack(head)
@@ -130,11 +150,9 @@ def recv_reply(sock: socket.socket, expected_tag: int) -> tuple[int, str]:
         raise ConnectionError(f"reply for frame {tag} while waiting for frame {expected_tag}")
     if message_len > MAX_MESSAGE_BYTES:
         raise ConnectionError(f"reply message of {message_len} bytes exceeds {MAX_MESSAGE_BYTES}")
-    if message_len == 0:
-        return status, ""
     message = bytearray(message_len)
     recv_exactly(sock, memoryview(message))
-    return status, message.decode(errors="replace")
+    return status, bytes(message)
 
 
 def drain(sock: socket.socket, num_bytes: int, scratch: bytearray) -> None:

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from mooncaked import __version__
-from mooncaked.config import Config, InstanceConfig
+from mooncaked.config import Config, ConfigError, InstanceConfig
+from mooncaked.config_schema import ConfigIssue
 from mooncaked.rdma import TransferEngine
 from mooncaked.rdma.topology import Topology
 from mooncaked.rpc import (HEALTH, INFO, CallContext, HealthReply, HealthRequest, InfoReply, InfoRequest, Method,
@@ -34,7 +35,8 @@ def make_transfer_engine(config: Config, host: str, port: int) -> TransferEngine
         tcp_frame_bytes=transfer.tcp_frame_bytes, tcp_send_buffer_bytes=transfer.tcp_send_buffer_bytes,
         connect_timeout_s=config.rpc.connect_timeout_s,
         io_timeout_s=transfer.io_timeout_s, topology=topology, sysfs_root=transfer.sysfs_root,
-        max_endpoints=transfer.max_endpoints)
+        max_endpoints=transfer.max_endpoints, cluster_id=config.cluster.id,
+        secret=read_secret(config.cluster.secret_file))
 
 
 def read_secret(path: str | None) -> bytes | None:
@@ -44,9 +46,9 @@ def read_secret(path: str | None) -> bytes | None:
     try:
         secret = Path(path).read_bytes().strip()
     except OSError as exc:
-        raise RuntimeError(f"cannot read cluster.secret_file {path}: {exc.strerror}") from None
+        raise ConfigError([ConfigIssue("cluster.secret_file", f"cannot read {path}: {exc.strerror}")]) from None
     if not secret:
-        raise RuntimeError(f"cluster.secret_file {path} is empty")
+        raise ConfigError([ConfigIssue("cluster.secret_file", f"{path} is empty")])
     return secret
 
 

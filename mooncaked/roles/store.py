@@ -1,8 +1,9 @@
 """StoreRole: one host's KVCache pool behind RPC (DESIGN section 6).
 
 1. Build: the transfer engine (data endpoint on `instance.host:instance.data_port`), the StoreService (pool file
-   `<shm_dir>/mooncaked-<cluster>-<instance>`, SSD directory `<ssd_dir>/<instance>` when configured) and the RPC
-   endpoint (health, info, and the store methods of kv/messages.py).
+   `<shm_dir>/mooncaked-<cluster>-<instance>`, SSD directory `<ssd_dir>/<instance>` when configured), its named
+   context caches (StoreCaches) and the RPC endpoint (health, info, the methods of kv/messages.py and
+   kv/cache_messages.py).
 2. `start()`: engine, then service (pool, SSD index, segment, maintenance), then RPC: nothing is served before
    the pool exists.
 3. `stop()`: end event streams, then RPC (stop accepting, drain within runtime.drain_timeout_s, cancel the rest),
@@ -15,9 +16,12 @@ import logging
 import os
 
 from mooncaked.config import Config, InstanceConfig, StoreSection
+from mooncaked.kv.cache_service import StoreCaches
 from mooncaked.kv.service import StoreService, StoreServiceConfig
 from mooncaked.kv.shm_pool import pool_path
 from mooncaked.metrics import Metrics
+from mooncaked.numa import allowed_memory_nodes
+from mooncaked.rdma.topology import nic_numa_node
 from mooncaked.roles.base import RoleEndpoint, make_transfer_engine
 from mooncaked.roles.metrics_http import MetricsEndpoint
 
@@ -40,11 +44,25 @@ def service_config(config: Config, instance: InstanceConfig, section: StoreSecti
         max_events=section.max_events_buffered,
         maintenance_interval_s=section.maintenance_interval_s,
         stop_timeout_s=config.runtime.drain_timeout_s,
+        numa_node=pool_numa_node(section.numa_node, nic_numa_node(config.transfer.sysfs_root),
+                                 allowed_memory_nodes()),
     )
 
 
+def pool_numa_node(configured: int | None, nic_node: int | None, allowed: set[int]) -> int | None:
+    """Where the pool's pages go: `store.numa_node` when set (checked when the pool is made), else the NIC's
+    node when this process may allocate there, else nowhere in particular (None)."""
+    if configured is not None:
+        return configured
+    if nic_node is not None and nic_node not in allowed:
+        logger.warning("the RDMA NIC is on NUMA node %d, where this process may not allocate (allowed: %s): "
+                       "the store pool is left unbound", nic_node, sorted(allowed))
+        return None
+    return nic_node
+
+
 class StoreRole:
-    """Owns the store's transfer engine, service and RPC endpoint."""
+    """Owns the store's transfer engine, service, context caches and RPC endpoint."""
 
     name = "store"
 
@@ -55,6 +73,8 @@ class StoreRole:
         self.service = StoreService(service_config(config, instance, section), self.engine)
         self.endpoint = RoleEndpoint(config, instance, is_healthy=self._is_healthy, extra_info=self._info)
         self.service.add_methods(self.endpoint.server)
+        self.caches = StoreCaches(self.service.core, self.service.clock, int(config.conductor.max_cache_ttl_s * 1000))
+        self.caches.add_methods(self.endpoint.server)
         self.metrics = Metrics()
         self.metrics_endpoint = MetricsEndpoint(instance.host, instance.metrics_port, self.metrics,
                                                 self._refresh_metrics)
@@ -85,6 +105,9 @@ class StoreRole:
         if self.service.ssd is not None:
             cache.set_store_usage("ssd", used_bytes=self.service.ssd.num_used_bytes,
                                   capacity_bytes=self.service.config.ssd_bytes, num_blocks=stats["num_ssd_blocks"])
+        tenants = self.service.core.tenants
+        self.metrics.tenants.set_pool_bytes("dram", tenants.dram_bytes)
+        self.metrics.tenants.set_pool_bytes("ssd", tenants.ssd_bytes)
         cache.observe_evictions("dram", stats["num_evicted"] - self._num_evicted_seen)
         self._num_evicted_seen = stats["num_evicted"]
 
@@ -95,7 +118,8 @@ class StoreRole:
         stats = self.service.core.stats()
         return {
             "pool_path": self.service.config.pool_path,
-            "segment": self.service.config.segment_name,
+            "segment": self.service.segment_name,
+            "incarnation": f"{self.service.incarnation:x}",
             "data_endpoint": self.engine.endpoint if self.service.pool is not None else "",
             "used_bytes": str(stats["used_bytes"]),
             "capacity_bytes": str(stats["capacity_bytes"]),

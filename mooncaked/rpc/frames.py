@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import hmac
 import logging
 import math
 import struct
@@ -25,6 +24,7 @@ from typing import Any, Callable, cast
 
 import msgpack
 
+from mooncaked import auth
 from mooncaked.rpc.errors import ResourceExhausted
 
 logger = logging.getLogger(__name__)
@@ -33,7 +33,8 @@ HEADER = struct.Struct(">I")  # a frame's body length, big-endian
 HEADER_BYTES = HEADER.size
 DEFAULT_MAX_FRAME_BYTES = 4 << 20
 HANDSHAKE_MAX_FRAME_BYTES = 4096
-NONCE_BYTES = 16
+NONCE_BYTES = auth.NONCE_BYTES
+RPC_AUTH_LABEL = b"mooncaked-rpc-v1"
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # the longest deadline a call may carry: every wait ends
 
 
@@ -229,8 +230,7 @@ class DeadlineWheel:
 
 def handshake_proof(secret: bytes, side: bytes, cluster_id: str, client_nonce: bytes, server_nonce: bytes) -> bytes:
     """HMAC-SHA256 proving knowledge of the cluster secret; `side` (b"client"/b"server") stops reflection."""
-    text = b"mooncaked-rpc-v1|" + side + b"|" + cluster_id.encode() + b"|" + client_nonce + server_nonce
-    return hmac.new(secret, text, "sha256").digest()
+    return auth.handshake_proof(secret, RPC_AUTH_LABEL, side, cluster_id, client_nonce, server_nonce)
 
 
 def parse_address(address: str) -> tuple[str, str, int]:

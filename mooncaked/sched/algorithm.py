@@ -10,7 +10,8 @@ Entry point, called once per request by the conductor and by the simulator:
 2. Prefill choice by `policy.config.scheduler`:
    - `kvcache_centric` (lines 4-16): per instance, reuse the best prefix anywhere when it is more than
      `kvcache_balancing_threshold` times the local one (paying T_transfer for the missing blocks), else the local
-     prefix; TTFT = T_transfer + T_queue + T_prefill; the smallest wins (first on ties);
+     prefix; TTFT = T_transfer + T_queue + T_prefill; the smallest wins (on ties the first, or under
+     `tie_break: coldest_store` the one whose store's coldest block is oldest);
    - `cache_aware`: the same with local prefixes only (no transfer);
    - `load_balancing`: the smallest T_queue; `random`: a hash of the request id and seed.
 3. Decode choice (line 17) and admission (lines 18-19), see `mooncaked.sched.admission`.
@@ -143,6 +144,7 @@ def _best_ttft(
 ) -> PrefillChoice:
     best_store, best_len = _best_prefix(prefix_lengths) if allow_fetch else (None, 0)
     threshold = policy.config.kvcache_balancing_threshold
+    is_coldest_first = policy.config.tie_break == "coldest_store"
     predictors = policy.predictors
     # many instances share a prefix length and a model: predict once each
     prefill_s_by: dict[tuple[int, tuple[float, ...]], float] = {}
@@ -159,7 +161,10 @@ def _best_ttft(
                                                             _prefix_tokens(request, prefix_len, policy))
             prefill_s_by[(prefix_len, view.prefill_coefficients)] = prefill_s
         queue_s = queue_time_s(view, now)
-        if best is None or transfer_s + queue_s + prefill_s + view.overhead_s < best.ttft_s:
+        ttft_s = transfer_s + queue_s + prefill_s + view.overhead_s
+        if best is None or ttft_s < best.ttft_s or (
+            ttft_s == best.ttft_s and is_coldest_first and view.coldest_use < best.view.coldest_use
+        ):
             best = PrefillChoice(view, prefix_len, local_len, source, transfer_s, queue_s, prefill_s)
     assert best is not None
     return best

@@ -8,7 +8,12 @@
    of the relative error (TTFT and TBT errors matter relative to their size) over the profile plus the newest
    `max_live_samples` live samples: prefill in the paper's form (a constant, new tokens, and attention over
    the context: n^2 - p^2), decode as a constant plus per-sequence and per-context-token terms, every term but
-   the constant non-negative. A fit the samples do not determine keeps the previous predictor. `coefficients()` is what the instance reports in its LOAD replies.
+   the constant non-negative. A fit the samples do not determine keeps the previous predictor.
+4. Between refits a scale follows how the instance runs now against its fit: `observe_prefill_batch` (a batch's
+   time over its prediction) and `observe_decode_interval` (the time from one step's start to the next, which
+   includes inline prefills and anything else sharing the compute thread, over the step's prediction). The
+   predictors used and reported (`prefill`, `decode`, `coefficients()`) are the fits times their scale; a refit
+   of a kind resets its scale to 1.
 
 Pure: no clock, no I/O; the caller measures and passes seconds in.
 """
@@ -46,6 +51,16 @@ def attribute_batch_time(batch_s: float, prompts: Sequence[tuple[int, int]], hid
     return [batch_s * w / total for w in weights]
 
 
+SCALE_WEIGHT = 0.3  # weight of the newest ratio in a scale: a change of speed shows within a few batches or steps
+SCALE_LIMITS = (0.25, 8.0)
+
+
+def _factor(scale: RecentMean) -> float:
+    if not scale.count:
+        return 1.0
+    return min(max(scale.value, SCALE_LIMITS[0]), SCALE_LIMITS[1])
+
+
 def _is_time(seconds: float) -> bool:
     return math.isfinite(seconds) and seconds > 0
 
@@ -80,8 +95,10 @@ class PerformanceModel:
         if refit_every < 1 or max_live_samples < 1:
             raise ValueError("refit_every and max_live_samples must be >= 1")
         self.refit_every = refit_every
-        self.prefill: PrefillTimePredictor | None = None
-        self.decode: DecodeStepPredictor | None = None
+        self.prefill_fit: PrefillTimePredictor | None = None
+        self.decode_fit: DecodeStepPredictor | None = None
+        self.prefill_scale = RecentMean(SCALE_WEIGHT)
+        self.decode_scale = RecentMean(SCALE_WEIGHT)
         self.num_refits = 0
         self._profile_prefill: list[tuple[int, int, float]] = []
         self._profile_decode: list[tuple[int, int, float]] = []
@@ -89,6 +106,35 @@ class PerformanceModel:
         self._live_decode: deque[tuple[int, int, float]] = deque(maxlen=max_live_samples)
         self._num_new_prefill = 0
         self._num_new_decode = 0
+
+    @property
+    def prefill(self) -> PrefillTimePredictor | None:
+        """The fitted prefill model times its current scale (None before any fit)."""
+        if self.prefill_fit is None:
+            return None
+        factor = _factor(self.prefill_scale)
+        return PrefillTimePredictor(tuple(c * factor for c in self.prefill_fit.coefficients))
+
+    @property
+    def decode(self) -> DecodeStepPredictor | None:
+        """The fitted step model times its current scale: the predicted time between tokens."""
+        if self.decode_fit is None:
+            return None
+        factor = _factor(self.decode_scale)
+        c0, c1, c2 = self.decode_fit.coefficients
+        return DecodeStepPredictor((c0 * factor, c1 * factor, c2 * factor))
+
+    def observe_prefill_batch(self, predicted_s: float, actual_s: float) -> None:
+        """A batch took `actual_s` where the fit (unscaled) predicted `predicted_s`."""
+        if predicted_s > 0 and _is_time(actual_s):
+            self.prefill_scale.add(actual_s / predicted_s)
+
+    def observe_decode_interval(self, batch_size: int, num_context_tokens: int, interval_s: float) -> None:
+        """Two steps over this batch started `interval_s` apart (the step, and what waited in between)."""
+        if self.decode_fit is not None and _is_time(interval_s):
+            predicted_s = self.decode_fit.predict(batch_size, num_context_tokens)
+            if predicted_s > 0:
+                self.decode_scale.add(interval_s / predicted_s)
 
     # ---- samples ------------------------------------------------------------------------------------------
     def add_profile_prefill(self, num_tokens: int, num_prefix_tokens: int, seconds: float) -> None:
@@ -127,19 +173,22 @@ class PerformanceModel:
     def refit_prefill(self) -> None:
         self._num_new_prefill = 0
         try:
-            self.prefill = PrefillTimePredictor.fit_paper_form([*self._profile_prefill, *self._live_prefill])
+            self.prefill_fit = PrefillTimePredictor.fit_paper_form([*self._profile_prefill, *self._live_prefill])
         except ValueError:
             return
+        self.prefill_scale = RecentMean(SCALE_WEIGHT)
         self.num_refits += 1
 
     def refit_decode(self) -> None:
         self._num_new_decode = 0
         try:
-            self.decode = DecodeStepPredictor.fit([*self._profile_decode, *self._live_decode], relative=True)
+            self.decode_fit = DecodeStepPredictor.fit([*self._profile_decode, *self._live_decode], relative=True)
         except ValueError:
             return
+        self.decode_scale = RecentMean(SCALE_WEIGHT)
         self.num_refits += 1
 
     def coefficients(self) -> ModelCoefficients:
-        return ModelCoefficients(self.prefill.coefficients if self.prefill is not None else (),
-                                 self.decode.coefficients if self.decode is not None else ())
+        prefill, decode = self.prefill, self.decode
+        return ModelCoefficients(prefill.coefficients if prefill is not None else (),
+                                 decode.coefficients if decode is not None else ())

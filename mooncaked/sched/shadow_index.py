@@ -7,6 +7,8 @@
    until its next dump. Old or repeated sequence numbers are ignored (at-least-once delivery is fine).
 3. `prefix_lengths(keys)` answers, for every store holding at least the first key, how many leading keys it
    holds: one walk over the keys with a bitset of the stores still matching, O(len(keys)) set operations.
+4. Listeners added with `add_listener` hear of every change as (store id, keys, is_stored): the keys that store
+   just gained (True) or lost (False). The replica tracker and the store recency of `mooncaked.sched` listen.
 
 The index owns the key -> stores bitsets and the per-store key sets; the stores own the truth. Stale data is
 still used for scheduling (a wrong guess costs a slower prefill, never a wrong answer: the store re-checks).
@@ -14,7 +16,9 @@ still used for scheduling (a wrong guess costs a slower prefill, never a wrong a
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
+
+IndexListener = Callable[[str, Sequence[Hashable], bool], None]
 
 
 class ShadowIndex:
@@ -27,6 +31,7 @@ class ShadowIndex:
         self._store_of_slot: list[str | None] = []
         self._last_seq: dict[str, int] = {}
         self._stale: set[str] = set()
+        self._listeners: list[IndexListener] = []
 
     @property
     def num_keys(self) -> int:
@@ -34,6 +39,10 @@ class ShadowIndex:
 
     def stores(self) -> list[str]:
         return list(self._slot_of)
+
+    def add_listener(self, listener: IndexListener) -> None:
+        """`listener(store_id, keys, is_stored)` after each change: keys the store gained, or lost."""
+        self._listeners.append(listener)
 
     def stale_stores(self) -> set[str]:
         """Stores that must send a full dump (never dumped, or a gap was seen)."""
@@ -98,6 +107,19 @@ class ShadowIndex:
         mask = self._holders.get(key, 0)
         return [store for store in self._stores_in(mask)]
 
+    def holds(self, store_id: str, key: Hashable) -> bool:
+        """True when `store_id` holds `key`."""
+        return key in self._store_keys.get(store_id, ())
+
+    def has_key(self, key: Hashable) -> bool:
+        """True when at least one store holds `key`."""
+        return key in self._holders
+
+    @property
+    def num_copies(self) -> int:
+        """Copies held over all stores (a key held by three stores counts three)."""
+        return sum(len(keys) for keys in self._store_keys.values())
+
     def prefix_lengths(self, keys: Sequence[Hashable]) -> dict[str, int]:
         """Leading keys held, for every store holding keys[0]; stores absent from the result hold none."""
         if not keys:
@@ -137,23 +159,30 @@ class ShadowIndex:
         bit = 1 << self._slot_of[store_id]
         owned = self._store_keys[store_id]
         holders = self._holders
-        for key in keys:
+        added = [key for key in keys if key not in owned]
+        for key in added:
             holders[key] = holders.get(key, 0) | bit
             owned.add(key)
+        self._notify(store_id, added, True)
 
     def _drop_keys(self, store_id: str, keys: Iterable[Hashable]) -> None:
         bit = 1 << self._slot_of[store_id]
         owned = self._store_keys[store_id]
         holders = self._holders
-        for key in keys:
-            if key not in owned:
-                continue
+        dropped = [key for key in keys if key in owned]
+        for key in dropped:
             owned.discard(key)
             mask = holders[key] & ~bit
             if mask:
                 holders[key] = mask
             else:
                 del holders[key]
+        self._notify(store_id, dropped, False)
+
+    def _notify(self, store_id: str, keys: list[Hashable], is_stored: bool) -> None:
+        if keys:
+            for listener in self._listeners:
+                listener(store_id, keys, is_stored)
 
     def _stores_in(self, mask: int) -> list[str]:
         stores: list[str] = []

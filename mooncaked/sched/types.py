@@ -49,6 +49,7 @@ class PrefillInstanceView:
     is_available: bool = True
     prefill_coefficients: tuple[float, ...] = ()
     overhead_s: float = 0.0
+    coldest_use: float = 0.0  # last use of its store's least recently used block (`mooncaked.sched.store_recency`)
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,8 @@ class Rejection:
 
 SCHEDULERS = ("kvcache_centric", "cache_aware", "load_balancing", "random")
 ADMISSION_POLICIES = ("none", "baseline", "early_rejection", "early_rejection_predicted")
+REPLICATION_MODES = ("always", "by_reuse")
+TIE_BREAKS = ("first", "coldest_store")
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,13 @@ class PolicyConfig:
     kvcache_balancing_threshold: fetch the best remote prefix when it is more than this many times longer than
     the instance's local one (Algorithm 1 lines 5 and 20). decode_time_s: the uniform decode time t_d of
     prediction-based early rejection. decode_load_threshold: accepted predicted TBT / TBT SLO.
+    replication: what becomes of the extra copies of a block (`mooncaked.sched.replicas`): `always` keeps every
+    copy as a full replica (the paper); `by_reuse` keeps the copy on the store that last used the block and marks
+    the others spare (evicted first), unless the block's reuse pays for a second copy. heat_half_life_s: half-life
+    of a block's use count (its heat). replica_displaced_reuse: the assumed chance that the block a replica
+    displaces would have been reused; a second copy is kept when heat x transfer time of a block >= this x its
+    recompute time. tie_break: among instances with equal predicted TTFT, `first` (the paper) or `coldest_store`:
+    the one whose store's least recently used block was used longest ago.
     """
 
     scheduler: str = "kvcache_centric"
@@ -131,6 +141,10 @@ class PolicyConfig:
     decode_time_s: float = 5.0
     decode_load_threshold: float = 1.0
     seed: int = 0
+    replication: str = "always"
+    heat_half_life_s: float = 60.0
+    replica_displaced_reuse: float = 0.5
+    tie_break: str = "first"
 
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:
@@ -145,3 +159,9 @@ class PolicyConfig:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.decode_time_s <= 0 or self.decode_load_threshold <= 0:
             raise ValueError("decode_time_s and decode_load_threshold must be positive")
+        if self.replication not in REPLICATION_MODES:
+            raise ValueError(f"replication must be one of {', '.join(REPLICATION_MODES)}, got {self.replication!r}")
+        if self.tie_break not in TIE_BREAKS:
+            raise ValueError(f"tie_break must be one of {', '.join(TIE_BREAKS)}, got {self.tie_break!r}")
+        if not self.heat_half_life_s > 0 or not self.replica_displaced_reuse >= 0:
+            raise ValueError("heat_half_life_s must be positive and replica_displaced_reuse >= 0")

@@ -5,9 +5,12 @@
     mooncaked sim cache --trace FILE [--capacities 1000,10000,...,inf] [--policies lru,lfu,length_aware] [--json FILE]
     mooncaked sim experiments --trace FILE [--config sim.yaml] [--json FILE] [--plots DIR]
     mooncaked sim prediction-study --trace FILE [--errors 0,0.1,0.3,0.5] [--config sim.yaml] [--json FILE]
+    mooncaked sim pool-study --trace FILE [--blocks-per-node 1000,2000,5859] [--speeds 1,2] [--json FILE]
+                  [--config sim.yaml] [--set section.key=value ...]
 
 The main CLI calls `add_arguments(parser)` on its `sim` subparser and `run(args)` for the exit code. The first
-positional word picks the mode (`run` when omitted). Progress goes to stderr, tables to stdout.
+positional word picks the mode (`run` when omitted). Progress goes to stderr, tables to stdout. In pool-study
+mode the config file and --set apply on top of the study's own defaults (`mooncaked.sim.pool_study`).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from mooncaked.sim.engine import Simulator
 from mooncaked.sim.results import format_summary, summarize, to_json
 from mooncaked.sim.trace import TraceError, load_trace
 
-MODES = ("run", "cache", "experiments", "prediction-study")
+MODES = ("run", "cache", "experiments", "prediction-study", "pool-study")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policies", default=",".join(POLICY_NAMES), help="cache mode: eviction policies")
     parser.add_argument("--errors", default="0,0.1,0.3,0.5",
                         help="prediction-study mode: sigmas of the log-normal prediction error")
+    parser.add_argument("--blocks-per-node", default="1000,2000,5859", help="pool-study: DRAM blocks per node")
+    parser.add_argument("--speeds", default="1,2", help="pool-study: replay speeds")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -60,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_cache(args, requests, progress)
     if args.mode == "prediction-study":
         return _run_prediction_study(args, config)
+    if args.mode == "pool-study":
+        return _run_pool_study(args, config, progress)
     if args.mode == "experiments":
         from mooncaked.sim.experiments import run_experiments
 
@@ -117,8 +124,32 @@ def _run_cache(args: argparse.Namespace, requests: list[Any], progress: Any) -> 
     return 0
 
 
+def _run_pool_study(args: argparse.Namespace, config: SimConfig, progress: Any) -> int:
+    from mooncaked.sim.pool_study import format_rows, run_pool_study
+
+    try:
+        blocks = [int(b) for b in args.blocks_per_node.split(",")]
+        speeds = [float(s) for s in args.speeds.split(",")]
+    except ValueError:
+        print(f"mooncaked sim pool-study: --blocks-per-node takes integers and --speeds numbers, comma-separated; "
+              f"got {args.blocks_per_node!r} and {args.speeds!r}", file=sys.stderr)
+        return 2
+    if not blocks or not speeds or min(blocks) < 1 or not min(speeds) > 0:
+        print("mooncaked sim pool-study: --blocks-per-node must be >= 1 and --speeds > 0", file=sys.stderr)
+        return 2
+    result = run_pool_study(args.trace, config, blocks, speeds, progress)
+    print(format_rows(result["rows"]))
+    _write_json(args.json, result)
+    return 0
+
+
 def _config_from_args(args: argparse.Namespace) -> SimConfig:
-    config = load_sim_config(args.config) if args.config else SimConfig()
+    base = SimConfig()
+    if args.mode == "pool-study":
+        from mooncaked.sim.pool_study import study_defaults
+
+        base = study_defaults(base)
+    config = load_sim_config(args.config, base) if args.config else base
     if args.speed is not None:
         config = with_overrides(config, "run", speed=args.speed)
     if args.scheduler:

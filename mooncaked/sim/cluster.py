@@ -12,19 +12,30 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mooncaked.kv.eviction import BlockCache, make_eviction_policy
+from mooncaked.kv.replica_eviction import make_spare_first_policy
+from mooncaked.sched.replicas import StoreMarks
 from mooncaked.sched.shadow_index import ShadowIndex
 from mooncaked.sched.types import DecodeInstanceView, Placement, PrefillInstanceView
 
 
 class HostStore:
-    """One host's DRAM block cache; every change is published to the shadow index as a sequenced event."""
+    """One host's DRAM block cache; every change is published to the shadow index as a sequenced event.
 
-    def __init__(self, store_id: str, capacity_blocks: int, eviction: str, index: ShadowIndex) -> None:
+    Also counts its evictions, and among them the sole-copy evictions: blocks no other store held any more.
+    With `is_replica_aware`, its eviction gives spare copies back first (`apply_marks`).
+    """
+
+    def __init__(self, store_id: str, capacity_blocks: int, eviction: str, index: ShadowIndex,
+                 is_replica_aware: bool = False) -> None:
         self.store_id = store_id
-        self.cache = BlockCache(make_eviction_policy(eviction), capacity_blocks)
+        self.spare_policy = make_spare_first_policy(eviction) if is_replica_aware else None
+        policy = make_eviction_policy(eviction) if self.spare_policy is None else self.spare_policy
+        self.cache = BlockCache(policy, capacity_blocks)
         self._index = index
         self._seq = 0
         self.nic_free_at = 0.0
+        self.num_evicted = 0
+        self.num_sole_copy_evictions = 0
         index.apply_dump(store_id, 0, [])
 
     def put(self, keys: Sequence[Hashable], now: float, start: int = 0) -> int:
@@ -33,10 +44,19 @@ class HostStore:
         if result.evicted:
             self._seq += 1
             self._index.apply_removed(self.store_id, self._seq, result.evicted)
+            self.num_evicted += len(result.evicted)
+            self.num_sole_copy_evictions += sum(1 for key in result.evicted if not self._index.has_key(key))
         if result.inserted:
             self._seq += 1
             self._index.apply_stored(self.store_id, self._seq, result.inserted)
         return len(result.inserted)
+
+    def apply_marks(self, marks: StoreMarks) -> None:
+        assert self.spare_policy is not None, "spare marks for a store without replica-aware eviction"
+        for key in marks.spare:
+            self.spare_policy.mark_spare(key, True)
+        for key in marks.kept:
+            self.spare_policy.mark_spare(key, False)
 
 
 @dataclass
@@ -67,9 +87,10 @@ class PrefillInstance:
             return self.busy_time_done
         return self.busy_time_done + max(0.0, min(now, self.busy_until) - self.current.started_at)
 
-    def view(self) -> PrefillInstanceView:
+    def view(self, coldest_use: float = 0.0) -> PrefillInstanceView:
         return PrefillInstanceView(
-            self.instance_id, self.store.store_id, self.busy_until, self.queued_prefill_s, len(self.queue)
+            self.instance_id, self.store.store_id, self.busy_until, self.queued_prefill_s, len(self.queue),
+            coldest_use=coldest_use,
         )
 
 

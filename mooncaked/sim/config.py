@@ -101,11 +101,11 @@ _SECTIONS: dict[str, type] = {
 }
 _NON_NEGATIVE = {"link_latency_s", "prefill_overhead_s", "decode_overhead_s", "decode_per_request_s",
                  "max_requests", "output_length_cap", "prefill_noise", "seed", "dram_blocks_per_host",
-                 "output_length_noise"}
+                 "output_length_noise", "replica_displaced_reuse"}
 
 
-def load_sim_config(path: str | Path) -> SimConfig:
-    """Reads and validates a sim YAML file."""
+def load_sim_config(path: str | Path, base: SimConfig | None = None) -> SimConfig:
+    """Reads and validates a sim YAML file; keys it leaves out keep `base`'s values (the defaults when None)."""
     try:
         text = Path(path).read_text()
     except OSError as exc:
@@ -113,18 +113,18 @@ def load_sim_config(path: str | Path) -> SimConfig:
     data = yaml.safe_load(text) or {}
     if not isinstance(data, Mapping):
         raise SimConfigError(f"{path}: the top level must be a mapping of sections")
-    return parse_sim_config(data)
+    return parse_sim_config(data, base)
 
 
-def parse_sim_config(data: Mapping[str, Any]) -> SimConfig:
-    sections: dict[str, Any] = {}
+def parse_sim_config(data: Mapping[str, Any], base: SimConfig | None = None) -> SimConfig:
+    config = SimConfig() if base is None else base
     for name, value in data.items():
         if name not in _SECTIONS:
             raise SimConfigError(f"{name}: unknown section; valid sections: {', '.join(_SECTIONS)}")
         if not isinstance(value, Mapping):
             raise SimConfigError(f"{name}: must be a mapping")
-        sections[name] = _parse_section(name, _SECTIONS[name], value)
-    return SimConfig(**sections)
+        config = with_overrides(config, name, **{str(key): item for key, item in value.items()})
+    return config
 
 
 def with_overrides(config: SimConfig, section: str, **values: Any) -> SimConfig:

@@ -13,7 +13,10 @@ A request's life in the simulator:
    prefill). Otherwise DECODE_READY (after the part of the KV stream not hidden behind prefill and the load into
    HBM) queues it at its decode instance, which runs continuous-batching steps; each step's duration is the
    cost model's and gives every running request one token gap. TBT = mean of the longest 10% of the gaps.
-5. SAMPLE events record the prefill and decode pool loads every `run.sample_interval_s`.
+5. SAMPLE events record the prefill and decode pool loads and the pool's duplicate blocks (copies beyond the
+   first) every `run.sample_interval_s`; each store counts its evictions and its sole-copy evictions.
+6. The pool-wide policies (replica tracker, store recency: pool.py) hear of every placement, and after every
+   event the tracker's spare marks go to the stores.
 Predictions may be imperfect: `run.prefill_noise` perturbs true prefill times, and with
 `run.output_length_predictor` other than `uniform` each placed request gets a predicted output length
 (output_forecast.py) that prediction-based early rejection uses instead of the uniform t_d.
@@ -35,6 +38,7 @@ from mooncaked.sched.types import REASON_DECODE_REFUSED, DecodeInstanceView, Pla
 from mooncaked.sim.cluster import DecodeInstance, DecodeSeq, HostStore, PrefillInstance, PrefillJob
 from mooncaked.sim.config import SimConfig
 from mooncaked.sim.costs import CostModel, build_cost_model
+from mooncaked.sim.pool import PoolPolicies
 from mooncaked.sim.output_forecast import OutputForecast
 from mooncaked.sim.results import LoadSample, RequestRecord, SimResult, tbt_of
 from mooncaked.sim.trace import TraceRequest
@@ -66,6 +70,7 @@ class Simulator:
         self.predicted_tokens: dict[int, int] = {}  # request index -> predicted output tokens (placed requests)
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = 0
+        self.pool = PoolPolicies(config.scheduler, self.index, self.costs.predictors)
         self._build_cluster()
 
     def _output_length(self, request: TraceRequest) -> int:
@@ -76,15 +81,16 @@ class Simulator:
     def _build_cluster(self) -> None:
         cluster = self.config.cluster
         capacity = cluster.dram_blocks_per_host
+        is_aware = self.pool.is_replica_aware
         self.prefill = [
-            PrefillInstance(f"prefill-{i}", HostStore(f"p{i}", capacity, cluster.eviction, self.index))
+            PrefillInstance(f"prefill-{i}", HostStore(f"p{i}", capacity, cluster.eviction, self.index, is_aware))
             for i in range(cluster.num_prefill)
         ]
         decode_capacity = capacity if cluster.decode_hosts_in_pool else 0
         self.decode = [
             DecodeInstance(
                 f"decode-{i}",
-                HostStore(f"d{i}", decode_capacity, cluster.eviction, self.index),
+                HostStore(f"d{i}", decode_capacity, cluster.eviction, self.index, is_aware),
                 cluster.max_batch_size,
                 self.costs.max_decode_context_tokens,
             )
@@ -113,20 +119,24 @@ class Simulator:
         while self._events:
             now, _, kind, payload = heapq.heappop(self._events)
             handlers[kind](now, payload)
+            self.pool.apply_marks(self.store_by_id, now)
             if kind == ARRIVAL:
                 num_done += 1
                 if progress is not None and num_done % 200 == 0:
                     progress(num_done, len(self.requests))
         if progress is not None:
             progress(len(self.requests), len(self.requests))
-        return SimResult(self.records, self.samples, time.perf_counter() - started, now)
+        stores = self.store_by_id.values()
+        return SimResult(self.records, self.samples, time.perf_counter() - started, now,
+                         num_evicted_blocks=sum(s.num_evicted for s in stores),
+                         num_sole_copy_evictions=sum(s.num_sole_copy_evictions for s in stores))
 
     def _on_arrival(self, now: float, request: TraceRequest) -> None:
         info = RequestInfo(str(request.index), request.input_length, request.hash_ids, now)
         is_predicted = self.config.scheduler.admission == "early_rejection_predicted"
         decision = schedule(
             info,
-            [p.view() for p in self.prefill],
+            [p.view(self.pool.coldest_use(p.store.store_id)) for p in self.prefill],
             [self._decode_view(d, is_predicted) for d in self.decode],
             self.index,
             self.policy,
@@ -150,6 +160,7 @@ class Simulator:
         if self.forecast.is_enabled:
             self.predicted_tokens[request.index] = self.forecast.predict(request.input_length, record.output_length)
         keys = request.hash_ids
+        self.pool.note_use(instance.store.store_id, keys, placement.num_prefix_blocks, now)
         record.prefill_instance = placement.prefill_instance
         record.decode_instance = placement.decode_instance
         record.prefix_blocks = placement.num_prefix_blocks
@@ -208,8 +219,10 @@ class Simulator:
         self._push(instance.busy_until, PREFILL_DONE, instance)
 
     def _reusable_blocks_at_start(self, instance: PrefillInstance, job: PrefillJob) -> int:
-        """The plan's prefix, or more when earlier prefills on this host committed further blocks meanwhile
-        (a store lookup at execution, as the instance itself would do)."""
+        """The prefix the instance finds in its store when the job starts (a store lookup at execution, as the
+        instance itself does): more than planned when earlier prefills on this host committed further blocks,
+        fewer when fetched blocks found no room there. A job whose fetch is still under way counts the planned
+        prefix."""
         planned = job.placement.num_prefix_blocks
         if job.is_fetch_pending:
             return planned
@@ -218,9 +231,8 @@ class Simulator:
             extra = list(job.keys[planned:num_local])
             instance.store.cache.lock(extra)
             job.locked_keys.extend(extra)
-            self.records[job.request_index].prefix_blocks = num_local
-            return num_local
-        return planned
+        self.records[job.request_index].prefix_blocks = num_local
+        return num_local
 
     def _on_prefill_done(self, now: float, instance: PrefillInstance) -> None:
         job = instance.current
@@ -325,6 +337,7 @@ class Simulator:
         slo = self.config.scheduler.tbt_slo_s
         decode_load = sum(d.step_time_s for d in self.decode) / (slo * len(self.decode)) if self.decode else 0.0
         num_running = sum(len(d.running) for d in self.decode)
-        self.samples.append(LoadSample(now, prefill_load, decode_load, num_running))
+        num_duplicates = self.index.num_copies - self.index.num_keys
+        self.samples.append(LoadSample(now, prefill_load, decode_load, num_running, num_duplicates))
         if len(self._events) > 0:
             self._push(now + interval, SAMPLE, None)

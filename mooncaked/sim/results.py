@@ -41,6 +41,7 @@ class LoadSample:
     prefill_load: float  # busy fraction of the prefill pool over the last interval
     decode_load: float  # mean predicted step time / TBT SLO over decode instances (1.0 = at the SLO)
     num_decode_running: int
+    num_duplicate_blocks: int = 0  # copies in the pool beyond the first of each block
 
 
 @dataclass
@@ -50,6 +51,8 @@ class SimResult:
     sim_seconds: float = 0.0
     virtual_seconds: float = 0.0
     config: dict[str, Any] = field(default_factory=dict)
+    num_evicted_blocks: int = 0  # over all stores
+    num_sole_copy_evictions: int = 0  # evictions of a block no other store held
 
 
 def tbt_of(gaps: Sequence[float]) -> float:
@@ -103,6 +106,10 @@ def summarize(result: SimResult) -> dict[str, Any]:
         "decode_load_mean": _mean(decode_loads),
         "decode_load_std": _std(decode_loads),
         "load_correlation": _correlation(prefill_loads, decode_loads),
+        "duplicate_blocks_mean": _mean([float(s.num_duplicate_blocks) for s in result.samples]),
+        "duplicate_blocks_max": max((s.num_duplicate_blocks for s in result.samples), default=0),
+        "evicted_blocks": result.num_evicted_blocks,
+        "sole_copy_evictions": result.num_sole_copy_evictions,
         "sim_seconds": result.sim_seconds,
         "virtual_seconds": result.virtual_seconds,
     }

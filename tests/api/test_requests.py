@@ -79,3 +79,41 @@ def test_decode_json_body() -> None:
         with pytest.raises(ApiError) as info:
             decode_json_body(raw)
         assert info.value.status == 400
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt": "a\ud800b"}, "prompt"),
+    ({"prompt": "x", "stop": ["ok", "\udfff"]}, "stop"),
+    ({"prompt": "x", "seed": -1}, "seed"),
+    ({"prompt": "x", "seed": 2**63}, "seed"),
+])
+def test_text_the_model_cannot_take_is_a_400_naming_the_field(body: dict[str, object], param: str) -> None:
+    with pytest.raises(ApiError) as raised:
+        parse_completion_request(body, request_id="r", model_ids=MODELS)
+    assert raised.value.status == 400 and raised.value.param == param
+
+
+def test_a_surrogate_in_a_chat_message_names_the_message() -> None:
+    with pytest.raises(ApiError, match="unpaired surrogate .U\\+D83D.") as raised:
+        parse_chat_request({"messages": [{"role": "user", "content": "hi \ud83d"}]}, request_id="r",
+                           model_ids=MODELS)
+    assert raised.value.param == "messages[0].content"
+
+
+@pytest.mark.parametrize("raw", [b"[" * 100_000 + b"]" * 100_000, b'{"n": ' + b"9" * 5000 + b"}"])
+def test_json_python_cannot_decode_is_a_400(raw: bytes) -> None:
+    with pytest.raises(ApiError, match="not valid JSON") as raised:
+        decode_json_body(raw)
+    assert raised.value.status == 400
+
+
+@pytest.mark.parametrize("parse", [parse_completion_request, parse_chat_request])
+def test_priority_is_an_int32_lower_first_and_never_set_to_batch_by_a_client(parse: object) -> None:
+    body = {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}
+    assert parse({**body, "priority": -7}, request_id="r", model_ids=MODELS).priority == -7  # type: ignore[operator]
+    request = parse({**body, "is_batch": True}, request_id="r", model_ids=MODELS)  # type: ignore[operator]
+    assert request.priority == 0 and not request.is_batch
+    for bad in (1.5, "high", True, 2**31):
+        with pytest.raises(ApiError) as error:
+            parse({**body, "priority": bad}, request_id="r", model_ids=MODELS)  # type: ignore[operator]
+        assert error.value.status == 400 and error.value.param == "priority"

@@ -23,6 +23,8 @@ def test_layer_slice_is_one_contiguous_range_k_then_v() -> None:
     kv = _pages()
     staging = new_staging(kv, 2)
     handle = KVCopier("cpu").store_all_layers(kv, staging, [4, 1])
+    assert not handle.is_done()  # on CPU the copy runs where it is synchronized: the worker's copy thread
+    handle.synchronize()
     assert handle.is_done()
     raw = staging.view(torch.uint8).reshape(2, kv.block_nbytes)
     for n, page in enumerate([4, 1]):
@@ -52,8 +54,8 @@ def test_load_all_layers_and_shape_check() -> None:
     src, dst = _pages(), _pages()
     staging = new_staging(src, 1)
     copier = KVCopier("cpu")
-    copier.store_all_layers(src, staging, [2])
-    copier.load_all_layers(dst, staging, [0])
+    copier.store_all_layers(src, staging, [2]).synchronize()
+    copier.load_all_layers(dst, staging, [0]).synchronize()
     assert all(torch.equal(dst.v_pages[i][0], src.v_pages[i][2]) for i in range(3))
     with pytest.raises(ValueError, match="staging must be"):
         copier.load_all_layers(dst, staging, [0, 1])

@@ -9,6 +9,7 @@ import torch
 
 from mooncaked.bench import kernels as bench
 from mooncaked.kernels import reference
+from tests.triton_mode import needs_triton_interpreter
 
 
 def _once_ms(fn: Callable[[], torch.Tensor]) -> float:
@@ -47,6 +48,7 @@ def test_paged_kv_lays_out_every_sequence() -> None:
         assert torch.equal(reference.gather_pages(v_pages, block_tables[s], 45), v[s])
 
 
+@needs_triton_interpreter
 def test_prefill_and_decode_measurements_agree_with_baselines() -> None:
     row = bench.bench_prefill(SETUP, seq_len=40, prefix_fraction=0.5)
     assert row["num_cached"] == 20 and row["max_abs_err_vs_sdpa"] < 1e-4 and row["ratio"] > 0

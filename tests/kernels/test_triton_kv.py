@@ -4,6 +4,9 @@ import pytest
 import torch
 
 from mooncaked import kernels
+from tests.triton_mode import needs_triton_interpreter
+
+pytestmark = needs_triton_interpreter
 
 NUM_PAGES, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 9, 16, 3, 32
 
@@ -45,3 +48,14 @@ def test_empty_inputs_are_no_ops() -> None:
     empty_kv = torch.empty(0, NUM_KV_HEADS, HEAD_DIM)
     kernels.store_kv(empty_kv, empty_kv, pages, pages, none, backend="triton")
     assert torch.equal(pages, before)
+
+
+def test_store_kv_skips_negative_slots() -> None:
+    gen = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(3, NUM_KV_HEADS, HEAD_DIM, generator=gen) for _ in range(2))
+    pages = [torch.zeros(NUM_PAGES, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM) for _ in range(2)]
+    slots = torch.tensor([5, -1, 17], dtype=torch.int64)
+    kernels.store_kv(k, v, pages[0], pages[1], slots, backend="triton")
+    flat_k, flat_v = pages[0].flatten(0, 1), pages[1].flatten(0, 1)
+    assert torch.equal(flat_k[[5, 17]], k[[0, 2]]) and torch.equal(flat_v[[5, 17]], v[[0, 2]])
+    assert int((flat_k != 0).any(dim=(1, 2)).sum()) == 2, "the padding row wrote nothing"

@@ -7,6 +7,9 @@ from mooncaked import kernels
 from mooncaked.kernels import triton_prefill
 from mooncaked.kernels.triton_prefill import PrefillTiles
 from tests.kernels.paged_case import PagedCase, make_case, naive_attention
+from tests.triton_mode import needs_triton_interpreter
+
+pytestmark = needs_triton_interpreter
 
 HEAD_DIM = 16
 BLOCK_SIZE = 16

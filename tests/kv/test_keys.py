@@ -43,3 +43,19 @@ def test_bad_input() -> None:
         block_keys([1], 0, NS)
     with pytest.raises(OverflowError):
         block_keys([-1, 2, 3, 4], 4, NS)
+
+
+def test_isolation_tags_separate_tenants_and_salts_and_the_empty_tag_shares() -> None:
+    from mooncaked.kv.keys import isolated_namespace, isolation_tag
+
+    namespace = model_namespace("m", "float32", 16)
+    assert isolation_tag() == b"" and isolated_namespace(namespace, b"") == namespace
+    tags = {isolation_tag(tenant="a"), isolation_tag(tenant="b"), isolation_tag(cache_salt="a"),
+            isolation_tag(tenant="a", cache_salt="x"), isolation_tag(tenant="a", cache_salt="y"),
+            isolation_tag(tenant="a\x00salt=x")}
+    assert len(tags) == 6 and all(len(t) == 16 for t in tags)
+    spaces = {isolated_namespace(namespace, t) for t in tags}
+    assert len(spaces) == 6 and namespace not in spaces
+    tokens = list(range(64))
+    assert block_keys(tokens, 16, isolated_namespace(namespace, isolation_tag(cache_salt="a"))) != \
+        block_keys(tokens, 16, namespace)

@@ -31,6 +31,8 @@ SAMPLES: list[Message] = [
     m.EventBatch([m.StoreEventMessage(5, "removed", KEY)]),
     m.DumpRequest(),
     m.DumpChunk(5, [KEY], is_last=False),
+    m.MarkSpareRequest([KEY], [KEY[::-1]]),
+    m.MarkSpareReply(2),
 ]
 
 

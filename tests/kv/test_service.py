@@ -72,21 +72,54 @@ async def test_ssd_contents_survive_a_restart_and_corrupt_files_are_dropped(tmp_
     await service.start()
     await put(service, [0, 1])
     await put(service, [2, 3])  # 0 and 1 go to ssd
-    await service.stop()
+    await service.stop()  # 2 and 3, in DRAM, are written too: a warm restart
     ssd_files = sorted(os.listdir(tmp_path / "ssd"))
-    assert ssd_files == sorted(key(i).hex() + ".blk" for i in (0, 1))
+    assert ssd_files == sorted(key(i).hex() + ".blk" for i in (0, 1, 2, 3))
     with open(tmp_path / "ssd" / ssd_files[ssd_files.index(key(1).hex() + ".blk")], "r+b") as file:
         file.seek(-1, os.SEEK_END)
         file.write(b"\x00")
     restarted = make_service(tmp_path, num_blocks=2, ssd_blocks=16)
     await restarted.start()
     seq, keys = restarted.core.dump()
-    assert set(keys) == {key(0), key(1)}
+    assert set(keys) == {key(0), key(1), key(2), key(3)}
+    assert await read(restarted, [3]) == [block(3)]
     assert await read(restarted, [0, 1]) == [block(0)]  # key 1 failed its checksum: never served
     events = restarted.core.events_after(0) or []
     assert [(e.kind, e.key) for e in events][-1] == ("removed", key(1))
     await restarted.stop()  # lets the ssd thread finish its queued deletion
     assert not os.path.exists(tmp_path / "ssd" / (key(1).hex() + ".blk"))
+
+
+async def test_a_stopping_store_writes_its_dram_blocks_most_recently_used_first(tmp_path: Path) -> None:
+    service = make_service(tmp_path, num_blocks=4, ssd_blocks=2)  # room on ssd for two of the four
+    await service.start()
+    await put(service, [0, 1, 2, 3])
+    assert await read(service, [1]) == [block(1)]
+    assert await read(service, [3]) == [block(3)]
+    await service.stop()
+    assert sorted(os.listdir(tmp_path / "ssd")) == sorted(key(i).hex() + ".blk" for i in (1, 3))
+    restarted = make_service(tmp_path, num_blocks=4, ssd_blocks=2)
+    await restarted.start()
+    assert sorted(restarted.core.dump()[1]) == sorted([key(1), key(3)])
+    assert await read(restarted, [3]) == [block(3)] and await read(restarted, [1]) == [block(1)]
+    await restarted.stop()
+
+
+async def test_allocate_gives_a_handle_for_a_block_whose_ssd_copy_is_corrupt(tmp_path: Path) -> None:
+    service = make_service(tmp_path, num_blocks=4, ssd_blocks=16)
+    await service.start()
+    await put(service, [0, 1])
+    await service.stop()
+    with open(tmp_path / "ssd" / (key(1).hex() + ".blk"), "r+b") as file:
+        file.seek(-1, os.SEEK_END)
+        file.write(b"\xff")  # block(1) is all 0x01
+    restarted = make_service(tmp_path, num_blocks=4, ssd_blocks=16)
+    await restarted.start()
+    reply = await restarted.allocate(msg.AllocateRequest([key(0), key(1), key(2)], BLOCK, 10_000), Ctx(0))
+    assert [loc.key for loc in reply.present] == [key(0)] and reply.present[0].tier == "dram"
+    assert sorted(h.key for h in reply.handles) == [key(1), key(2)], "every key: present in DRAM or writable"
+    assert restarted.pool is not None and restarted.pool.read(reply.present[0].offset, BLOCK) == block(0)
+    await restarted.stop()
 
 
 async def test_maintenance_reclaims_expired_allocations(tmp_path: Path) -> None:

@@ -80,3 +80,20 @@ async def test_budget_evicts_by_policy_but_keeps_pinned(tmp_path: Path) -> None:
     assert not tier.put(key(9), payload(9, 40_000), 4.0)  # larger than the whole budget
     tier.stop(5.0)
     assert not os.path.exists(tier.path_of(key(1)))
+
+
+async def test_persist_goes_first_and_never_evicts_what_it_queued_before(tmp_path: Path) -> None:
+    header = 38  # the object file's header
+    dropped: list[bytes] = []
+    tier = make_tier(tmp_path, budget_bytes=3 * (10_000 + header), dropped=dropped)
+    tier.start(0.0)
+    assert tier.put(key(9), payload(9), 0.0)  # an older, colder object already on the tier
+    blocks = [(key(i), memoryview(payload(i))) for i in range(4)]  # most valuable first
+    assert tier.persist(blocks, 1.0) == [key(0), key(1), key(2)]  # 3 fit once key 9 makes room; key 3 would not
+    assert dropped == [key(9)]
+    tier.stop(10.0)
+    assert tier.num_unwritten([key(0), key(1), key(2)]) == 0
+    reopened = make_tier(tmp_path, budget_bytes=3 * (10_000 + header))
+    assert sorted(k for k, _ in reopened.start(2.0)) == [key(0), key(1), key(2)]
+    assert await reopened.get(key(2), 2.0) == payload(2)
+    reopened.stop(5.0)

@@ -167,3 +167,26 @@ def test_dump_is_consistent_with_event_sequence() -> None:
     seq, keys = core.dump()
     assert seq == 4 and set(keys) == {key(i) for i in range(4)}
     assert core.events_after(1) is None and core.events_after(seq) == []
+
+
+def test_spare_copies_are_evicted_first_and_marks_can_be_undone() -> None:
+    core = make_core(num_blocks=10, high_watermark=0.5, low_watermark=0.2)
+    for i in range(5):
+        put(core, [key(i)], now=float(i))
+    assert core.mark_spare([key(3), key(4), key(99)], []) == 2  # key 99 is not here: ignored
+    assert core.mark_spare([], [key(4)]) == 1  # kept again (the other copy went away)
+    assert core.stats()["num_spare_blocks"] == 1
+    assert core.evict_to_watermark(5.0) == 3 * UNIT
+    # LRU: the spare copy, then key 4 (kept again: first in line among the kept), then the oldest
+    assert [e.key for e in core.drain_evictions()] == [key(3), key(4), key(0)]
+    assert core.stats()["num_spare_blocks"] == 0
+
+
+def test_spare_marks_reject_bad_keys_and_contradictions() -> None:
+    core = make_core()
+    put(core, [key(1)])
+    with pytest.raises(ValueError, match="16 bytes"):
+        core.mark_spare([b"short"], [])
+    with pytest.raises(ValueError, match="both spare and kept"):
+        core.mark_spare([key(1)], [key(1)])
+    assert core.stats()["num_spare_blocks"] == 0

@@ -227,3 +227,14 @@ async def test_pinned_and_leased_blocks_survive_pressure_until_released(store: S
     assert not (await local.lookup([key(1)])).locations
     assert len((await local.lookup(others)).locations) == 63
     await local.release([lease.read_lease_id])
+
+
+async def test_spare_marks_over_rpc_make_those_copies_go_first(store: Store, local: StoreClient) -> None:
+    await put(local, list(range(64)))  # the pool holds 64 blocks: full
+    assert await local.mark_spare([key(40), key(41)], []) == 2
+    assert (await local.stats()).counters["num_spare_blocks"] == 2
+    await put(local, [500, 501])  # evicts the two spare copies, not the least recently used blocks 0 and 1
+    assert not (await local.lookup([key(40)])).locations and not (await local.lookup([key(41)])).locations
+    assert len((await local.lookup([key(i) for i in range(40)])).locations) == 40
+    with pytest.raises(InvalidArgument, match="both spare and kept"):
+        await local.mark_spare([key(1)], [key(1)])

@@ -11,10 +11,11 @@ import torch
 from mooncaked.engine.batch import DecodeSeq, PrefillSeq, build_decode_batch, build_prefill_batch
 from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.runner import ModelRunner
+from mooncaked.errors import StartupError
 from mooncaked.model.chat_template import CHATML_TEMPLATE
 from mooncaked.model.config import random_preset
 from mooncaked.model.weight_names import random_hf_state_dict
-from mooncaked.model.loader import LoadedModel, load_model
+from mooncaked.model.loader import LoadedModel, ModelLoadError, load_frontend, load_model
 from mooncaked.model.tokenizer import byte_level_test_tokenizer
 
 
@@ -76,8 +77,18 @@ def test_random_preset_is_seeded_and_cached() -> None:
     ("/no/such/model.gguf", "does not exist"),
 ])
 def test_bad_sources_raise_clear_errors(source: str, message: str) -> None:
-    with pytest.raises((ValueError, FileNotFoundError), match=message):
-        load_model(source)
+    for load in (load_model, load_frontend):
+        with pytest.raises(ModelLoadError, match=message) as raised:
+            load(source)
+        assert source in str(raised.value)
+
+
+def test_an_unsupported_architecture_is_a_startup_error(tmp_path: Path) -> None:
+    """What a restart cannot fix: a process that meets it exits 2 and is not restarted (lifecycle.py)."""
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}')
+    for load in (load_model, load_frontend):
+        with pytest.raises(StartupError, match=r"model_type 'gpt2' .* is not supported"):
+            load(str(tmp_path))
 
 
 def test_bad_dtype_is_named() -> None:

@@ -77,7 +77,9 @@ class FakeNic:
         self.lid = lid
         self.gid = f"fake:{host}:{name}"
 
-    def register(self, view: memoryview) -> FakeRegion:
+    def register(self, view: memoryview, is_device: bool = False) -> FakeRegion:
+        if is_device and self.gid not in self.fabric.gpudirect_nics:
+            raise OSError(f"{self.name}: cannot map GPU memory (no GPUDirect)")
         key = next(self.fabric.keys)
         region = FakeRegion(self, view, buffer_address(view), view.nbytes, key, key)
         self.fabric.add_region(region)
@@ -102,8 +104,10 @@ class FakeProvider:
 class FakeFabric:
     """Owns every fake NIC, region and queue pair of one test, and the injected faults."""
 
-    def __init__(self, nics: dict[str, Sequence[str]]) -> None:
+    def __init__(self, nics: dict[str, Sequence[str]], gpudirect: dict[str, Sequence[str]] | None = None) -> None:
+        """`gpudirect`: per host, the NICs that can map GPU memory (the fake's "device memory" is host memory)."""
         self.keys = itertools.count(1000)
+        self.gpudirect_nics = {f"fake:{h}:{n}" for h, names in (gpudirect or {}).items() for n in names}
         self._lock = threading.Lock()
         self._nics = {
             (host, name): FakeNic(self, host, name, lid)

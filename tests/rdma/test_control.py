@@ -18,6 +18,7 @@ from mooncaked.rdma.control import (
     decode_control,
     encode_control,
 )
+from mooncaked.rdma.handshake import DataCredentials
 from mooncaked.rdma.verbs import QpInfo
 
 QP = QpInfo("mlx5_0", 77, 3, "fe80::1", 0xABCDE)
@@ -54,7 +55,7 @@ async def test_tcp_control_channel_reaches_an_engine_without_rdma() -> None:
     engine = TransferEngine(host="127.0.0.1")
     await engine.start()
     try:
-        channel = TcpControlChannel()
+        channel = TcpControlChannel(DataCredentials())
         reply = channel.exchange(engine.endpoint, encode_control(DescribeRequest(["x"])), 5)
         assert decode_control(reply) == DescribeReply([], {})
         with pytest.raises(ConnectionError, match="rdma is not active"):

@@ -11,6 +11,7 @@ import pytest
 from mooncaked.config import Config
 from mooncaked.kv.keys import block_keys, model_namespace
 from mooncaked.model.loader import load_model
+from mooncaked.rdma import SegmentRef, TransferEngine, TransferError, TransferOp, TransferRequest
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.worker.messages import (DECODE, PREFILL, RESERVE, DecodeRequest, PrefillRequest, ReserveRequest,
                                              SamplingSpec)
@@ -87,7 +88,7 @@ async def test_cross_host_tcp_and_remote_prefix_fetch(tmp_path: Path) -> None:
             spec = SamplingSpec(max_tokens=1, temperature=0.0)
             fetched = await prefill4.call(PREFILL, PrefillRequest("r2", tokens, keys, spec, fetch_store="s2",
                                                                   num_fetch_blocks=len(keys)), timeout_s=30)
-            assert fetched.num_fetched_blocks == 5 and fetched.num_cached_tokens == 64
+            assert fetched.num_fetched_blocks == 4 and fetched.num_cached_tokens == 64
             assert fetched.first_token.token_id == expected[0]
             local = await prefill4.call(PREFILL, PrefillRequest("r3", tokens, keys, spec), timeout_s=30)
             assert local.num_fetched_blocks == 0 and local.num_cached_tokens == 64
@@ -116,5 +117,37 @@ async def test_concurrent_prefills_share_a_batch(tmp_path: Path) -> None:
             batch_sizes = roles["p0"].metrics.engine.batch_size  # type: ignore[attr-defined]
             samples = {s.name: s.value for metric in batch_sizes.collect() for s in metric.samples}
             assert samples["mooncaked_batch_size_sum"] > samples["mooncaked_batch_size_count"]  # some batch > 1
+        finally:
+            await clients.close()
+
+
+async def test_with_a_secret_kv_moves_between_hosts_and_no_one_else_reads_the_pool(tmp_path: Path) -> None:
+    """cluster.secret_file set: prefill on 127.0.0.2 streams KV to decode on 127.0.0.3 over authenticated data
+    connections; an engine without the secret reads nothing from a store's pool."""
+    secret = tmp_path / "secret"
+    secret.write_text("a shared secret\n")
+    config = cluster_config(tmp_path, [
+        instance("s2", "store", "127.0.0.2"), instance("p0", "prefill", "127.0.0.2"),
+        instance("s3", "store", "127.0.0.3"), instance("d0", "decode", "127.0.0.3"),
+    ], cluster={"secret_file": str(secret)})
+    tokens = [random.Random(11).randrange(3, 300) for _ in range(48)]
+    expected = greedy_tokens(load_model("random:tiny"), tokens, 4)
+    async with running_roles(config, ["s2", "s3", "p0", "d0"]) as roles:
+        clients = PeerClients(config, config.instance_named("p0"))
+        try:
+            out, _ = await generate(config, clients, "r1", tokens, 4)
+            assert out == expected
+            store = roles["s3"]
+            pool = SegmentRef(store.engine.endpoint, store.service.segment_name)  # type: ignore[attr-defined]
+            for secret_bytes in (None, b"a guessed secret"):
+                intruder = TransferEngine(host="127.0.0.9", cluster_id=config.cluster.id, secret=secret_bytes)
+                await intruder.start()
+                try:
+                    intruder.register("loot", bytearray(4096))
+                    batch = intruder.submit([TransferRequest(TransferOp.READ, "loot", 0, pool, 0, 4096)])
+                    with pytest.raises(TransferError, match="secret"):
+                        await intruder.wait(batch, timeout_s=10)
+                finally:
+                    await intruder.stop()
         finally:
             await clients.close()

@@ -40,7 +40,7 @@ async def _slow_decode_model(roles: dict[str, object]) -> None:
     """Give the decode instance a model saying each step takes 1 s; wait until the conductor predicts with it."""
     decode, conductor = roles["d0"], roles["c0"]
     assert isinstance(decode, DecodeRole) and isinstance(conductor, ConductorRole) and conductor.view is not None
-    decode.worker.perf.decode = DecodeStepPredictor(SLOW_STEP)
+    decode.worker.perf.decode_fit = DecodeStepPredictor(SLOW_STEP)
     view = conductor.view
     await eventually(lambda: view.predictors.decode_for("d0").coefficients == SLOW_STEP)
 

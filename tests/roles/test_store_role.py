@@ -27,7 +27,7 @@ async def test_store_role_serves_health_info_and_blocks_then_cleans_up(tmp_path:
     await role.start()
     rpc = RpcClient(f"tcp://127.0.0.1:{role.endpoint.bound_port}", role="decode", instance="d0",
                     cluster_id="role-test", secret=None)
-    engine = TransferEngine(host="127.0.0.2", transports=("tcp",))
+    engine = TransferEngine(host="127.0.0.2", transports=("tcp",), cluster_id="role-test")
     await engine.start()
     try:
         assert (await rpc.call(HEALTH, HealthRequest(), timeout_s=5)).is_healthy

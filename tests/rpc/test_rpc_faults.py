@@ -41,12 +41,12 @@ class RawPeer:
         header = await asyncio.wait_for(self.reader.readexactly(4), 5)
         return decode_frame(msgpack.unpackb(await self.reader.readexactly(struct.unpack(">I", header)[0])))
 
-    async def handshake(self, secret: bytes | None = SECRET) -> Any:
+    async def handshake(self, secret: bytes | None = SECRET, cluster_id: str = CLUSTER) -> Any:
         nonce = os.urandom(16)
-        self.send(encode_frame(Hello(PROTOCOL_VERSION, "fuzzer", "fuzzer-0", CLUSTER, nonce)))
+        self.send(encode_frame(Hello(PROTOCOL_VERSION, "fuzzer", "fuzzer-0", cluster_id, nonce)))
         challenge = await self.receive()
         assert type(challenge) is Challenge
-        proof = handshake_proof(secret, b"client", CLUSTER, nonce, challenge.server_nonce) if secret else b""
+        proof = handshake_proof(secret, b"client", cluster_id, nonce, challenge.server_nonce) if secret else b""
         self.send(encode_frame(Auth(proof)))
         return await self.receive()
 

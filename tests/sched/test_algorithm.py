@@ -133,3 +133,19 @@ def test_no_instances():
     unavailable = [PrefillInstanceView("pA", "sA", is_available=False)]
     assert schedule(REQUEST, unavailable, DECODES, index, _policy(1.0), 0.0).reason == "no_prefill_instance"
     assert schedule(REQUEST, PREFILLS, [], index, _policy(1.0), 0.0).reason == "no_decode_instance"
+
+
+def test_ties_go_to_the_first_or_to_the_coldest_store():
+    # Three idle instances, nothing cached: every TTFT is 10 s. The paper takes the first; `coldest_store` takes
+    # the one whose store's least recently used block was used longest ago (pC: at t=5; pA at t=50).
+    views = [PrefillInstanceView("pA", "sA", coldest_use=50.0), PrefillInstanceView("pB", "sB", coldest_use=20.0),
+             PrefillInstanceView("pC", "sC", coldest_use=5.0)]
+    first = schedule(REQUEST, views, DECODES, _index({}), _policy(0.25), now=100.0)
+    coldest = schedule(REQUEST, views, DECODES, _index({}), _policy(0.25, tie_break="coldest_store"), now=100.0)
+    assert isinstance(first, Placement) and first.prefill_instance == "pA"
+    assert isinstance(coldest, Placement) and coldest.prefill_instance == "pC"
+    # A faster instance still wins over a colder one: pA holds 8 blocks (TTFT 2 s).
+    warm = schedule(REQUEST, views, DECODES, _index({"sA": 8}), _policy(0.25, tie_break="coldest_store"), now=100.0)
+    assert isinstance(warm, Placement) and warm.prefill_instance == "pA"
+    with pytest.raises(ValueError, match="tie_break"):
+        PolicyConfig(tie_break="random")

@@ -67,3 +67,28 @@ def test_profile_samples_stay_and_live_samples_refit_every_few() -> None:
         model.add_prefill(512, 0, bad)
     assert model.num_samples()["prefill_live"] == 4
     assert model.coefficients().decode == () and len(model.coefficients().prefill) == 6
+
+
+def test_a_scale_follows_the_instance_between_refits_and_a_refit_resets_it() -> None:
+    model = PerformanceModel(refit_every=100)
+    for n in (64, 256, 1024):
+        model.add_profile_prefill(n, 0, 0.001 * n)
+    model.add_profile_decode(1, 100, 0.05)
+    model.add_profile_decode(4, 400, 0.06)
+    model.add_profile_decode(8, 800, 0.07)
+    model.refit()
+    assert model.prefill is not None and model.prefill.predict(1000, 0) == pytest.approx(1.0, rel=1e-6)
+    for _ in range(20):  # the machine got twice as slow: batches take twice their prediction
+        model.observe_prefill_batch(predicted_s=0.5, actual_s=1.0)
+    assert model.prefill.predict(1000, 0) == pytest.approx(2.0, rel=1e-3)
+    assert model.coefficients().prefill[1] == pytest.approx(2 * model.prefill_fit.coefficients[1], rel=1e-3)
+    assert model.decode is not None
+    step_s = model.decode.predict(4, 400)
+    for _ in range(20):  # inline prefills between steps: tokens come 50% later than the steps alone
+        model.observe_decode_interval(4, 400, 1.5 * step_s)
+    assert model.decode.predict(4, 400) == pytest.approx(1.5 * step_s, rel=1e-3)
+    model.refit_prefill()
+    assert model.prefill.predict(1000, 0) == pytest.approx(1.0, rel=1e-6)
+    model.observe_prefill_batch(predicted_s=0.0, actual_s=1.0)  # nothing predicted: no ratio
+    model.observe_decode_interval(4, 400, math.nan)
+    assert model.prefill_scale.count == 0

@@ -69,3 +69,18 @@ def test_many_stores_and_long_prompt():
         index.apply_dump(f"s{s}", 0, keys[: s * 4])
     lengths = index.prefix_lengths(keys)
     assert lengths == {f"s{s}": min(s * 4, 300) for s in range(1, 70)}
+
+
+def test_listeners_hear_changes_per_store():
+    index = _index()
+    heard = []
+    index.add_listener(lambda store, keys, is_stored: heard.append((store, sorted(keys), is_stored)))
+    index.apply_stored("s1", 1, ["a", "b"])
+    index.apply_stored("s2", 1, ["a"])
+    index.apply_removed("s1", 2, ["zz", "a"])  # zz was never held: not a change
+    index.apply_dump("s2", 5, ["c"])
+    index.remove_store("s1")
+    assert heard == [("s1", ["a", "b"], True), ("s2", ["a"], True), ("s1", ["a"], False), ("s2", ["a"], False),
+                     ("s2", ["c"], True), ("s1", ["b"], False)]
+    assert index.num_copies == 1 and index.has_key("c") and not index.has_key("a")
+    assert index.holds("s2", "c") and not index.holds("s1", "c") and not index.holds("gone", "c")

@@ -100,6 +100,15 @@ def test_config_errors_name_the_key():
     with pytest.raises(SimConfigError, match="scheduler"):
         parse_sim_config({"scheduler": {"admission": "maybe"}})
     assert parse_sim_config({"run": {"speed": 2}}).run.speed == 2.0
+    with pytest.raises(SimConfigError, match="replication must be one of always, by_reuse"):
+        parse_sim_config({"scheduler": {"replication": "sometimes"}})
+    with pytest.raises(SimConfigError, match="tie_break"):
+        parse_sim_config({"scheduler": {"tie_break": "last"}})
+    with pytest.raises(SimConfigError, match="replica_displaced_reuse"):
+        parse_sim_config({"scheduler": {"replica_displaced_reuse": -1.0}})
+    base = with_overrides(SimConfig(), "cluster", num_prefill=10)
+    layered = parse_sim_config({"scheduler": {"replication": "by_reuse"}}, base)  # keys left out keep the base's
+    assert layered.cluster.num_prefill == 10 and layered.scheduler.replication == "by_reuse"
 
 
 def test_trace_errors_name_the_line(tmp_path):

@@ -10,24 +10,27 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from mooncaked.api.backend import GenerationChunk, PreparedRequest
 from mooncaked.api.errors import ApiError, context_too_long, invalid_field
 from mooncaked.api.requests import ChatRequest, CompletionRequest
 from mooncaked.config import Config
-from mooncaked.kv.keys import block_keys, model_namespace
+from mooncaked.kv.keys import block_keys, isolated_namespace, model_namespace
 from mooncaked.logs import request_id_var
 from mooncaked.metrics import Metrics
 from mooncaked.model.chat_template import ChatTemplateError
 from mooncaked.roles.base import PeerClients
+from mooncaked.roles.conductor.class_metrics import ClassMetrics
 from mooncaked.roles.conductor.cluster_info import describe_cluster
 from mooncaked.roles.conductor.cluster_view import ClusterView
-from mooncaked.roles.conductor.frontend import ConductorRequest, ModelFrontend, generation_state, sampling_spec
+from mooncaked.roles.conductor.frontend import (ConductorRequest, ModelFrontend, generation_state, key_isolation,
+                                                sampling_spec)
 from mooncaked.roles.conductor.prediction_errors import PredictionErrors
 from mooncaked.roles.conductor.leader import PdController
 from mooncaked.roles.conductor.request_run import RequestRun
+from mooncaked.sched.types import REASON_NO_DECODE, REASON_NO_PREFILL
 
 
 class ConductorBackend:
@@ -45,6 +48,8 @@ class ConductorBackend:
         self.namespace = model_namespace(model.model_id, config.model.dtype, config.kv.block_size)
         self.num_active = 0
         self.prediction_errors = PredictionErrors(metrics.predictions)
+        self.class_metrics = ClassMetrics(metrics)
+        self.on_interactive_rejection: Callable[[], None] = lambda: None  # set by the batch manager: yield
 
     def model_ids(self) -> list[str]:
         return list(self.model.served_names)
@@ -61,8 +66,10 @@ class ConductorBackend:
         except ApiError:
             self.metrics.requests.requests_total.labels(status="invalid").inc()
             raise
-        keys = block_keys(token_ids, self.config.kv.block_size, self.namespace)
-        return ConductorRequest(request.request_id, request, tuple(token_ids), max_tokens, tuple(keys), arrival_time)
+        isolation = key_isolation(request)
+        keys = block_keys(token_ids, self.config.kv.block_size, isolated_namespace(self.namespace, isolation))
+        return ConductorRequest(request.request_id, request, tuple(token_ids), max_tokens, tuple(keys), arrival_time,
+                                isolation)
 
     def _prompt_ids(self, request: CompletionRequest | ChatRequest) -> list[int]:
         tokenizer = self.model.tokenizer
@@ -99,13 +106,22 @@ class ConductorBackend:
                           sampling_spec(prepared, prepared.max_tokens)).chunks()
 
     async def health(self) -> dict[str, Any]:
+        """Status, counts of instances up, and per instance: up or not, outages in the last
+        outages.WINDOW_S, the last error; `crash_looping` names those down CRASH_LOOP_OUTAGES times in it."""
         up = {role: sum(1 for w in workers.values() if w.is_up)
               for role, workers in (("prefill", self.view.prefill), ("decode", self.view.decode))}
         is_ok = up["decode"] > 0 and (up["prefill"] > 0 or not self.view.prefill)
+        now = time.monotonic()
+        states = [(w.instance, w.is_up, w.outages, w.last_error) for w in self.view.workers]
+        states += [(f.store, f.is_up, f.outages, f.last_error) for f in self.view.followers.values()]
+        instances = {instance.name: {"role": instance.role, "is_up": is_up, "recent_outages": outages.num_recent(now),
+                                     "last_error": last_error} for instance, is_up, outages, last_error in states}
+        looping = sorted(instance.name for instance, _, outages, _ in states if outages.is_crash_looping(now))
         return {"status": "ok" if is_ok else "unavailable", "instances_up": up,
                 "stores_up": sum(1 for f in self.view.followers.values() if f.is_up),
                 "membership": self.view.membership.status().as_dict(),
-                "leader": None if self.controller is None else self.controller.membership.leader()}
+                "leader": None if self.controller is None else self.controller.membership.leader(),
+                "instances": instances, "crash_looping": looping}
 
     async def cluster_info(self) -> dict[str, Any]:
         info = await describe_cluster(self.view)
@@ -117,6 +133,11 @@ class ConductorBackend:
 
     def metrics_text(self) -> bytes:
         return self.metrics.render()
+
+    def interactive_rejected(self, reason: str) -> None:
+        """An interactive request was turned away: for load, batch lines yield (not for a missing instance)."""
+        if reason not in (REASON_NO_PREFILL, REASON_NO_DECODE):
+            self.on_interactive_rejection()
 
     def update_queue_metrics(self) -> None:
         prefill_waiting, decode_incoming = self.view.num_waiting()

@@ -11,11 +11,14 @@
    of dispatched requests per prefill instance, placed requests per decode instance) stays current between
    polls. `report_failure()` marks an instance down until its next successful poll. Every LOAD reply carries
    the instance's own fitted performance model, which `place()` predicts with (live_predictors.py); finished
-   requests teach the output-length predictor, which forecasts each decode instance's batch.
+   requests teach the output-length predictor, which forecasts each decode instance's batch. A placement also
+   tells the replica tracker and the store recency (`mooncaked.sched.replicas`, `.store_recency`) where the
+   prompt's blocks are used; a background sender (`mooncaked.kv.spare_marks`) passes the tracker's spare marks
+   to the stores.
 3. Membership changes (membership.py) arrive while serving: a joining store gets a follower, a joining worker a
    poller; one that leaves has them cancelled; one that is not `ready` (starting, draining) is polled but
    receives no new work; one whose role changed is removed and added again under its new role.
-4. `stop()` cancels the followers and pollers and awaits them; the RPC clients belong to the caller.
+4. `stop()` cancels the followers, pollers and sender and awaits them; the RPC clients belong to the caller.
 
 Owner of the shadow index, the per-instance states, the in-flight table, the live predictors and the output-length
 predictor. All but the last are rebuilt from the stores' dumps and the workers' LOAD replies when the conductor
@@ -34,6 +37,7 @@ from typing import Any
 
 from mooncaked.config import Config, InstanceConfig
 from mooncaked.kv import messages as kv_msg
+from mooncaked.kv.spare_marks import SpareMarkSender
 from mooncaked.membership import Membership, MemberRecord, StaticMembership, store_on_host
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.in_flight import InFlightTable
@@ -45,7 +49,9 @@ from mooncaked.rpc import RpcError
 from mooncaked.sched.admission import rejects_at_arrival, select_decode
 from mooncaked.sched.algorithm import SchedulerPolicy, schedule
 from mooncaked.sched.output_length import OutputLengthPredictor
+from mooncaked.sched.replicas import BlockCosts, ReplicaTracker
 from mooncaked.sched.shadow_index import ShadowIndex
+from mooncaked.sched.store_recency import StoreRecency
 from mooncaked.sched.types import (
     REASON_DECODE_FULL, REASON_NO_DECODE, REASON_NO_PREFILL, REASON_TBT_SLO, REASON_TTFT_SLO,
     DecodeInstanceView, Placement, PolicyConfig, PrefillInstanceView, Rejection, RequestInfo,
@@ -62,6 +68,7 @@ class ClusterViewSettings:
     poll_timeout_s: float  # one LOAD or store STATS call
     startup_timeout_s: float  # longest wait in start() for the first dumps and polls
     follower: FollowerSettings
+    spare_marks_interval_s: float = 0.5  # replication by_reuse: how often spare marks go to the stores
 
 
 class ClusterView:
@@ -85,6 +92,12 @@ class ClusterView:
         self.known: dict[str, InstanceConfig] = {}  # every instance seen, for the legs of requests placed on it
         self.flights = InFlightTable()
         self._tasks: list[asyncio.Task[None]] = []
+        self.replicas = ReplicaTracker(policy_config, self.index)
+        self.recency = StoreRecency(self.index) if policy_config.tie_break == "coldest_store" else None
+        self.spare_marks = SpareMarkSender(
+            self.replicas, lambda name: self.followers[name].client if name in self.followers else None,
+            lambda: BlockCosts.from_predictors(self.predictors.current, self.block_size), time.monotonic,
+            interval_s=settings.spare_marks_interval_s, timeout_s=settings.poll_timeout_s)
         section = config.scheduler
         self.output_lengths = OutputLengthPredictor(quantile=section.output_length_quantile)
         self.forecast = OutputForecast(self.output_lengths, config.conductor.default_max_tokens,
@@ -110,6 +123,8 @@ class ClusterView:
 
     async def start(self) -> None:
         self._is_started = True
+        if self.replicas.is_active:
+            self._tasks.append(asyncio.create_task(self.spare_marks.run(), name="spare-marks"))
         for name in [*self.followers, *self.prefill, *self.decode]:
             self._start_member_task(name)
         self.membership.add_listener(self._on_member)
@@ -229,6 +244,7 @@ class ClusterView:
             return
         if worker.is_up:
             logger.warning("%s %s is down: %s", worker.instance.role, instance_name, reason)
+            worker.outages.record(time.monotonic())
         worker.is_up, worker.last_error = False, reason
 
     # ---- placement ----------------------------------------------------------------------------------------
@@ -237,7 +253,18 @@ class ClusterView:
 
     def place(self, request: RequestInfo, now: float, excluded: frozenset[str] = frozenset()) -> Placement | Rejection:
         """Where the request runs; see the module docstring. `prefill_instance` "" means inline prefill.
-        `excluded`: instances this request saw fail (a migration goes elsewhere)."""
+        `excluded`: instances this request saw fail (a migration goes elsewhere). A placement is recorded as a
+        use of the prompt's blocks on the store where it prefills."""
+        result = self._place(request, now, excluded)
+        if isinstance(result, Placement):
+            worker = self.prefill.get(result.prefill_instance) or self.decode.get(result.decode_instance)
+            if worker is not None and worker.store_id:
+                self.replicas.note_use(worker.store_id, request.block_keys, result.num_prefix_blocks, now)
+                if self.recency is not None:
+                    self.recency.note_use(worker.store_id, request.block_keys, now)
+        return result
+
+    def _place(self, request: RequestInfo, now: float, excluded: frozenset[str]) -> Placement | Rejection:
         decode_views = [self._decode_view(w, now, excluded) for w in self.decode.values()]
         if not self.prefill:
             return self._place_inline(request, decode_views, now, max_uncached=None)
@@ -289,6 +316,8 @@ class ClusterView:
     def _prefill_view(self, worker: WorkerState, now: float, excluded: frozenset[str]) -> PrefillInstanceView:
         name = worker.instance.name
         view = prefill_view(worker, self.flights.on_prefill(name), self.predictors, now)
+        if self.recency is not None:
+            view = dataclasses.replace(view, coldest_use=self.recency.coldest_use(worker.store_id))
         return dataclasses.replace(view, is_available=False) if name in excluded else view
 
     def _decode_view(self, worker: WorkerState, now: float, excluded: frozenset[str]) -> DecodeInstanceView:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mooncaked.api.backend import PreparedRequest
+from mooncaked.api.requests import ChatRequest, CompletionRequest
+from mooncaked.kv.keys import isolation_tag
 from mooncaked.model.chat_template import ChatTemplate
 from mooncaked.model.sampler import SamplingParams
 from mooncaked.model.stopping import GenerationState
@@ -34,13 +36,22 @@ class ModelFrontend:
 class ConductorRequest(PreparedRequest):
     block_keys: tuple[bytes, ...] = ()
     arrival_time: float = 0.0  # time.monotonic()
+    key_isolation: bytes = b""  # who may share its KV (kv/keys.py isolation_tag): b"" everyone
+
+
+def key_isolation(request: CompletionRequest | ChatRequest) -> bytes:
+    """Who may share the request's KV (kv/keys.py): its tenant when the tenant's KV is private, its cache_salt."""
+    tenant = request.tenant
+    return isolation_tag(tenant=tenant.id if tenant is not None and tenant.is_kv_private else None,
+                         cache_salt=request.cache_salt)
 
 
 def sampling_spec(prepared: ConductorRequest, max_tokens: int) -> SamplingSpec:
     options = prepared.request.sampling
     return SamplingSpec(max_tokens=max_tokens, temperature=options.temperature, top_p=options.top_p,
                         top_k=options.top_k, seed=options.seed, ignore_eos=options.ignore_eos,
-                        num_logprobs=prepared.request.num_logprobs)
+                        num_logprobs=prepared.request.num_logprobs, priority=prepared.request.priority,
+                        is_batch=prepared.request.is_batch)
 
 
 def generation_state(model: ModelFrontend, prepared: ConductorRequest) -> GenerationState:

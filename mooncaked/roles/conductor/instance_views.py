@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 
 from mooncaked.config import InstanceConfig
 from mooncaked.roles.conductor.live_predictors import LivePredictors
+from mooncaked.roles.conductor.outages import OutageHistory
 from mooncaked.roles.worker.messages import LoadReply
 from mooncaked.sched.output_length import OutputLengthPredictor
 from mooncaked.sched.types import DecodeInstanceView, PrefillInstanceView
@@ -32,6 +33,7 @@ class WorkerState:
     last_error: str = ""
     has_polled: asyncio.Event = field(default_factory=asyncio.Event)
     state: str = "ready"  # its membership state: only a ready instance gets new work
+    outages: OutageHistory = field(default_factory=OutageHistory)
 
     @property
     def is_placeable(self) -> bool:

@@ -26,7 +26,7 @@ from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.cluster_view import ClusterView
 from mooncaked.roles.worker.messages import (DECODE, PREFILL, RESERVE, UNRESERVE, DecodeItem, DecodeRequest,
                                              PrefillReply, PrefillRequest, ReserveReply, ReserveRequest,
-                                             SamplingSpec, TokenSample, UnreserveRequest)
+                                             SamplingSpec, StoreTenant, TokenSample, UnreserveRequest)
 from mooncaked.rpc import Cancelled, DeadlineExceeded, ResourceExhausted, RpcClient, RpcError, Unavailable
 from mooncaked.sched.types import REASON_DECODE_REFUSED, Placement, Rejection, RequestInfo
 
@@ -46,6 +46,8 @@ class LegWork:
     arrival_time: float
     max_tokens: int  # the request's own max_tokens (the output-length predictor's key)
     client_id: str
+    key_isolation: bytes = b""  # who may share its KV (kv/keys.py)
+    tenant: StoreTenant | None = None  # who owns its new blocks in the stores, and that tenant's shares
 
 
 class LegFailed(Exception):
@@ -112,7 +114,8 @@ class Leg:
         lease_s = conductor.prefill_timeout_s + self.config.rpc.call_timeout_s
         request = ReserveRequest(work.leg_id, list(work.block_keys), len(work.token_ids), work.sampling.max_tokens,
                                  min(int(lease_s * 1000), self.config.store.max_lease_ms),
-                                 is_inline_prefill=not placement.prefill_instance)
+                                 is_inline_prefill=not placement.prefill_instance, tenant=work.tenant,
+                                 priority=work.sampling.priority, is_batch=work.sampling.is_batch)
         self.may_hold_reservation = True  # from here a cancel or a lost reply may leave one behind
         waits = self.config.scheduler.admission in ("none", "baseline")  # RESERVE waits for room there
         timeout_s = conductor.prefill_timeout_s if waits else self.config.rpc.call_timeout_s
@@ -123,6 +126,9 @@ class Leg:
         if not reply.is_accepted:
             self.may_hold_reservation = False
             logger.info("decode instance %s refused: %s", placement.decode_instance, reply.reason)
+            if reply.reason.startswith("switching:"):  # it is changing role: another decode instance may take it
+                raise LegFailed("reserve_lost", placement.decode_instance,
+                                unavailable(f"decode instance {placement.decode_instance} is switching roles"))
             error = overloaded(f"decode instance {placement.decode_instance} refused it: {reply.reason}",
                                float(conductor.retry_after_s))
             raise Rejected("decode_" + (reply.reason.partition(":")[0] or "refused"), error)
@@ -134,7 +140,8 @@ class Leg:
         request = PrefillRequest(
             work.leg_id, list(work.token_ids), list(work.block_keys), work.sampling, fetch_store=fetch_store,
             num_fetch_blocks=placement.num_prefix_blocks if fetch_store else 0,
-            decode_store=reservation.store_instance, destinations=list(reservation.destinations))
+            decode_store=reservation.store_instance, destinations=list(reservation.destinations),
+            key_isolation=work.key_isolation, tenant=work.tenant)
         try:
             reply = await self._client(placement.prefill_instance).call(
                 PREFILL, request, timeout_s=self.config.conductor.prefill_timeout_s)
@@ -146,7 +153,8 @@ class Leg:
     def open_decode(self, first_token: TokenSample | None, max_tokens: int) -> None:
         placement, work, conductor = self._placed(), self.work, self.config.conductor
         request = DecodeRequest(work.leg_id, list(work.token_ids), list(work.block_keys),
-                                dataclasses.replace(work.sampling, max_tokens=max_tokens), first_token)
+                                dataclasses.replace(work.sampling, max_tokens=max_tokens), first_token,
+                                key_isolation=work.key_isolation, tenant=work.tenant)
         stream_s = conductor.first_token_timeout_s + max_tokens * conductor.token_timeout_s
         self.decode_stream = self._client(placement.decode_instance).stream(DECODE, request, timeout_s=stream_s)
         self.view.flights.decode_started(work.leg_id, time.monotonic())

@@ -14,7 +14,9 @@
    stores hold. The client's stream goes on: no token repeated or missing, usage counted once. At most
    `conductor.max_migrations` times; then, or with no instance left, the client gets the error.
 4. Settle, however the request ended: settle the open attempt, teach the output-length predictor a naturally
-   ended request's length, record how far the predictions were from what happened, and count it.
+   ended request's length, record how far the predictions were from what happened, and count it (also by
+   class). A rejected batch line is no answer: it is not counted as a rejection, and the batch queue runs it
+   again; a rejected interactive request tells the batch queue to yield.
 """
 
 from __future__ import annotations
@@ -28,16 +30,17 @@ from typing import Protocol
 from mooncaked.api.backend import GenerationChunk, TokenLogprob
 from mooncaked.api.errors import ApiError
 from mooncaked.config import Config
-from mooncaked.kv.keys import block_keys
+from mooncaked.kv.keys import block_keys, isolated_namespace
 from mooncaked.logs import request_id_var
 from mooncaked.metrics import Metrics
 from mooncaked.model.stopping import FINISH_LENGTH, FINISH_STOP, GenerationState
 from mooncaked.roles.base import PeerClients
+from mooncaked.roles.conductor.class_metrics import ClassMetrics
 from mooncaked.roles.conductor.cluster_view import ClusterView
 from mooncaked.roles.conductor.frontend import ConductorRequest, ModelFrontend
 from mooncaked.roles.conductor.leg import Leg, LegFailed, LegWork, Rejected
 from mooncaked.roles.conductor.prediction_errors import PredictionErrors, PredictionRecord
-from mooncaked.roles.worker.messages import FINISH_EOS, PrefillReply, SamplingSpec, TokenSample
+from mooncaked.roles.worker.messages import FINISH_EOS, PrefillReply, SamplingSpec, StoreTenant, TokenSample
 from mooncaked.sched.types import Placement
 
 logger = logging.getLogger(__name__)
@@ -55,7 +58,11 @@ class RunServices(Protocol):
     namespace: bytes
     num_active: int
 
+    class_metrics: ClassMetrics
+
     def update_queue_metrics(self) -> None: ...
+
+    def interactive_rejected(self, reason: str) -> None: ...
 
 
 class RequestRun:
@@ -113,10 +120,13 @@ class RequestRun:
                                        num_sampled=len(output))
         leg_id = self.request_id if not self.num_migrations else f"{self.request_id}~{self.num_migrations}"
         token_ids = prepared.prompt_token_ids + output
+        namespace = isolated_namespace(self.backend.namespace, prepared.key_isolation)
         keys = prepared.block_keys if not output else tuple(
-            block_keys(list(token_ids), self.config.kv.block_size, self.backend.namespace))
+            block_keys(list(token_ids), self.config.kv.block_size, namespace))
+        tenant = prepared.request.tenant
+        owner = StoreTenant(tenant.id, tenant.pool_share or 0.0, tenant.min_pool_share) if tenant else None
         return LegWork(leg_id, token_ids, keys, sampling, prepared.arrival_time, prepared.max_tokens,
-                       prepared.request.client_id)
+                       prepared.request.client_id, prepared.key_isolation, owner)
 
     async def _serve(self, leg: Leg) -> AsyncIterator[GenerationChunk]:
         placement = leg.place(frozenset(self.failed_instances))
@@ -176,7 +186,14 @@ class RequestRun:
 
     def _reject(self, reason: str) -> None:
         self.status = "rejected"
+        if self.prepared.request.is_batch:  # not an answer: the batch queue runs the line again later
+            logger.info("batch line deferred: %s", reason)
+            return
         self.backend.metrics.requests.observe_rejection(reason)
+        tenant = self.prepared.request.tenant
+        if tenant is not None:
+            self.backend.metrics.tenants.observe_rejection(tenant.id, reason)
+        self.backend.interactive_rejected(reason)
         logger.info("rejected: %s", reason)
 
     # ---- output -------------------------------------------------------------------------------------------
@@ -252,9 +269,17 @@ class RequestRun:
             self._record_prediction_error(num_output_tokens)
             self.backend.num_active -= 1
             self.backend.update_queue_metrics()
+            tenant = self.prepared.request.tenant
+            if tenant is not None:
+                self.backend.metrics.tenants.observe_finished(
+                    tenant.id, status=self.status, num_prompt_tokens=self.prepared.num_prompt_tokens,
+                    num_cached_tokens=self.num_cached_tokens, num_output_tokens=num_output_tokens)
+            e2e_s = time.monotonic() - self.prepared.arrival_time
+            ttft_s = None if self.first_token_at is None else self.first_token_at - self.prepared.arrival_time
+            self.backend.class_metrics.observe_finished(is_batch=self.prepared.request.is_batch, status=self.status,
+                                                        ttft_s=ttft_s, e2e_s=e2e_s,
+                                                        num_output_tokens=num_output_tokens)
             if self.status != "rejected":
-                e2e_s = time.monotonic() - self.prepared.arrival_time
-                ttft_s = None if self.first_token_at is None else self.first_token_at - self.prepared.arrival_time
                 self.backend.metrics.requests.observe_finished(status=self.status, ttft_s=ttft_s, e2e_s=e2e_s,
                                                                num_output_tokens=num_output_tokens)
 

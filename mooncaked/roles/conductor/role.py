@@ -1,14 +1,19 @@
 """The conductor role: the OpenAI-compatible HTTP API in front of the cluster (DESIGN sections 3, 7 and 9).
 
 1. `start()`: load the tokenizer, chat template and model shape (no weights), build the scheduler's policy and
-   default predictors, start the cluster view (index resync from every store's dump, first LOAD round), then
-   serve HTTP on `instance.host:instance.port` and, when `instance.rpc_port` is set, the health/info RPC endpoint.
-2. Requests flow through `ConductorBackend` (see backend.py).
+   default predictors, start the cluster view (index resync from every store's dump, first LOAD round), the
+   context-cache registry (caches.py) and, with `conductor.batch_dir`, the batch manager (batches.py: it resumes
+   unfinished batches), then serve HTTP on `instance.host:instance.port` and, when `instance.rpc_port` is set,
+   the health/info RPC endpoint.
+2. Requests flow through `ConductorBackend` (see backend.py); /v1/caches through the cache registry, /v1/files
+   and /v1/batches through the batch manager.
 3. `stop()`: stop accepting HTTP, let in-flight requests finish up to runtime.drain_timeout_s, cancel the rest
-   (their legs are cancelled remotely), then stop the RPC endpoint, the store followers and LOAD pollers, and
-   close the RPC clients, in that order.
+   (their legs are cancelled remotely), then stop the RPC endpoint, the batch manager (running lines cancelled,
+   not answered), the cache registry, the store followers and LOAD pollers, and close the RPC clients, in that
+   order.
 
-Owns the HTTP runner, the RPC endpoint, the peer clients, the metrics, the cluster view and the backend. It holds
+Owns the HTTP runner, the RPC endpoint, the peer clients, the metrics, the cluster view, the backend, the cache
+registry and the batch manager. Besides the Batch API's files and journals under `conductor.batch_dir`, it holds
 no state that the stores and workers cannot give back: a restarted conductor serves correctly at once.
 """
 
@@ -17,12 +22,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 from pathlib import Path
 
 from aiohttp import web
 
 from mooncaked.api.app import create_app
-from mooncaked.config import Config, InstanceConfig
+from mooncaked.api.batch_routes import add_batch_routes, add_disabled_routes
+from mooncaked.api.cache_routes import add_cache_routes
+from mooncaked.api.client_guard import ClientGuard, GuardedSite
+from mooncaked.api.tenant_gate import TenantGate
+from mooncaked.config import Config, ConfigError, InstanceConfig
+from mooncaked.config_schema import ConfigIssue
 from mooncaked.etcd_membership import EtcdMembership
 from mooncaked.membership import Membership, StaticMembership
 from mooncaked.metrics import Metrics
@@ -30,10 +41,15 @@ from mooncaked.model.loader import ModelFrontendInfo, load_frontend, num_paramet
 from mooncaked.roles.base import PeerClients, RoleEndpoint
 from mooncaked.roles.conductor.cluster_view import ClusterView, ClusterViewSettings
 from mooncaked.roles.conductor.backend import ConductorBackend
+from mooncaked.roles.conductor.batches import BatchManager
+from mooncaked.roles.conductor.caches import CacheRegistry
+from mooncaked.roles.conductor.completion import complete
 from mooncaked.roles.conductor.frontend import ModelFrontend
 from mooncaked.roles.conductor.leader import PdController
 from mooncaked.roles.conductor.live_predictors import LivePredictors
 from mooncaked.roles.conductor.store_follower import FollowerSettings
+from mooncaked.roles.conductor.tenancy import make_gate
+from mooncaked.roles.conductor.tenancy import reload as reload_tenants
 from mooncaked.sched.predictors import DecodeStepPredictor, Predictors, PrefillTimePredictor, TransferTimePredictor
 from mooncaked.sched.types import PolicyConfig
 
@@ -62,7 +78,11 @@ class ConductorRole:
         self.runner: web.AppRunner | None = None
         self.endpoint: RoleEndpoint | None = None
         self.controller: PdController | None = None
+        self.gate: TenantGate | None = None
+        self.caches: CacheRegistry | None = None
+        self.batches: BatchManager | None = None
         self.bound_port = 0
+        self._is_watching_sighup = False
 
     async def start(self) -> None:
         config = self.config
@@ -77,12 +97,30 @@ class ConductorRole:
             self.controller = PdController(config, self.view, self.peers, self.membership)
             await self.controller.start()
         self.backend = ConductorBackend(config, frontend, self.view, self.peers, self.metrics, self.controller)
-        app = create_app(self.backend, api_keys=read_api_keys(config.conductor.api_keys_file),
-                         max_body_bytes=config.conductor.max_body_bytes,
-                         request_timeout_s=config.conductor.request_timeout_s)
+        backend, section = self.backend, config.conductor
+        self.caches = CacheRegistry(config, frontend, self.view, self.peers, backend.namespace,
+                                    lambda request: complete(backend, request, section.request_timeout_s))
+        await self.caches.start()
+        self.gate = make_gate(config, self.metrics)
+        guard = ClientGuard(client_timeout_s=section.client_timeout_s,
+                            max_connections_per_client=section.max_connections_per_client)
+        app = create_app(self.backend, gate=self.gate, max_body_bytes=section.max_body_bytes,
+                         request_timeout_s=section.request_timeout_s, client_guard=guard)
+        self._watch_sighup()
+        add_cache_routes(app, self.caches, list(frontend.served_names), default_ttl_s=section.default_cache_ttl_s,
+                         max_ttl_s=section.max_cache_ttl_s)
+        if section.batch_dir is None:
+            add_disabled_routes(app)
+        else:
+            gate = self.gate
+            self.batches = BatchManager(config, backend, self.view, Path(section.batch_dir),
+                                        tenant_of=lambda tenant_id: gate.directory.tenants.get(tenant_id))
+            backend.on_interactive_rejection = self.batches.interactive_rejected
+            await self.batches.start()
+            add_batch_routes(app, self.batches.files, self.batches, section.max_file_bytes)
         self.runner = web.AppRunner(app, shutdown_timeout=config.runtime.drain_timeout_s, access_log=None)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, self.instance.host, self.instance.port)
+        site = GuardedSite(self.runner, self.instance.host, self.instance.port, guard)
         await site.start()
         self.bound_port = _bound_port(self.runner)
         if self.instance.rpc_port:
@@ -93,13 +131,31 @@ class ConductorRole:
                     frontend.served_names[0], self.instance.host, self.bound_port, len(self.view.prefill),
                     len(self.view.decode), len(self.view.followers))
 
+    def reload_tenants(self) -> bool:
+        """Re-read the tenants file (SIGHUP): requests in flight are untouched; a bad file changes nothing."""
+        return self.gate is not None and reload_tenants(self.gate, self.config)
+
+    def _watch_sighup(self) -> None:
+        try:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload_tenants)
+            self._is_watching_sighup = True
+        except (RuntimeError, ValueError):  # not the main thread (an in-process test): reload_tenants() by hand
+            logger.debug("SIGHUP not watched: the event loop is not in the main thread")
+
     async def stop(self) -> None:
+        if self._is_watching_sighup:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+            self._is_watching_sighup = False
         if self.runner is not None:
             await self.runner.cleanup()  # stop listening, drain up to drain_timeout_s, cancel the rest
             self.runner = None
         if self.endpoint is not None:
             await self.endpoint.stop()
             self.endpoint = None
+        if self.batches is not None:
+            await self.batches.stop()  # running lines are cancelled: a restarted conductor runs them again
+        if self.caches is not None:
+            await self.caches.stop()
         if self.controller is not None:
             await self.controller.stop()
         if self.view is not None:
@@ -130,7 +186,9 @@ def policy_config(config: Config) -> PolicyConfig:
     return PolicyConfig(scheduler=section.policy, admission=section.admission,
                         kvcache_balancing_threshold=section.kvcache_balancing_threshold,
                         ttft_slo_s=section.ttft_slo_ms / 1000, tbt_slo_s=section.tbt_slo_ms / 1000,
-                        block_size=config.kv.block_size, decode_time_s=section.decode_time_s, seed=section.seed)
+                        block_size=config.kv.block_size, decode_time_s=section.decode_time_s, seed=section.seed,
+                        replication=section.replication, heat_half_life_s=section.heat_half_life_s,
+                        replica_displaced_reuse=section.replica_displaced_reuse, tie_break=section.tie_break)
 
 
 def view_settings(config: Config) -> ClusterViewSettings:
@@ -139,7 +197,8 @@ def view_settings(config: Config) -> ClusterViewSettings:
                                 min_backoff_s=conductor.load_poll_interval_s)
     return ClusterViewSettings(poll_interval_s=conductor.load_poll_interval_s,
                                poll_timeout_s=conductor.load_poll_timeout_s,
-                               startup_timeout_s=conductor.startup_sync_timeout_s, follower=follower)
+                               startup_timeout_s=conductor.startup_sync_timeout_s, follower=follower,
+                               spare_marks_interval_s=conductor.spare_marks_interval_s)
 
 
 def default_predictors(config: Config, loaded: ModelFrontendInfo) -> Predictors:
@@ -176,19 +235,6 @@ def read_profile(path: Path, prefill: PrefillTimePredictor,
         if "decode" in data:
             decode = DecodeStepPredictor.fit([(int(b), int(t), float(s)) for b, t, s in data["decode"]])
     except (OSError, ValueError, TypeError) as exc:
-        raise RuntimeError(f"scheduler.prefill_profile {path}: {exc}; expected JSON {PROFILE_FORMAT}") from None
+        raise ConfigError([ConfigIssue("scheduler.prefill_profile",
+                                       f"{path}: {exc}; expected JSON {PROFILE_FORMAT}")]) from None
     return prefill, decode
-
-
-def read_api_keys(path: str | None) -> frozenset[str]:
-    """One key per line; blank lines and lines starting with # are ignored."""
-    if path is None:
-        return frozenset()
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as exc:
-        raise RuntimeError(f"cannot read conductor.api_keys_file {path}: {exc.strerror}") from None
-    keys = frozenset(line.strip() for line in lines if line.strip() and not line.strip().startswith("#"))
-    if not keys:
-        raise RuntimeError(f"conductor.api_keys_file {path} holds no key")
-    return keys

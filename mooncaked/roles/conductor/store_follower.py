@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from typing import TypeVar
 from mooncaked.config import InstanceConfig
 from mooncaked.kv import messages as kv_msg
 from mooncaked.kv.events import BLOCK_STORED
+from mooncaked.roles.conductor.outages import OutageHistory
 from mooncaked.rpc import DeadlineExceeded, NotFound, RpcClient, RpcError
 from mooncaked.sched.shadow_index import ShadowIndex
 
@@ -65,6 +67,7 @@ class StoreFollower:
         self.num_resyncs = 0
         self.last_error = ""
         self.has_tried = asyncio.Event()
+        self.outages = OutageHistory()
 
     async def run(self) -> None:
         backoff_s = self.settings.min_backoff_s
@@ -130,6 +133,8 @@ class StoreFollower:
         if self.is_up or not self.last_error:
             logger.warning("store %s unreachable (%s): its keys leave the index until it is back",
                            self.store.name, exc)
+        if self.is_up:
+            self.outages.record(time.monotonic())
         self.index.remove_store(self.store.name)
         self.index.add_store(self.store.name)
         self.is_up, self.needs_dump, self.last_error = False, True, str(exc)

@@ -1,12 +1,15 @@
 """The decode role (DESIGN 3, steps 2 and 5): reserve, load the prefilled KV, decode in a continuous batch.
 
 1. RESERVE: check the batch's room (and, by admission policy, the TBT SLO with this instance's own fitted model:
-   decode_admission.py; under `none` and `baseline` a request waits for room instead), set pages aside, and
-   allocate store space on this host for the prompt blocks it lacks (plus a private block for the partial
-   tail); the reply names them. A reservation lives until DECODE claims it or its lease runs out.
-2. DECODE with a first token: read the prompt's blocks from this host's store into staging (the prefill
-   instance wrote them), commit the full blocks (they become cache here), drop the tail block, load the KV
-   into pages and join the batch. DECODE without one: prefill inline (the colocated path), then join.
+   decode_admission.py; under `none` and `baseline` a request waits for room instead, the waiting ones taking it
+   interactive first, then by priority and arrival), set pages aside, and allocate store space on this host for
+   the prompt blocks it lacks (plus a private block for the partial tail); the reply names them. A reservation
+   lives until DECODE claims it or its lease runs out.
+2. DECODE with a first token: load the prompt's blocks from this host's store (the prefill instance wrote them)
+   into pages layer by layer, layer i+1's read under way while layer i is copied into the pages, off the
+   compute thread (running sequences keep decoding meanwhile); commit the full blocks (they become cache
+   here), drop the tail block and join the batch. DECODE without one: prefill inline (the colocated path),
+   then join.
 3. Stream one item per step (several when the consumer lags) until EOS, a stop token or max_tokens; when the
    stream ends for any reason, leave the batch and free the pages.
 """
@@ -34,12 +37,13 @@ from mooncaked.roles.worker.messages import (DECODE, LOAD, RESERVE, UNRESERVE, D
                                              UnreserveReply, UnreserveRequest)
 from mooncaked.roles.worker.prefill_forward import run_prefill_forward
 from mooncaked.roles.worker.profiler import profile
-from mooncaked.roles.worker.request_kv import RequestKv, num_blocks_for
+from mooncaked.roles.worker.request_kv import BlockSource, RequestKv, num_blocks_for
 from mooncaked.roles.worker.reservations import Reservation, ReservationBook
 from mooncaked.roles.worker.sampling import to_params
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import CallContext, InvalidArgument, NotFound, ResourceExhausted
 from mooncaked.sched.perf_model import RecentMean
+from mooncaked.sched.priority import queue_rank
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +69,7 @@ class DecodeRole:
         self.endpoint.add_method(DECODE, self._decode)
         self.endpoint.add_method(LOAD, self._load, is_eager=True)
         self._num_prefilling = 0
+        self._waiting: dict[str, tuple[int, int, float]] = {}  # RESERVE calls waiting for room: their queue rank
         self.inline_overhead = RecentMean()
 
     async def start(self) -> None:
@@ -129,13 +134,27 @@ class DecodeRole:
                                self.worker.section.max_batch_size, self._step_limit())
 
     async def _wait_for_room(self, request: ReserveRequest, num_pages: int, ctx: CallContext) -> str:
-        """`none` and `baseline`: wait for room up to the call's deadline, expiring stale reservations meanwhile."""
-        while True:
-            await self.reservations.expire()
-            timeout_s = min(ctx.deadline, self.reservations.next_expiry(ctx.deadline)) - time.monotonic()
-            reason = await self.reservations.room.wait_until(lambda: self._refusal(request, num_pages), max(timeout_s, 0.0))
-            if not reason or ctx.time_left_s() <= 0:
-                return reason
+        """`none` and `baseline`: wait for room up to the call's deadline, expiring stale reservations meanwhile.
+        Waiting calls take room in queue order (interactive first, then priority, then arrival)."""
+        rank = queue_rank(request.is_batch, request.priority, time.monotonic())
+        self._waiting[request.request_id] = rank
+        reason = "cancelled"
+        try:
+            while True:
+                await self.reservations.expire()
+                timeout_s = min(ctx.deadline, self.reservations.next_expiry(ctx.deadline)) - time.monotonic()
+                reason = await self.reservations.room.wait_until(
+                    lambda: self._refusal(request, num_pages) or self._behind(rank), max(timeout_s, 0.0))
+                if not reason or ctx.time_left_s() <= 0:
+                    return reason
+        finally:
+            del self._waiting[request.request_id]
+            if reason:  # given up: the calls behind it look again (a granted one wakes them once it reserved)
+                await self.reservations.room.freed()
+
+    def _behind(self, rank: tuple[int, int, float]) -> str:
+        num_ahead = sum(1 for other in self._waiting.values() if other < rank)
+        return f"queued: {num_ahead} waiting requests go first" if num_ahead else ""
 
     async def _reserve(self, request: ReserveRequest, ctx: CallContext) -> ReserveReply:
         request_id_var.set(request.request_id)
@@ -149,11 +168,13 @@ class DecodeRole:
             return ReserveReply(is_accepted=False, reason=f"memory: needs {num_pages} KV pages, the instance has "
                                 f"{self.worker.num_pages}")
         reason = self._refusal(request, num_pages)
-        if reason and self.config.scheduler.admission in WAITING_POLICIES:
+        if (reason or self._waiting) and self.config.scheduler.admission in WAITING_POLICIES:
             reason = await self._wait_for_room(request, num_pages, ctx)
         if reason:
             return ReserveReply(is_accepted=False, reason=reason)
         reservation = self.reservations.add(request, num_pages)
+        if self._waiting:
+            await self.reservations.room.freed()  # the next in line may fit beside it
         if request.is_inline_prefill:
             return ReserveReply(is_accepted=True, store_instance=self.worker.local_store_name)
         try:
@@ -161,6 +182,9 @@ class DecodeRole:
         except ResourceExhausted as exc:
             await self.reservations.drop(request.request_id)
             return ReserveReply(is_accepted=False, reason=f"store: {exc.message}")
+        except BaseException:
+            await self.reservations.drop(request.request_id)
+            raise
         return self.reservations.reply(reservation)
 
     async def _unreserve(self, request: UnreserveRequest, ctx: CallContext) -> UnreserveReply:
@@ -175,7 +199,7 @@ class DecodeRole:
             raise NotFound(f"no reservation for request {request.request_id}: reserve first (or it expired)")
         if len(request.token_ids) != reservation.request.num_prompt_tokens:
             raise InvalidArgument("token_ids do not match the reserved num_prompt_tokens")
-        check_block_keys(self.worker, request.token_ids, request.block_keys)
+        check_block_keys(self.worker, request.token_ids, request.block_keys, request.key_isolation)
         return reservation
 
     async def _load_prefilled(self, request: DecodeRequest, reservation: Reservation) -> RequestKv:
@@ -187,12 +211,12 @@ class DecodeRole:
             blocks += [(index_of[h.key], h.offset) for h in reservation.handles]
             if reservation.tail is not None:
                 blocks.append((len(request.block_keys), reservation.tail.offset))
-            async with asyncio.timeout(worker.section.kv_load_timeout_s):
-                await kv.read_blocks(worker.local_store_name, [i for i, _ in blocks], [o for _, o in blocks])
-                if reservation.handles:
-                    await store.commit([h.handle_id for h in reservation.handles])
-                    reservation.handles = []
-                await worker.compute(kv.load_all_layers, kv.num_blocks)
+            kv.start_loading([BlockSource(worker.local_store_name, [i for i, _ in blocks], [o for _, o in blocks],
+                                          reservation.incarnation)], kv.num_blocks)
+            await kv.wait_loaded()
+            if reservation.handles:
+                await store.commit([h.handle_id for h in reservation.handles])
+                reservation.handles = []
         except BaseException:
             await kv.release()
             raise
@@ -204,7 +228,8 @@ class DecodeRole:
         worker, started = self.worker, time.monotonic()
         plan = await plan_prompt_kv(worker, request.request_id, list(request.token_ids), request.block_keys,
                                     timeout_s=max(ctx.deadline - time.monotonic(), 0.001),
-                                    num_extra_tokens=request.sampling.max_tokens)
+                                    num_extra_tokens=request.sampling.max_tokens, key_isolation=request.key_isolation,
+                                    tenant=request.tenant)
         self._num_prefilling += 1
         try:
             samples, forward_s = await worker.compute(_timed_forward, worker, plan, request.sampling)

@@ -102,10 +102,12 @@ class DecodeLoop:
         return sum(len(seq.token_ids) for seq in self.running)
 
     async def _run(self) -> None:
+        last_done: float | None = None  # when the previous step ended, while the loop has not idled since
         while True:
             if not self.running:
                 self._wakeup.clear()
                 await self._wakeup.wait()
+                last_done = None
                 continue
             batch = list(self.running)
             self._in_step = batch
@@ -120,7 +122,11 @@ class DecodeLoop:
                 self._in_step = []
                 self._step_done.set()
             self._observe(step_s)
+            done = time.monotonic()
             self.worker.perf.add_decode(len(batch), num_context_tokens, step_s)
+            if last_done is not None:  # the gap a client sees between tokens: the step and what ran before it
+                self.worker.perf.observe_decode_interval(len(batch), num_context_tokens, done - last_done)
+            last_done = done
             self.on_step(len(batch), step_s)
             self._deliver(batch, samples)
 

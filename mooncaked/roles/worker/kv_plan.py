@@ -1,13 +1,14 @@
 """Where one prompt's KV comes from and goes to on a worker, planned before its forward.
 
-1. `plan_prompt_kv(...)` checks the block keys, optionally fetches a prefix from another host's store into this
-   host's store (hot-block replication: the copy is committed here and becomes local cache), allocates this
-   host's store space for the new full blocks (read leases on the present ones), and reads the reusable prefix
-   into the request's staging buffer.
-2. The forward runs with `kv.load_layer` before each layer and `plan.store_layer` after it: layer i of the new
-   blocks goes to this host's store and, for prefill, to the decode host's reserved destinations.
-3. `close_store(commit)` commits the new blocks (or aborts them) and ends the read leases; `kv.release()` (the
-   plan's owner calls it) frees pages and staging.
+1. `plan_prompt_kv(...)` checks the block keys; when told to fetch a prefix from another host's store it looks
+   the blocks up there (leased, not copied yet); it allocates this host's store space for every block it lacks
+   (read leases on the present ones: the reusable prefix is this host's blocks, then the other host's), and
+   starts loading the prefix layer by layer into the request's pages while the job waits for its batch.
+2. The forward waits for layer i of the prefix before computing layer i (`kv.wait_layer_loaded`), and after
+   it `plan.store_layer` queues layer i of the blocks this host lacks (computed ones, and fetched ones: that
+   is hot-block replication) for this host's store and, for prefill, the decode host's reserved destinations.
+3. `close_store(commit)` commits the new blocks (or aborts them) and ends every read lease; `kv.release()`
+   (the plan's owner calls it) frees pages and staging.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from mooncaked.engine.batch import PrefillSeq
-from mooncaked.kv.keys import block_keys
+from mooncaked.kv.client import incarnation_of
+from mooncaked.kv.keys import KEY_BYTES, block_keys, isolated_namespace
 from mooncaked.kv.messages import WriteHandle
-from mooncaked.roles.worker.messages import Destination
-from mooncaked.roles.worker.request_kv import RequestKv
+from mooncaked.kv.tenant_quota import TenantShare
+from mooncaked.roles.worker.messages import Destination, StoreTenant
+from mooncaked.roles.worker.request_kv import BlockSource, LayerWrite, RequestKv
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import InvalidArgument, ResourceExhausted
 
@@ -37,26 +41,30 @@ class KvPlan:
     num_fetched_blocks: int = 0
     local_handles: list[tuple[int, WriteHandle]] = field(default_factory=list)  # (block index, handle)
     local_lease_ids: list[int] = field(default_factory=list)
+    remote_leases: list[tuple[str, int]] = field(default_factory=list)  # (store name, lease id)
     destinations: dict[str, list[Destination]] = field(default_factory=dict)  # store name -> blocks it wants
     is_closed: bool = False
     is_cancelled: bool = False  # set by the event loop; the compute thread then posts no more writes
+    owner: dict[str, Any] = field(default_factory=dict)  # allocate()'s tenant and share (store_owner)
 
     def prefill_seq(self) -> PrefillSeq:
         num_cached = self.num_prefix_blocks * self.kv.worker.block_size
         return PrefillSeq(token_ids=self.token_ids[num_cached:], num_cached_tokens=num_cached,
                           page_ids=self.kv.page_ids)
 
+    def layer_writes(self) -> list[LayerWrite]:
+        """Where each layer goes: this host's new blocks, then every destination's."""
+        local = LayerWrite(self.kv.worker.local_store_name, [i for i, _ in self.local_handles],
+                           [h.offset for _, h in self.local_handles], incarnation_of(h for _, h in self.local_handles))
+        return [local, *(LayerWrite(store_name, [d.block_index for d in wanted], [d.handle.offset for d in wanted],
+                                    incarnation_of(d.handle for d in wanted))
+                         for store_name, wanted in self.destinations.items())]
+
     def store_layer(self, layer: int) -> None:
-        """Compute thread, after layer `layer`: stage the new blocks' KV and send it to every destination."""
-        if self.is_cancelled:
-            return
-        self.kv.store_layer(layer, start=self.num_prefix_blocks)
-        kv, local = self.kv, self.kv.worker.local_store_name
-        kv.post_write_layer(local, [i for i, _ in self.local_handles], [h.offset for _, h in self.local_handles],
-                            layer)
-        for store_name, wanted in self.destinations.items():
-            kv.post_write_layer(store_name, [d.block_index for d in wanted], [d.handle.offset for d in wanted],
-                                layer)
+        """Compute thread, after layer `layer`: queue its new KV for every destination (copy, then writes)."""
+        writes = [write for write in self.layer_writes() if write.indices]
+        if writes and not self.is_cancelled:
+            self.kv.store_layer(layer, self.num_prefix_blocks, writes)
 
     async def close_store(self, commit: bool) -> None:
         """Commit (or abort) the new blocks and end the read leases; idempotent, never raises."""
@@ -70,17 +78,22 @@ class KvPlan:
                 await (local.commit(handle_ids) if commit else local.abort(handle_ids))
             if self.local_lease_ids:
                 await local.release(self.local_lease_ids)
+            for store_name, lease_id in self.remote_leases:
+                await (await self.kv.worker.store_client(store_name)).release([lease_id])
         except Exception as exc:  # the store reclaims them when their leases expire
             logger.warning("ending store handles of %s failed: %s", self.kv.request_id, exc)
 
     async def close(self, commit: bool) -> None:
         await self.kv.settle_writes(self.kv.worker.config.transfer.timeout_s)
+        await self.kv.release()  # stops the loader first: no read may use a lease ended below
         await self.close_store(commit)
-        await self.kv.release()
 
 
-def check_block_keys(worker: Worker, token_ids: Sequence[int], keys: Sequence[bytes]) -> list[bytes]:
-    expected = block_keys(token_ids, worker.block_size, worker.namespace)
+def check_block_keys(worker: Worker, token_ids: Sequence[int], keys: Sequence[bytes],
+                     isolation: bytes = b"") -> list[bytes]:
+    if isolation and len(isolation) != KEY_BYTES:
+        raise InvalidArgument(f"key_isolation must be {KEY_BYTES} bytes or empty, got {len(isolation)}")
+    expected = block_keys(token_ids, worker.block_size, isolated_namespace(worker.namespace, isolation))
     if list(keys) != expected:
         raise InvalidArgument("block_keys do not match the token ids under this instance's model namespace "
                               "(model id, dtype and block size must agree across the cluster)")
@@ -90,10 +103,12 @@ def check_block_keys(worker: Worker, token_ids: Sequence[int], keys: Sequence[by
 async def plan_prompt_kv(worker: Worker, request_id: str, token_ids: list[int], keys: Sequence[bytes], *,
                          timeout_s: float, num_extra_tokens: int = 0, fetch_store: str = "",
                          num_fetch_blocks: int = 0, decode_store: str = "",
-                         destinations: Sequence[Destination] = ()) -> KvPlan:
+                         destinations: Sequence[Destination] = (), key_isolation: bytes = b"",
+                         tenant: StoreTenant | None = None) -> KvPlan:
     """Steps 1 of the module docstring; on failure everything taken so far is given back."""
     _check_prompt(worker, token_ids)
-    keys = check_block_keys(worker, token_ids, keys)
+    keys = check_block_keys(worker, token_ids, keys, key_isolation)
+    owner = store_owner(tenant)
     for store_name in (fetch_store, decode_store if destinations else ""):
         if store_name:
             worker.store_instance(store_name)
@@ -101,17 +116,29 @@ async def plan_prompt_kv(worker: Worker, request_id: str, token_ids: list[int], 
         kv = RequestKv(worker, request_id, len(token_ids), num_extra_tokens)
     except RuntimeError as exc:
         raise ResourceExhausted(f"not enough KV pages for {len(token_ids)} tokens: {exc}") from None
-    plan = KvPlan(kv, list(token_ids))
+    plan = KvPlan(kv, list(token_ids), owner=owner)
     if destinations:
         plan.destinations[decode_store] = list(destinations)
     try:
+        fetched = BlockSource(fetch_store, [], [])
         if fetch_store and fetch_store != worker.local_store_name and num_fetch_blocks > 0:
-            await _fetch_prefix(plan, fetch_store, keys[:num_fetch_blocks], timeout_s)
-        await _reserve_local(plan, keys, timeout_s)
+            fetched = await _lookup_remote(plan, fetch_store, keys[:num_fetch_blocks], timeout_s)
+        sources = await _reserve_local(plan, keys, fetched, timeout_s)
     except BaseException:
         await plan.close(commit=False)
         raise
+    plan.kv.start_loading(sources, plan.num_prefix_blocks)
     return plan
+
+
+def store_owner(tenant: StoreTenant | None) -> dict[str, Any]:
+    """StoreClient.allocate's `tenant` and `share` for a request's new blocks ({} without a tenant)."""
+    if tenant is None:
+        return {}
+    try:
+        return {"tenant": tenant.id, "share": TenantShare(tenant.pool_share, tenant.min_pool_share)}
+    except ValueError as exc:
+        raise InvalidArgument(f"tenant: {exc}") from None
 
 
 def _check_prompt(worker: Worker, token_ids: Sequence[int]) -> None:
@@ -132,42 +159,24 @@ def _lease_ms(worker: Worker, timeout_s: float) -> int:
     return min(max(int(timeout_s * 1000) + 5_000, store.default_lease_ms), store.max_lease_ms)
 
 
-async def _fetch_prefix(plan: KvPlan, fetch_store: str, keys: list[bytes], timeout_s: float) -> None:
-    """Copy the longest prefix of `keys` held by `fetch_store` into this host's store (and staging)."""
-    worker, kv = plan.kv.worker, plan.kv
+async def _lookup_remote(plan: KvPlan, fetch_store: str, keys: list[bytes], timeout_s: float) -> BlockSource:
+    """Lease the longest prefix of `keys` held by `fetch_store` (its block indices and pool offsets there)."""
+    worker = plan.kv.worker
     remote = await worker.store_client(fetch_store)
     found = await remote.lookup(keys, lease_ms=_lease_ms(worker, timeout_s))
-    try:
-        if not found.locations:
-            return
-        num_found = len(found.locations)
-        reply = await worker.local_store.allocate(keys[:num_found], worker.block_nbytes, _lease_ms(worker, timeout_s))
-        index_of = {key: i for i, key in enumerate(keys[:num_found])}
-        indices = [index_of[h.key] for h in reply.handles]
-        offsets = [found.locations[i].offset for i in indices]
-        try:
-            await kv.read_blocks(fetch_store, indices, offsets)
-            await kv.write_blocks(worker.local_store_name, indices, [h.offset for h in reply.handles])
-            if reply.handles:
-                await worker.local_store.commit([h.handle_id for h in reply.handles])
-        except BaseException:
-            if reply.handles:
-                await worker.local_store.abort([h.handle_id for h in reply.handles])
-            raise
-        finally:
-            if reply.read_lease_id:
-                await worker.local_store.release([reply.read_lease_id])
-        plan.num_fetched_blocks = len(indices)
-    finally:
-        if found.read_lease_id:
-            await remote.release([found.read_lease_id])
+    if found.read_lease_id:
+        plan.remote_leases.append((fetch_store, found.read_lease_id))
+    index_of = {key: i for i, key in enumerate(keys)}
+    return BlockSource(fetch_store, [index_of[loc.key] for loc in found.locations],
+                       [loc.offset for loc in found.locations], incarnation_of(found.locations))
 
 
-async def _reserve_local(plan: KvPlan, keys: list[bytes], timeout_s: float) -> None:
-    worker, kv = plan.kv.worker, plan.kv
+async def _reserve_local(plan: KvPlan, keys: list[bytes], fetched: BlockSource, timeout_s: float) -> list[BlockSource]:
+    """Allocate this host's store space for the blocks it lacks; the prefix and where each block of it is."""
+    worker = plan.kv.worker
     local = worker.local_store
     try:
-        reply = await local.allocate(keys, worker.block_nbytes, _lease_ms(worker, timeout_s))
+        reply = await local.allocate(keys, worker.block_nbytes, _lease_ms(worker, timeout_s), **plan.owner)
         present, handles, lease_id = reply.present, reply.handles, reply.read_lease_id
     except ResourceExhausted:  # the store is full of pinned or leased blocks: reuse, but do not cache
         found = await local.lookup(keys, lease_ms=_lease_ms(worker, timeout_s))
@@ -175,13 +184,17 @@ async def _reserve_local(plan: KvPlan, keys: list[bytes], timeout_s: float) -> N
     if lease_id:
         plan.local_lease_ids.append(lease_id)
     index_of = {key: i for i, key in enumerate(keys)}
-    present_indices = sorted(index_of[loc.key] for loc in present)
+    plan.local_handles = [(index_of[h.key], h) for h in handles]
+    local_offsets = {index_of[loc.key]: loc.offset for loc in present}
+    remote = dict(zip(fetched.indices, fetched.offsets))
     num_prefix = 0
-    while num_prefix < len(present_indices) and present_indices[num_prefix] == num_prefix:
+    while num_prefix < len(keys) and (num_prefix in local_offsets or num_prefix in remote):
         num_prefix += 1
     num_prefix = min(num_prefix, (len(plan.token_ids) - 1) // worker.block_size)  # >= 1 token to compute
-    plan.local_handles = [(index_of[h.key], h) for h in handles]
-    offset_of = {index_of[loc.key]: loc.offset for loc in present}
-    await kv.read_blocks(worker.local_store_name, list(range(num_prefix)), [offset_of[i] for i in range(num_prefix)])
-    kv.num_loaded = num_prefix
     plan.num_prefix_blocks = num_prefix
+    from_local = [i for i in range(num_prefix) if i in local_offsets]
+    from_remote = [i for i in range(num_prefix) if i not in local_offsets]
+    plan.num_fetched_blocks = len(from_remote)
+    return [BlockSource(worker.local_store_name, from_local, [local_offsets[i] for i in from_local],
+                        incarnation_of([*present, *handles])),
+            BlockSource(fetched.store_name, from_remote, [remote[i] for i in from_remote], fetched.incarnation)]

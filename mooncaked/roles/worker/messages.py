@@ -39,6 +39,8 @@ class SamplingSpec(Message):
     ignore_eos: bool = False
     num_logprobs: Optional[int] = None  # None: no logprobs; 0: the sampled token's only
     num_sampled: int = 0  # output tokens sampled before this leg (a migrated request's seed state)
+    priority: int = 0  # lower first within its class (sched/priority.py orders the queues)
+    is_batch: bool = False  # the batch class: behind every interactive request in the queues
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,15 @@ class Destination(Message):
 
 
 @dataclass(frozen=True)
+class StoreTenant(Message):
+    """The tenant a request's new blocks belong to in the stores, and its shares of each (kv/tenant_quota.py)."""
+
+    id: str
+    pool_share: float = 0.0  # 0: no cap
+    min_pool_share: float = 0.0
+
+
+@dataclass(frozen=True)
 class ReserveRequest(Message):
     request_id: str
     block_keys: list[bytes]
@@ -65,6 +76,9 @@ class ReserveRequest(Message):
     max_tokens: int
     lease_ms: int
     is_inline_prefill: bool = False  # the decode instance will prefill itself: reserve pages, no store space
+    tenant: Optional[StoreTenant] = None
+    priority: int = 0  # the order of RESERVE calls waiting for room (sched/priority.py)
+    is_batch: bool = False
 
 
 @dataclass(frozen=True)
@@ -96,6 +110,8 @@ class PrefillRequest(Message):
     num_fetch_blocks: int = 0  # how many prefix blocks to take from fetch_store
     decode_store: str = ""
     destinations: list[Destination] = field(default_factory=list)
+    key_isolation: bytes = b""  # the request's isolation tag (kv/keys.py): its keys' namespace
+    tenant: Optional[StoreTenant] = None
 
 
 @dataclass(frozen=True)
@@ -114,6 +130,8 @@ class DecodeRequest(Message):
     block_keys: list[bytes]
     sampling: SamplingSpec
     first_token: Optional[TokenSample] = None  # None: prefill inline on the decode instance
+    key_isolation: bytes = b""  # the request's isolation tag (kv/keys.py): its keys' namespace
+    tenant: Optional[StoreTenant] = None
 
 
 @dataclass(frozen=True)

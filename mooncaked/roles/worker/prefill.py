@@ -3,7 +3,9 @@
 1. PREFILL arrives: check the block keys, fetch a remote prefix into this host's store when told to (this is
    also hot-block replication), allocate store space for the new blocks, read the cached prefix into staging.
 2. The job joins the queue; the batch loop takes as many queued jobs as fit `max_batch_tokens` (a prompt longer
-   than `prefill_chunk` runs alone, in chunks) and runs one forward on the compute thread.
+   than `prefill_chunk` runs alone, in chunks), interactive before batch, then by priority and arrival
+   (sched/priority.py), never a batch line in the forward of an interactive prompt, and runs one forward on the
+   compute thread.
 3. Layer by layer: before layer i, the prefix KV of layer i goes into pages; after layer i, layer i's new KV is
    copied to staging and written into this host's store and into the decode host's reserved blocks.
 4. After the last layer: wait for every write, commit the new blocks (they become cache), sample the first
@@ -35,6 +37,7 @@ from mooncaked.roles.worker.profiler import profile
 from mooncaked.roles.worker.sampling import to_params
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import CallContext, Unavailable
+from mooncaked.sched.priority import queue_rank
 
 logger = logging.getLogger(__name__)
 
@@ -144,15 +147,15 @@ class PrefillRole:
         return {"queued": str(len(self._queue)), "running": str(len(self._running))}
 
     async def _load(self, request: LoadRequest, ctx: CallContext) -> LoadReply:
-        pages, load = self.worker.pages, self.load
+        pages, load, now = self.worker.pages, self.load, time.monotonic()
         assert pages is not None and load is not None
-        coefficients = self.worker.perf.coefficients()
+        coefficients = load.coefficients(now)
         return LoadReply(role="prefill", num_running=len(self._running), num_waiting=len(self._queue),
                          num_queued_tokens=sum(job.num_new_tokens for job in self._queue + self._running),
                          num_free_pages=pages.num_free, num_pages=pages.num_pages,
                          step_time_s=load.mean_batch_s, prefill_coefficients=list(coefficients.prefill),
                          decode_coefficients=list(coefficients.decode),
-                         pending_work_s=load.pending_work_s([job.prompt for job in self._queue], time.monotonic()),
+                         pending_work_s=load.pending_work_s([job.prompt for job in self._queue], now),
                          held_request_ids=[job.request.request_id for job in self._running + self._queue],
                          overhead_s=load.overhead.value, kv_cache_bytes=self.worker.kv_cache_bytes)
 
@@ -163,7 +166,8 @@ class PrefillRole:
         plan = await plan_prompt_kv(self.worker, request.request_id, request.token_ids, request.block_keys,
                                     fetch_store=request.fetch_store, num_fetch_blocks=request.num_fetch_blocks,
                                     decode_store=request.decode_store, destinations=request.destinations,
-                                    timeout_s=max(ctx.deadline - time.monotonic(), 0.001))
+                                    timeout_s=max(ctx.deadline - time.monotonic(), 0.001),
+                                    key_isolation=request.key_isolation, tenant=request.tenant)
         job = PrefillJob(request, plan, arrived_at, time.monotonic(), asyncio.get_running_loop().create_future())
         job.idle.set()
         try:
@@ -183,10 +187,11 @@ class PrefillRole:
         section = self.worker.section
         batch: list[PrefillJob] = []
         num_tokens = 0
-        for job in list(self._queue):
+        for job in sorted(self._queue, key=_queue_rank):
             if batch and (job.num_new_tokens > section.prefill_chunk
-                          or num_tokens + job.num_new_tokens > section.max_batch_tokens):
-                break
+                          or num_tokens + job.num_new_tokens > section.max_batch_tokens
+                          or job.request.sampling.is_batch > batch[0].request.sampling.is_batch):
+                break  # a batch line never lengthens an interactive prompt's forward
             batch.append(job)
             self._queue.remove(job)
             num_tokens += job.num_new_tokens
@@ -259,3 +264,7 @@ class PrefillRole:
 
     def _forward(self, batch: list[PrefillJob]) -> list[TokenSample]:
         return run_prefill_forward(self.worker, [job.plan for job in batch], [job.request.sampling for job in batch])
+
+
+def _queue_rank(job: PrefillJob) -> tuple[int, int, float]:
+    return queue_rank(job.request.sampling.is_batch, job.request.sampling.priority, job.enqueued_at)

@@ -2,9 +2,11 @@
 
 1. One prompt longer than `prefill_chunk` runs alone, chunk by chunk (the chunk boundary is explicit here so
    a pipeline of prefill instances can later split a prompt at it); otherwise the prompts run as one batch.
-2. Before layer i of the first chunk, each plan's cached prefix of layer i is loaded into pages; after layer i
-   of the last chunk, each plan stages layer i's new KV and sends it to its destinations. A cancelled plan
-   sends nothing more; when every plan is cancelled the forward stops at the next layer boundary.
+2. Before layer i of the first chunk, the forward waits until each plan's cached prefix of layer i is in its
+   pages (the loader started at planning time and runs ahead); after layer i of the last chunk, each plan
+   queues layer i's new KV for its destinations (copied and sent off this thread) and the next layer starts.
+   A cancelled plan, or one whose loading failed, sends nothing more; when no plan is left the forward stops
+   at the next layer boundary. A failed plan's rows compute on stale pages and its reply is the failure.
 3. The last chunk's logits give every prompt its first token.
 """
 
@@ -34,8 +36,8 @@ def run_prefill_forward(worker: Worker, plans: Sequence[KvPlan], specs: Sequence
         is_first, is_last = index == 0, index == len(chunks) - 1
         logits = runner.prefill(
             batch,
-            before_layer=(lambda i: _load_layer(plans, i)) if is_first else None,
-            after_layer=(lambda i: _store_layer(plans, i)) if is_last else None)
+            before_layer=lambda i: _before_layer(worker, plans, i, is_first),
+            after_layer=lambda i: _after_layer(worker, plans, i, is_last))
     assert logits is not None
     params = [to_params(spec) for spec in specs]
     return sample_rows(worker, logits, params, [generator_at(p, s.num_sampled) for p, s in zip(params, specs)])
@@ -46,14 +48,35 @@ class PrefillCancelled(Exception):
 
 
 def _check_cancelled(plans: Sequence[KvPlan]) -> None:
-    if all(plan.is_cancelled for plan in plans):
+    if all(plan.is_cancelled or plan.kv.is_failed for plan in plans):
+        failed = next((plan for plan in plans if plan.kv.is_failed and not plan.is_cancelled), None)
+        if failed is not None:
+            failed.kv.raise_failure()
         raise PrefillCancelled("every request of this prefill batch was cancelled")
 
 
+def _before_layer(worker: Worker, plans: Sequence[KvPlan], layer: int, is_first: bool) -> None:
+    if is_first:
+        _load_layer(plans, layer)
+    else:
+        _check_cancelled(plans)
+    if worker.timeline is not None:
+        worker.timeline.record("compute", "", layer, "start")
+
+
+def _after_layer(worker: Worker, plans: Sequence[KvPlan], layer: int, is_last: bool) -> None:
+    if worker.timeline is not None:
+        worker.timeline.record("compute", "", layer, "end")
+    if is_last:
+        _store_layer(plans, layer)
+
+
 def _load_layer(plans: Sequence[KvPlan], layer: int) -> None:
-    _check_cancelled(plans)
+    """Wait until layer `layer` of every plan's prefix is in its pages (a failed plan drops out)."""
     for plan in plans:
-        plan.kv.load_layer(layer)
+        if not plan.is_cancelled:
+            plan.kv.wait_layer_loaded(layer)
+    _check_cancelled(plans)
 
 
 def _store_layer(plans: Sequence[KvPlan], layer: int) -> None:

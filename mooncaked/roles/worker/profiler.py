@@ -2,9 +2,9 @@
 
 1. `profile_worker(worker, budget_s, with_decode)` runs on the compute thread over the worker's own KV pages
    before any request holds one (their contents are scratch): one warm-up forward first.
-2. Prefill: prompts of 64, 256, 1024, ... tokens up to one chunk (`prefill_chunk`), each without a cached
-   prefix and with one (a half, three quarters or a quarter of the prompt, in turn, so the fit sees several
-   ratios), then shorter ones; a point is skipped when its expected time does not fit the budget left.
+2. Prefill: prompts of 64, 256, 1024, ... tokens up to one chunk (`prefill_chunk`) without a cached prefix,
+   then with one (a half, three quarters or a quarter of the prompt, in turn), then shorter ones; after the
+   first three, a point is skipped when its expected time does not fit the budget left.
 3. Decode (decode instances, which also prefill short prompts inline): steps at batch sizes 1, 4, 16, ...
    (at most `max_batch_size`) over short and long contexts, each the median of a few steps including
    sampling, as the decode loop times them.
@@ -28,7 +28,7 @@ from mooncaked.roles.worker.worker import Worker
 logger = logging.getLogger(__name__)
 
 PREFIX_FRACTIONS = (0.5, 0.75, 0.25)
-MIN_PREFILL_SAMPLES = 6  # twice the prefill model's coefficients
+MIN_PREFILL_SAMPLES = 3  # the prefill model's coefficients
 SHORT_S = 0.05  # a forward this short is timed three times
 DECODE_CONTEXTS = (64, 1024)
 DECODE_REPEATS = 2
@@ -80,12 +80,13 @@ def _max_prompt_tokens(worker: Worker) -> int:
 
 
 def prefill_points(max_tokens: int) -> list[tuple[int, float]]:
-    """(prompt tokens, prefix fraction) to profile, cheapest first: lengths 64, 256, 1024, ... and the longest
-    one chunk allows, each without a prefix and with one; then halves of them, so short contexts get enough."""
+    """(prompt tokens, prefix fraction) to profile: lengths 64, 256, 1024, ... and the longest one chunk allows
+    without a prefix (they determine the fit), then each with a prefix, then halves and quarters of them."""
     lengths = [n for n in (64 * 4**i for i in range(8)) if n < max_tokens] + [max_tokens]
-    points = [(n, f) for i, n in enumerate(lengths) for f in (0.0, PREFIX_FRACTIONS[i % len(PREFIX_FRACTIONS)])]
-    fillers = [(max(n // 2, 2), PREFIX_FRACTIONS[(i + 1) % len(PREFIX_FRACTIONS)]) for i, n in enumerate(lengths)]
-    return points + fillers + [(max(n // 4, 2), 0.0) for n in lengths]
+    points = [(n, 0.0) for n in lengths]
+    points += [(n, PREFIX_FRACTIONS[i % len(PREFIX_FRACTIONS)]) for i, n in enumerate(lengths)]
+    points += [(max(n // 2, 2), PREFIX_FRACTIONS[(i + 1) % len(PREFIX_FRACTIONS)]) for i, n in enumerate(lengths)]
+    return points + [(max(n // 4, 2), 0.0) for n in lengths]
 
 
 def _profile_prefill(worker: Worker, deadline: float) -> int:

@@ -1,15 +1,23 @@
 """One request's KV on a worker: its pages, its host staging buffer, and the byte moves to and from stores.
 
 1. `RequestKv(worker, request_id, num_tokens)` allocates pages for every block of the prompt (the partial tail
-   included) plus `num_extra_tokens`, and a staging buffer [num_blocks, layers, 2, block_size, kv_heads,
-   head_dim] in the store's object layout (DESIGN 5).
-2. `read_blocks(store, indices, offsets)` fills staging from a store's pool (whole objects); `load_layer(i)`
-   then moves layer i of the first `num_loaded` blocks into pages (the runner's before-layer hook).
-3. `store_layer(i, start)` copies layer i of blocks `start..` from pages into staging (the after-layer hook, on
-   the compute thread) and `post_write_layer` hands the store writes to the event loop, so layer i is sent
-   while layer i+1 computes; `wait_writes()` awaits them all.
-4. `release()` frees pages and unregisters staging from the transfer engine; the caller owns store handles and
-   leases and ends them (commit, abort, release) before it.
+   included) plus `num_extra_tokens`. Pages in host memory (CPU) are a transfer-engine segment: every move goes
+   straight between them and the stores (`is_direct`). GPU pages take a staging buffer [num_blocks, layers, 2,
+   block_size, kv_heads, head_dim] in the store's object layout (DESIGN 5) from the worker's staging pool.
+2. Loading: `start_loading(sources, num_blocks)` (event loop) starts a LayerLoader: layer by layer from the
+   stores into the pages (through staging and a copy on the copy thread, for GPU pages). The forward waits per
+   layer (`wait_layer_loaded`, compute thread); a caller that needs all of it awaits `wait_loaded`.
+3. Storing: `store_layer(i, start, writes)` (compute thread, after layer i) queues layer i's writes to every
+   store (event loop; GPU pages: after the copy of layer i of blocks `start..` into staging on the copy
+   thread) and returns: layer i is sent while layer i+1 computes. With GPU pages registered for RDMA
+   (GPUDirect), another host's store gets layer i straight from the pages. At most
+   `worker.max_layers_in_flight` layers are in flight; beyond, the compute thread waits for the oldest.
+   `wait_writes()` awaits them all (and reports a failed load). Same-host copies run on the copy thread,
+   others on the transfer engine's threads: none on the compute thread.
+4. `release()` stops the loader, waits for queued copies, frees the pages and gives the staging back; the
+   caller owns store handles and leases and ends them (commit, abort, release) before it. Memory a move was
+   abandoned in (cancelled, failed mid-flight) may still take late bytes: staging is dropped, not reused, and
+   pages are freed only after transfer.io_timeout_s.
 """
 
 from __future__ import annotations
@@ -18,25 +26,40 @@ import asyncio
 import concurrent.futures
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from mooncaked.kv.client import Span, Staging, StoreClient
+from mooncaked.kv.client import Span, Staging
 from mooncaked.rdma import TransferOp
+from mooncaked.roles.worker.layer_loader import BlockSource, LayerLoader, LoadFailed
 from mooncaked.roles.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
+
+_NO_BYTES = np.empty(0, dtype=np.uint8)  # moves from the pages' segment never touch host bytes
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+@dataclass(frozen=True)
+class LayerWrite:
+    """Each layer of blocks `indices` goes to pool `offsets` of store `store_name`."""
+
+    store_name: str
+    indices: list[int]
+    offsets: list[int]
+    incarnation: int = 0  # the store run the offsets belong to (kv/client.py); 0: unchecked
+
+
 class RequestKv:
-    """Owns one request's pages, staging buffer, staging registrations and in-flight writes."""
+    """Owns one request's pages, staging buffer (GPU pages), loader, queued copies and in-flight writes."""
 
     def __init__(self, worker: Worker, request_id: str, num_tokens: int, num_extra_tokens: int = 0) -> None:
-        assert worker.pages is not None and worker.kv_pages is not None
+        assert worker.pages is not None and worker.kv_pages is not None and worker.staging_pool is not None
         self.worker = worker
         self.request_id = request_id
         self.num_tokens = num_tokens
@@ -44,51 +67,166 @@ class RequestKv:
         self.num_full_blocks = num_tokens // worker.block_size
         num_pages = num_blocks_for(num_tokens + num_extra_tokens, worker.block_size)
         self.page_ids: list[int] = worker.pages.allocate(num_pages, owner=request_id)
-        self.staging = worker.new_staging(self.num_blocks)
+        self.is_direct = worker.host_pages is not None
+        self._buffer = None if self.is_direct else worker.staging_pool.acquire(self.num_blocks)
+        self.staging = None if self._buffer is None else worker.staging_pool.view(self._buffer, self.num_blocks)
         self.num_loaded = 0
-        self._registered: dict[str, Staging] = {}
+        self.loader: LayerLoader | None = None
+        self.store_error: Exception | None = None
+        self._copies: list[concurrent.futures.Future[None]] = []
         self._writes: list[concurrent.futures.Future[None]] = []
+        self._is_moves_clean = True  # no move into or out of this request's memory was abandoned mid-flight
         self._is_released = False
 
-    def _staging_for(self, store_name: str, client: StoreClient) -> Staging:
-        staging = self._registered.get(store_name)
-        if staging is None:
-            byte_view = self.staging.view(-1).view(torch.uint8)
-            staging = client.register_staging(f"{self.request_id}/{store_name}", byte_view)
-            self._registered[store_name] = staging
-        return staging
+    # ---- moves between stores and this request's memory (event loop) ------------------------------------
+    def _memory(self) -> Staging:
+        """The local end of this request's moves: the pages (direct) or its staging buffer."""
+        if self.worker.host_pages is not None:
+            return self.worker.host_pages
+        assert self._buffer is not None
+        return Staging(self._buffer.name, self._buffer.array)
 
-    async def _move(self, op: TransferOp, store_name: str, spans: Sequence[Span]) -> None:
+    async def _move(self, op: TransferOp, store_name: str, spans: Sequence[Span], memory: Staging,
+                    incarnation: int) -> None:
         client = await self.worker.store_client(store_name)
-        await client.move(op, self._staging_for(store_name, client), spans)
-
-    def block_spans(self, indices: Sequence[int], offsets: Sequence[int]) -> list[Span]:
-        size = self.worker.block_nbytes
-        return [Span(offset, index * size, size) for index, offset in zip(indices, offsets)]
+        executor = self.worker.copy_thread if client.is_local else None
+        try:
+            await client.move(op, memory, spans, executor=executor, incarnation=incarnation)
+        except BaseException:
+            self._is_moves_clean = False
+            raise
 
     def layer_spans(self, indices: Sequence[int], offsets: Sequence[int], layer: int) -> list[Span]:
+        """Layer `layer` of blocks `indices` in this request's memory <-> pool `offsets`."""
+        if self.is_direct:
+            return self.page_spans(indices, offsets, layer)
         block, size = self.worker.block_nbytes, self.worker.layer_nbytes
         return [Span(offset + layer * size, index * block + layer * size, size)
                 for index, offset in zip(indices, offsets)]
 
-    async def read_blocks(self, store_name: str, indices: Sequence[int], offsets: Sequence[int]) -> None:
-        await self._move(TransferOp.READ, store_name, self.block_spans(indices, offsets))
+    def page_spans(self, indices: Sequence[int], offsets: Sequence[int], layer: int) -> list[Span]:
+        """Layer `layer` of blocks `indices` as K and V page ranges of the pages' buffer <-> pool `offsets`."""
+        kv_pages = self.worker.kv_pages
+        assert kv_pages is not None
+        layer_offset, page_bytes = layer * kv_pages.layer_block_nbytes, kv_pages.page_nbytes
+        return [Span(offset + layer_offset + kind * page_bytes,
+                     kv_pages.page_byte_offset(layer, kind, self.page_ids[index]), page_bytes)
+                for index, offset in zip(indices, offsets) for kind in (0, 1)]
 
-    async def write_blocks(self, store_name: str, indices: Sequence[int], offsets: Sequence[int]) -> None:
-        await self._move(TransferOp.WRITE, store_name, self.block_spans(indices, offsets))
+    async def read_layer(self, store_name: str, indices: Sequence[int], offsets: Sequence[int], layer: int,
+                         incarnation: int = 0) -> None:
+        spans = self.layer_spans(indices, offsets, layer)
+        await self._move(TransferOp.READ, store_name, spans, self._memory(), incarnation)
 
-    async def write_layer(self, store_name: str, indices: Sequence[int], offsets: Sequence[int], layer: int) -> None:
-        await self._move(TransferOp.WRITE, store_name, self.layer_spans(indices, offsets, layer))
+    async def write_layer(self, store_name: str, indices: Sequence[int], offsets: Sequence[int], layer: int,
+                          incarnation: int = 0) -> None:
+        spans = self.layer_spans(indices, offsets, layer)
+        await self._move(TransferOp.WRITE, store_name, spans, self._memory(), incarnation)
 
-    def post_write_layer(self, store_name: str, indices: Sequence[int], offsets: Sequence[int], layer: int) -> None:
-        """From the compute thread: send layer `layer` of blocks `indices` to `offsets` in a store's pool."""
-        if indices:
-            self._writes.append(self.worker.post(self.write_layer(store_name, indices, offsets, layer)))
+    # ---- loading ---------------------------------------------------------------------------------------
+    def start_loading(self, sources: Sequence[BlockSource], num_blocks: int) -> None:
+        """Event loop: load blocks [0, num_blocks) of every layer from `sources` into the pages."""
+        self.num_loaded = num_blocks
+        if num_blocks:
+            self.loader = LayerLoader(self, sources, num_blocks)
+            self.loader.start()
+
+    def copy_layer_in(self, layer: int, num_blocks: int) -> None:
+        """Copy thread: staging[:num_blocks, layer] -> pages, complete when this returns."""
+        worker = self.worker
+        assert worker.copier is not None and worker.kv_pages is not None and self.staging is not None
+        worker.copier.load_layer(worker.kv_pages, layer, self.staging[:num_blocks],
+                                 self.page_ids[:num_blocks]).synchronize()
+
+    def wait_layer_loaded(self, layer: int) -> bool:
+        """Compute thread, before layer `layer`: True once it is in the pages, False if this request's loading
+        failed (the forward then sends nothing more for it)."""
+        if self.loader is None:
+            return True
+        return self.loader.wait_layer(layer, self.worker.section.kv_load_timeout_s)
+
+    async def wait_loaded(self) -> None:
+        if self.loader is not None:
+            await self.loader.wait_all(self.worker.section.kv_load_timeout_s)
+
+    @property
+    def is_failed(self) -> bool:
+        return self.store_error is not None or (self.loader is not None and self.loader.error is not None)
+
+    def raise_failure(self) -> None:
+        if self.loader is not None and self.loader.error is not None:
+            raise self.loader.error
+        if self.store_error is not None:
+            raise self.store_error
+
+    # ---- storing ---------------------------------------------------------------------------------------
+    def store_layer(self, layer: int, start: int, writes: Sequence[LayerWrite]) -> None:
+        """Compute thread, right after layer `layer` was computed (queued, on CUDA): see stage 3."""
+        if self.is_failed or not self._wait_store_window():
+            return
+        worker = self.worker
+        copy = None
+        if not self.is_direct:
+            assert worker.copier is not None
+            compute_done = worker.copier.mark_compute()  # layer `layer`'s end: the copy waits for nothing later
+            copy = worker.copy_thread.submit(self._copy_layer_out, layer, start, compute_done)
+            self._copies.append(copy)
+        self._writes.append(worker.post(self._write_layer_all(copy, layer, writes)))
+
+    def _wait_store_window(self) -> bool:
+        limit = self.worker.section.max_layers_in_flight
+        pending = [w for w in self._writes if not w.done()]
+        if len(pending) < limit:
+            return True
+        timeout_s = self.worker.config.transfer.timeout_s
+        _, not_done = concurrent.futures.wait(pending[: len(pending) - limit + 1], timeout=timeout_s)
+        if not_done:
+            self.store_error = TimeoutError(f"{self.request_id}: {len(not_done)} layer writes still in flight after "
+                                            f"{timeout_s:g}s (transfer.timeout_s)")
+            return False
+        return True
+
+    def _copy_layer_out(self, layer: int, start: int, compute_done: torch.cuda.Event | None) -> None:
+        """Copy thread: pages -> staging[start:, layer], once `compute_done` (CUDA) passed."""
+        worker = self.worker
+        assert worker.copier is not None and worker.kv_pages is not None and self.staging is not None
+        if worker.timeline is not None:
+            worker.timeline.record("store", self.request_id, layer, "start")
+        if start < self.num_blocks:
+            worker.copier.store_layer(worker.kv_pages, layer, self.staging[start:],
+                                      self.page_ids[start: self.num_blocks], compute_done).synchronize()
+
+    async def _write_layer_all(self, copy: concurrent.futures.Future[None] | None, layer: int,
+                               writes: Sequence[LayerWrite]) -> None:
+        timeline = self.worker.timeline
+        if copy is not None:
+            await asyncio.wrap_future(copy)  # on CUDA the copy waited for layer `layer`'s compute
+        elif timeline is not None:
+            timeline.record("store", self.request_id, layer, "start")
+        await asyncio.gather(*(self._write_layer_to(w, layer) for w in writes if w.indices))
+        if timeline is not None:
+            timeline.record("store", self.request_id, layer, "end")
+
+    async def _write_layer_to(self, write: LayerWrite, layer: int) -> None:
+        """Another host's store reads GPU pages straight over RDMA when they are registered (GPUDirect)."""
+        pages_segment = self.worker.kv_pages_segment
+        if self.is_direct or pages_segment is None:
+            await self.write_layer(write.store_name, write.indices, write.offsets, layer, write.incarnation)
+            return
+        client = await self.worker.store_client(write.store_name)
+        if client.is_local:
+            await self.write_layer(write.store_name, write.indices, write.offsets, layer, write.incarnation)
+            return
+        spans = self.page_spans(write.indices, write.offsets, layer)
+        await self._move(TransferOp.WRITE, write.store_name, spans, Staging(pages_segment, _NO_BYTES),
+                         write.incarnation)
 
     async def wait_writes(self, timeout_s: float) -> None:
+        """Await every queued layer write; raises the first failure (a failed load included)."""
         writes, self._writes = self._writes, []
         if writes:
             await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(w) for w in writes)), timeout_s)
+        self.raise_failure()
 
     async def settle_writes(self, timeout_s: float) -> None:
         """Let in-flight writes end, well or not, so their destinations may be freed without a late write."""
@@ -96,44 +234,49 @@ class RequestKv:
         if writes:
             await asyncio.wait([asyncio.wrap_future(w) for w in writes], timeout=timeout_s)
 
-    def load_layer(self, layer: int) -> None:
-        """Compute thread: staging[:num_loaded, layer] -> pages (blocks 0..num_loaded)."""
-        if self.num_loaded == 0:
-            return
-        worker = self.worker
-        assert worker.copier is not None and worker.kv_pages is not None
-        handle = worker.copier.load_layer(worker.kv_pages, layer, self.staging[: self.num_loaded],
-                                          self.page_ids[: self.num_loaded])
-        handle.wait_on_current_stream()
-
-    def load_all_layers(self, num_blocks: int) -> None:
-        """Compute thread: staging[:num_blocks] (every layer) -> pages."""
-        worker = self.worker
-        assert worker.copier is not None and worker.kv_pages is not None
-        if num_blocks:
-            worker.copier.load_all_layers(worker.kv_pages, self.staging[:num_blocks],
-                                          self.page_ids[:num_blocks]).synchronize()
-
-    def store_layer(self, layer: int, start: int) -> None:
-        """Compute thread: pages -> staging[start:, layer], complete when this returns."""
-        worker = self.worker
-        assert worker.copier is not None and worker.kv_pages is not None
-        if start < self.num_blocks:
-            handle = worker.copier.store_layer(worker.kv_pages, layer, self.staging[start:],
-                                               self.page_ids[start: self.num_blocks])
-            handle.synchronize()
-
+    # ---- end -------------------------------------------------------------------------------------------
     async def release(self) -> None:
-        """Free pages and staging registrations; idempotent. In-flight writes are cancelled."""
+        """Free pages and staging; idempotent, and safe to cancel (what then still runs ends by its deadline
+        before the pages are freed). In-flight writes are cancelled, queued copies awaited."""
         if self._is_released:
             return
         self._is_released = True
         for write in self._writes:
-            write.cancel()
+            if write.cancel():
+                self._is_moves_clean = False
         self._writes = []
-        assert self.worker.pages is not None
-        self.worker.pages.free_owner(self.request_id)
-        for store_name, staging in self._registered.items():
-            client = await self.worker.store_client(store_name)
-            client.unregister_staging(staging)
-        self._registered.clear()
+        timeout_s = self.worker.config.transfer.timeout_s
+        try:
+            is_quiet = await self._settle_copies(timeout_s)
+            if self.loader is not None:
+                is_quiet = await self.loader.close(timeout_s) and is_quiet
+        except asyncio.CancelledError:
+            self._give_back(delay_s=timeout_s, is_reusable=False)
+            raise
+        if not is_quiet:  # a copy still runs: its pages and staging stay taken rather than reused under it
+            logger.error("%s: KV copies still running after %gs; its pages and staging are not reused",
+                         self.request_id, timeout_s)
+            return
+        is_late_write_possible = self.is_direct and not self._is_moves_clean
+        self._give_back(delay_s=self.worker.config.transfer.io_timeout_s if is_late_write_possible else 0.0,
+                        is_reusable=self._is_moves_clean)
+
+    def _give_back(self, delay_s: float, is_reusable: bool) -> None:
+        worker = self.worker
+        assert worker.pages is not None and worker.staging_pool is not None
+        if self._buffer is not None:
+            worker.staging_pool.release(self._buffer, is_reusable=is_reusable)
+        if delay_s > 0:
+            worker.free_pages_later(self.request_id, delay_s)
+        else:
+            worker.pages.free_owner(self.request_id)
+
+    async def _settle_copies(self, timeout_s: float) -> bool:
+        pending = [c for c in self._copies if not c.cancel() and not c.done()]
+        if pending:
+            _, still_running = await asyncio.wait([asyncio.wrap_future(c) for c in pending], timeout=timeout_s)
+            return not still_running
+        return True
+
+
+__all__ = ["BlockSource", "LayerWrite", "LoadFailed", "RequestKv", "num_blocks_for"]

@@ -4,12 +4,16 @@
    (on CPU mapped from the host's shared weight file; prefill keeps plain projections, decode packed ones in
    their place, a switchable worker both: memory_plan.worker_packing), size the KV pages from the memory budget
    (engine.kv_budget; a budget too small for one max-length request fails here), allocate them, build the
-   runner, copier and sampler, connect to this host's store (mapping its pool).
+   runner, copier, staging pool (pinned on the GPU's NUMA node) and sampler, register GPU pages as "cuda:N"
+   where RDMA can map them, connect to this host's store (mapping its pool).
 2. `await compute(fn, *args)` runs model work on the single compute thread, keeping the event loop free for RPC,
-   transfers and heartbeats. Layer callbacks run on that thread; they hand bytes to the loop with `post`.
+   transfers and heartbeats. KV copies between pages and staging run on the single copy thread
+   (`copy_thread`), so a layer's store or load never runs on the compute thread; each thread may be pinned to
+   its own CPUs (`worker.compute_cpus`, `worker.copy_cpus`). Layer callbacks hand work to the loop with `post`.
 3. `await store_client(name)` connects to another host's store on first use (bytes then move through the
    transfer engine); the local store's client maps its shared-memory pool.
-4. `await stop()`: close store clients, stop the engine, shut the compute thread down (after the role has drained).
+4. `await stop()`: close store clients, give back staging, stop the engine, shut the compute and copy threads
+   down (after the role has drained).
 
 The worker also owns its performance model (`perf`): the role profiles it before serving (profiler.py) and feeds
 it live samples; LOAD replies report its coefficients, which the conductor predicts with.
@@ -29,18 +33,24 @@ from typing import Any, TypeVar
 
 import torch
 
+
 from mooncaked.config import Config, InstanceConfig, WorkerSection
+from mooncaked.cpu_affinity import pinned_executor
 from mooncaked.engine.kv_budget import DeviceMemory, KVBudget, KVSizing, size_kv
-from mooncaked.engine.kv_copy import KVCopier, new_staging
+from mooncaked.engine.kv_copy import KVCopier
 from mooncaked.engine.kv_pages import KVPages, PageAllocator
 from mooncaked.engine.runner import ModelRunner
-from mooncaked.kv.client import StoreClient
+from mooncaked.engine.staging_pool import StagingPool
+from mooncaked.engine.timeline import LayerTimeline
+from mooncaked.kv.client import Staging, StoreClient
 from mooncaked.kv.keys import model_namespace
 from mooncaked.membership import Membership, StaticMembership, store_on_host
 from mooncaked.memory_plan import worker_packing
 from mooncaked.model.loader import LoadedModel, load_model
 from mooncaked.model.memory_fit import activation_bytes
 from mooncaked.model.sampler import Sampler
+from mooncaked.numa import allowed_memory_nodes
+from mooncaked.roles.worker.kv_placement import register_kv_pages, staging_placement
 from mooncaked.roles.base import PeerClients, make_transfer_engine
 from mooncaked.rpc import InvalidArgument
 from mooncaked.sched.perf_model import PerformanceModel
@@ -51,8 +61,9 @@ T = TypeVar("T")
 
 
 class Worker:
-    """Owns the model replica, KV pages and page allocator, compute thread, transfer engine, store clients and the
-    performance model."""
+    """Owns the model replica, KV pages and page allocator, compute and copy threads, staging pool, transfer engine,
+    store clients and the performance model; `timeline`, when set (tests, benchmarks), records when layers
+    compute, load and store."""
 
     def __init__(self, config: Config, instance: InstanceConfig, membership: Membership | None = None) -> None:
         self.config = config
@@ -61,7 +72,13 @@ class Worker:
         self.section: WorkerSection = config.role_section(instance)
         self.engine = make_transfer_engine(config, instance.host, 0)
         self.peers = PeerClients(config, instance)
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self._executor = pinned_executor("compute", self.section.compute_cpus, "worker.compute_cpus")
+        self.copy_thread = pinned_executor("kv-copy", self.section.copy_cpus, "worker.copy_cpus")
+        self.staging_pool: StagingPool | None = None
+        self.timeline: LayerTimeline | None = None
+        self.kv_pages_segment: str | None = None  # the pages' segment: host pages, or GPU pages RDMA maps
+        self.host_pages: Staging | None = None  # host pages as the local end of store moves (CPU)
+        self._deferred_frees: dict[str, asyncio.TimerHandle] = {}
         self._stores: dict[str, StoreClient] = {}
         self._store_locks: dict[str, asyncio.Lock] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -90,8 +107,21 @@ class Worker:
         self.kv_pages = KVPages.for_model(self.loaded.args, num_pages=self.kv_sizing.num_pages,
                                           block_size=block_size, dtype=self.loaded.dtype, device=self.loaded.device)
         self.pages = PageAllocator(self.kv_sizing.num_pages)
-        self.runner = ModelRunner(self.loaded.model, self.kv_pages, backend=model.kernel_backend)
+        self.runner = ModelRunner(self.loaded.model, self.kv_pages, backend=model.kernel_backend,
+                                  cuda_graphs=model.cuda_graphs, max_batch_size=self.section.max_batch_size,
+                                  max_seq_len=model.max_model_len)
         self.copier = KVCopier(self.loaded.device, backend=model.kernel_backend)
+        placement = staging_placement(self.loaded.device, self.config.transfer.sysfs_root, allowed_memory_nodes())
+        self.staging_pool = StagingPool(
+            self.kv_pages, self.instance.name, lambda name, data: self.engine.register(name, data, placement.location),
+            self.engine.unregister, numa_node=placement.numa_node)
+        pages_segment = f"{self.instance.name}/kv-pages"
+        if self.loaded.device.type == "cpu":  # host pages: moves go straight to and from them, no staging
+            self.engine.register(pages_segment, self.kv_pages.buffer, placement.location)
+            self.kv_pages_segment = pages_segment
+            self.host_pages = Staging(pages_segment, self.kv_pages.buffer.view(-1).view(torch.uint8).numpy())
+        elif register_kv_pages(self.engine, pages_segment, self.kv_pages.buffer, self.loaded.device):
+            self.kv_pages_segment = pages_segment
         self.sampler = Sampler(seed=model.seed, device=self.loaded.device)
         self.namespace = model_namespace(self.loaded.model_id, model.dtype, block_size)
         self.local_store_name = await self._find_local_store()
@@ -112,6 +142,16 @@ class Worker:
                        device_type=self.loaded.device.type, max_model_len=model.max_model_len,
                        device_memory=device_memory)
 
+    def free_pages_later(self, owner: str, delay_s: float) -> None:
+        """Free `owner`'s pages after `delay_s`: a move abandoned mid-flight may write into them until then."""
+        assert self.loop is not None
+        self._deferred_frees[owner] = self.loop.call_later(delay_s, self._free_deferred, owner)
+
+    def _free_deferred(self, owner: str) -> None:
+        self._deferred_frees.pop(owner, None)
+        assert self.pages is not None
+        self.pages.free_owner(owner)
+
     async def _find_local_store(self) -> str:
         """The store on this host; with etcd it may register after us, so wait for it up to a deadline."""
         store = store_on_host(self.membership, self.instance.host)
@@ -130,13 +170,19 @@ class Worker:
         return store.name
 
     async def stop(self) -> None:
+        for handle in self._deferred_frees.values():  # the pages go with the worker
+            handle.cancel()
+        self._deferred_frees.clear()
         stores, self._stores = list(self._stores.values()), {}
         for store in stores:
             await store.close()
         await self.peers.close()
+        if self.staging_pool is not None:
+            self.staging_pool.close()
         await self.engine.stop()
         # off the event loop: a forward still running may need the loop (its writes) to reach its end
         await asyncio.to_thread(self._executor.shutdown, True, cancel_futures=True)
+        await asyncio.to_thread(self.copy_thread.shutdown, True, cancel_futures=True)
 
     async def compute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -194,11 +240,6 @@ class Worker:
     def layer_nbytes(self) -> int:
         assert self.kv_pages is not None
         return self.kv_pages.layer_block_nbytes
-
-    def new_staging(self, num_blocks: int) -> torch.Tensor:
-        """Host staging for `num_blocks` store objects: [N, layers, 2, block_size, kv_heads, head_dim]."""
-        assert self.kv_pages is not None
-        return new_staging(self.kv_pages, num_blocks, device="cpu")
 
 
 def _cuda_free_bytes(device: str) -> int | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -155,3 +156,49 @@ async def test_placement_queue_model_inline_and_rejections(tmp_path: Path) -> No
     gone = view.place(RequestInfo("r4", 100, request.block_keys), 0.0)
     assert isinstance(gone, Rejection) and gone.reason == REASON_NO_DECODE
     await peers.close()
+
+
+async def test_copies_on_other_stores_become_spare_and_go_first(tmp_path: Path) -> None:
+    """Replication by_reuse end to end: s1 serves a placement of blocks s0 holds too; the conductor's background
+    marks make s0 give its copies back before its own older blocks, with no call on the request path."""
+    config = make_config(tmp_path, instance("p1", "prefill", host="127.0.0.2"),
+                         instance("d1", "decode", host="127.0.0.2", settings={"inline_prefill_max_tokens": 0}))
+    stores = {name: StoreRole(config, config.instance_named(name)) for name in ("s0", "s1")}
+    for store in stores.values():
+        await store.start()
+    peers = PeerClients(config, config.instance_named("c0"))
+    loaded = load_model(config.model.source, dtype=config.model.dtype, seed=config.model.seed)
+    settings = dataclasses.replace(FAST, spare_marks_interval_s=0.05)
+    view = ClusterView(config, peers, policy_config(config), LivePredictors(default_predictors(config, loaded)),
+                       settings)
+    shared = [key(i) for i in range(4)]
+    try:
+        async with store_client(config, peers, "s0") as s0, store_client(config, peers, "s1") as s1:
+            await put(s0, [key(100 + i) for i in range(40)])  # s0's own blocks, older than the shared ones
+            await put(s0, shared)
+            await put(s1, shared)
+            await view.start()
+            await eventually(lambda: view.index.prefix_lengths(shared) == {"s0": 4, "s1": 4})
+            for worker in view.workers:  # no worker process runs here: they answer no poll
+                worker.is_up, worker.load = True, idle_load()
+            placement = view.place(RequestInfo("r0", 4 * 16 + 1, tuple(shared)), time.monotonic())
+            assert isinstance(placement, Placement) and placement.prefill_instance == "p1"
+            assert placement.num_local_prefix_blocks == 4  # p1 reuses them on s1: s0's copies become spare
+            await eventually(lambda: stores["s0"].service.core.stats()["num_spare_blocks"] == 4)
+            assert stores["s1"].service.core.stats()["num_spare_blocks"] == 0
+            # 1 MiB of 4 KiB blocks: 244 blocks pass the high watermark (95%) and maintenance evicts 27, down to
+            # 85%: the 4 spare copies and the 23 oldest of s0's own blocks (least recently used first would have
+            # taken 27 of its own and kept the shared ones)
+            for start in range(1000, 1200, 20):
+                await put(s0, [key(start + i) for i in range(20)])
+            await eventually(lambda: stores["s0"].service.core.stats()["num_evicted"] == 27)
+            assert not (await s0.lookup(shared)).locations
+            for i in range(23, 40):
+                assert (await s0.lookup([key(100 + i)])).locations, i
+            assert not (await s0.lookup([key(122)])).locations
+            assert (await s1.lookup(shared)).locations and view.spare_marks.num_failed_calls == 0
+    finally:
+        await view.stop()
+        await peers.close()
+        for store in stores.values():
+            await store.stop()

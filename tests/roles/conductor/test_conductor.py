@@ -10,7 +10,7 @@ import pytest
 
 from mooncaked.api.errors import ApiError
 from mooncaked.api.requests import parse_chat_request, parse_completion_request
-from mooncaked.config import Config
+from mooncaked.config import Config, ConfigError
 from mooncaked.kv.keys import block_keys, model_namespace
 from mooncaked.metrics import Metrics
 from mooncaked.model.loader import load_model
@@ -135,6 +135,6 @@ def test_a_bad_prefill_profile_fails_start_up_naming_the_file(tmp_path: Path, co
     if content is not None:
         path.write_text(content)
     config = make_config(tmp_path, scheduler={"prefill_profile": str(path)})
-    with pytest.raises(RuntimeError, match="scheduler.prefill_profile") as raised:
+    with pytest.raises(ConfigError, match="scheduler.prefill_profile") as raised:
         default_predictors(config, load_model("random:tiny"))
     assert str(path) in str(raised.value) and problem in str(raised.value)

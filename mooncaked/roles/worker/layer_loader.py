@@ -1,0 +1,146 @@
+"""Layer-wise loading of one request's blocks from stores into its pages (a reused prefix, a prefilled prompt).
+
+1. `LayerLoader(kv, sources, num_blocks)`; `start()` (event loop) starts its task.
+2. The task walks the layers in order with at most `worker.max_layers_in_flight` of them in flight: for layer i
+   it reads layer i's slice of every source block from its store (one transfer batch per store; same-host
+   stores are a memcpy on the worker's copy thread, others the transfer engine) straight into host pages, or
+   into staging and then, on the copy thread, into GPU pages; layer i is then ready. Layer i+1's read is
+   already under way while layer i computes.
+3. The compute thread calls `wait_layer(i)` before layer i (it returns False once the loading failed: the caller
+   stops using this request); an event-loop caller awaits `wait_all()`.
+4. `close()` cancels what is left and waits until no copy into the pages or staging is still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from mooncaked.roles.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BlockSource:
+    """Blocks `indices` (staging rows) of a request are objects at pool `offsets` of store `store_name`."""
+
+    store_name: str
+    indices: list[int]
+    offsets: list[int]
+    incarnation: int = 0  # the store run the offsets belong to (kv/client.py); 0: unchecked
+
+
+class LoadTarget(Protocol):
+    """What the loader uses of a request's KV (request_kv.RequestKv, which owns the loader)."""
+
+    request_id: str
+    worker: Worker
+    is_direct: bool  # reads land in the pages themselves; else in staging, then `copy_layer_in`
+
+    async def read_layer(self, store_name: str, indices: Sequence[int], offsets: Sequence[int],
+                         layer: int, incarnation: int = 0) -> None: ...
+
+    def copy_layer_in(self, layer: int, num_blocks: int) -> None: ...
+
+
+class LoadFailed(Exception):
+    """Loading a request's KV failed or ran past its deadline; the message says which layer and why."""
+
+
+class LayerLoader:
+    """Owns the loading task of one request, its per-layer readiness and the copies it queued."""
+
+    def __init__(self, kv: LoadTarget, sources: Sequence[BlockSource], num_blocks: int) -> None:
+        self.kv = kv
+        self.sources = [s for s in sources if s.indices]
+        self.num_blocks = num_blocks  # staging rows [0, num_blocks) are loaded
+        worker = kv.worker
+        assert worker.kv_pages is not None
+        self.num_layers = worker.kv_pages.num_layers
+        self._ready = [threading.Event() for _ in range(self.num_layers)]
+        self.error: LoadFailed | None = None
+        self._copies: list[concurrent.futures.Future[None]] = []
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"load-{self.kv.request_id}")
+
+    @property
+    def is_done(self) -> bool:
+        return self._ready[-1].is_set() if self._ready else True
+
+    def wait_layer(self, layer: int, timeout_s: float) -> bool:
+        """Compute thread: block until layer `layer` is in the pages; False when the loading failed."""
+        if not self._ready[layer].wait(timeout_s):
+            self._fail(f"layer {layer} was not loaded within {timeout_s:g}s (worker.kv_load_timeout_s)")
+        return self.error is None
+
+    async def wait_all(self, timeout_s: float) -> None:
+        """Event loop: return once every layer is in the pages; LoadFailed otherwise."""
+        assert self._task is not None
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
+        except asyncio.TimeoutError:
+            self._fail(f"the KV was not loaded within {timeout_s:g}s (worker.kv_load_timeout_s)")
+        if self.error is not None:
+            raise self.error
+
+    async def close(self, timeout_s: float) -> bool:
+        """Cancel the task and wait for its queued copies; False when one is still running past `timeout_s`.
+        Awaits nothing when nothing runs (a caller being cancelled then still gets its pages back at once)."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        pending = [asyncio.wrap_future(c) for c in self._copies if not c.done()]
+        if not pending:
+            return True
+        _, still_running = await asyncio.wait(pending, timeout=timeout_s)
+        return not still_running
+
+    def _fail(self, message: str) -> None:
+        if self.error is None:
+            self.error = LoadFailed(f"loading the KV of {self.kv.request_id}: {message}")
+            logger.warning("%s", self.error)
+        for ready in self._ready:
+            ready.set()
+
+    async def _run(self) -> None:
+        slots = asyncio.Semaphore(self.kv.worker.section.max_layers_in_flight)
+        layers: list[asyncio.Task[None]] = []
+        try:
+            for layer in range(self.num_layers):
+                await slots.acquire()
+                if self.error is not None:
+                    break
+                layers.append(asyncio.create_task(self._load_layer(layer, slots)))
+            await asyncio.gather(*layers)
+        finally:
+            for task in layers:
+                task.cancel()
+            await asyncio.gather(*layers, return_exceptions=True)
+
+    async def _load_layer(self, layer: int, slots: asyncio.Semaphore) -> None:
+        kv, timeline = self.kv, self.kv.worker.timeline
+        try:
+            if timeline is not None:
+                timeline.record("load", kv.request_id, layer, "start")
+            await asyncio.gather(*(kv.read_layer(s.store_name, s.indices, s.offsets, layer, s.incarnation) for s in self.sources))
+            if not kv.is_direct:  # the read filled staging: copy it into the pages
+                copy = kv.worker.copy_thread.submit(kv.copy_layer_in, layer, self.num_blocks)
+                self._copies.append(copy)
+                await asyncio.wrap_future(copy)
+            if timeline is not None:
+                timeline.record("load", kv.request_id, layer, "end")
+            self._ready[layer].set()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._fail(f"layer {layer}: {type(exc).__name__}: {exc}")
+        finally:
+            slots.release()

@@ -1,0 +1,44 @@
+"""Every conductor <-> worker message survives msgpack in both wire forms (roles/worker/messages.py)."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from mooncaked.kv.messages import WriteHandle
+from mooncaked.roles.worker import messages as m
+from mooncaked.rpc.protocol import Message, decode_array, decode_message, encode_array, encode_message
+
+KEY = bytes(range(16))
+SPEC = m.SamplingSpec(max_tokens=8, temperature=0.5, top_p=0.9, top_k=4, seed=3, stop_token_ids=[2],
+                      ignore_eos=True, num_logprobs=1, num_sampled=2, priority=-3, is_batch=True)
+SAMPLE = m.TokenSample(7, -0.5, [7, 8], [-0.5, -1.5])
+DESTINATION = m.Destination(1, WriteHandle(4, KEY, 8192, 1 << 16))
+
+SAMPLES: list[Message] = [
+    SPEC, m.SamplingSpec(max_tokens=1), SAMPLE, DESTINATION,
+    m.ReserveRequest("r1", [KEY], 20, 8, 5_000, is_inline_prefill=True, priority=2, is_batch=True),
+    m.ReserveReply(True, "", "s0", [DESTINATION], 1),
+    m.UnreserveRequest("r1"), m.UnreserveReply(True),
+    m.PrefillRequest("r1", [1, 2, 3], [KEY], SPEC, "s1", 1, "s0", [DESTINATION]),
+    m.PrefillReply(SAMPLE, 16, 1, 0.25, 0.2),
+    m.DecodeRequest("r1", [1, 2, 3], [KEY], SPEC, SAMPLE),
+    m.DecodeItem([SAMPLE], "length", 16),
+    m.LoadRequest(),
+    m.LoadReply("decode", 2, 1, 0, 10, 64, 0.01, 300, [1.0], [2.0], 0.5, ["r1"], 0.01),
+]
+
+
+@pytest.mark.parametrize("message", SAMPLES, ids=lambda msg: type(msg).__name__)
+def test_round_trip_through_msgpack(message: Message) -> None:
+    as_map = msgpack.unpackb(msgpack.packb(encode_message(message)), raw=False)
+    as_array = msgpack.unpackb(msgpack.packb(encode_array(message)), raw=False)
+    assert decode_message(type(message), as_map) == message
+    assert decode_array(type(message), as_array) == message
+
+
+def test_an_older_sender_without_the_new_fields_decodes_to_their_defaults() -> None:
+    wire = encode_message(SPEC)
+    del wire["priority"], wire["is_batch"]
+    assert decode_message(m.SamplingSpec, wire) == m.SamplingSpec(**{**SPEC.__dict__, "priority": 0,
+                                                                      "is_batch": False})
