@@ -2,8 +2,10 @@
 
 1. Parse arguments: `--role ROLE --config FILE [--set k=v ...] [--instance NAME]`, `--version`,
    or a subcommand: `check-config FILE`, `bench NAME ...`, `sim ...`.
-2. Read the environment here and nowhere below: NOTIFY_SOCKET and WATCHDOG_USEC (systemd).
+2. Read the environment here and nowhere below: NOTIFY_SOCKET and WATCHDOG_USEC (systemd), and
+   XDG_CACHE_HOME or HOME for the default `model.weight_cache_dir`.
 3. Load the one frozen config, set up logging and torch threads, then hand the role object to the runner.
+   `check-config` prints the resolved config and, as YAML comments, each process's expected resident memory.
 
 Every user error exits non-zero with one clear line on stderr.
 """
@@ -11,11 +13,13 @@ Every user error exits non-zero with one clear line on stderr.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 
 from mooncaked import __version__
 from mooncaked.config import ROLES, Config, ConfigError, config_as_dict, load_config
@@ -23,7 +27,7 @@ from mooncaked.config import ROLES, Config, ConfigError, config_as_dict, load_co
 logger = logging.getLogger(__name__)
 
 BENCHMARKS = ("rpc", "model", "kernels", "transfer", "store", "sched", "serve", "pd", "prefix", "layerwise",
-              "elastic", "chaos", "batch")
+              "elastic", "chaos", "batch", "memory")
 
 
 class CliError(Exception):
@@ -97,15 +101,36 @@ def _dispatch(args: argparse.Namespace) -> int:
         raise CliError("--config FILE is required with --role")
     if args.role not in (*ROLES, "all"):
         raise CliError(f"unknown role {args.role!r}: use one of {', '.join((*ROLES, 'all'))}")
-    config = load_config(args.config, args.overrides)
+    config = with_default_paths(load_config(args.config, args.overrides), os.environ)
     return _run_role(args, config)
+
+
+def with_default_paths(config: Config, environ: Mapping[str, str]) -> Config:
+    """`model.weight_cache_dir` when left null: $XDG_CACHE_HOME/mooncaked/weights, else ~/.cache/mooncaked/weights
+    (unchanged, so weights stay private, when neither variable is set)."""
+    if config.model.weight_cache_dir is not None:
+        return config
+    base = environ.get("XDG_CACHE_HOME") or (str(Path(environ["HOME"]) / ".cache") if environ.get("HOME") else "")
+    if not base:
+        return config
+    model = dataclasses.replace(config.model, weight_cache_dir=str(Path(base) / "mooncaked" / "weights"))
+    return dataclasses.replace(config, model=model)
 
 
 def _check_config(path: str, overrides: list[str]) -> int:
     import yaml
 
-    config = load_config(path, overrides)
+    from mooncaked.engine.kv_budget import KVBudgetTooSmall
+    from mooncaked.memory_plan import plan_memory, render
+    from mooncaked.model.loader import model_args
+
+    config = with_default_paths(load_config(path, overrides), os.environ)
+    try:
+        plans = plan_memory(config, model_args(config.model.source))
+    except (KVBudgetTooSmall, OSError, ValueError) as exc:
+        raise CliError(f"memory plan: {exc}") from exc
     print(yaml.safe_dump(config_as_dict(config), sort_keys=False), end="")
+    print("\n".join(render(plans)))
     return 0
 
 

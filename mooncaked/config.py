@@ -42,6 +42,8 @@ class ModelSection:
     kernel_backend: str = bounded("auto", choices=("auto", "triton", "torch"))
     cpu_packed_gemm: bool = True
     cuda_graphs: bool = False
+    share_weights: bool = True
+    weight_cache_dir: Optional[str] = bounded(None, doc="null: $XDG_CACHE_HOME/mooncaked/weights, resolved at start")
     max_model_len: int = bounded(2048, min=16)
     seed: int = 0
 
@@ -162,7 +164,9 @@ class ConductorSection:
 class WorkerSection:
     """Settings shared by prefill and decode instances (a model replica with paged KV)."""
 
-    num_kv_pages: int = bounded(512, min=1)
+    num_kv_pages: Optional[int] = bounded(None, min=1, doc="explicit page count; overrides the memory budget")
+    kv_memory_bytes: Optional[int] = bounded(None, min=1, doc="KV page budget (null: 192 MiB on CPU)")
+    memory_fraction: Optional[float] = bounded(None, min=0.01, max=1.0, doc="CUDA: of free memory (null: 0.9)")
     max_batch_size: int = bounded(32, min=1)
     max_batch_tokens: int = bounded(1024, min=16)
     prefill_chunk: int = bounded(1024, min=16)
@@ -381,7 +385,25 @@ def validate(config: Config) -> list[ConfigIssue]:
     issues.extend(_validate_cpu_list(config.worker.copy_cpus, "worker.copy_cpus"))
     issues.extend(_validate_instances(config))
     issues.extend(_validate_membership(config))
+    issues.extend(_validate_kv_budget(config.worker, config.model.device, "worker"))
+    for index, instance in enumerate(config.cluster.instances):
+        if instance.role in ("prefill", "decode") and instance.settings:
+            where = f"cluster.instances[{index}].settings"
+            merged = build(WorkerSection, {**dataclasses.asdict(config.worker), **instance.settings}, where, [])
+            if merged is not None:  # a bad setting is reported by _validate_settings
+                issues.extend(_validate_kv_budget(merged, config.model.device, where))
     return issues
+
+
+def _validate_kv_budget(section: WorkerSection, device: str, where: str) -> list[ConfigIssue]:
+    if section.memory_fraction is None:
+        return []
+    if section.kv_memory_bytes is not None:
+        return [ConfigIssue(f"{where}.memory_fraction", "set either kv_memory_bytes or memory_fraction, not both")]
+    if not device.startswith("cuda"):
+        return [ConfigIssue(f"{where}.memory_fraction", f"sizes KV from free GPU memory but model.device is "
+                            f"{device!r}; set {where}.kv_memory_bytes instead")]
+    return []
 
 
 def _validate_cpu_list(cpus: list[int], where: str) -> list[ConfigIssue]:

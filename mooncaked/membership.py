@@ -58,7 +58,8 @@ class MemberRecord:
         is_switchable = False
         if instance.role in ("prefill", "decode"):
             section = config.role_section(instance)
-            settings = {key: getattr(section, key) for key in PUBLISHED_SETTINGS}
+            settings = {key: getattr(section, key) for key in PUBLISHED_SETTINGS
+                        if getattr(section, key) is not None}  # num_kv_pages: None when sized from a budget
             is_switchable = bool(section.switchable)
         return cls(instance.name, instance.role, instance.host, instance.port, instance.rpc_port,
                    instance.data_port, instance.metrics_port, config.model.name, state, is_switchable, settings,

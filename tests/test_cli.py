@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from mooncaked import __version__
-from mooncaked.cli import main, warn_if_unauthenticated
+from mooncaked.cli import main, warn_if_unauthenticated, with_default_paths
 from mooncaked.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,6 +55,35 @@ def test_user_errors_exit_2_with_one_line(args: list[str], message: str, capsys:
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_check_config_prints_each_process_expected_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check-config", EXAMPLE, "--set", "worker.kv_memory_bytes=268435456"]) == 0
+    out = capsys.readouterr().out
+    plan = out.partition("# expected resident memory per process")[2]
+    assert yaml.safe_load(out)["worker"]["kv_memory_bytes"] == 268435456  # the comments keep it valid YAML
+    rows = {line.split()[1]: line.split() for line in plan.splitlines() if line.startswith("#   ")}
+    assert rows["store0"][8] == "1.00"  # the DRAM pool
+    assert " ".join(rows["decode0"]).endswith("91 pages = 5824 tokens, 0.25 GiB (worker.kv_memory_bytes = 256 MiB)")
+    assert rows["prefill0"][5] == "0.61" and rows["decode0"][4] == "0.50"  # shared file vs packed copies
+    assert re.search(r"# host 127\.0\.0\.1: \d\.\d\d GiB in all processes, \d\.\d\d GiB with the shared weight file "
+                     r"counted once", plan)
+
+
+def test_check_config_refuses_a_budget_below_one_request(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check-config", EXAMPLE, "--set", "worker.kv_memory_bytes=1000000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mooncaked: error: memory plan: worker.kv_memory_bytes = 1000000 bytes holds 0 KV pages")
+    assert "needs 32 pages of 2.81 MiB = 90 MiB; set worker.kv_memory_bytes to at least 94371840" in err
+
+
+def test_weight_cache_dir_defaults_to_the_user_cache() -> None:
+    config = load_config(EXAMPLE)
+    assert with_default_paths(config, {"XDG_CACHE_HOME": "/x"}).model.weight_cache_dir == "/x/mooncaked/weights"
+    assert with_default_paths(config, {"HOME": "/h"}).model.weight_cache_dir == "/h/.cache/mooncaked/weights"
+    assert with_default_paths(config, {}).model.weight_cache_dir is None  # no place: weights stay private
+    chosen = load_config(EXAMPLE, ["model.weight_cache_dir=/w"])
+    assert with_default_paths(chosen, {"HOME": "/h"}).model.weight_cache_dir == "/w"
 
 
 def test_an_unauthenticated_cluster_is_warned_about_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

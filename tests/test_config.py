@@ -167,6 +167,24 @@ def test_ambiguous_instance(tmp_path: Path) -> None:
         config.instance_for("prefill")
 
 
+def test_kv_budget_settings_are_checked_together(tmp_path: Path) -> None:
+    both = errors_of(tmp_path, {"model": {"device": "cuda"}, "worker": {"kv_memory_bytes": 1 << 30,
+                                                                        "memory_fraction": 0.5}})
+    assert "worker.memory_fraction: set either kv_memory_bytes or memory_fraction, not both" in both
+    on_cpu = errors_of(tmp_path, {"worker": {"memory_fraction": 0.5}})
+    assert ("worker.memory_fraction: sizes KV from free GPU memory but model.device is 'cpu'; set "
+            "worker.kv_memory_bytes instead") in on_cpu
+    per_instance = errors_of(tmp_path, {"cluster": {"instances": [
+        {"name": "d", "role": "decode", "settings": {"memory_fraction": 0.8}}]}})
+    assert "cluster.instances[0].settings.memory_fraction: sizes KV from free GPU memory" in per_instance
+    assert "memory_fraction: must be <= 1.0" in errors_of(tmp_path, {"worker": {"memory_fraction": 1.5}})
+    config = load_config(write(tmp_path, {"model": {"device": "cuda:1"}, "worker": {"memory_fraction": 0.6},
+                                          "cluster": {"instances": [{"name": "d", "role": "decode",
+                                                                     "settings": {"num_kv_pages": 64}}]}}))
+    assert config.worker.memory_fraction == 0.6 and config.worker.num_kv_pages is None
+    assert config.role_section(config.instance_named("d")).num_kv_pages == 64
+
+
 def test_cuda_graphs_need_a_cuda_device(tmp_path: Path) -> None:
     message = errors_of(tmp_path, {"model": {"cuda_graphs": True, "device": "cpu"}})
     assert "model.cuda_graphs: needs a CUDA model.device, got 'cpu'" in message

@@ -35,8 +35,11 @@ def config(tmp_path: Path, **cluster: object):
 def test_record_round_trip_and_instance_config(tmp_path: Path) -> None:
     cfg = config(tmp_path)
     record = MemberRecord.for_instance(cfg, cfg.instance_named("p0"), "starting")
-    assert record.is_switchable and record.settings["num_kv_pages"] == cfg.worker.num_kv_pages
+    assert record.is_switchable and record.settings["max_batch_size"] == cfg.worker.max_batch_size
+    assert "num_kv_pages" not in record.settings  # sized from the memory budget: the worker's LOAD replies tell it
     assert MemberRecord.from_json(record.to_json()) == record
+    pinned = config(tmp_path, instances=[{**CONFIG["cluster"]["instances"][1], "settings": {"num_kv_pages": 99}}])
+    assert MemberRecord.for_instance(pinned, pinned.instances_of("prefill")[0], "ready").settings["num_kv_pages"] == 99
     instance = record.instance_config()
     assert (instance.name, instance.role, instance.host, instance.port) == ("p0", "prefill", "127.0.0.2", 7002)
     assert cfg.role_section(instance).max_batch_size == cfg.worker.max_batch_size

@@ -1,8 +1,9 @@
 """`mooncaked bench model`: CPU greedy decode, ours vs transformers `generate`, plus layer-callback overhead.
 
 Stages:
-  1. Load our model (fp32) and build a transformers LlamaForCausalLM with the very same weights (unfused from
-     ours), set torch to `--threads` intra-op threads.
+  1. Load our model (fp32) with the projections a decode instance keeps (`--packing`, default `packed`: the
+     MKL-packed copies in place of the plain ones) and build a transformers LlamaForCausalLM with the very same
+     weights (unfused from a plain load of ours), set torch to `--threads` intra-op threads.
   2. Render the same chat prompts for both; generate exactly `--new-tokens` tokens per sequence, greedy, EOS
      suppressed on both sides (transformers: min_new_tokens = max_new_tokens), at each batch size
      (transformers left-padded). Runs alternate ours / transformers, the best of `--repeats` counts.
@@ -30,8 +31,9 @@ import torch
 from mooncaked.engine.batch import DecodeSeq, PrefillSeq, build_decode_batch, build_prefill_batch
 from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.runner import ModelRunner
-from mooncaked.model.llama import LlamaDecoderLayer, LlamaForCausalLM
+from mooncaked.model.llama import LlamaDecoderLayer, LlamaForCausalLM, Linear
 from mooncaked.model.loader import EMBEDDED_SMOLLM2, LoadedModel, load_model
+from mooncaked.model.packed_gemm import PACKINGS
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -56,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-tokens", type=int, default=1024, help="prompt length for callback overhead")
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per side and setting (best counts)")
+    parser.add_argument("--packing", choices=PACKINGS, default="packed",
+                        help="projection copies ours keeps: packed (a decode instance), both (a switchable one), "
+                             "plain (a prefill one)")
 
 
 class OursGenerator:
@@ -97,21 +102,28 @@ def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     args = model.args
     state = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight}
     if not args.tie_word_embeddings:
-        state["lm_head.weight"] = model.lm_head.weight_t.t()
+        state["lm_head.weight"] = _dense(model.lm_head)
     for i, layer in enumerate(model.layers):
         assert isinstance(layer, LlamaDecoderLayer)
         p = f"model.layers.{i}."
-        q, k, v = layer.qkv_proj.weight_t.t().split([args.q_size, args.kv_size, args.kv_size])
-        gate, up = layer.gate_up_proj.weight_t.t().split(args.intermediate_size)
+        q, k, v = _dense(layer.qkv_proj).split([args.q_size, args.kv_size, args.kv_size])
+        gate, up = _dense(layer.gate_up_proj).split(args.intermediate_size)
         state.update({
             p + "input_layernorm.weight": layer.input_layernorm.weight,
             p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
             p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v,
-            p + "self_attn.o_proj.weight": layer.o_proj.weight_t.t(),
+            p + "self_attn.o_proj.weight": _dense(layer.o_proj),
             p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-            p + "mlp.down_proj.weight": layer.down_proj.weight_t.t(),
+            p + "mlp.down_proj.weight": _dense(layer.down_proj),
         })
     return {name: t.detach().contiguous().clone() for name, t in state.items()}
+
+
+def _dense(linear: Linear) -> torch.Tensor:
+    """The projection's weight [out, in] (a model loaded with plain projections)."""
+    if linear.weight_t is None:
+        raise ValueError("the transformers copy needs a model loaded with plain projections (packing plain or both)")
+    return linear.weight_t.t()
 
 
 def build_hf_model(loaded: LoadedModel) -> Any:
@@ -229,14 +241,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    loaded = load_model(args.model, dtype="float32", device="cpu")
-    hf = build_hf_model(loaded)
+    hf = build_hf_model(load_model(args.model, dtype="float32", device="cpu", packing="plain"))
+    loaded = load_model(args.model, dtype="float32", device="cpu", packing=args.packing)
     longest = max(len(p) for p in chat_prompts(loaded, max(args.batch_sizes)))
     num_pages = max(args.batch_sizes) * ((longest + args.new_tokens) // args.block_size + 1) + (
         args.prefill_tokens // args.block_size + 1)
     ours = OursGenerator(loaded, num_pages, args.block_size)
     results: dict[str, Any] = {"model": loaded.model_id, "threads": args.threads, "new_tokens": args.new_tokens,
-                               "dtype": "float32"}
+                               "dtype": "float32", "packing": args.packing}
     for batch_size in args.batch_sizes:
         print(f"decode batch {batch_size} ...", flush=True)
         results.update(measure_decode(loaded, ours, hf, batch_size, args.new_tokens, args.repeats))
@@ -249,7 +261,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _print_table(results: dict[str, Any], batch_sizes: Sequence[int]) -> None:
-    print(f"\nmodel {results['model']}, fp32, {results['threads']} threads, {results['new_tokens']} new tokens")
+    print(f"\nmodel {results['model']}, fp32, {results['packing']} projections, {results['threads']} threads, "
+          f"{results['new_tokens']} new tokens")
     print(f"{'batch':>5} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6} {'cpu ratio':>9} {'target':>7} "
           f"{'same tokens':>12}")
     for b in batch_sizes:

@@ -93,7 +93,9 @@ class StoreClient:
         stats: msg.StatsReply = await rpc.call(msg.STATS, msg.StatsRequest(), timeout_s=timeout_s)
         pool = None
         if is_shm_allowed and stats.host == host and os.path.exists(stats.pool_path):
-            pool = ShmPool.attach(stats.pool_path)
+            # not prefaulted: the pool is the store's memory (it prefaults it); a worker maps the pages it touches
+            # (a first touch costs a minor fault) instead of counting the whole pool in its own resident set
+            pool = ShmPool.attach(stats.pool_path, is_populate=False)
         segment = SegmentRef(stats.segment_endpoint, stats.segment_name)
         return cls(rpc, pool=pool, engine=engine, segment=segment, timeout_s=timeout_s,
                    incarnation=stats.incarnation)

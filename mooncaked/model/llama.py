@@ -7,8 +7,12 @@
    ~1.8x faster than x @ W.T (measured at M=8, 576x3072 fp32, 2 threads).
    The families differ only in ModelArgs flags: q/k/v (and o, MLP) biases, q/k RMSNorm before RoPE (Qwen3),
    per-layer sliding windows (applied by the runner's attention), tied embeddings, RoPE scaling.
+   With `is_weights_deferred` it allocates none: `bind_weights(views)` then makes each parameter a given tensor
+   (a view of the host's memory-mapped weight file, model.weight_file; `weight_layout()` lists what it needs).
 2. `load_weights(named tensors)` streams Hugging Face named tensors (safetensors, GGUF or a random init)
    into the fused parameters, one at a time, checking names and shapes (model.weight_names).
+   `pack_for_cpu(is_replacing)` adds MKL-packed copies of the projections, or (a decode process) puts them in
+   the plain ones' place (model.packed_gemm).
 3. Per forward the runner calls `embed`, `rope.lookup`, then each layer with an `attend` callable that owns
    the paged KV (store, then attention), then `compute_logits` on the rows it needs.
 """
@@ -46,27 +50,42 @@ class RMSNorm(nn.Module):
 class Linear(nn.Module):
     """Projection with the weight stored transposed: weight_t [in_features, out_features], optional bias [out].
 
-    After `pack_for_cpu()` succeeds, products of at most PACKED_MAX_ROWS rows read an MKL-packed copy instead.
+    After `pack_for_cpu()` succeeds, products of at most PACKED_MAX_ROWS rows read an MKL-packed copy instead;
+    after `pack_for_cpu(is_replacing=True)` every product does and the plain weight is gone (weight_t is None).
     """
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device | str,
                  bias: bool = False) -> None:
         super().__init__()
-        self.weight_t = nn.Parameter(torch.empty(in_features, out_features, dtype=dtype, device=device),
-                                     requires_grad=False)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight_t: nn.Parameter | None = nn.Parameter(
+            torch.empty(in_features, out_features, dtype=dtype, device=device), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
                                  requires_grad=False) if bias else None
         self.packed: PackedWeight | None = None
 
-    def pack_for_cpu(self) -> bool:
-        """Build the packed copy of the current weight (call again after changing it); False if unavailable."""
-        self.packed = packed_gemm.pack(self.weight_t)
-        return self.packed is not None
+    def pack_for_cpu(self, is_replacing: bool = False) -> bool:
+        """Build the packed copy of the current weight (call again after changing it); False if unavailable.
+        With `is_replacing`, the packed copy serves every row count and the plain weight is dropped."""
+        if self.weight_t is None:
+            raise RuntimeError("this projection's plain weight was replaced by its packed copy; reload the model")
+        self.packed = packed_gemm.pack(self.weight_t, is_every_row_count=is_replacing)
+        if self.packed is None or not is_replacing:
+            return self.packed is not None
+        self.packed = packed_gemm.without_plain(self.packed)
+        self.weight_t = None
+        return True
+
+    def _reads_packed(self, num_rows: int) -> bool:
+        return self.packed is not None and (self.weight_t is None or num_rows <= PACKED_MAX_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]."""
-        if self.packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
+        if self._reads_packed(x.shape[0]):
+            assert self.packed is not None
             return packed_gemm.matmul(x, self.packed, self.bias)
+        assert self.weight_t is not None
         if self.bias is not None:
             return torch.addmm(self.bias, x, self.weight_t)
         return torch.matmul(x, self.weight_t)
@@ -74,8 +93,10 @@ class Linear(nn.Module):
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + x @ W (+ bias) for 2-D x [T, in] and residual [T, out] (one GEMM, no add pass, when unpacked
         and bias-free)."""
-        if self.packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
+        if self._reads_packed(x.shape[0]):
+            assert self.packed is not None
             return packed_gemm.matmul(x, self.packed, self.bias).add_(residual)
+        assert self.weight_t is not None
         out = torch.addmm(residual, x, self.weight_t)
         return out if self.bias is None else out.add_(self.bias)
 
@@ -136,30 +157,58 @@ class WeightTarget:
 
 
 class LlamaForCausalLM(nn.Module):
-    """Weights and the per-layer compute; holds no per-request state (KV lives in engine.kv_pages)."""
+    """Weights and the per-layer compute; holds no per-request state (KV lives in engine.kv_pages).
+
+    With `is_weights_deferred` the weights take no memory (meta tensors) until `bind_weights` places them, e.g.
+    in a memory-mapped weight file (model.weight_file).
+    """
 
     def __init__(self, args: ModelArgs, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", shape: ShardShape | None = None) -> None:
+                 device: torch.device | str = "cpu", shape: ShardShape | None = None,
+                 is_weights_deferred: bool = False) -> None:
         super().__init__()
         self.args = args
         self.shape = shape or ShardShape.whole(args)
         self.dtype = dtype
         self.device = torch.device(device)
+        weight_device = "meta" if is_weights_deferred else device
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype, device="meta")
         self.embed_tokens.weight = nn.Parameter(
-            torch.empty(args.vocab_size, args.hidden_size, dtype=dtype, device=device), requires_grad=False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(args, self.shape, i, dtype, device)
+            torch.empty(args.vocab_size, args.hidden_size, dtype=dtype, device=weight_device), requires_grad=False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(args, self.shape, i, dtype, weight_device)
                                     for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, weight_device)
         # a transposed copy even when tied to the embedding: the embedding lookup needs [vocab, hidden] rows
-        self.lm_head = Linear(args.hidden_size, args.vocab_size, dtype, device)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, dtype, weight_device)
         self.rope = RopeCache(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings,
                               dtype, device, args.rope_freq_factors)
 
-    def pack_for_cpu(self) -> int:
-        """MKL-pack every projection for fast few-row (decode) GEMMs on CPU; returns how many were packed."""
+    def pack_for_cpu(self, is_replacing: bool = False) -> int:
+        """MKL-pack every projection for fast few-row (decode) GEMMs on CPU; returns how many were packed.
+        With `is_replacing`, each packed projection drops its plain weight and reads the packed copy for every
+        row count (a decode process: the weights are held once)."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
-        return sum(linear.pack_for_cpu() for linear in linears)
+        return sum(linear.pack_for_cpu(is_replacing) for linear in linears)
+
+    def weight_layout(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """(parameter name, shape, section) of every weight: `projections` for Linear weights, else `resident`."""
+        return [(name, tuple(param.shape), "projections" if name.endswith("weight_t") else "resident")
+                for name, param in self.named_parameters()]
+
+    def bind_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Make every parameter the tensor of its name in `tensors` (same shape and dtype; nothing is copied)."""
+        for name, param in list(self.named_parameters()):
+            tensor = tensors[name]
+            assert tensor.shape == param.shape and tensor.dtype == param.dtype, (name, tensor.shape, param.shape)
+            module_name, _, attr = name.rpartition(".")
+            setattr(self.get_submodule(module_name), attr, nn.Parameter(tensor, requires_grad=False))
+
+    def weight_nbytes(self) -> dict[str, int]:
+        """Bytes held now: `plain` parameters and `packed` copies (nothing counted twice)."""
+        plain = sum(p.numel() * p.element_size() for p in self.parameters())
+        packed = sum(m.out_features * m.in_features * self.dtype.itemsize for m in self.modules()
+                     if isinstance(m, Linear) and m.packed is not None)
+        return {"plain": plain, "packed": packed}
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids int64 [T] -> [T, hidden_size]."""
@@ -190,6 +239,7 @@ class LlamaForCausalLM(nn.Module):
                 seen.add(name)
             check_complete(seen, expected, source)
             if self.args.tie_word_embeddings:
+                assert self.lm_head.weight_t is not None
                 self.lm_head.weight_t.copy_(self.embed_tokens.weight.t())
 
     def weight_targets(self) -> dict[str, WeightTarget]:
@@ -197,7 +247,7 @@ class LlamaForCausalLM(nn.Module):
         targets = {"model.embed_tokens.weight": WeightTarget(self.embed_tokens.weight),
                    "model.norm.weight": WeightTarget(self.norm.weight)}
         if not self.args.tie_word_embeddings:
-            targets["lm_head.weight"] = WeightTarget(self.lm_head.weight_t, is_transposed=True)
+            targets["lm_head.weight"] = WeightTarget(_plain(self.lm_head), is_transposed=True)
         for layer in self.layers:
             assert isinstance(layer, LlamaDecoderLayer)
             targets.update(_layer_targets(layer, f"model.layers.{layer.layer_idx}."))
@@ -215,13 +265,13 @@ def _layer_targets(layer: LlamaDecoderLayer, p: str) -> dict[str, WeightTarget]:
     targets = {
         p + "input_layernorm.weight": WeightTarget(layer.input_layernorm.weight),
         p + "post_attention_layernorm.weight": WeightTarget(layer.post_attention_layernorm.weight),
-        p + "self_attn.q_proj.weight": WeightTarget(qkv.weight_t[:, :q_end], True, (0, *q_rows)),
-        p + "self_attn.k_proj.weight": WeightTarget(qkv.weight_t[:, q_end:k_end], True, (0, *kv_rows)),
-        p + "self_attn.v_proj.weight": WeightTarget(qkv.weight_t[:, k_end:], True, (0, *kv_rows)),
-        p + "self_attn.o_proj.weight": WeightTarget(layer.o_proj.weight_t, True, (1, *q_rows)),
-        p + "mlp.gate_proj.weight": WeightTarget(gate_up.weight_t[:, :inter], True, (0, *inter_rows)),
-        p + "mlp.up_proj.weight": WeightTarget(gate_up.weight_t[:, inter:], True, (0, *inter_rows)),
-        p + "mlp.down_proj.weight": WeightTarget(layer.down_proj.weight_t, True, (1, *inter_rows)),
+        p + "self_attn.q_proj.weight": WeightTarget(_plain(qkv)[:, :q_end], True, (0, *q_rows)),
+        p + "self_attn.k_proj.weight": WeightTarget(_plain(qkv)[:, q_end:k_end], True, (0, *kv_rows)),
+        p + "self_attn.v_proj.weight": WeightTarget(_plain(qkv)[:, k_end:], True, (0, *kv_rows)),
+        p + "self_attn.o_proj.weight": WeightTarget(_plain(layer.o_proj), True, (1, *q_rows)),
+        p + "mlp.gate_proj.weight": WeightTarget(_plain(gate_up)[:, :inter], True, (0, *inter_rows)),
+        p + "mlp.up_proj.weight": WeightTarget(_plain(gate_up)[:, inter:], True, (0, *inter_rows)),
+        p + "mlp.down_proj.weight": WeightTarget(_plain(layer.down_proj), True, (1, *inter_rows)),
     }
     if qkv.bias is not None:
         targets[p + "self_attn.q_proj.bias"] = WeightTarget(qkv.bias[:q_end], narrow=(0, *q_rows))
@@ -237,3 +287,10 @@ def _layer_targets(layer: LlamaDecoderLayer, p: str) -> dict[str, WeightTarget]:
         targets[p + "mlp.up_proj.bias"] = WeightTarget(gate_up.bias[inter:], narrow=(0, *inter_rows))
         targets[p + "mlp.down_proj.bias"] = WeightTarget(layer.down_proj.bias)
     return targets
+
+
+def _plain(linear: Linear) -> torch.Tensor:
+    if linear.weight_t is None:
+        raise RuntimeError("weights cannot be loaded into a projection whose plain weight was replaced by its "
+                           "packed copy; load a new model")
+    return linear.weight_t

@@ -10,11 +10,16 @@ Sources:
 1. Resolve the source and dtype ("auto": fp32 on CPU, bf16 on CUDA).
 2. Read hyperparameters, tokenizer and chat template; for a checkpoint directory also every shard's header,
    checked against the tensors the model needs. Unsupported architectures and options are refused here.
-3. Check that the weights fit the device's free memory (model.memory_fit), then allocate the model and
-   stream the weights in one tensor at a time (memory-mapped), logging progress for slow loads.
-4. fp32 on CPU: MKL-pack the projections for decode-sized GEMMs (unless cpu_packed_gemm is off).
-5. Cache the LoadedModel per process and (source, dtype, device, seed, packing): the model holds no
-   per-request state, so every runner in the process can share it.
+3. Check that the weights fit the device's free memory (model.memory_fit). On CPU with a weight cache
+   directory, map the host's weight file for this source (model.weight_file): read-only pages every process
+   serving the model shares; the first process to need it converts the checkpoint into it once. Otherwise
+   allocate the weights privately. Either way the checkpoint streams in one tensor at a time (memory-mapped),
+   with progress lines for slow loads.
+4. fp32 on CPU: MKL-pack the projections for decode-sized GEMMs as `packing` says (model.packed_gemm):
+   `packed` drops each plain projection once packed (its pages of the weight file are unmapped), `both` keeps
+   both, `plain` packs nothing.
+5. Cache the LoadedModel per process and (source, dtype, device, seed, packing, cache directory): the model
+   holds no per-request state, so every runner in the process can share it.
 
 Every failure of `load_model` or `load_frontend` is a StartupError (errors.py: a restart cannot fix it): the
 named ones (UnsupportedModel, CheckpointError, ModelDoesNotFit, ...) as they are, anything else (a missing file,
@@ -28,7 +33,7 @@ import importlib.util
 import json
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,9 +43,12 @@ import torch
 from mooncaked.errors import StartupError
 from mooncaked.model.chat_template import CHATML_TEMPLATE, ChatTemplate
 from mooncaked.model.config import ModelArgs, random_preset
+from mooncaked.model.build import WeightSource, build_model
 from mooncaked.model.llama import LlamaForCausalLM
+from mooncaked.model.heap import release_free_heap
 from mooncaked.model.load_progress import LoadProgress
 from mooncaked.model.memory_fit import check_fits
+from mooncaked.model.packed_gemm import Packing
 from mooncaked.model.tokenizer import TextTokenizer, byte_level_test_tokenizer, read_tokenizer_config
 from mooncaked.model.weight_names import num_parameters as num_parameters  # the conductor's import path
 from mooncaked.model.weight_names import random_hf_state_dict
@@ -114,14 +122,22 @@ def embedded_smollm2_path() -> Path:
 
 
 def load_model(source: str, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-               seed: int = 0, cpu_packed_gemm: bool = True) -> LoadedModel:
+               seed: int = 0, cpu_packed_gemm: bool = True, packing: Packing = "both",
+               weight_cache_dir: str | Path | None = None) -> LoadedModel:
     """Load (or return the process-wide cached) model for `source`; see the module docstring for sources.
 
-    cpu_packed_gemm: for fp32 on CPU, also keep an MKL-packed copy of every projection (model.packed_gemm).
+    packing: which copies of its projections an fp32 CPU model keeps (model.packed_gemm.Packing); `plain`
+    whenever cpu_packed_gemm is off or the model is not fp32 on CPU.
+    weight_cache_dir: on CPU, hold the weights in a file there (converted once per host, then memory-mapped
+    read-only by every process: model.weight_file); None: in this process's private memory.
     """
     try:
         torch_device = torch.device(device)
-        return _load_cached(source, resolve_dtype(dtype, torch_device), str(torch_device), seed, cpu_packed_gemm)
+        torch_dtype = resolve_dtype(dtype, torch_device)
+        is_packable = cpu_packed_gemm and torch_device.type == "cpu" and torch_dtype == torch.float32
+        cache_dir = str(weight_cache_dir) if weight_cache_dir is not None and torch_device.type == "cpu" else None
+        return _load_cached(source, torch_dtype, str(torch_device), seed, packing if is_packable else "plain",
+                            cache_dir)
     except StartupError:
         raise  # already names what is wrong (an unsupported model, a damaged checkpoint, too little memory)
     except Exception as exc:
@@ -130,6 +146,18 @@ def load_model(source: str, *, dtype: str | torch.dtype = "auto", device: str | 
 
 def clear_model_cache() -> None:
     _load_cached.cache_clear()
+
+
+def model_args(source: str) -> ModelArgs:
+    """The hyperparameters of `source` alone (a GGUF header or config.json; no tokenizer, no weights)."""
+    if source == EMBEDDED_SMOLLM2 or source.endswith(".gguf"):
+        return GGUFModelFile.open(embedded_smollm2_path() if source == EMBEDDED_SMOLLM2 else Path(source)).model_args()
+    if source.startswith("random:"):
+        return random_preset(source.removeprefix("random:"))
+    if not Path(source).is_dir():
+        raise ValueError(f"model source {source!r} is not {EMBEDDED_SMOLLM2!r}, 'random:<preset>', "
+                         "a Hugging Face checkpoint directory or a .gguf file")
+    return read_hf_config(Path(source))
 
 
 def load_frontend(source: str) -> ModelFrontendInfo:
@@ -175,49 +203,51 @@ def _frontend(args: ModelArgs, tokenizer: TextTokenizer, template_source: str, e
 
 
 @functools.lru_cache(maxsize=4)
-def _load_cached(source: str, dtype: torch.dtype, device: str, seed: int, cpu_packed_gemm: bool) -> LoadedModel:
-    is_packed = cpu_packed_gemm and torch.device(device).type == "cpu" and dtype == torch.float32
-    loaded = _load_source(source, dtype, device, seed, is_packed)
-    if is_packed:
-        num_packed = loaded.model.pack_for_cpu()
-        logger.info("MKL-packed %d projections of %s for CPU decode", num_packed, loaded.model_id)
+def _load_cached(source: str, dtype: torch.dtype, device: str, seed: int, packing: Packing,
+                 cache_dir: str | None) -> LoadedModel:
+    loaded = _load_source(source, dtype, device, seed, packing, cache_dir)
+    if packing != "plain":
+        num_packed = loaded.model.pack_for_cpu(is_replacing=packing == "packed")
+        logger.info("MKL-packed %d projections of %s for CPU decode (%s)", num_packed, loaded.model_id,
+                    "replacing the plain ones" if packing == "packed" else "beside the plain ones")
+    release_free_heap()  # the conversion's and the packing's transient copies
+    nbytes = loaded.model.weight_nbytes()
+    logger.info("weights of %s: %.2f GiB plain, %.2f GiB packed", loaded.model_id, nbytes["plain"] / (1 << 30),
+                nbytes["packed"] / (1 << 30))
     return loaded
 
 
-def _load_source(source: str, dtype: torch.dtype, device: str, seed: int, is_packed: bool) -> LoadedModel:
+def _load_source(source: str, dtype: torch.dtype, device: str, seed: int, packing: Packing,
+                 cache_dir: str | None) -> LoadedModel:
     if source == EMBEDDED_SMOLLM2:
-        return _load_gguf(embedded_smollm2_path(), dtype, device, is_packed, model_id=SMOLLM2_MODEL_ID)
+        return _load_gguf(embedded_smollm2_path(), dtype, device, packing, cache_dir, model_id=SMOLLM2_MODEL_ID)
     if source.startswith("random:"):
-        return _load_random(source.removeprefix("random:"), dtype, device, seed, is_packed)
+        return _load_random(source.removeprefix("random:"), dtype, device, seed, packing)
     path = Path(source)
     if path.is_dir():
-        return _load_hf_dir(path, dtype, device, is_packed)
+        return _load_hf_dir(path, dtype, device, packing, cache_dir)
     if path.suffix == ".gguf":
-        return _load_gguf(path, dtype, device, is_packed, model_id=path.stem)
+        return _load_gguf(path, dtype, device, packing, cache_dir, model_id=path.stem)
     raise ValueError(f"model source {source!r} is not {EMBEDDED_SMOLLM2!r}, 'random:<preset>', "
                      "a Hugging Face checkpoint directory or a .gguf file")
 
 
-def _build(args: ModelArgs, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, device: str,
-           source: str) -> LlamaForCausalLM:
-    model = LlamaForCausalLM(args, dtype=dtype, device=device)
-    model.load_weights(tensors, source=source)
-    return model.eval()
-
-
-def _load_gguf(path: Path, dtype: torch.dtype, device: str, is_packed: bool, model_id: str) -> LoadedModel:
+def _load_gguf(path: Path, dtype: torch.dtype, device: str, packing: Packing, cache_dir: str | None,
+               model_id: str) -> LoadedModel:
     gguf_file = GGUFModelFile.open(path)
     args = gguf_file.model_args()
     tokenizer = TextTokenizer.from_gguf_metadata(gguf_file.metadata)
     source = gguf_file.metadata.get("tokenizer.chat_template") or CHATML_TEMPLATE
     template = ChatTemplate(str(source), bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
-    check_fits(args, dtype, torch.device(device), is_packed, str(path))
+    check_fits(args, dtype, torch.device(device), packing, str(path))
     logger.info("loading GGUF %s (%s, %d layers) as %s on %s", path, args.family, args.num_layers, dtype, device)
-    model = _build(args, gguf_file.iter_hf_tensors(), dtype, device, str(path))
+    weights = WeightSource(str(path), model_id, gguf_file.iter_hf_tensors, (path,))
+    model = build_model(args, weights, dtype, device, cache_dir)
     return _loaded(model, tokenizer, template, args.eos_token_ids, model_id)
 
 
-def _load_hf_dir(model_dir: Path, dtype: torch.dtype, device: str, is_packed: bool) -> LoadedModel:
+def _load_hf_dir(model_dir: Path, dtype: torch.dtype, device: str, packing: Packing,
+                 cache_dir: str | None) -> LoadedModel:
     args = read_hf_config(model_dir)
     checkpoint = SafetensorsCheckpoint.open(model_dir)
     checkpoint.check(args)
@@ -225,24 +255,31 @@ def _load_hf_dir(model_dir: Path, dtype: torch.dtype, device: str, is_packed: bo
     tokenizer = TextTokenizer.from_hf_dir(model_dir, eos_token_ids=eos_ids)
     template = ChatTemplate(_hf_chat_template(model_dir), bos_token=tokenizer.bos_token,
                             eos_token=tokenizer.eos_token)
-    check_fits(args, dtype, torch.device(device), is_packed, str(model_dir))
+    check_fits(args, dtype, torch.device(device), packing, str(model_dir))
     logger.info("loading %s checkpoint %s (%d layers, %d shards, %.2f GiB) as %s on %s", args.family, model_dir,
                 args.num_layers, len(checkpoint.shards), checkpoint.total_bytes / (1 << 30), dtype, device)
-    progress = LoadProgress(str(model_dir), checkpoint.total_bytes, time.monotonic())
-    model = _build(args, checkpoint.iter_tensors(progress), dtype, device, str(model_dir))
-    progress.finish(time.monotonic())
+    files = (model_dir / "config.json", *checkpoint.shards)
+    weights = WeightSource(str(model_dir), model_dir.name, lambda: _tensors_with_progress(checkpoint), files)
+    model = build_model(args, weights, dtype, device, cache_dir)
     return _loaded(model, tokenizer, template, tuple(tokenizer.eos_token_ids), model_dir.name)
 
 
-def _load_random(preset: str, dtype: torch.dtype, device: str, seed: int, is_packed: bool) -> LoadedModel:
+def _tensors_with_progress(checkpoint: SafetensorsCheckpoint) -> Iterator[tuple[str, torch.Tensor]]:
+    progress = LoadProgress(str(checkpoint.model_dir), checkpoint.total_bytes, time.monotonic())
+    yield from checkpoint.iter_tensors(progress)
+    progress.finish(time.monotonic())
+
+
+def _load_random(preset: str, dtype: torch.dtype, device: str, seed: int, packing: Packing) -> LoadedModel:
     args = random_preset(preset)
-    check_fits(args, dtype, torch.device(device), is_packed, f"random:{preset}")
+    check_fits(args, dtype, torch.device(device), packing, f"random:{preset}")
     tokenizer = byte_level_test_tokenizer()
     if tokenizer.vocab_size > args.vocab_size:
         raise ValueError(f"random preset {preset!r} has vocab_size {args.vocab_size} < test tokenizer's "
                          f"{tokenizer.vocab_size}")
     template = ChatTemplate(CHATML_TEMPLATE, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
-    model = _build(args, random_hf_state_dict(args, seed).items(), dtype, device, f"random:{preset}")
+    weights = WeightSource(f"random:{preset}", f"random-{preset}", lambda: random_hf_state_dict(args, seed).items())
+    model = build_model(args, weights, dtype, device, None)
     return _loaded(model, tokenizer, template, args.eos_token_ids, f"random-{preset}")
 
 

@@ -1,11 +1,13 @@
 """Whether a model's weights fit the device before any of them is allocated.
 
-1. `weight_bytes(args, dtype, is_cpu_packed)`: what LlamaForCausalLM allocates for `args` in `dtype`: every
-   checkpoint tensor, the transposed output head copy of tied models, the RoPE tables, and with MKL packing
-   a second copy of every projection.
-2. `free_bytes(device)`: free device memory (CUDA: the driver's free figure; CPU: MemAvailable, which counts
+1. `weight_bytes(args, dtype, packing)`: what LlamaForCausalLM holds for `args` in `dtype`: every checkpoint
+   tensor, the transposed output head copy of tied models, the RoPE tables, and with `packing="both"` a second
+   (MKL-packed) copy of every projection; `packed` replaces the plain projections, so it holds as much as `plain`.
+2. `activation_bytes(args, num_tokens, num_logit_rows, dtype)`: an estimate of one forward's transient
+   tensors (hidden states, q/k/v, the MLP's intermediate, fp32 logits), the workspace a worker keeps free.
+3. `free_bytes(device)`: free device memory (CUDA: the driver's free figure; CPU: MemAvailable, which counts
    the page cache a memory-mapped checkpoint occupies as reclaimable).
-3. `check_fits(...)` raises ModelDoesNotFit naming both sizes and what to change.
+4. `check_fits(...)` raises ModelDoesNotFit naming both sizes and what to change.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from mooncaked.errors import StartupError
 from mooncaked.model.config import ModelArgs
+from mooncaked.model.packed_gemm import Packing
 from mooncaked.model.weight_names import hf_tensor_shapes, num_parameters
 
 GIB = 1 << 30
@@ -26,16 +29,30 @@ class ModelDoesNotFit(StartupError, ValueError):
     """The weights need more memory than the device has free; the message gives both figures."""
 
 
-def weight_bytes(args: ModelArgs, dtype: torch.dtype, is_cpu_packed: bool) -> int:
+def weight_bytes(args: ModelArgs, dtype: torch.dtype, packing: Packing = "plain") -> int:
     num_elements = num_parameters(args) + 2 * args.max_position_embeddings * args.head_dim  # + cos/sin tables
     if args.tie_word_embeddings:
         num_elements += args.vocab_size * args.hidden_size  # lm_head's transposed copy
-    if is_cpu_packed:  # every 2-D weight but the embedding is a projection, the output head included
-        num_elements += sum(_numel(shape) for name, shape in hf_tensor_shapes(args).items()
-                            if len(shape) == 2 and name != "model.embed_tokens.weight")
-        if args.tie_word_embeddings:
-            num_elements += args.vocab_size * args.hidden_size
+    both = projection_bytes(args, dtype) if packing == "both" else 0
+    return num_elements * dtype.itemsize + both
+
+
+def projection_bytes(args: ModelArgs, dtype: torch.dtype) -> int:
+    """Bytes of every projection: each 2-D weight but the embedding, the output head included."""
+    num_elements = sum(_numel(shape) for name, shape in hf_tensor_shapes(args).items()
+                       if len(shape) == 2 and name != "model.embed_tokens.weight")
+    if args.tie_word_embeddings:
+        num_elements += args.vocab_size * args.hidden_size
     return num_elements * dtype.itemsize
+
+
+def activation_bytes(args: ModelArgs, num_tokens: int, num_logit_rows: int, dtype: torch.dtype) -> int:
+    """Transient bytes of a forward over `num_tokens` tokens producing `num_logit_rows` rows of logits: per token
+    the residual stream, its normed copy and the attention output (3 x hidden), q/k/v before and after RoPE
+    (2 x qkv), the MLP's gate/up and product (3 x intermediate); fp32 logits and their softmax."""
+    qkv = args.q_size + 2 * args.kv_size
+    per_token = 3 * args.hidden_size + 2 * qkv + 3 * args.intermediate_size
+    return num_tokens * per_token * dtype.itemsize + 2 * num_logit_rows * args.vocab_size * 4
 
 
 def free_bytes(device: torch.device) -> int | None:
@@ -54,15 +71,15 @@ def free_bytes(device: torch.device) -> int | None:
     return None
 
 
-def check_fits(args: ModelArgs, dtype: torch.dtype, device: torch.device, is_cpu_packed: bool, label: str,
+def check_fits(args: ModelArgs, dtype: torch.dtype, device: torch.device, packing: Packing, label: str,
                available: int | None = None) -> None:
     """ModelDoesNotFit when the weights of `args` exceed `available` (default: free_bytes(device))."""
-    needed = weight_bytes(args, dtype, is_cpu_packed)
+    needed = weight_bytes(args, dtype, packing)
     available = free_bytes(device) if available is None else available
     if available is None or needed <= available:
         return
     hint = "a smaller model, a smaller dtype (model.dtype: bfloat16)" if dtype.itemsize > 2 else "a smaller model"
-    if is_cpu_packed:
+    if packing == "both":
         hint += ", model.cpu_packed_gemm: false (the packed copy doubles the projections)"
     raise ModelDoesNotFit(f"{label} does not fit: its weights need {needed / GIB:.2f} GiB as {dtype} on {device} "
                           f"but only {available / GIB:.2f} GiB is free; use {hint}, or a device with more memory")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -182,6 +183,7 @@ async def test_smollm2_says_paris_through_role_all(tmp_path: Path) -> None:
                                                            if k in fresh}}
     data["store"]["shm_dir"] = str(tmp_path)
     data["store"]["dram_bytes"] = 256 << 20
+    data["model"]["weight_cache_dir"] = str(tmp_path / "weights")  # not the user's cache
     path = tmp_path / "smollm2.yaml"
     path.write_text(yaml.safe_dump(data))
     cluster = Cluster(path)
@@ -194,5 +196,7 @@ async def test_smollm2_says_paris_through_role_all(tmp_path: Path) -> None:
                 body = await r.json()
             assert r.status == 200, body
             assert "Paris" in body["choices"][0]["message"]["content"]
+            assert [p.suffix for p in (tmp_path / "weights").glob("*.weights")] == [".weights"]  # one, both workers
     finally:
         assert await cluster.stop() == 0
+        shutil.rmtree(tmp_path / "weights", ignore_errors=True)  # 0.65 GB: not left in the test's temp dir

@@ -13,8 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from mooncaked.model.config import random_preset
 from mooncaked.model.load_progress import LoadProgress
+from mooncaked.model.llama import LlamaForCausalLM
 from mooncaked.model.loader import load_model
-from mooncaked.model.memory_fit import ModelDoesNotFit, check_fits, weight_bytes
+from mooncaked.model.memory_fit import ModelDoesNotFit, check_fits, projection_bytes, weight_bytes
 from mooncaked.model.weight_names import CheckpointError, num_parameters
 from mooncaked.model.weights_hf import SafetensorsCheckpoint
 from tests.model.family_checkpoints import CASES, write_checkpoint
@@ -105,20 +106,23 @@ def test_a_model_that_does_not_fit_is_refused() -> None:
     # a 2**22 x 2**16 fp32 embedding alone is 1 TiB: more than this machine has free, measured
     args = random_preset("tiny", vocab_size=1 << 22, hidden_size=1 << 16)
     with pytest.raises(ModelDoesNotFit, match=r"huge does not fit: its weights need .* GiB as torch.float32 on cpu"):
-        check_fits(args, torch.float32, torch.device("cpu"), False, "huge")
+        check_fits(args, torch.float32, torch.device("cpu"), "plain", "huge")
 
 
 def test_fit_check_counts_what_the_model_allocates() -> None:
     args = random_preset("tiny", tie_word_embeddings=True)
-    plain = weight_bytes(args, torch.float32, is_cpu_packed=False)
+    plain = weight_bytes(args, torch.float32, "plain")
     expected = (num_parameters(args) + args.vocab_size * args.hidden_size
                 + 2 * args.max_position_embeddings * args.head_dim) * 4
     assert plain == expected
-    assert weight_bytes(args, torch.bfloat16, False) == plain // 2
-    assert weight_bytes(args, torch.float32, True) > plain
+    assert weight_bytes(args, torch.bfloat16, "plain") == plain // 2
+    assert weight_bytes(args, torch.float32, "packed") == plain  # the packed copies replace the plain ones
+    assert weight_bytes(args, torch.float32, "both") == plain + projection_bytes(args, torch.float32)
+    model = LlamaForCausalLM(args)
+    assert model.weight_nbytes()["plain"] == plain - 2 * args.max_position_embeddings * args.head_dim * 4
     with pytest.raises(ModelDoesNotFit, match="model.cpu_packed_gemm: false"):
-        check_fits(args, torch.float32, torch.device("cpu"), True, "tiny", available=plain)
-    check_fits(args, torch.float32, torch.device("cpu"), False, "tiny", available=plain)
+        check_fits(args, torch.float32, torch.device("cpu"), "both", "tiny", available=plain)
+    check_fits(args, torch.float32, torch.device("cpu"), "packed", "tiny", available=plain)
 
 
 def test_progress_lines_only_when_loading_is_slow(caplog: pytest.LogCaptureFixture) -> None:

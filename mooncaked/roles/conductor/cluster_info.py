@@ -20,7 +20,7 @@ async def describe_cluster(view: ClusterView) -> dict[str, Any]:
                "stats": s, "last_error": f.last_error} for f, s in zip(view.followers.values(), stats)]
     prefill_waiting, decode_incoming = view.num_waiting()
     return {
-        "instances": [_describe_worker(w) for w in view.workers],
+        "instances": [_describe_worker(w, view.block_size) for w in view.workers],
         "membership": view.membership.status().as_dict(),
         "stores": stores,
         "prefix_blocks": dict(view.prefix_blocks),
@@ -33,7 +33,7 @@ async def describe_cluster(view: ClusterView) -> dict[str, Any]:
     }
 
 
-def _describe_worker(worker: WorkerState) -> dict[str, Any]:
+def _describe_worker(worker: WorkerState, block_size: int) -> dict[str, Any]:
     load = worker.load
     return {"name": worker.instance.name, "role": worker.instance.role, "host": worker.instance.host,
             "port": worker.instance.port, "store": worker.store_id, "is_up": worker.is_up, "state": worker.state,
@@ -46,7 +46,9 @@ def _describe_worker(worker: WorkerState) -> dict[str, Any]:
                 "num_running": load.num_running, "num_waiting": load.num_waiting,
                 "num_queued_tokens": load.num_queued_tokens, "num_free_pages": load.num_free_pages,
                 "num_pages": load.num_pages, "step_time_s": load.step_time_s,
-                "num_context_tokens": load.num_context_tokens}}
+                "num_context_tokens": load.num_context_tokens},
+            "kv_cache": None if load is None else {
+                "num_pages": load.num_pages, "num_tokens": load.num_pages * block_size, "bytes": load.kv_cache_bytes}}
 
 
 async def _store_stats(follower: StoreFollower, timeout_s: float) -> dict[str, int] | None:

@@ -111,8 +111,11 @@ class ClusterView:
     def _worker_state(self, instance: InstanceConfig) -> WorkerState:
         store = store_on_host(self.membership, instance.host)
         section = self.config.role_section(instance)
-        return WorkerState(instance, store.name if store else "", section.max_batch_size,
-                           section.num_kv_pages * self.block_size)
+        # until its first LOAD reply: a page count sized from a memory budget is known only to the worker, which
+        # refuses to start without room for one request of max_model_len tokens
+        pages = section.num_kv_pages
+        tokens = pages * self.block_size if pages is not None else self.config.model.max_model_len
+        return WorkerState(instance, store.name if store else "", section.max_batch_size, tokens)
 
     @property
     def workers(self) -> list[WorkerState]:

@@ -115,10 +115,10 @@ class DecodeRole:
         coefficients = self.worker.perf.coefficients()
         return LoadReply(role="decode", num_running=len(self.loop.running), num_waiting=len(self.reservations),
                          num_queued_tokens=0, num_free_pages=pages.num_free - self.reservations.num_pages(),
-                         num_pages=self.worker.section.num_kv_pages, step_time_s=self.loop.mean_step_s,
+                         num_pages=pages.num_pages, step_time_s=self.loop.mean_step_s,
                          num_context_tokens=self.loop.num_context_tokens,
                          prefill_coefficients=list(coefficients.prefill), decode_coefficients=list(coefficients.decode),
-                         overhead_s=self.inline_overhead.value)
+                         overhead_s=self.inline_overhead.value, kv_cache_bytes=self.worker.kv_cache_bytes)
 
     # ---- 1. reserve ------------------------------------------------------------------------------------
     def _step_limit(self) -> StepLimit:
@@ -164,9 +164,9 @@ class DecodeRole:
             raise InvalidArgument("num_prompt_tokens, max_tokens and lease_ms must be >= 1")
         await self.reservations.expire()
         num_pages = num_blocks_for(request.num_prompt_tokens + request.max_tokens, self.worker.block_size)
-        if num_pages > self.worker.section.num_kv_pages:
+        if num_pages > self.worker.num_pages:
             return ReserveReply(is_accepted=False, reason=f"memory: needs {num_pages} KV pages, the instance has "
-                                f"{self.worker.section.num_kv_pages}")
+                                f"{self.worker.num_pages}")
         reason = self._refusal(request, num_pages)
         if (reason or self._waiting) and self.config.scheduler.admission in WAITING_POLICIES:
             reason = await self._wait_for_room(request, num_pages, ctx)

@@ -161,6 +161,7 @@ class LoadReply(Message):
     pending_work_s: float = 0.0  # prefill: predicted seconds of work held (rest of the running batch + queue)
     held_request_ids: list[str] = field(default_factory=list)  # prefill: the requests pending_work_s counts
     overhead_s: float = 0.0  # recent mean seconds a request spends outside queue and compute (decode: inline prefills)
+    kv_cache_bytes: int = 0  # bytes of its KV pages (all layers' K and V)
 
 
 RESERVE = Method("reserve", ReserveRequest, ReserveReply)

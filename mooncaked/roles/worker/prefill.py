@@ -152,12 +152,12 @@ class PrefillRole:
         coefficients = load.coefficients(now)
         return LoadReply(role="prefill", num_running=len(self._running), num_waiting=len(self._queue),
                          num_queued_tokens=sum(job.num_new_tokens for job in self._queue + self._running),
-                         num_free_pages=pages.num_free, num_pages=self.worker.section.num_kv_pages,
+                         num_free_pages=pages.num_free, num_pages=pages.num_pages,
                          step_time_s=load.mean_batch_s, prefill_coefficients=list(coefficients.prefill),
                          decode_coefficients=list(coefficients.decode),
                          pending_work_s=load.pending_work_s([job.prompt for job in self._queue], now),
                          held_request_ids=[job.request.request_id for job in self._running + self._queue],
-                         overhead_s=load.overhead.value)
+                         overhead_s=load.overhead.value, kv_cache_bytes=self.worker.kv_cache_bytes)
 
     async def _prefill(self, request: PrefillRequest, ctx: CallContext) -> PrefillReply:
         request_id_var.set(request.request_id)

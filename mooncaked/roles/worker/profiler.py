@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from mooncaked.engine.batch import DecodeSeq, PrefillSeq, build_decode_batch, build_prefill_batch
+from mooncaked.model.heap import release_free_heap
 from mooncaked.model.sampler import SamplingParams
 from mooncaked.roles.worker.sampling import sample_rows
 from mooncaked.roles.worker.worker import Worker
@@ -67,6 +68,7 @@ def profile_worker(worker: Worker, budget_s: float, with_decode: bool) -> Profil
     num_prefill = _profile_prefill(worker, prefill_deadline)
     num_decode = _profile_decode(worker, deadline) if with_decode else 0
     worker.perf.refit()
+    release_free_heap()  # prompt-sized activations: a worker's resident memory should show what it holds
     return ProfileResult(time.monotonic() - started, num_prefill, num_decode)
 
 

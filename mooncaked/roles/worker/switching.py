@@ -171,7 +171,7 @@ class SwitchableWorkerRole:
         drain_s = self.last_switch_at - started
         self.metrics.role_switches_total.labels(from_role=old, to_role=role).inc()
         logger.info("switched %s -> %s in %.2f s (weights and %d KV pages kept)", old, role, drain_s,
-                    self.worker.section.num_kv_pages)
+                    self.worker.num_pages)
         return SwitchReply(role, True, drain_s=drain_s, num_cancelled=num_left, num_switches=self.num_switches)
 
     async def _drain(self, deadline: float) -> int:

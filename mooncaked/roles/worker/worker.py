@@ -1,8 +1,11 @@
 """The runtime a prefill or decode instance is built on: one model replica, its KV pages, one compute thread.
 
-1. `Worker(config, instance)`; `await start()`: start the transfer engine, load the model on the compute thread,
-   allocate the KV pages, build the runner, copier, staging pool (pinned on the GPU's NUMA node) and sampler,
-   register GPU pages as "cuda:N" where RDMA can map them, connect to this host's store (mapping its pool).
+1. `Worker(config, instance)`; `await start()`: start the transfer engine, load the model on the compute thread
+   (on CPU mapped from the host's shared weight file; prefill keeps plain projections, decode packed ones in
+   their place, a switchable worker both: memory_plan.worker_packing), size the KV pages from the memory budget
+   (engine.kv_budget; a budget too small for one max-length request fails here), allocate them, build the
+   runner, copier, staging pool (pinned on the GPU's NUMA node) and sampler, register GPU pages as "cuda:N"
+   where RDMA can map them, connect to this host's store (mapping its pool).
 2. `await compute(fn, *args)` runs model work on the single compute thread, keeping the event loop free for RPC,
    transfers and heartbeats. KV copies between pages and staging run on the single copy thread
    (`copy_thread`), so a layer's store or load never runs on the compute thread; each thread may be pinned to
@@ -33,6 +36,7 @@ import torch
 
 from mooncaked.config import Config, InstanceConfig, WorkerSection
 from mooncaked.cpu_affinity import pinned_executor
+from mooncaked.engine.kv_budget import DeviceMemory, KVBudget, KVSizing, size_kv
 from mooncaked.engine.kv_copy import KVCopier
 from mooncaked.engine.kv_pages import KVPages, PageAllocator
 from mooncaked.engine.runner import ModelRunner
@@ -41,7 +45,9 @@ from mooncaked.engine.timeline import LayerTimeline
 from mooncaked.kv.client import Staging, StoreClient
 from mooncaked.kv.keys import model_namespace
 from mooncaked.membership import Membership, StaticMembership, store_on_host
+from mooncaked.memory_plan import worker_packing
 from mooncaked.model.loader import LoadedModel, load_model
+from mooncaked.model.memory_fit import activation_bytes
 from mooncaked.model.sampler import Sampler
 from mooncaked.numa import allowed_memory_nodes
 from mooncaked.roles.worker.kv_placement import register_kv_pages, staging_placement
@@ -77,6 +83,7 @@ class Worker:
         self._store_locks: dict[str, asyncio.Lock] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self.loaded: LoadedModel | None = None
+        self.kv_sizing: KVSizing | None = None
         self.kv_pages: KVPages | None = None
         self.pages: PageAllocator | None = None
         self.runner: ModelRunner | None = None
@@ -90,12 +97,16 @@ class Worker:
         self.loop = asyncio.get_running_loop()
         await self.engine.start()
         model = self.config.model
-        self.loaded = await self.compute(load_model, model.source, dtype=model.dtype, device=model.device,
-                                         seed=model.seed, cpu_packed_gemm=model.cpu_packed_gemm)
+        free_before_load = await self.compute(_cuda_free_bytes, model.device)
+        self.loaded = await self.compute(
+            load_model, model.source, dtype=model.dtype, device=model.device, seed=model.seed,
+            cpu_packed_gemm=model.cpu_packed_gemm, packing=worker_packing(self.instance.role, self.section.switchable),
+            weight_cache_dir=model.weight_cache_dir if model.share_weights else None)
+        self.kv_sizing = await self.compute(self._size_kv, free_before_load)
         block_size = self.config.kv.block_size
-        self.kv_pages = KVPages.for_model(self.loaded.args, num_pages=self.section.num_kv_pages,
+        self.kv_pages = KVPages.for_model(self.loaded.args, num_pages=self.kv_sizing.num_pages,
                                           block_size=block_size, dtype=self.loaded.dtype, device=self.loaded.device)
-        self.pages = PageAllocator(self.section.num_kv_pages)
+        self.pages = PageAllocator(self.kv_sizing.num_pages)
         self.runner = ModelRunner(self.loaded.model, self.kv_pages, backend=model.kernel_backend,
                                   cuda_graphs=model.cuda_graphs, max_batch_size=self.section.max_batch_size,
                                   max_seq_len=model.max_model_len)
@@ -115,8 +126,21 @@ class Worker:
         self.namespace = model_namespace(self.loaded.model_id, model.dtype, block_size)
         self.local_store_name = await self._find_local_store()
         await self.store_client(self.local_store_name)
-        logger.info("%s loaded %s: %d KV pages of %d tokens", self.instance.name, self.loaded.model_id,
-                    self.section.num_kv_pages, block_size)
+        logger.info("%s loaded %s; %s", self.instance.name, self.loaded.model_id, self.kv_sizing.describe())
+
+    def _size_kv(self, free_before_load: int | None) -> KVSizing:
+        """Compute thread: the page count from the budget, once the weights are in (KVBudgetTooSmall if short)."""
+        assert self.loaded is not None
+        section, model = self.section, self.config.model
+        device_memory = None
+        if free_before_load is not None:
+            workspace = activation_bytes(self.loaded.args, section.max_batch_tokens, section.max_batch_size,
+                                         self.loaded.dtype)
+            device_memory = DeviceMemory(free_before_load, _cuda_free_bytes(model.device) or 0, workspace)
+        budget = KVBudget(section.num_kv_pages, section.kv_memory_bytes, section.memory_fraction)
+        return size_kv(budget, args=self.loaded.args, block_size=self.config.kv.block_size, dtype=self.loaded.dtype,
+                       device_type=self.loaded.device.type, max_model_len=model.max_model_len,
+                       device_memory=device_memory)
 
     def free_pages_later(self, owner: str, delay_s: float) -> None:
         """Free `owner`'s pages after `delay_s`: a move abandoned mid-flight may write into them until then."""
@@ -198,6 +222,16 @@ class Worker:
         return self.config.kv.block_size
 
     @property
+    def num_pages(self) -> int:
+        assert self.kv_sizing is not None
+        return self.kv_sizing.num_pages
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        assert self.kv_sizing is not None
+        return self.kv_sizing.nbytes
+
+    @property
     def block_nbytes(self) -> int:
         assert self.kv_pages is not None
         return self.kv_pages.block_nbytes
@@ -206,3 +240,13 @@ class Worker:
     def layer_nbytes(self) -> int:
         assert self.kv_pages is not None
         return self.kv_pages.layer_block_nbytes
+
+
+def _cuda_free_bytes(device: str) -> int | None:
+    """Free bytes on a CUDA `device` (None on CPU), after releasing what torch cached."""
+    torch_device = torch.device(device)
+    if torch_device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    free, _total = torch.cuda.mem_get_info(torch_device)
+    return int(free)

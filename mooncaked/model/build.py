@@ -1,0 +1,68 @@
+"""A model with its weights in place: in this process's memory, or on the host's shared weight file.
+
+1. `WeightSource`: a checkpoint's tensors (a fresh iterator per call) and the files they come from.
+2. `build_model(args, weights, dtype, device, cache_dir)`: with a cache directory and source files, the
+   weights are read-only views of the host's weight file for this source and layout (model.weight_file),
+   converted into it when new; where that fails (an unwritable or full disk) the reason is logged and the
+   weights are allocated in private memory, as they are without a cache directory (and always on a GPU).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mooncaked.model.config import ModelArgs
+from mooncaked.model.llama import LlamaForCausalLM
+from mooncaked.model.weight_file import WeightLayout, cache_key, open_weight_file
+
+logger = logging.getLogger(__name__)
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+_SAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    """What `build_model` needs to read a model's weights: its checkpoint tensors (a fresh iterator per call) and
+    the files they come from (empty for generated weights, which are never written to a weight file)."""
+
+    label: str
+    model_id: str
+    tensors: Callable[[], NamedTensors]
+    files: tuple[Path, ...] = ()
+
+
+def build_model(args: ModelArgs, weights: WeightSource, dtype: torch.dtype, device: str,
+                cache_dir: str | None) -> LlamaForCausalLM:
+    if cache_dir is not None and weights.files:
+        try:
+            return _build_mapped(args, weights, dtype, device, Path(cache_dir))
+        except OSError as exc:  # WeightFileError, or the directory cannot be created or written
+            logger.warning("cannot share the weights of %s through %s (%s); holding them in this process's "
+                           "private memory", weights.label, cache_dir, exc)
+    model = LlamaForCausalLM(args, dtype=dtype, device=device)
+    model.load_weights(weights.tensors(), source=weights.label)
+    return model.eval()
+
+
+def _build_mapped(args: ModelArgs, weights: WeightSource, dtype: torch.dtype, device: str,
+                  cache_dir: Path) -> LlamaForCausalLM:
+    """The model on read-only views of this host's weight file for `weights` (converted into it if new)."""
+    model = LlamaForCausalLM(args, dtype=dtype, device=device, is_weights_deferred=True)
+    layout = WeightLayout.of(model.weight_layout(), dtype)
+    key = cache_key(weights.files, layout)
+    path = cache_dir / f"{_SAFE_NAME.sub('_', weights.model_id)}-{key[:16]}.weights"
+
+    def fill(views: dict[str, torch.Tensor]) -> None:
+        logger.info("converting %s into the weight file %s (once per host)", weights.label, path)
+        model.bind_weights(views)
+        model.load_weights(weights.tensors(), source=weights.label)
+
+    model.bind_weights(open_weight_file(path, key, layout, fill))
+    return model.eval()

@@ -1,0 +1,83 @@
+"""A worker's KV pages sized from its memory budget: reported in LOAD and the cluster view, refused at start when
+too small for one request; each role keeps the projection copies it uses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import aiohttp
+import pytest
+import torch
+
+from mooncaked.config import Config
+from mooncaked.engine.kv_budget import MIB, KVBudgetTooSmall, page_nbytes
+from mooncaked.memory_plan import worker_packing
+from mooncaked.model import packed_gemm
+from mooncaked.model.config import random_preset
+from mooncaked.model.llama import Linear
+from mooncaked.roles import make_role
+from mooncaked.roles.base import PeerClients
+from mooncaked.roles.worker.decode import DecodeRole
+from mooncaked.roles.worker.messages import LOAD, LoadRequest
+from mooncaked.roles.worker.prefill import PrefillRole
+from tests.roles.cluster_fixtures import cluster_config, instance, running_roles
+
+TINY_PAGE = page_nbytes(random_preset("tiny"), 16, torch.float32)
+
+
+def _config(tmp_path: Path, **worker: object) -> Config:
+    instances = [instance("s0", "store"), instance("p0", "prefill"), instance("d0", "decode"),
+                 instance("c0", "conductor")]
+    return cluster_config(tmp_path, instances, worker={"num_kv_pages": None, "profile_s": 1.0, **worker})
+
+
+async def test_pages_come_from_the_budget_and_are_reported(tmp_path: Path) -> None:
+    config = _config(tmp_path, kv_memory_bytes=80 * TINY_PAGE + 5, max_batch_size=4)
+    async with running_roles(config, ["s0", "p0", "d0", "c0"]) as roles:
+        prefill, decode = roles["p0"], roles["d0"]
+        assert isinstance(prefill, PrefillRole) and isinstance(decode, DecodeRole)
+        for worker in (prefill.worker, decode.worker):
+            assert worker.num_pages == 80 and worker.kv_pages is not None and worker.kv_pages.num_pages == 80
+            assert worker.kv_sizing is not None and worker.kv_sizing.origin.startswith("worker.kv_memory_bytes")
+        assert decode.worker.perf.num_samples()["decode_profile"] > 0  # the profile fits in the derived pages
+        peers = PeerClients(config, config.instance_named("c0"))
+        try:
+            reply = await peers.for_instance(config.instance_named("d0")).call(LOAD, LoadRequest(), timeout_s=5.0)
+        finally:
+            await peers.close()
+        assert reply.num_pages == 80 and reply.kv_cache_bytes == 80 * TINY_PAGE
+        port = config.instance_named("c0").port
+        async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/v1/cluster") as response:
+            described = {i["name"]: i for i in (await response.json())["instances"]}
+        assert described["p0"]["kv_cache"] == {"num_pages": 80, "num_tokens": 80 * 16, "bytes": 80 * TINY_PAGE}
+
+
+async def test_a_budget_below_one_request_fails_at_start_saying_what_it_needs(tmp_path: Path) -> None:
+    config = _config(tmp_path, kv_memory_bytes=TINY_PAGE * 10)  # max_model_len 1024 needs 64 pages of 16
+    async with running_roles(config, ["s0"]):
+        role = make_role(config, config.instance_named("d0"))
+        try:
+            with pytest.raises(KVBudgetTooSmall, match=r"holds 10 KV pages \(160 tokens\) but one request of "
+                                                       r"model.max_model_len = 1024 tokens needs 64 pages"):
+                await role.start()
+        finally:
+            await role.stop()
+
+
+def test_each_role_keeps_the_projection_copies_it_uses() -> None:
+    assert worker_packing("prefill", False) == "plain"
+    assert worker_packing("decode", False) == "packed"
+    assert worker_packing("prefill", True) == worker_packing("decode", True) == "both"  # either role may come
+
+
+@pytest.mark.skipif(not packed_gemm.is_available(), reason="needs MKL's packed GEMM")
+async def test_a_decode_worker_holds_packed_projections_only(tmp_path: Path) -> None:
+    config = _config(tmp_path, kv_memory_bytes=2 * MIB, profile_s=0.0)
+    async with running_roles(config, ["s0", "p0", "d0"]) as roles:
+        prefill, decode = roles["p0"], roles["d0"]
+        assert isinstance(prefill, PrefillRole) and isinstance(decode, DecodeRole)
+        assert prefill.worker.loaded is not None and decode.worker.loaded is not None
+        prefill_linears = [m for m in prefill.worker.loaded.model.modules() if isinstance(m, Linear)]
+        decode_linears = [m for m in decode.worker.loaded.model.modules() if isinstance(m, Linear)]
+        assert all(m.packed is None and m.weight_t is not None for m in prefill_linears)
+        assert all(m.packed is not None and m.weight_t is None for m in decode_linears)
