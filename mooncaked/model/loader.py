@@ -13,8 +13,9 @@ Sources:
 3. Check that the weights fit the device's free memory (model.memory_fit), then allocate the model and
    stream the weights in one tensor at a time (memory-mapped), logging progress for slow loads.
 4. fp32 on CPU: MKL-pack the projections for decode-sized GEMMs (unless cpu_packed_gemm is off).
-5. Cache the LoadedModel per process and (source, dtype, device, seed, packing): the model holds no
-   per-request state, so every runner in the process can share it.
+5. Cache the LoadedModel per process and (source, dtype, device, seed, packing, layer range): the model holds
+   no per-request state, so every runner in the process can share it. A pipeline stage (`layers`) allocates
+   and keeps only its layers' weights (the embedding on the first stage, the final norm and head on the last).
 
 Every failure of `load_model` or `load_frontend` is a StartupError (errors.py: a restart cannot fix it): the
 named ones (UnsupportedModel, CheckpointError, ModelDoesNotFit, ...) as they are, anything else (a missing file,
@@ -37,7 +38,7 @@ import torch
 
 from mooncaked.errors import StartupError
 from mooncaked.model.chat_template import CHATML_TEMPLATE, ChatTemplate
-from mooncaked.model.config import ModelArgs, random_preset
+from mooncaked.model.config import LayerRange, ModelArgs, random_preset
 from mooncaked.model.llama import LlamaForCausalLM
 from mooncaked.model.load_progress import LoadProgress
 from mooncaked.model.memory_fit import check_fits
@@ -114,14 +115,17 @@ def embedded_smollm2_path() -> Path:
 
 
 def load_model(source: str, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-               seed: int = 0, cpu_packed_gemm: bool = True) -> LoadedModel:
+               seed: int = 0, cpu_packed_gemm: bool = True, layers: LayerRange | None = None) -> LoadedModel:
     """Load (or return the process-wide cached) model for `source`; see the module docstring for sources.
 
     cpu_packed_gemm: for fp32 on CPU, also keep an MKL-packed copy of every projection (model.packed_gemm).
+    layers: a pipeline stage's layers (cluster.prefill_groups): only they are allocated and loaded (with the
+    embedding on the first stage, the final norm and head on the last); None: the whole model.
     """
     try:
         torch_device = torch.device(device)
-        return _load_cached(source, resolve_dtype(dtype, torch_device), str(torch_device), seed, cpu_packed_gemm)
+        return _load_cached(source, resolve_dtype(dtype, torch_device), str(torch_device), seed, cpu_packed_gemm,
+                            layers)
     except StartupError:
         raise  # already names what is wrong (an unsupported model, a damaged checkpoint, too little memory)
     except Exception as exc:
@@ -175,49 +179,60 @@ def _frontend(args: ModelArgs, tokenizer: TextTokenizer, template_source: str, e
 
 
 @functools.lru_cache(maxsize=4)
-def _load_cached(source: str, dtype: torch.dtype, device: str, seed: int, cpu_packed_gemm: bool) -> LoadedModel:
+def _load_cached(source: str, dtype: torch.dtype, device: str, seed: int, cpu_packed_gemm: bool,
+                 layers: LayerRange | None) -> LoadedModel:
     is_packed = cpu_packed_gemm and torch.device(device).type == "cpu" and dtype == torch.float32
-    loaded = _load_source(source, dtype, device, seed, is_packed)
+    loaded = _load_source(source, dtype, device, seed, is_packed, layers)
     if is_packed:
         num_packed = loaded.model.pack_for_cpu()
         logger.info("MKL-packed %d projections of %s for CPU decode", num_packed, loaded.model_id)
     return loaded
 
 
-def _load_source(source: str, dtype: torch.dtype, device: str, seed: int, is_packed: bool) -> LoadedModel:
+def _load_source(source: str, dtype: torch.dtype, device: str, seed: int, is_packed: bool,
+                 layers: LayerRange | None) -> LoadedModel:
     if source == EMBEDDED_SMOLLM2:
-        return _load_gguf(embedded_smollm2_path(), dtype, device, is_packed, model_id=SMOLLM2_MODEL_ID)
+        return _load_gguf(embedded_smollm2_path(), dtype, device, is_packed, SMOLLM2_MODEL_ID, layers)
     if source.startswith("random:"):
-        return _load_random(source.removeprefix("random:"), dtype, device, seed, is_packed)
+        return _load_random(source.removeprefix("random:"), dtype, device, seed, is_packed, layers)
     path = Path(source)
     if path.is_dir():
-        return _load_hf_dir(path, dtype, device, is_packed)
+        return _load_hf_dir(path, dtype, device, is_packed, layers)
     if path.suffix == ".gguf":
-        return _load_gguf(path, dtype, device, is_packed, model_id=path.stem)
+        return _load_gguf(path, dtype, device, is_packed, path.stem, layers)
     raise ValueError(f"model source {source!r} is not {EMBEDDED_SMOLLM2!r}, 'random:<preset>', "
                      "a Hugging Face checkpoint directory or a .gguf file")
 
 
 def _build(args: ModelArgs, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, device: str,
-           source: str) -> LlamaForCausalLM:
-    model = LlamaForCausalLM(args, dtype=dtype, device=device)
+           source: str, layers: LayerRange | None) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(args, dtype=dtype, device=device, layers=_checked_layers(args, layers, source))
     model.load_weights(tensors, source=source)
     return model.eval()
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device: str, is_packed: bool, model_id: str) -> LoadedModel:
+def _checked_layers(args: ModelArgs, layers: LayerRange | None, source: str) -> LayerRange | None:
+    if layers is not None and layers.num_layers != args.num_layers:
+        raise ModelLoadError(f"{source} has {args.num_layers} layers, not the {layers.num_layers} its pipeline "
+                             "stage was split from")
+    return layers
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, device: str, is_packed: bool, model_id: str,
+               layers: LayerRange | None) -> LoadedModel:
     gguf_file = GGUFModelFile.open(path)
     args = gguf_file.model_args()
     tokenizer = TextTokenizer.from_gguf_metadata(gguf_file.metadata)
     source = gguf_file.metadata.get("tokenizer.chat_template") or CHATML_TEMPLATE
     template = ChatTemplate(str(source), bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
-    check_fits(args, dtype, torch.device(device), is_packed, str(path))
+    check_fits(args, dtype, torch.device(device), is_packed, str(path), layers=layers)
     logger.info("loading GGUF %s (%s, %d layers) as %s on %s", path, args.family, args.num_layers, dtype, device)
-    model = _build(args, gguf_file.iter_hf_tensors(), dtype, device, str(path))
+    model = _build(args, gguf_file.iter_hf_tensors(), dtype, device, str(path), layers)
     return _loaded(model, tokenizer, template, args.eos_token_ids, model_id)
 
 
-def _load_hf_dir(model_dir: Path, dtype: torch.dtype, device: str, is_packed: bool) -> LoadedModel:
+def _load_hf_dir(model_dir: Path, dtype: torch.dtype, device: str, is_packed: bool,
+                 layers: LayerRange | None) -> LoadedModel:
     args = read_hf_config(model_dir)
     checkpoint = SafetensorsCheckpoint.open(model_dir)
     checkpoint.check(args)
@@ -225,24 +240,25 @@ def _load_hf_dir(model_dir: Path, dtype: torch.dtype, device: str, is_packed: bo
     tokenizer = TextTokenizer.from_hf_dir(model_dir, eos_token_ids=eos_ids)
     template = ChatTemplate(_hf_chat_template(model_dir), bos_token=tokenizer.bos_token,
                             eos_token=tokenizer.eos_token)
-    check_fits(args, dtype, torch.device(device), is_packed, str(model_dir))
+    check_fits(args, dtype, torch.device(device), is_packed, str(model_dir), layers=layers)
     logger.info("loading %s checkpoint %s (%d layers, %d shards, %.2f GiB) as %s on %s", args.family, model_dir,
                 args.num_layers, len(checkpoint.shards), checkpoint.total_bytes / (1 << 30), dtype, device)
     progress = LoadProgress(str(model_dir), checkpoint.total_bytes, time.monotonic())
-    model = _build(args, checkpoint.iter_tensors(progress), dtype, device, str(model_dir))
+    model = _build(args, checkpoint.iter_tensors(progress), dtype, device, str(model_dir), layers)
     progress.finish(time.monotonic())
     return _loaded(model, tokenizer, template, tuple(tokenizer.eos_token_ids), model_dir.name)
 
 
-def _load_random(preset: str, dtype: torch.dtype, device: str, seed: int, is_packed: bool) -> LoadedModel:
+def _load_random(preset: str, dtype: torch.dtype, device: str, seed: int, is_packed: bool,
+                 layers: LayerRange | None) -> LoadedModel:
     args = random_preset(preset)
-    check_fits(args, dtype, torch.device(device), is_packed, f"random:{preset}")
+    check_fits(args, dtype, torch.device(device), is_packed, f"random:{preset}", layers=layers)
     tokenizer = byte_level_test_tokenizer()
     if tokenizer.vocab_size > args.vocab_size:
         raise ValueError(f"random preset {preset!r} has vocab_size {args.vocab_size} < test tokenizer's "
                          f"{tokenizer.vocab_size}")
     template = ChatTemplate(CHATML_TEMPLATE, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
-    model = _build(args, random_hf_state_dict(args, seed).items(), dtype, device, f"random:{preset}")
+    model = _build(args, random_hf_state_dict(args, seed).items(), dtype, device, f"random:{preset}", layers)
     return _loaded(model, tokenizer, template, args.eos_token_ids, f"random-{preset}")
 
 

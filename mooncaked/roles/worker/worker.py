@@ -1,7 +1,7 @@
 """The runtime a prefill or decode instance is built on: one model replica, its KV pages, one compute thread.
 
-1. `Worker(config, instance)`; `await start()`: start the transfer engine, load the model on the compute thread,
-   allocate the KV pages, build the runner, copier, staging pool (pinned on the GPU's NUMA node) and sampler,
+1. `Worker(config, instance)`; `await start()`: start the transfer engine, load the model on the compute thread
+   (a prefill group member: only its stage's layers, cpp_group.py), allocate the KV pages (for those layers), build the runner, copier, staging pool (pinned on the GPU's NUMA node) and sampler,
    register GPU pages as "cuda:N" where RDMA can map them, connect to this host's store (mapping its pool).
 2. `await compute(fn, *args)` runs model work on the single compute thread, keeping the event loop free for RPC,
    transfers and heartbeats. KV copies between pages and staging run on the single copy thread
@@ -41,12 +41,14 @@ from mooncaked.engine.timeline import LayerTimeline
 from mooncaked.kv.client import Staging, StoreClient
 from mooncaked.kv.keys import model_namespace
 from mooncaked.membership import Membership, StaticMembership, store_on_host
-from mooncaked.model.loader import LoadedModel, load_model
+from mooncaked.model.config import LayerRange
+from mooncaked.model.loader import LoadedModel, load_frontend, load_model
 from mooncaked.model.sampler import Sampler
 from mooncaked.numa import allowed_memory_nodes
+from mooncaked.roles.worker.cpp_group import GroupStage, group_stage
 from mooncaked.roles.worker.kv_placement import register_kv_pages, staging_placement
 from mooncaked.roles.base import PeerClients, make_transfer_engine
-from mooncaked.rpc import InvalidArgument
+from mooncaked.rpc import InvalidArgument, Unavailable
 from mooncaked.sched.perf_model import PerformanceModel
 
 logger = logging.getLogger(__name__)
@@ -85,16 +87,19 @@ class Worker:
         self.namespace = b""
         self.perf = PerformanceModel()
         self.local_store_name = ""
+        self.stage: GroupStage | None = None  # this instance's place in a prefill group (set by start)
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         await self.engine.start()
         model = self.config.model
+        layers = await self._find_stage()
         self.loaded = await self.compute(load_model, model.source, dtype=model.dtype, device=model.device,
-                                         seed=model.seed, cpu_packed_gemm=model.cpu_packed_gemm)
+                                         seed=model.seed, cpu_packed_gemm=model.cpu_packed_gemm, layers=layers)
         block_size = self.config.kv.block_size
         self.kv_pages = KVPages.for_model(self.loaded.args, num_pages=self.section.num_kv_pages,
-                                          block_size=block_size, dtype=self.loaded.dtype, device=self.loaded.device)
+                                          block_size=block_size, dtype=self.loaded.dtype, device=self.loaded.device,
+                                          layers=layers)
         self.pages = PageAllocator(self.section.num_kv_pages)
         self.runner = ModelRunner(self.loaded.model, self.kv_pages, backend=model.kernel_backend,
                                   cuda_graphs=model.cuda_graphs, max_batch_size=self.section.max_batch_size,
@@ -115,8 +120,16 @@ class Worker:
         self.namespace = model_namespace(self.loaded.model_id, model.dtype, block_size)
         self.local_store_name = await self._find_local_store()
         await self.store_client(self.local_store_name)
-        logger.info("%s loaded %s: %d KV pages of %d tokens", self.instance.name, self.loaded.model_id,
-                    self.section.num_kv_pages, block_size)
+        logger.info("%s loaded %s%s: %d KV pages of %d tokens", self.instance.name, self.loaded.model_id,
+                    f" as {self.stage.describe()}" if self.stage else "", self.section.num_kv_pages, block_size)
+
+    async def _find_stage(self) -> LayerRange | None:
+        """This instance's stage of a prefill group (its layers), from the model's layer count; None: whole."""
+        if self.config.prefill_group_of(self.instance.name) is None:
+            return None
+        frontend = await self.compute(load_frontend, self.config.model.source)
+        self.stage = group_stage(self.config, self.instance, frontend.args.num_layers)
+        return None if self.stage is None else self.stage.layers
 
     def free_pages_later(self, owner: str, delay_s: float) -> None:
         """Free `owner`'s pages after `delay_s`: a move abandoned mid-flight may write into them until then."""
@@ -189,6 +202,13 @@ class Worker:
             raise InvalidArgument(f"{store_name!r} is not a store instance of this cluster")
         return record.instance_config()
 
+    def member_instance(self, name: str) -> InstanceConfig:
+        """Another member of this instance's prefill group; Unavailable while the membership lacks it."""
+        record = self.membership.members().get(name)
+        if record is None or record.role != "prefill":
+            raise Unavailable(f"prefill group member {name!r} is not in the cluster now")
+        return record.instance_config()
+
     @property
     def local_store(self) -> StoreClient:
         return self._stores[self.local_store_name]
@@ -199,8 +219,9 @@ class Worker:
 
     @property
     def block_nbytes(self) -> int:
+        """Bytes of one store object (every layer of the model, also on a pipeline stage)."""
         assert self.kv_pages is not None
-        return self.kv_pages.block_nbytes
+        return self.kv_pages.object_nbytes
 
     @property
     def layer_nbytes(self) -> int:
