@@ -23,7 +23,7 @@ from mooncaked.config import ROLES, Config, ConfigError, config_as_dict, load_co
 logger = logging.getLogger(__name__)
 
 BENCHMARKS = ("rpc", "model", "kernels", "transfer", "store", "sched", "serve", "pd", "prefix", "layerwise",
-              "elastic", "chaos", "batch")
+              "elastic", "chaos", "batch", "cpp")
 
 
 class CliError(Exception):

@@ -176,6 +176,7 @@ class WorkerSection:
     profile_s: float = bounded(5.0, min=0.0, max=600.0)
     switchable: bool = False
     cpp_chunk_tokens: int = bounded(1024, min=16, doc="a prefill group's pipeline chunk (new tokens per chunk)")
+    cpp_poll_interval_s: float = bounded(1.0, min=0.01, doc="a group's first stage polls the other stages' models")
 
 
 @dataclass(frozen=True)

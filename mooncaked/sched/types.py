@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -46,6 +47,9 @@ class PipelineSpec:
             raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
         if any(len(c) != 6 for c in self.stage_coefficients):
             raise ValueError("every stage needs the 6 coefficients of a PrefillTimePredictor")
+        values = [v for c in self.stage_coefficients for v in c] + list(self.handoff_s)
+        if not all(math.isfinite(v) for v in values) or any(h < 0 for h in self.handoff_s):
+            raise ValueError("stage coefficients must be finite and handoffs finite and >= 0")
 
 
 @dataclass(frozen=True)

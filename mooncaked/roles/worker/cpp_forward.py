@@ -82,7 +82,11 @@ class ChunkSender:
         calls, self._calls = self._calls, []
         if calls:
             timeout_s = max(self.deadline - time.monotonic(), 0.001)
-            await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(c) for c in calls)), timeout_s)
+            outcomes = await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(c) for c in calls),
+                                                             return_exceptions=True), timeout_s)
+            failure = next((o for o in outcomes if isinstance(o, BaseException)), None)
+            if failure is not None:
+                raise failure
 
     async def settle(self) -> None:
         """Let the calls in flight end, well or not (their slots are then free again)."""

@@ -206,10 +206,9 @@ class PipelineRun:
     async def _compute(self) -> float:
         """This stage's chunks on the compute thread. Cancelled, it marks the plan cancelled and still waits for
         the thread to leave the prompt (at its next layer boundary)."""
-        started = time.monotonic()
         forward = asyncio.ensure_future(self.worker.compute(self._forward))
         try:
-            await asyncio.shield(forward)
+            compute_s = await asyncio.shield(forward)
         except asyncio.CancelledError:
             self.plan.is_cancelled = True
             await asyncio.wait([forward])
@@ -217,18 +216,23 @@ class PipelineRun:
         except PrefillCancelled:
             self._raise_failure()
             raise
-        return time.monotonic() - started
+        return compute_s
 
-    def _forward(self) -> None:
-        """Compute thread: chunk j through this stage's layers, then handed to stage 2 while chunk j+1 runs."""
+    def _forward(self) -> float:
+        """Compute thread: chunk j through this stage's layers, then handed to stage 2 while chunk j+1 runs. The
+        forward's seconds (not the waits for a free send slot)."""
         plan = self.plan
         chunks = split_prefill_chunks(plan.prefill_seq(), self.worker.section.cpp_chunk_tokens)
+        compute_s = 0.0
         for index, chunk in enumerate(chunks):
+            started = time.monotonic()
             hidden = run_chunk(self.worker, plan, chunk, None, is_first_chunk=index == 0,
                                is_last_chunk=index == len(chunks) - 1)
+            compute_s += time.monotonic() - started
             self.sender.send(index, hidden)
             if plan.is_cancelled:
                 raise PrefillCancelled(f"{plan.kv.request_id} was stopped")
+        return compute_s
 
 
 def _spans(moves: list[BlockSource] | list[LayerWrite]) -> list[BlockSpan]:

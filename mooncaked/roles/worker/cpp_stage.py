@@ -41,6 +41,7 @@ from mooncaked.roles.worker.prefill_forward import PrefillCancelled
 from mooncaked.roles.worker.request_kv import BlockSource, LayerWrite, RequestKv
 from mooncaked.roles.worker.sampling import generator_at, sample_rows, to_params
 from mooncaked.roles.worker.worker import Worker
+from mooncaked.sched.perf_model import RecentMean
 from mooncaked.rpc import CallContext, Cancelled, Internal, InvalidArgument, ResourceExhausted, RpcError, Unavailable
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ class StageService:
         self.receive_slots: HiddenSlots | None = None
         self.send_slots: HiddenSlots | None = None
         self._loop_task: asyncio.Task[None] | None = None
+        self.handoff = RecentMean()  # seconds to read one chunk's hidden states from the previous stage
         endpoint.add_method(CPP_STAGE, self._stage)
         endpoint.add_method(CPP_CHUNK, self._chunk)
         endpoint.add_method(CPP_ABORT, self._abort, is_eager=True)
@@ -297,10 +299,12 @@ class StageService:
         slot = await slots.acquire_async(max(ctx.time_left_s(), 0.001))
         engine = self.worker.engine
         try:
+            started = time.monotonic()
             remote = _segment(request)
             batch_id = engine.submit([TransferRequest(TransferOp.READ, slots.name, slots.offset(slot), remote,
                                                       request.offset, num_bytes)])
             await engine.wait(batch_id, max(ctx.time_left_s(), 0.001))
+            self.handoff.add(time.monotonic() - started)
         except Exception as exc:
             slots.release(slot)
             job.fail(StageFailed(f"reading chunk {request.chunk_index} of {job.request_id} failed: {exc}"))
@@ -322,7 +326,6 @@ class StageService:
 
     async def _compute(self, job: StageJob, index: int, slot: int) -> None:
         job.idle.clear()
-        started = time.monotonic()
         try:
             await self.worker.compute(self._run_chunk, job, index, slot)
         except PrefillCancelled:
@@ -333,7 +336,6 @@ class StageService:
                                                                        f"{type(exc).__name__}: {exc}"))
         finally:
             job.idle.set()
-        job.compute_s += time.monotonic() - started
         job.num_computed += 1
         if job.num_computed == len(job.chunks):
             job.computed.set()
@@ -345,7 +347,9 @@ class StageService:
         chunk = job.chunks[index]
         hidden_in = slots.view(slot, len(chunk.token_ids))
         is_last_chunk = index == len(job.chunks) - 1
+        started = time.monotonic()
         out = run_chunk(self.worker, job, chunk, hidden_in, is_first_chunk=index == 0, is_last_chunk=is_last_chunk)
+        job.compute_s += time.monotonic() - started  # the forward only: not the wait for a free send slot
         if job.sender is not None:
             job.sender.send(index, out)
         elif is_last_chunk:

@@ -12,6 +12,9 @@
    token, reply. Whatever happens, `finally` aborts uncommitted handles, ends leases and frees pages.
 5. Each batch's time, split per prompt by compute share, refits the instance's performance model (profiled at
    start); LOAD reports the model, the predicted work the instance holds and its per-request overhead.
+A prefill group's member (cluster.prefill_groups) holds only its layers: the first stage takes PREFILL, runs its
+queue one prompt at a time and drives each through the group's pipeline (cpp_head.py), reporting the group's
+pipeline in LOAD (cpp_monitor.py); the later stages serve the pipeline's calls (cpp_stage.py).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from mooncaked.metrics import Metrics
 from mooncaked.roles.base import RoleEndpoint
 from mooncaked.roles.metrics_http import MetricsEndpoint
 from mooncaked.roles.worker.cpp_head import PipelineHead
+from mooncaked.roles.worker.cpp_monitor import GroupMonitor
 from mooncaked.roles.worker.cpp_stage import StageService
 from mooncaked.roles.worker.kv_plan import KvPlan, plan_prompt_kv
 from mooncaked.roles.worker.messages import LOAD, PREFILL, LoadReply, LoadRequest, PrefillReply, PrefillRequest
@@ -95,6 +99,7 @@ class PrefillRole:
         self.metrics_endpoint = MetricsEndpoint(instance.host, instance.metrics_port, self.metrics,
                                                 self._refresh_metrics)
         self.pipeline: PipelineHead | None = None
+        self.group_monitor: GroupMonitor | None = None
         self.stage_service: StageService | None = None
 
     async def start(self) -> None:
@@ -112,6 +117,8 @@ class PrefillRole:
         if stage.is_first:
             self.pipeline = PipelineHead(self.worker)
             await self.pipeline.start()
+            self.group_monitor = GroupMonitor(self.worker)
+            self.group_monitor.start()
         else:
             self.stage_service = StageService(self.worker, self.endpoint)
             await self.stage_service.start()
@@ -122,6 +129,8 @@ class PrefillRole:
         await self.deactivate()
         if self.stage_service is not None:
             await self.stage_service.stop()
+        if self.group_monitor is not None:
+            await self.group_monitor.stop()
         if self.pipeline is not None:
             await self.pipeline.stop()
         await self.worker.stop()
@@ -172,16 +181,23 @@ class PrefillRole:
     async def _load(self, request: LoadRequest, ctx: CallContext) -> LoadReply:
         pages, load = self.worker.pages, self.load
         assert pages is not None and load is not None
-        coefficients = self.worker.perf.coefficients()
+        coefficients = list(self.worker.perf.coefficients().prefill)
+        spec = self.group_monitor.spec() if self.group_monitor is not None else None
+        load.pipeline = spec
         num_running = len(self._running) + (len(self.stage_service.jobs) if self.stage_service else 0)
+        is_member = self.worker.stage is not None  # its model covers its layers only: not a whole-model predictor
         return LoadReply(role="prefill", num_running=num_running, num_waiting=len(self._queue),
                          num_queued_tokens=sum(job.num_new_tokens for job in self._queue + self._running),
                          num_free_pages=pages.num_free, num_pages=self.worker.section.num_kv_pages,
-                         step_time_s=load.mean_batch_s, prefill_coefficients=list(coefficients.prefill),
-                         decode_coefficients=list(coefficients.decode),
+                         step_time_s=load.mean_batch_s, prefill_coefficients=[] if is_member else coefficients,
+                         decode_coefficients=list(self.worker.perf.coefficients().decode),
                          pending_work_s=load.pending_work_s([job.prompt for job in self._queue], time.monotonic()),
                          held_request_ids=[job.request.request_id for job in self._running + self._queue],
-                         overhead_s=load.overhead.value)
+                         overhead_s=load.overhead.value, stage_coefficients=coefficients if is_member else [],
+                         chunk_handoff_s=self.stage_service.handoff.value if self.stage_service else 0.0,
+                         pipeline_stages=[list(c) for c in spec.stage_coefficients] if spec else [],
+                         pipeline_handoffs_s=list(spec.handoff_s) if spec else [],
+                         cpp_chunk_tokens=spec.chunk_tokens if spec else 0)
 
     async def _prefill(self, request: PrefillRequest, ctx: CallContext) -> PrefillReply:
         request_id_var.set(request.request_id)
