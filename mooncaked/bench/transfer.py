@@ -36,36 +36,30 @@ import multiprocessing
 import os
 import socket
 import statistics
-import struct
-import threading
 import time
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+
+from mooncaked.bench.transfer_baselines import (
+    END,
+    HEADER,
+    TIMEOUT_S,
+    Plan,
+    gloo_pass,
+    gloo_rank,
+    memcpy_pass,
+    raw_pass,
+    make_ring,
+    raw_receiver,
+)
 
 MIB = 1 << 20
 SYSTEMS = ("engine", "engine_auth", "raw_socket", "gloo", "memcpy")
 ENGINE_SYSTEMS = ("engine", "engine_auth")
 _CLUSTER = "bench-transfer"
 _SECRET = b"bench-transfer-secret"
-_HEADER = struct.Struct("<QQ")  # slot offset, length; length 0 ends a pass, _END ends the stream
-_END = 1 << 63
-_TIMEOUT_S = 120.0
-
-
-@dataclass(frozen=True)
-class Plan:
-    total_bytes: int
-    request_bytes: int
-    in_flight: int
-    connections: int
-    repeats: int
-
-    @property
-    def num_requests(self) -> int:
-        return self.total_bytes // self.request_bytes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -130,12 +124,6 @@ def _print_table(report: dict[str, Any]) -> None:
           f"{report['handshake_share'] * 100:.3f}% of a pass")
 
 
-def _ring(plan: Plan) -> np.ndarray:
-    ring = np.empty(plan.in_flight * plan.request_bytes, np.uint8)
-    ring.fill(1)  # fault the pages in before anything is timed
-    return ring
-
-
 async def _measure(plan: Plan, context: Any, num_handshakes: int) -> tuple[dict[str, list[float]],
                                                                          dict[str, list[float]],
                                                                          dict[str, list[float]]]:
@@ -149,21 +137,21 @@ async def _measure(plan: Plan, context: Any, num_handshakes: int) -> tuple[dict[
     gloo_port = _free_port()
     children = [
         context.Process(target=_engine_receiver, args=(engine_child, plan), daemon=True),
-        context.Process(target=_raw_receiver, args=(raw_child, plan), daemon=True),
+        context.Process(target=raw_receiver, args=(raw_child, plan), daemon=True),
         *(
-            context.Process(target=_gloo_rank, args=(rank, gloo_port, plan, gloo_pipes[rank][1]), daemon=True)
+            context.Process(target=gloo_rank, args=(rank, gloo_port, plan, gloo_pipes[rank][1]), daemon=True)
             for rank in (0, 1)
         ),
     ]
     for child in children:
         child.start()
     gloo = [pipe for pipe, _ in gloo_pipes]
-    ring, memcpy_ring = _ring(plan), _ring(plan)
+    ring, memcpy_ring = make_ring(plan), make_ring(plan)
     sockets: list[socket.socket] = []
     seconds: dict[str, list[float]] = {name: [] for name in SYSTEMS}
     cpu_seconds: dict[str, list[float]] = {name: [] for name in SYSTEMS}
     try:
-        if not all(pipe.poll(_TIMEOUT_S) for pipe in (engine_pipe, raw_pipe, *gloo)):
+        if not all(pipe.poll(TIMEOUT_S) for pipe in (engine_pipe, raw_pipe, *gloo)):
             raise RuntimeError("the receiver processes did not start")
         endpoints = engine_pipe.recv()  # another host address: never the same-host memcpy path
         refs = {name: SegmentRef(endpoint, "sink") for name, endpoint in zip(ENGINE_SYSTEMS, endpoints)}
@@ -179,16 +167,16 @@ async def _measure(plan: Plan, context: Any, num_handshakes: int) -> tuple[dict[
                 if name in ENGINE_SYSTEMS:
                     seconds[name].append(await _engine_pass(plan, name == "engine_auth", ring, refs[name]))
                 elif name == "raw_socket":
-                    seconds[name].append(_raw_pass(plan, sockets, memoryview(ring.data)))
+                    seconds[name].append(raw_pass(plan, sockets, memoryview(ring.data)))
                 elif name == "gloo":
-                    seconds[name].append(_gloo_pass(gloo))
+                    seconds[name].append(gloo_pass(gloo))
                 else:
-                    seconds[name].append(_memcpy_pass(plan, ring, memcpy_ring))
+                    seconds[name].append(memcpy_pass(plan, ring, memcpy_ring))
                 cpu_seconds[name].append(_cpu_seconds(pids.get(name, [])) - cpu_before)
         return seconds, cpu_seconds, _time_handshakes(endpoints, num_handshakes)
     finally:
         for sock in sockets:
-            sock.sendall(_HEADER.pack(0, _END))
+            sock.sendall(HEADER.pack(0, END))
             sock.close()
         for pipe in (engine_pipe, *gloo):
             pipe.send("stop")
@@ -221,7 +209,7 @@ def _engine_receiver(conn: Connection, plan: Plan) -> None:
     """Two engines over one ring: without a secret (system `engine`) and with one (`engine_auth`)."""
 
     async def main() -> None:
-        sink = _ring(plan)
+        sink = make_ring(plan)
         engines = [_make_engine("127.0.0.2", plan, is_auth) for is_auth in (False, True)]
         for engine in engines:
             await engine.start()
@@ -259,12 +247,12 @@ async def _engine_writes(plan: Plan, engine: Any, ref: Any) -> float:
     pending: collections.deque[int] = collections.deque()
     for index in range(plan.num_requests):
         if len(pending) == plan.in_flight:
-            await engine.wait(pending.popleft(), _TIMEOUT_S)
+            await engine.wait(pending.popleft(), TIMEOUT_S)
         offset = (index % plan.in_flight) * plan.request_bytes
         request = TransferRequest(TransferOp.WRITE, "ring", offset, ref, offset, plan.request_bytes)
         pending.append(engine.submit([request]))
     for batch_id in pending:
-        await engine.wait(batch_id, _TIMEOUT_S)
+        await engine.wait(batch_id, TIMEOUT_S)
     return time.perf_counter() - started
 
 
@@ -279,121 +267,11 @@ def _time_handshakes(endpoints: list[str], num_samples: int) -> dict[str, list[f
     for _ in range(num_samples):
         for kind, (endpoint, credentials) in kinds.items():
             started = time.perf_counter()
-            with socket.create_connection(split_endpoint(endpoint), timeout=_TIMEOUT_S) as sock:
+            with socket.create_connection(split_endpoint(endpoint), timeout=TIMEOUT_S) as sock:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 client_handshake(sock, credentials, endpoint)
                 samples[kind].append(time.perf_counter() - started)
     return samples
-
-
-# raw sockets -----------------------------------------------------------------------------------------------------
-
-
-def _raw_receiver(conn: Connection, plan: Plan) -> None:
-    ring = memoryview(_ring(plan).data)
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        conn.send(listener.getsockname()[1])
-        sockets = [listener.accept()[0] for _ in range(plan.connections)]
-    threads = [threading.Thread(target=_raw_receive_stream, args=(sock, ring)) for sock in sockets]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-
-
-def _raw_receive_stream(sock: socket.socket, ring: memoryview) -> None:
-    header = bytearray(_HEADER.size)
-    with sock:
-        while True:
-            _recv_exactly(sock, memoryview(header))
-            slot_offset, length = _HEADER.unpack(header)
-            if length == _END:
-                return
-            if length == 0:
-                sock.sendall(b"k")  # this pass's bytes have all arrived
-                continue
-            _recv_exactly(sock, ring[slot_offset : slot_offset + length])
-
-
-def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
-    while view.nbytes:
-        num_received = sock.recv_into(view)
-        if num_received == 0:
-            raise ConnectionError("sender closed early")
-        view = view[num_received:]
-
-
-def _raw_pass(plan: Plan, sockets: list[socket.socket], ring: memoryview) -> float:
-    started = time.perf_counter()
-    threads = [
-        threading.Thread(target=_raw_send_stream, args=(sock, ring, plan, index)) for index, sock in enumerate(sockets)
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return time.perf_counter() - started
-
-
-def _raw_send_stream(sock: socket.socket, ring: memoryview, plan: Plan, index: int) -> None:
-    for request in range(index, plan.num_requests, plan.connections):
-        offset = (request % plan.in_flight) * plan.request_bytes
-        sock.sendall(_HEADER.pack(offset, plan.request_bytes))
-        sock.sendall(ring[offset : offset + plan.request_bytes])
-    sock.sendall(_HEADER.pack(0, 0))
-    if sock.recv(1) != b"k":
-        raise ConnectionError("raw receiver did not acknowledge")
-
-
-# gloo ------------------------------------------------------------------------------------------------------------
-
-
-def _gloo_rank(rank: int, port: int, plan: Plan, conn: Connection) -> None:
-    """One gloo rank: a pass per "pass" command on `conn`, answering with its seconds; "stop" ends it."""
-    import torch
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    ring = torch.from_numpy(_ring(plan))
-    slots = [ring[i * plan.request_bytes : (i + 1) * plan.request_bytes] for i in range(plan.in_flight)]
-    conn.send("ready")
-    while conn.recv() == "pass":
-        dist.barrier()
-        started = time.perf_counter()
-        pending: collections.deque[Any] = collections.deque()
-        for index in range(plan.num_requests):
-            if len(pending) == plan.in_flight:
-                pending.popleft().wait()
-            slot = slots[index % plan.in_flight]
-            pending.append(dist.isend(slot, 1, tag=index) if rank == 0 else dist.irecv(slot, 0, tag=index))
-        for work in pending:
-            work.wait()
-        conn.send(time.perf_counter() - started)
-    dist.destroy_process_group()
-
-
-def _gloo_pass(pipes: list[Connection]) -> float:
-    """Seconds of one gloo pass on the receiver's clock (a pass ends when the last bytes have landed)."""
-    for pipe in pipes:
-        pipe.send("pass")
-    seconds = []
-    for pipe in pipes:
-        if not pipe.poll(_TIMEOUT_S):
-            raise RuntimeError("a gloo rank did not finish its pass")
-        seconds.append(float(pipe.recv()))
-    return seconds[1]
-
-
-# memcpy ----------------------------------------------------------------------------------------------------------
-
-
-def _memcpy_pass(plan: Plan, source: np.ndarray, ring: np.ndarray) -> float:
-    started = time.perf_counter()
-    for index in range(plan.num_requests):
-        offset = (index % plan.in_flight) * plan.request_bytes
-        end = offset + plan.request_bytes
-        np.copyto(ring[offset:end], source[offset:end])
-    return time.perf_counter() - started
 
 
 if __name__ == "__main__":

@@ -8,8 +8,11 @@
 3. Put: `allocate(keys, block_bytes, lease_ms)` → `write_layer(...)` per layer (or `write_blocks`) → `commit`.
    Get: `lookup(keys, lease_ms)` → `read_blocks(...)` (or `read_layer`) → `release([lease_id])`.
 4. `close()` unmaps the pool and unregisters staging segments; the RPC client and engine are the caller's.
-5. A same-host store that restarted made a new pool file at the same path: the next move maps it and drops the
-   old mapping (`ShmPool.is_current`), so a worker keeps working across a store restart.
+5. A store that restarted has a new pool (a new file at the same path on its host, a new segment name) and a new
+   incarnation. Every move names the incarnation its offsets came from (handles and locations carry it): a move
+   of the current one proceeds, after mapping the new pool file or learning the new segment where needed; a
+   move with an earlier run's offsets raises StaleOffsets and touches no byte, so a worker keeps working across
+   a store restart and never reads or writes another run's blocks.
 
 A block is `[layer][k|v][token][kv_head][head_dim]`; one layer's slice is `layer_bytes` long at
 `layer_index * layer_bytes` inside the block (DESIGN section 5).
@@ -21,7 +24,7 @@ import asyncio
 import concurrent.futures
 import logging
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -31,11 +34,15 @@ from mooncaked.kv import messages as msg
 from mooncaked.kv.shm_pool import ShmPool
 from mooncaked.kv.tenant_quota import TenantShare
 from mooncaked.rpc import Message, Method
-from mooncaked.rdma import SegmentRef, TransferEngine, TransferOp, TransferRequest
+from mooncaked.rdma import SegmentRef, TransferEngine, TransferError, TransferOp, TransferRequest
 
 logger = logging.getLogger(__name__)
 
 _THREAD_COPY_BYTES = 4 << 20  # local copies at least this large run off the event loop
+
+
+class StaleOffsets(TransferError):
+    """The offsets of a move were granted by an earlier run of a store that has restarted since."""
 
 
 class RpcCaller(Protocol):
@@ -67,7 +74,7 @@ class StoreClient:
     """One worker's connection to one store. Owns its pool mapping and staging registrations."""
 
     def __init__(self, rpc: RpcCaller, *, pool: ShmPool | None, engine: TransferEngine | None,
-                 segment: SegmentRef, timeout_s: float = 30.0) -> None:
+                 segment: SegmentRef, timeout_s: float = 30.0, incarnation: int = 0) -> None:
         if pool is None and engine is None:
             raise ValueError("the store is on another host: pass a started TransferEngine to move bytes")
         self.rpc = rpc
@@ -75,8 +82,9 @@ class StoreClient:
         self.engine = engine
         self.segment = segment
         self.timeout_s = timeout_s
+        self.incarnation = incarnation  # of the store run whose pool `pool` / `segment` is
         self._staging_names: list[str] = []
-        self._remap_lock = asyncio.Lock()
+        self._refresh_lock = asyncio.Lock()
 
     @classmethod
     async def connect(cls, rpc: RpcCaller, *, host: str, engine: TransferEngine | None = None,
@@ -87,7 +95,8 @@ class StoreClient:
         if is_shm_allowed and stats.host == host and os.path.exists(stats.pool_path):
             pool = ShmPool.attach(stats.pool_path)
         segment = SegmentRef(stats.segment_endpoint, stats.segment_name)
-        return cls(rpc, pool=pool, engine=engine, segment=segment, timeout_s=timeout_s)
+        return cls(rpc, pool=pool, engine=engine, segment=segment, timeout_s=timeout_s,
+                   incarnation=stats.incarnation)
 
     @property
     def is_local(self) -> bool:
@@ -175,37 +184,38 @@ class StoreClient:
         """Staging holds one layer's slice of each handle's block, back to back: [len(handles), layer_bytes]."""
         spans = [Span(h.offset + layer_index * layer_bytes, staging_offset + i * layer_bytes, layer_bytes)
                  for i, h in enumerate(handles)]
-        await self.move(TransferOp.WRITE, staging, spans)
+        await self.move(TransferOp.WRITE, staging, spans, incarnation=incarnation_of(handles))
 
     async def write_blocks(self, staging: Staging, handles: Sequence[msg.WriteHandle],
                            staging_offset: int = 0) -> None:
         """Staging holds whole blocks back to back: [len(handles), block_bytes]."""
         spans = [Span(h.offset, staging_offset + i * h.num_bytes, h.num_bytes) for i, h in enumerate(handles)]
-        await self.move(TransferOp.WRITE, staging, spans)
+        await self.move(TransferOp.WRITE, staging, spans, incarnation=incarnation_of(handles))
 
     async def read_layer(self, staging: Staging, locations: Sequence[msg.BlockLocation], layer_index: int,
                          layer_bytes: int, staging_offset: int = 0) -> None:
         """Fill staging with one layer's slice of each block: [len(locations), layer_bytes]."""
         spans = [Span(_dram_offset(loc) + layer_index * layer_bytes, staging_offset + i * layer_bytes,
                       layer_bytes) for i, loc in enumerate(locations)]
-        await self.move(TransferOp.READ, staging, spans)
+        await self.move(TransferOp.READ, staging, spans, incarnation=incarnation_of(locations))
 
     async def read_blocks(self, staging: Staging, locations: Sequence[msg.BlockLocation],
                           staging_offset: int = 0) -> None:
         """Fill staging with whole blocks back to back: [len(locations), block_bytes]."""
         spans = [Span(_dram_offset(loc), staging_offset + i * loc.num_bytes, loc.num_bytes)
                  for i, loc in enumerate(locations)]
-        await self.move(TransferOp.READ, staging, spans)
+        await self.move(TransferOp.READ, staging, spans, incarnation=incarnation_of(locations))
 
     async def move(self, op: TransferOp, staging: Staging, spans: Sequence[Span],
-                   executor: concurrent.futures.Executor | None = None) -> None:
-        """READ: pool -> staging; WRITE: staging -> pool. Raises TransferError or ValueError on failure.
-        A same-host copy runs on `executor` when given (a worker's copy thread), else off the event loop once
-        it is large."""
+                   executor: concurrent.futures.Executor | None = None, incarnation: int = 0) -> None:
+        """READ: pool -> staging; WRITE: staging -> pool. Raises TransferError or ValueError on failure, and
+        StaleOffsets when `incarnation` (the store run the offsets came from; 0: unchecked) is not the store's
+        current one. A same-host copy runs on `executor` when given (a worker's copy thread), else off the event
+        loop once it is large."""
         if not spans:
             return
-        if self.pool is not None:
-            pool = await self._current_pool(self.pool)
+        pool, segment = await self._current(incarnation)
+        if pool is not None:
             if executor is not None:
                 loop = asyncio.get_running_loop()
                 await loop.run_in_executor(executor, _copy_spans, pool.array, staging.array, op, spans)
@@ -215,7 +225,7 @@ class StoreClient:
                 _copy_spans(pool.array, staging.array, op, spans)
             return
         assert self.engine is not None
-        requests = [TransferRequest(op, staging.name, span.staging_offset, self.segment, span.pool_offset,
+        requests = [TransferRequest(op, staging.name, span.staging_offset, segment, span.pool_offset,
                                     span.num_bytes) for span in spans]
         batch_id = self.engine.submit(requests)
         await self.engine.wait(batch_id, self.timeout_s)
@@ -223,19 +233,42 @@ class StoreClient:
     async def _call(self, method: Method, request: Message) -> Any:
         return await self.rpc.call(method, request, timeout_s=self.timeout_s)
 
+    async def _current(self, incarnation: int) -> tuple[ShmPool | None, SegmentRef]:
+        """The pool mapping (same host) and segment of the store's current run, learned again after a restart."""
+        is_replaced = self.pool is not None and not self.pool.is_current()
+        if is_replaced or (incarnation and incarnation != self.incarnation):
+            await self._refresh()
+        if incarnation and incarnation != self.incarnation:
+            raise StaleOffsets(f"the store at {self.segment.endpoint or self.segment.name} restarted since these "
+                               f"pool offsets were granted (run {incarnation:x}, now {self.incarnation:x}); "
+                               "allocate or look the blocks up again")
+        return self.pool, self.segment
 
-    async def _current_pool(self, pool: ShmPool) -> ShmPool:
-        """The mapping of the store's pool file as it is now: after a store restart the file at the same path is a
-        new one (the offsets the store hands out refer to it), so map that one and drop the old mapping."""
-        if pool.is_current():
-            return pool
-        async with self._remap_lock:
-            if self.pool is pool:
-                logger.info("store pool %s was replaced (the store restarted): mapping the new one", pool.path)
-                self.pool = await asyncio.to_thread(ShmPool.attach, pool.path)
-                pool.close()
-        assert self.pool is not None
-        return self.pool
+    async def _refresh(self) -> None:
+        """Learn the store's current run (STATS) and map its pool file: a restarted store made a new one at the
+        same path. The mapping belongs to the run named by STATS both before and after it was made (runs never
+        repeat), so no move pairs one run's offsets with another run's pool."""
+        async with self._refresh_lock:
+            for _ in range(3):
+                stats: msg.StatsReply = await self._call(msg.STATS, msg.StatsRequest())
+                if self.pool is not None and not self.pool.is_current():
+                    logger.info("store pool %s was replaced (the store restarted): mapping the new one",
+                                self.pool.path)
+                    old, self.pool = self.pool, await asyncio.to_thread(ShmPool.attach, stats.pool_path)
+                    old.close()
+                    continue  # confirm the new mapping is the run STATS names
+                self.incarnation = stats.incarnation
+                self.segment = SegmentRef(stats.segment_endpoint, stats.segment_name)
+                return
+            raise TransferError(f"the store of pool {stats.pool_path} keeps restarting; try again later")
+
+
+def incarnation_of(blocks: Iterable[msg.WriteHandle | msg.BlockLocation]) -> int:
+    """The store run that granted these handles or locations (one reply's: all the same)."""
+    incarnations = {block.incarnation for block in blocks}
+    if len(incarnations) > 1:
+        raise ValueError(f"handles or locations of several store runs in one move: {sorted(incarnations)}")
+    return incarnations.pop() if incarnations else 0
 
 
 def _copy_spans(pool: np.ndarray, staging: np.ndarray, op: TransferOp, spans: Sequence[Span]) -> None:

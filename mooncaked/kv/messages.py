@@ -26,6 +26,7 @@ class WriteHandle(Message):
     key: bytes
     offset: int
     num_bytes: int
+    incarnation: int = 0  # the store's run that granted `offset` (StatsReply.incarnation); 0: unchecked
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class BlockLocation(Message):
     tier: str  # "dram" | "ssd"
     offset: int  # pool offset when tier is "dram", else -1
     num_bytes: int
+    incarnation: int = 0  # the store's run that `offset` belongs to; 0: unchecked
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,7 @@ class StatsReply(Message):
     segment_endpoint: str  # transfer-engine endpoint "host:port" of the pool
     segment_name: str
     host: str  # host identity: a client on the same host may map the pool instead of using the network
+    incarnation: int = 0  # this run of the store: pool offsets of another run must never be used
 
 
 @dataclass(frozen=True)

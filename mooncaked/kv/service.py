@@ -1,7 +1,9 @@
 """StoreService: the store's RPC handlers over its metadata, DRAM pool, SSD tier and transfer-engine segment.
 
 1. `start()` creates the shared-memory pool, indexes the SSD directory (its objects become present again),
-   registers the pool with the transfer engine as segment `segment_name`, and starts the maintenance task.
+   registers the pool with the transfer engine as segment `<segment_name>.<incarnation>`, and starts the
+   maintenance task. The incarnation (random per run) goes with every pool offset handed out: clients refuse
+   offsets of an earlier run of a restarted store, whose pool is gone.
 2. Handlers (`add_methods(server)`) call the pure `StoreCore` with `now`, then at once, before any await or new
    pool write, copy the bytes of blocks evicted to SSD out of the pool (`_flush_evictions`); a read lease on
    blocks that are only on SSD promotes them back into DRAM before the reply.
@@ -16,6 +18,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -72,11 +75,13 @@ class StoreService:
         self.config = config
         self.engine = engine
         self.clock = clock
+        self.incarnation = secrets.randbits(62) + 1  # tells this run's pool offsets from a restarted store's
+        self.segment_name = f"{config.segment_name}.{self.incarnation:x}"  # old runs' transfers find no segment
         has_ssd = config.ssd_dir is not None and config.ssd_bytes > 0
         self.core = StoreCore(StoreConfig(
             capacity_bytes=config.dram_bytes, alignment=config.alignment, eviction_policy=config.eviction_policy,
             high_watermark=config.high_watermark, low_watermark=config.low_watermark, has_ssd=has_ssd,
-            max_events=config.max_events))
+            max_events=config.max_events, first_id=1 + secrets.randbits(60)))
         self.ssd: SsdTier | None = None
         if has_ssd:
             assert config.ssd_dir is not None
@@ -95,7 +100,7 @@ class StoreService:
                 self.core.ssd_loaded(key, num_bytes)
             logger.info("store: %d objects indexed on ssd at %s", len(self.ssd), self.config.ssd_dir)
         if self.engine is not None:
-            self.engine.register(self.config.segment_name, self.pool.view, f"cpu:{self.config.numa_node or 0}")
+            self.engine.register(self.segment_name, self.pool.view, f"cpu:{self.config.numa_node or 0}")
         self._maintenance = asyncio.create_task(self._maintain(), name="store-maintenance")
 
     def end_streams(self) -> None:
@@ -110,7 +115,7 @@ class StoreService:
             await asyncio.gather(self._maintenance, return_exceptions=True)
             self._maintenance = None
         if self.engine is not None and self.pool is not None:
-            self.engine.unregister(self.config.segment_name)
+            self.engine.unregister(self.segment_name)
         if self.ssd is not None:
             persisted = self._persist_dram() if self.pool is not None else []
             started = time.monotonic()
@@ -166,8 +171,8 @@ class StoreService:
                 self._call(lambda: self.core.abort([g.handle_id for g in grants]))
                 raise
             present = [location for location in present if location.tier == TIER_DRAM]
-        handles = [msg.WriteHandle(g.handle_id, g.key, g.offset, g.num_bytes) for g in grants]
-        return msg.AllocateReply(handles, [_location_message(loc) for loc in present], lease_id)
+        handles = [msg.WriteHandle(g.handle_id, g.key, g.offset, g.num_bytes, self.incarnation) for g in grants]
+        return msg.AllocateReply(handles, [self._location_message(loc) for loc in present], lease_id)
 
     def _grant_dropped(self, request: msg.AllocateRequest, present: Sequence[Location]) -> list[Grant]:
         """Every key must come back present in DRAM or with a write handle: a key whose SSD copy was found corrupt
@@ -204,7 +209,7 @@ class StoreService:
             promoted = await self._promote(locations)
             locations = promoted[: next((i for i, loc in enumerate(promoted) if loc.tier != TIER_DRAM),
                                         len(promoted))]
-        return msg.LookupReply([_location_message(loc) for loc in locations], lease_id)
+        return msg.LookupReply([self._location_message(loc) for loc in locations], lease_id)
 
     async def release(self, request: msg.ReleaseRequest, ctx: object) -> msg.ReleaseReply:
         return msg.ReleaseReply(self.core.release(request.lease_ids))
@@ -224,8 +229,8 @@ class StoreService:
             counters.update(ssd_used_bytes=self.ssd.num_used_bytes, ssd_num_corrupt=self.ssd.num_corrupt)
         assert self.pool is not None, "stats before start()"
         endpoint = self.engine.endpoint if self.engine is not None else ""
-        return msg.StatsReply(counters, self.pool.path, self.pool.num_bytes, endpoint, self.config.segment_name,
-                              self.config.host)
+        return msg.StatsReply(counters, self.pool.path, self.pool.num_bytes, endpoint, self.segment_name,
+                              self.config.host, self.incarnation)
 
     async def events(self, request: msg.EventsRequest, ctx: CallDeadline) -> AsyncIterator[msg.EventBatch]:
         """Events after `after_seq` as they happen, until the call's deadline or the store stops."""
@@ -322,6 +327,9 @@ class StoreService:
         self._new_events.set()
         self._new_events = asyncio.Event()
 
+    def _location_message(self, location: Location) -> msg.BlockLocation:
+        return msg.BlockLocation(location.key, location.tier, location.offset, location.num_bytes, self.incarnation)
+
     async def _maintain(self) -> None:
         while True:
             await asyncio.sleep(self.config.maintenance_interval_s)
@@ -329,10 +337,6 @@ class StoreService:
                 self._call(lambda: (self.core.expire(self.clock()), self.core.evict_to_watermark(self.clock())))
             except RpcError as error:
                 logger.error("store maintenance failed: %s", error)
-
-
-def _location_message(location: Location) -> msg.BlockLocation:
-    return msg.BlockLocation(location.key, location.tier, location.offset, location.num_bytes)
 
 
 def _share(request: msg.AllocateRequest) -> TenantShare | None:

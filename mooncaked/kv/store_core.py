@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable, Hashable, Sequence
 
 from mooncaked.kv.allocator import ExtentAllocator, OutOfSpace
+from mooncaked.kv.block_table import BlockTable
 from mooncaked.kv.eviction import blocks_to_free
 from mooncaked.kv.replica_eviction import make_spare_first_policy
 from mooncaked.kv.events import BLOCK_REMOVED, BLOCK_STORED, EventLog, StoreEvent
@@ -32,7 +33,6 @@ from mooncaked.kv.store_types import (
     Grant,
     Location,
     PendingWrite,
-    ReadLease,
     StoreConfig,
     StoreFull,
     UnknownHandle,
@@ -61,12 +61,11 @@ class StoreCore:
         self.policy = make_spare_first_policy(config.eviction_policy)  # the base order until a copy is marked spare
         blocks_to_free(0, 1, config.high_watermark, config.low_watermark)  # validates the watermarks
         self.events = EventLog(config.max_events)
-        self._blocks: dict[bytes, BlockRecord] = {}
+        self.blocks = BlockTable()
         self._pending: dict[int, PendingWrite] = {}
-        self._leases: dict[int, ReadLease] = {}
         self._evictions: list[Eviction] = []
         self.tenants = TenantUsage()
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(config.first_id)
         self.num_hits = 0
         self.num_misses = 0
         self.num_evicted = 0
@@ -86,11 +85,11 @@ class StoreCore:
         if num_bytes <= 0:
             raise ValueError(f"num_bytes must be positive, got {num_bytes}")
         deadline = now + lease_ms / 1000.0
-        present = [key for key in keys if key in self._blocks]
+        present = [key for key in keys if key in self.blocks]
         for key in present:
-            if self._blocks[key].num_bytes != num_bytes:
-                raise ValueError(f"key {key.hex()} is stored with {self._blocks[key].num_bytes} bytes, not {num_bytes}")
-        absent = [(first_position + i, key) for i, key in enumerate(keys) if key not in self._blocks]
+            if self.blocks[key].num_bytes != num_bytes:
+                raise ValueError(f"key {key.hex()} is stored with {self.blocks[key].num_bytes} bytes, not {num_bytes}")
+        absent = [(first_position + i, key) for i, key in enumerate(keys) if key not in self.blocks]
         grants = self._reserve(absent, num_bytes, deadline, now, protected=set(present), tenant=tenant)
         lease_id = self._open_read_lease(present, deadline, now) if present else 0
         return grants, [self._location(key) for key in present], lease_id
@@ -102,15 +101,15 @@ class StoreCore:
         for handle_id in handle_ids:
             pending = self._pending.pop(handle_id)
             grant = pending.grant
-            block = self._blocks.get(grant.key)
+            block = self.blocks.get(grant.key)
             if block is not None and block.dram_offset is not None:
                 self.allocator.free(grant.offset, grant.num_bytes)  # another writer won: keep the first object
                 self.tenants.add(pending.tenant, TIER_DRAM, -grant.num_bytes)
                 self.num_duplicates += 1
                 continue
             if block is None:
-                block = self._blocks[grant.key] = BlockRecord(grant.num_bytes, grant.offset, False,
-                                                              pending.position, tenant=pending.tenant)
+                block = BlockRecord(grant.num_bytes, grant.offset, False, pending.position, tenant=pending.tenant)
+                self.blocks.add(grant.key, block)
                 self.events.append(BLOCK_STORED, grant.key)
                 num_new += 1
             else:  # present only on SSD: this copy becomes its DRAM copy, its owner's
@@ -119,7 +118,7 @@ class StoreCore:
                 self.tenants.add(block.tenant, TIER_DRAM, grant.num_bytes)
                 self.num_duplicates += 1
             self.policy.on_insert(grant.key, now, pending.position)
-            self._blocks[grant.key].last_used = now
+            self.blocks[grant.key].last_used = now
         return num_new, len(handle_ids) - num_new
 
     def abort(self, handle_ids: Sequence[int]) -> int:
@@ -138,7 +137,7 @@ class StoreCore:
 
         None when the key is no longer SSD-only (already promoted, or gone) or DRAM has no evictable room.
         """
-        block = self._blocks.get(key)
+        block = self.blocks.get(key)
         if block is None or block.dram_offset is not None:
             return None
         try:
@@ -159,29 +158,23 @@ class StoreCore:
             raise ValueError(f"lease_ms must be >= 0, got {lease_ms}")
         prefix: list[bytes] = []
         for key in keys:
-            if key not in self._blocks:
+            if key not in self.blocks:
                 break
             prefix.append(key)
         self.num_hits += len(prefix)
         self.num_misses += len(keys) - len(prefix)
         for key in prefix:
-            self.policy.on_access(key, now, self._blocks[key].position)
-            self._blocks[key].last_used = now
+            self.policy.on_access(key, now, self.blocks[key].position)
+            self.blocks[key].last_used = now
         lease_id = self._open_read_lease(prefix, now + lease_ms / 1000.0, now) if prefix and lease_ms else 0
         return [self._location(key) for key in prefix], lease_id
 
     def release(self, lease_ids: Sequence[int]) -> int:
         """End read leases; ids no longer held are ignored. Returns the number ended."""
-        num_released = 0
-        for lease_id in lease_ids:
-            lease = self._leases.pop(lease_id, None)
-            if lease is not None:
-                self._unread(lease.keys)
-                num_released += 1
-        return num_released
+        return self.blocks.release(lease_ids)
 
     def location(self, key: bytes) -> Location | None:
-        return self._location(key) if key in self._blocks else None
+        return self.blocks.location(key) if key in self.blocks else None
 
     # ---- pins ---------------------------------------------------------------------------------------------
     def pin(self, keys: Sequence[bytes], ttl_ms: int, now: float) -> list[bytes]:
@@ -189,26 +182,14 @@ class StoreCore:
         check_keys(keys)
         if ttl_ms <= 0:
             raise ValueError(f"ttl_ms must be positive, got {ttl_ms}")
-        until = now + ttl_ms / 1000.0
-        for key in keys:
-            block = self._blocks.get(key)
-            if block is not None:
-                block.pinned_until = max(block.pinned_until, until)
-        return [key for key in keys if key not in self._blocks]
+        return self.blocks.pin(keys, now + ttl_ms / 1000.0)
 
     def unpin(self, keys: Sequence[bytes]) -> int:
         check_keys(keys)
-        num_unpinned = 0
-        for key in keys:
-            block = self._blocks.get(key)
-            if block is not None and block.pinned_until:
-                block.pinned_until = 0.0
-                num_unpinned += 1
-        return num_unpinned
+        return self.blocks.unpin(keys)
 
     def is_pinned(self, key: bytes, now: float) -> bool:
-        block = self._blocks.get(key)
-        return block is not None and block.pinned_until > now
+        return self.blocks.is_pinned(key, now)
 
     def mark_spare(self, spare_keys: Sequence[bytes], kept_keys: Sequence[bytes]) -> int:
         """Spare copies are evicted before every kept block; returns how many keys are in DRAM (the rest, gone
@@ -228,10 +209,7 @@ class StoreCore:
             logger.warning("write handle %d for key %s expired before commit; space reclaimed",
                            handle_id, self._pending[handle_id].grant.key.hex())
         self.abort(dead_handles)
-        self.release([lease_id for lease_id, lease in self._leases.items() if lease.deadline <= now])
-        for block in self._blocks.values():
-            if block.pinned_until and block.pinned_until <= now:
-                block.pinned_until = 0.0
+        self.blocks.expire(now)
         self.num_expired += len(dead_handles)
         return len(dead_handles)
 
@@ -254,7 +232,7 @@ class StoreCore:
 
     def ssd_dropped(self, key: bytes) -> None:
         """The SSD tier no longer holds `key` (its own eviction, a failed write or a corrupt file)."""
-        block = self._blocks.get(key)
+        block = self.blocks.get(key)
         if block is None or not block.is_on_ssd:
             return
         block.is_on_ssd = False
@@ -264,41 +242,38 @@ class StoreCore:
 
     def ssd_loaded(self, key: bytes, num_bytes: int) -> None:
         """A block found on SSD at start-up (after a restart) becomes present."""
-        if key not in self._blocks:
-            self._blocks[key] = BlockRecord(num_bytes, None, True, 0)
+        if key not in self.blocks:
+            self.blocks.add(key, BlockRecord(num_bytes, None, True, 0))
             self.tenants.add("", TIER_SSD, num_bytes)
             self.events.append(BLOCK_STORED, key)
 
     def dram_blocks_by_recency(self) -> list[Location]:
         """Committed blocks in DRAM that SSD does not hold yet, most recently used first."""
-        blocks = [(block.last_used, key) for key, block in self._blocks.items()
-                  if block.dram_offset is not None and not block.is_on_ssd]
-        blocks.sort(key=lambda item: item[0], reverse=True)
-        return [self._location(key) for _, key in blocks]
+        return self.blocks.dram_by_recency()
 
     def is_ssd_evictable(self, key: Hashable) -> bool:
-        block = self._blocks.get(key)  # type: ignore[call-overload]
+        block = self.blocks.get(key)  # type: ignore[arg-type]
         return block is None or (block.num_readers == 0 and block.pinned_until == 0.0)
 
     # ---- inspection ---------------------------------------------------------------------------------------
     def dump(self) -> tuple[int, list[bytes]]:
         """(sequence number of the last event, every present key), consistent with each other."""
-        return self.events.last_seq, list(self._blocks)
+        return self.events.last_seq, list(self.blocks)
 
     def events_after(self, seq: int, max_count: int = 4096) -> list[StoreEvent] | None:
         return self.events.events_after(seq, max_count)
 
     def stats(self) -> dict[str, int]:
-        num_dram = sum(1 for b in self._blocks.values() if b.dram_offset is not None)
+        num_dram = sum(1 for b in self.blocks.records() if b.dram_offset is not None)
         return {
             "capacity_bytes": self.allocator.capacity_bytes,
             "used_bytes": self.allocator.num_used_bytes,
-            "num_blocks": len(self._blocks),
+            "num_blocks": len(self.blocks),
             "num_dram_blocks": num_dram,
-            "num_ssd_blocks": sum(1 for b in self._blocks.values() if b.is_on_ssd),
+            "num_ssd_blocks": sum(1 for b in self.blocks.records() if b.is_on_ssd),
             "num_pending": len(self._pending),
-            "num_read_leases": len(self._leases),
-            "num_pinned": sum(1 for b in self._blocks.values() if b.pinned_until),
+            "num_read_leases": self.blocks.num_leases,
+            "num_pinned": sum(1 for b in self.blocks.records() if b.pinned_until),
             "num_hits": self.num_hits,
             "num_misses": self.num_misses,
             "num_evicted": self.num_evicted,
@@ -343,14 +318,14 @@ class StoreCore:
         """Evict one DRAM block (unpinned first; pinned ones only when they can go to SSD); bytes freed.
         `may_evict`: whose blocks this allocation may take (tenant shares)."""
         def is_evictable(key: Hashable) -> bool:
-            block = self._blocks[key]  # type: ignore[index]
+            block = self.blocks[key]  # type: ignore[index]
             return (block.num_readers == 0 and key not in protected and block.pinned_until <= now
                     and may_evict(block.tenant))
 
         victim = next(iter(self.policy.victims(is_evictable)), None)
         if victim is None and self.config.has_ssd:
             def is_movable(key: Hashable) -> bool:
-                block = self._blocks[key]  # type: ignore[index]
+                block = self.blocks[key]  # type: ignore[index]
                 return block.num_readers == 0 and key not in protected and may_evict(block.tenant)
             victim = next(iter(self.policy.victims(is_movable)), None)
         if victim is None:
@@ -358,7 +333,7 @@ class StoreCore:
         return self._evict(victim)  # type: ignore[arg-type]
 
     def _evict(self, key: bytes) -> int:
-        block = self._blocks[key]
+        block = self.blocks[key]
         assert block.dram_offset is not None and block.num_readers == 0
         self.policy.on_remove(key)
         is_to_ssd = self.config.has_ssd and not block.is_on_ssd
@@ -376,32 +351,13 @@ class StoreCore:
         return self.allocator.extent_bytes(block.num_bytes)
 
     def _remove_block(self, key: bytes) -> None:
-        block = self._blocks.pop(key)
-        assert block.num_readers == 0 or block.dram_offset is None
-        if block.pinned_until:
-            logger.warning("pinned block %s dropped: no tier holds it any more", key.hex())
-        if block.num_readers:
-            self._drop_from_leases(key)
+        self.blocks.remove(key)
         self.events.append(BLOCK_REMOVED, key)
-
-    def _drop_from_leases(self, key: bytes) -> None:
-        for lease in self._leases.values():
-            if key in lease.keys:
-                lease.keys.remove(key)
 
     def _open_read_lease(self, keys: list[bytes], deadline: float, now: float) -> int:
         lease_id = next(self._ids)
-        self._leases[lease_id] = ReadLease(list(keys), deadline)
-        for key in keys:
-            self._blocks[key].num_readers += 1
-            self._blocks[key].last_used = now
+        self.blocks.open_lease(lease_id, keys, deadline, now)
         return lease_id
-
-    def _unread(self, keys: list[bytes]) -> None:
-        for key in keys:
-            block = self._blocks.get(key)
-            if block is not None:
-                block.num_readers -= 1
 
     def _check_handles(self, handle_ids: Sequence[int]) -> None:
         if len(set(handle_ids)) != len(handle_ids):
@@ -414,7 +370,4 @@ class StoreCore:
                 )
 
     def _location(self, key: bytes) -> Location:
-        block = self._blocks[key]
-        if block.dram_offset is not None:
-            return Location(key, TIER_DRAM, block.dram_offset, block.num_bytes)
-        return Location(key, TIER_SSD, -1, block.num_bytes)
+        return self.blocks.location(key)

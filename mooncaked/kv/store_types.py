@@ -88,6 +88,7 @@ class StoreConfig:
     low_watermark: float = 0.85
     has_ssd: bool = False
     max_events: int = 1 << 16
+    first_id: int = 1  # of handles and leases: a restarted store starts elsewhere, so no old id names a new one
 
 
 def check_keys(keys: Sequence[bytes]) -> None:

@@ -118,7 +118,8 @@ class StoreRole:
         stats = self.service.core.stats()
         return {
             "pool_path": self.service.config.pool_path,
-            "segment": self.service.config.segment_name,
+            "segment": self.service.segment_name,
+            "incarnation": f"{self.service.incarnation:x}",
             "data_endpoint": self.engine.endpoint if self.service.pool is not None else "",
             "used_bytes": str(stats["used_bytes"]),
             "capacity_bytes": str(stats["capacity_bytes"]),

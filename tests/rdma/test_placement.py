@@ -81,7 +81,7 @@ async def test_a_store_registers_its_pool_at_its_node(tmp_path: Path) -> None:
                                               segment_name="kvpool-s", numa_node=node), engine)
     try:
         await service.start()
-        assert engine.segment_location("kvpool-s") == f"cpu:{node}"
+        assert engine.segment_location(service.segment_name) == f"cpu:{node}"
     finally:
         await service.stop()
         await engine.stop()

@@ -138,7 +138,7 @@ async def test_with_a_secret_kv_moves_between_hosts_and_no_one_else_reads_the_po
             out, _ = await generate(config, clients, "r1", tokens, 4)
             assert out == expected
             store = roles["s3"]
-            pool = SegmentRef(store.engine.endpoint, store.service.config.segment_name)  # type: ignore[attr-defined]
+            pool = SegmentRef(store.engine.endpoint, store.service.segment_name)  # type: ignore[attr-defined]
             for secret_bytes in (None, b"a guessed secret"):
                 intruder = TransferEngine(host="127.0.0.9", cluster_id=config.cluster.id, secret=secret_bytes)
                 await intruder.start()

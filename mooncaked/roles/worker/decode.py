@@ -182,6 +182,9 @@ class DecodeRole:
         except ResourceExhausted as exc:
             await self.reservations.drop(request.request_id)
             return ReserveReply(is_accepted=False, reason=f"store: {exc.message}")
+        except BaseException:
+            await self.reservations.drop(request.request_id)
+            raise
         return self.reservations.reply(reservation)
 
     async def _unreserve(self, request: UnreserveRequest, ctx: CallContext) -> UnreserveReply:
@@ -208,8 +211,8 @@ class DecodeRole:
             blocks += [(index_of[h.key], h.offset) for h in reservation.handles]
             if reservation.tail is not None:
                 blocks.append((len(request.block_keys), reservation.tail.offset))
-            kv.start_loading([BlockSource(worker.local_store_name, [i for i, _ in blocks], [o for _, o in blocks])],
-                             kv.num_blocks)
+            kv.start_loading([BlockSource(worker.local_store_name, [i for i, _ in blocks], [o for _, o in blocks],
+                                          reservation.incarnation)], kv.num_blocks)
             await kv.wait_loaded()
             if reservation.handles:
                 await store.commit([h.handle_id for h in reservation.handles])

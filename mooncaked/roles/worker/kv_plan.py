@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mooncaked.engine.batch import PrefillSeq
+from mooncaked.kv.client import incarnation_of
 from mooncaked.kv.keys import KEY_BYTES, block_keys, isolated_namespace
 from mooncaked.kv.messages import WriteHandle
 from mooncaked.kv.tenant_quota import TenantShare
@@ -55,8 +56,9 @@ class KvPlan:
     def layer_writes(self) -> list[LayerWrite]:
         """Where each layer goes: this host's new blocks, then every destination's."""
         local = LayerWrite(self.kv.worker.local_store_name, [i for i, _ in self.local_handles],
-                           [h.offset for _, h in self.local_handles])
-        return [local, *(LayerWrite(store_name, [d.block_index for d in wanted], [d.handle.offset for d in wanted])
+                           [h.offset for _, h in self.local_handles], incarnation_of(h for _, h in self.local_handles))
+        return [local, *(LayerWrite(store_name, [d.block_index for d in wanted], [d.handle.offset for d in wanted],
+                                    incarnation_of(d.handle for d in wanted))
                          for store_name, wanted in self.destinations.items())]
 
     def store_layer(self, layer: int) -> None:
@@ -119,10 +121,10 @@ async def plan_prompt_kv(worker: Worker, request_id: str, token_ids: list[int], 
     if destinations:
         plan.destinations[decode_store] = list(destinations)
     try:
-        remote: dict[int, int] = {}
+        fetched = BlockSource(fetch_store, [], [])
         if fetch_store and fetch_store != worker.local_store_name and num_fetch_blocks > 0:
-            remote = await _lookup_remote(plan, fetch_store, keys[:num_fetch_blocks], timeout_s)
-        sources = await _reserve_local(plan, keys, fetch_store, remote, timeout_s)
+            fetched = await _lookup_remote(plan, fetch_store, keys[:num_fetch_blocks], timeout_s)
+        sources = await _reserve_local(plan, keys, fetched, timeout_s)
     except BaseException:
         await plan.close(commit=False)
         raise
@@ -159,19 +161,19 @@ def _lease_ms(worker: Worker, timeout_s: float) -> int:
     return min(max(int(timeout_s * 1000) + 5_000, store.default_lease_ms), store.max_lease_ms)
 
 
-async def _lookup_remote(plan: KvPlan, fetch_store: str, keys: list[bytes], timeout_s: float) -> dict[int, int]:
-    """Lease the longest prefix of `keys` held by `fetch_store`: block index -> pool offset there."""
+async def _lookup_remote(plan: KvPlan, fetch_store: str, keys: list[bytes], timeout_s: float) -> BlockSource:
+    """Lease the longest prefix of `keys` held by `fetch_store` (its block indices and pool offsets there)."""
     worker = plan.kv.worker
     remote = await worker.store_client(fetch_store)
     found = await remote.lookup(keys, lease_ms=_lease_ms(worker, timeout_s))
     if found.read_lease_id:
         plan.remote_leases.append((fetch_store, found.read_lease_id))
     index_of = {key: i for i, key in enumerate(keys)}
-    return {index_of[loc.key]: loc.offset for loc in found.locations}
+    return BlockSource(fetch_store, [index_of[loc.key] for loc in found.locations],
+                       [loc.offset for loc in found.locations], incarnation_of(found.locations))
 
 
-async def _reserve_local(plan: KvPlan, keys: list[bytes], fetch_store: str, remote: dict[int, int],
-                         timeout_s: float) -> list[BlockSource]:
+async def _reserve_local(plan: KvPlan, keys: list[bytes], fetched: BlockSource, timeout_s: float) -> list[BlockSource]:
     """Allocate this host's store space for the blocks it lacks; the prefix and where each block of it is."""
     worker = plan.kv.worker
     local = worker.local_store
@@ -186,6 +188,7 @@ async def _reserve_local(plan: KvPlan, keys: list[bytes], fetch_store: str, remo
     index_of = {key: i for i, key in enumerate(keys)}
     plan.local_handles = [(index_of[h.key], h) for h in handles]
     local_offsets = {index_of[loc.key]: loc.offset for loc in present}
+    remote = dict(zip(fetched.indices, fetched.offsets))
     num_prefix = 0
     while num_prefix < len(keys) and (num_prefix in local_offsets or num_prefix in remote):
         num_prefix += 1
@@ -194,5 +197,6 @@ async def _reserve_local(plan: KvPlan, keys: list[bytes], fetch_store: str, remo
     from_local = [i for i in range(num_prefix) if i in local_offsets]
     from_remote = [i for i in range(num_prefix) if i not in local_offsets]
     plan.num_fetched_blocks = len(from_remote)
-    return [BlockSource(worker.local_store_name, from_local, [local_offsets[i] for i in from_local]),
-            BlockSource(fetch_store, from_remote, [remote[i] for i in from_remote])]
+    return [BlockSource(worker.local_store_name, from_local, [local_offsets[i] for i in from_local],
+                        incarnation_of([*present, *handles])),
+            BlockSource(fetched.store_name, from_remote, [remote[i] for i in from_remote], fetched.incarnation)]

@@ -33,6 +33,7 @@ class BlockSource:
     store_name: str
     indices: list[int]
     offsets: list[int]
+    incarnation: int = 0  # the store run the offsets belong to (kv/client.py); 0: unchecked
 
 
 class LoadTarget(Protocol):
@@ -43,7 +44,7 @@ class LoadTarget(Protocol):
     is_direct: bool  # reads land in the pages themselves; else in staging, then `copy_layer_in`
 
     async def read_layer(self, store_name: str, indices: Sequence[int], offsets: Sequence[int],
-                         layer: int) -> None: ...
+                         layer: int, incarnation: int = 0) -> None: ...
 
     def copy_layer_in(self, layer: int, num_blocks: int) -> None: ...
 
@@ -129,7 +130,7 @@ class LayerLoader:
         try:
             if timeline is not None:
                 timeline.record("load", kv.request_id, layer, "start")
-            await asyncio.gather(*(kv.read_layer(s.store_name, s.indices, s.offsets, layer) for s in self.sources))
+            await asyncio.gather(*(kv.read_layer(s.store_name, s.indices, s.offsets, layer, s.incarnation) for s in self.sources))
             if not kv.is_direct:  # the read filled staging: copy it into the pages
                 copy = kv.worker.copy_thread.submit(kv.copy_layer_in, layer, self.num_blocks)
                 self._copies.append(copy)

@@ -179,21 +179,22 @@ class PrefillRole:
         return {"queued": str(len(self._queue)), "running": str(len(self._running))}
 
     async def _load(self, request: LoadRequest, ctx: CallContext) -> LoadReply:
-        pages, load = self.worker.pages, self.load
+        pages, load, now = self.worker.pages, self.load, time.monotonic()
         assert pages is not None and load is not None
-        coefficients = list(self.worker.perf.coefficients().prefill)
-        spec = self.group_monitor.spec() if self.group_monitor is not None else None
-        load.pipeline = spec
+        load.pipeline = self.group_monitor.spec() if self.group_monitor is not None else None
+        spec = load.pipeline_now(now)
+        coefficients = load.coefficients(now)
         num_running = len(self._running) + (len(self.stage_service.jobs) if self.stage_service else 0)
         is_member = self.worker.stage is not None  # its model covers its layers only: not a whole-model predictor
+        own = list(coefficients.prefill)
         return LoadReply(role="prefill", num_running=num_running, num_waiting=len(self._queue),
                          num_queued_tokens=sum(job.num_new_tokens for job in self._queue + self._running),
                          num_free_pages=pages.num_free, num_pages=self.worker.section.num_kv_pages,
-                         step_time_s=load.mean_batch_s, prefill_coefficients=[] if is_member else coefficients,
-                         decode_coefficients=list(self.worker.perf.coefficients().decode),
-                         pending_work_s=load.pending_work_s([job.prompt for job in self._queue], time.monotonic()),
+                         step_time_s=load.mean_batch_s, prefill_coefficients=[] if is_member else own,
+                         decode_coefficients=list(coefficients.decode),
+                         pending_work_s=load.pending_work_s([job.prompt for job in self._queue], now),
                          held_request_ids=[job.request.request_id for job in self._running + self._queue],
-                         overhead_s=load.overhead.value, stage_coefficients=coefficients if is_member else [],
+                         overhead_s=load.overhead.value, stage_coefficients=own if is_member else [],
                          chunk_handoff_s=self.stage_service.handoff.value if self.stage_service else 0.0,
                          pipeline_stages=[list(c) for c in spec.stage_coefficients] if spec else [],
                          pipeline_handoffs_s=list(spec.handoff_s) if spec else [],

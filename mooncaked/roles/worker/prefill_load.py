@@ -8,13 +8,16 @@
 4. `pending_work_s(queued, now)`: what the instance still holds, in predicted seconds: the rest of the running
    batch plus every queued prompt (a prefill group's first stage: predicted through the group's pipeline).
    Conductors add their own requests this does not count yet.
+5. A running batch past its predicted time shows the instance runs slower than its model right now (another
+   process took the cores, a cold cache) long before the batch ends and the scale learns it: `slowdown(now)`
+   (elapsed over predicted, at least 1) multiplies the queue's predictions and the coefficients LOAD reports.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mooncaked.sched.perf_model import PerformanceModel, RecentMean, attribute_batch_time
+from mooncaked.sched.perf_model import ModelCoefficients, PerformanceModel, RecentMean, attribute_batch_time
 from mooncaked.sched.pipeline import PipelinePredictor
 from mooncaked.sched.types import PipelineSpec
 
@@ -56,6 +59,25 @@ class PrefillLoad:
     def replied(self, total_s: float, wait_s: float, compute_s: float) -> None:
         self.overhead.add(max(total_s - wait_s - compute_s, 0.0))
 
+    def slowdown(self, now: float) -> float:
+        """How many times its predicted time the running batch has taken so far, at least 1 (1 when idle)."""
+        if self._batch_predicted_s <= 0:
+            return 1.0
+        return max((now - self._batch_started) / self._batch_predicted_s, 1.0)
+
     def pending_work_s(self, queued: Sequence[tuple[int, int]], now: float) -> float:
         running_s = max(self._batch_predicted_s - (now - self._batch_started), 0.0)
-        return running_s + sum(self.predict(n, p) for n, p in queued)
+        return running_s + self.slowdown(now) * sum(self.predict(n, p) for n, p in queued)
+
+    def coefficients(self, now: float) -> ModelCoefficients:
+        """The model's coefficients, the prefill ones times the running batch's slowdown."""
+        coefficients, slowdown = self.perf.coefficients(), self.slowdown(now)
+        return ModelCoefficients(tuple(c * slowdown for c in coefficients.prefill), coefficients.decode)
+
+    def pipeline_now(self, now: float) -> PipelineSpec | None:
+        """A group's pipeline, every stage's coefficients times the running prompt's slowdown."""
+        spec, slowdown = self.pipeline, self.slowdown(now)
+        if spec is None:
+            return None
+        stages = tuple(tuple(c * slowdown for c in stage) for stage in spec.stage_coefficients)
+        return PipelineSpec(stages, spec.chunk_tokens, spec.handoff_s)

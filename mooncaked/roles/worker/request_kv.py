@@ -52,6 +52,7 @@ class LayerWrite:
     store_name: str
     indices: list[int]
     offsets: list[int]
+    incarnation: int = 0  # the store run the offsets belong to (kv/client.py); 0: unchecked
 
 
 class RequestKv:
@@ -85,11 +86,12 @@ class RequestKv:
         assert self._buffer is not None
         return Staging(self._buffer.name, self._buffer.array)
 
-    async def _move(self, op: TransferOp, store_name: str, spans: Sequence[Span], memory: Staging) -> None:
+    async def _move(self, op: TransferOp, store_name: str, spans: Sequence[Span], memory: Staging,
+                    incarnation: int) -> None:
         client = await self.worker.store_client(store_name)
         executor = self.worker.copy_thread if client.is_local else None
         try:
-            await client.move(op, memory, spans, executor=executor)
+            await client.move(op, memory, spans, executor=executor, incarnation=incarnation)
         except BaseException:
             self._is_moves_clean = False
             raise
@@ -114,11 +116,15 @@ class RequestKv:
                      kv_pages.page_byte_offset(layer, kind, self.page_ids[index]), page_bytes)
                 for index, offset in zip(indices, offsets) for kind in (0, 1)]
 
-    async def read_layer(self, store_name: str, indices: Sequence[int], offsets: Sequence[int], layer: int) -> None:
-        await self._move(TransferOp.READ, store_name, self.layer_spans(indices, offsets, layer), self._memory())
+    async def read_layer(self, store_name: str, indices: Sequence[int], offsets: Sequence[int], layer: int,
+                         incarnation: int = 0) -> None:
+        spans = self.layer_spans(indices, offsets, layer)
+        await self._move(TransferOp.READ, store_name, spans, self._memory(), incarnation)
 
-    async def write_layer(self, store_name: str, indices: Sequence[int], offsets: Sequence[int], layer: int) -> None:
-        await self._move(TransferOp.WRITE, store_name, self.layer_spans(indices, offsets, layer), self._memory())
+    async def write_layer(self, store_name: str, indices: Sequence[int], offsets: Sequence[int], layer: int,
+                          incarnation: int = 0) -> None:
+        spans = self.layer_spans(indices, offsets, layer)
+        await self._move(TransferOp.WRITE, store_name, spans, self._memory(), incarnation)
 
     # ---- loading ---------------------------------------------------------------------------------------
     def start_loading(self, sources: Sequence[BlockSource], num_blocks: int) -> None:
@@ -208,14 +214,15 @@ class RequestKv:
         """Another host's store reads GPU pages straight over RDMA when they are registered (GPUDirect)."""
         pages_segment = self.worker.kv_pages_segment
         if self.is_direct or pages_segment is None:
-            await self.write_layer(write.store_name, write.indices, write.offsets, layer)
+            await self.write_layer(write.store_name, write.indices, write.offsets, layer, write.incarnation)
             return
         client = await self.worker.store_client(write.store_name)
         if client.is_local:
-            await self.write_layer(write.store_name, write.indices, write.offsets, layer)
+            await self.write_layer(write.store_name, write.indices, write.offsets, layer, write.incarnation)
             return
         spans = self.page_spans(write.indices, write.offsets, layer)
-        await self._move(TransferOp.WRITE, write.store_name, spans, Staging(pages_segment, _NO_BYTES))
+        await self._move(TransferOp.WRITE, write.store_name, spans, Staging(pages_segment, _NO_BYTES),
+                         write.incarnation)
 
     async def wait_writes(self, timeout_s: float) -> None:
         """Await every queued layer write; raises the first failure (a failed load included)."""

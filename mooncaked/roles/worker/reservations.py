@@ -17,11 +17,13 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from mooncaked.kv.client import incarnation_of
 from mooncaked.kv.messages import BlockLocation, WriteHandle
 from mooncaked.roles.worker.decode_admission import Room
 from mooncaked.roles.worker.kv_plan import store_owner
 from mooncaked.roles.worker.messages import Destination, ReserveReply, ReserveRequest
 from mooncaked.roles.worker.worker import Worker
+from mooncaked.rpc import Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,12 @@ class Reservation:
     present: list[BlockLocation] = field(default_factory=list)
     lease_id: int = 0
     tail: WriteHandle | None = None
+
+    @property
+    def incarnation(self) -> int:
+        """The store run every handle and location of this reservation belongs to."""
+        tail = [] if self.tail is None else [self.tail]
+        return incarnation_of([*self.present, *self.handles, *tail])
 
 
 class ReservationBook:
@@ -88,6 +96,10 @@ class ReservationBook:
             tail_key = hashlib.blake2b(request.request_id.encode() + os.urandom(8), digest_size=16).digest()
             tail = await store.allocate([tail_key], self.worker.block_nbytes, request.lease_ms, **owner)
             reservation.tail = tail.handles[0]
+            blocks: list[BlockLocation | WriteHandle] = [*reply.present, *reply.handles, *tail.handles]
+            runs = {block.incarnation for block in blocks}
+            if len(runs) > 1:
+                raise Unavailable("this host's store restarted while the reservation was made; reserve again")
 
     def reply(self, reservation: Reservation) -> ReserveReply:
         index_of = {key: i for i, key in enumerate(reservation.request.block_keys)}
