@@ -125,6 +125,7 @@ class SchedulerSection:
     heat_half_life_s: float = bounded(60.0, min=0.001)
     replica_displaced_reuse: float = bounded(0.5, min=0.0)
     tie_break: str = bounded("coldest_store", choices=("first", "coldest_store"))
+    cpp_min_tokens: int = bounded(2048, min=0, doc="prompts longer than this may go to a prefill group")
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,8 @@ class WorkerSection:
     copy_cpus: list[int] = bounded([], doc="CPU ids the KV copy thread runs on (empty: the process's)")
     profile_s: float = bounded(5.0, min=0.0, max=600.0)
     switchable: bool = False
+    cpp_chunk_tokens: int = bounded(1024, min=16, doc="a prefill group's pipeline chunk (new tokens per chunk)")
+    cpp_poll_interval_s: float = bounded(1.0, min=0.01, doc="a group's first stage polls the other stages' models")
 
 
 @dataclass(frozen=True)
@@ -209,12 +212,27 @@ class EtcdSection:
 
 
 @dataclass(frozen=True)
+class PrefillGroupConfig:
+    """Prefill instances that prefill long prompts together as a pipeline (chunked pipeline parallelism):
+    member i holds layers layer_splits[i-1]..layer_splits[i] (an even split when `layer_splits` is empty); the
+    first member takes PREFILL and holds the embedding, the last one the final norm and the output head."""
+
+    name: str
+    members: list[str]
+    layer_splits: list[int] = bounded([], doc="first layer of members 1.. (empty: an even split)")
+
+    def stage_of(self, instance_name: str) -> int | None:
+        return self.members.index(instance_name) if instance_name in self.members else None
+
+
+@dataclass(frozen=True)
 class ClusterSection:
     id: str = "mooncaked"
     secret_file: Optional[str] = None
     membership: str = bounded("static", choices=("static", "etcd"))
     etcd: EtcdSection = field(default_factory=EtcdSection)
     instances: list[InstanceConfig] = field(default_factory=list)
+    prefill_groups: list[PrefillGroupConfig] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -257,6 +275,10 @@ class Config:
                 return instance
         names = [i.name for i in self.cluster.instances]
         raise ConfigError([ConfigIssue("cluster.instances", f"no instance named {name!r}" + suggest(name, names))])
+
+    def prefill_group_of(self, instance_name: str) -> PrefillGroupConfig | None:
+        """The prefill group `instance_name` is a member of, if any."""
+        return next((g for g in self.cluster.prefill_groups if instance_name in g.members), None)
 
     def store_for_host(self, host: str) -> InstanceConfig | None:
         return next((i for i in self.instances_of("store") if i.host == host), None)
@@ -392,6 +414,7 @@ def validate(config: Config) -> list[ConfigIssue]:
             merged = build(WorkerSection, {**dataclasses.asdict(config.worker), **instance.settings}, where, [])
             if merged is not None:  # a bad setting is reported by _validate_settings
                 issues.extend(_validate_kv_budget(merged, config.model.device, where))
+    issues.extend(_validate_prefill_groups(config))
     return issues
 
 
@@ -462,6 +485,61 @@ def _validate_instances(config: Config) -> list[ConfigIssue]:
         issues.extend(_validate_cpu_list(instance.cpus, f"{where}.cpus"))
         issues.extend(_validate_settings(config, instance, f"{where}.settings"))
     return issues
+
+
+def _validate_prefill_groups(config: Config) -> list[ConfigIssue]:
+    """Names unique, two or more members each, no instance in two groups, layer splits increasing; with static
+    membership also: every member a configured, non-switchable prefill instance, all with one chunk size."""
+    issues: list[ConfigIssue] = []
+    names: set[str] = set()
+    grouped: set[str] = set()
+    for index, group in enumerate(config.cluster.prefill_groups):
+        where = f"cluster.prefill_groups[{index}]"
+        if not group.name or group.name in names:
+            issues.append(ConfigIssue(f"{where}.name", f"must be non-empty and unique, got {group.name!r}"))
+        names.add(group.name)
+        if len(group.members) < 2:
+            issues.append(ConfigIssue(f"{where}.members", f"a group needs at least 2 members, got {group.members}"))
+        for member in group.members:
+            if member in grouped:
+                issues.append(ConfigIssue(f"{where}.members", f"{member!r} is in more than one prefill group "
+                                          "(or twice in this one)"))
+            grouped.add(member)
+        splits = group.layer_splits
+        if splits and (len(splits) != len(group.members) - 1 or splits[0] < 1
+                       or any(b <= a for a, b in zip(splits, splits[1:]))):
+            issues.append(ConfigIssue(f"{where}.layer_splits", f"needs {len(group.members) - 1} increasing layer "
+                                      f"indices >= 1 (the first layer of members 1..), got {splits}"))
+        if config.cluster.membership == "static":
+            issues.extend(_validate_group_members(config, group, where))
+    return issues
+
+
+def _validate_group_members(config: Config, group: PrefillGroupConfig, where: str) -> list[ConfigIssue]:
+    issues: list[ConfigIssue] = []
+    known = {i.name: i for i in config.cluster.instances}
+    chunk_sizes = set()
+    for member in group.members:
+        instance = known.get(member)
+        if instance is None or instance.role != "prefill":
+            what = "no instance" if instance is None else f"a {instance.role} instance"
+            hint = suggest(member, list(known)) if instance is None else ""
+            issues.append(ConfigIssue(f"{where}.members", f"{member!r} is {what}; members must be prefill "
+                                      "instances of cluster.instances" + hint))
+            continue
+        section = config.role_section(instance) if not _has_bad_settings(config, instance) else config.worker
+        if section.switchable:
+            issues.append(ConfigIssue(f"{where}.members", f"{member!r} is switchable; a group member holds only "
+                                      "its layers and cannot become a decode instance"))
+        chunk_sizes.add(section.cpp_chunk_tokens)
+    if len(chunk_sizes) > 1:
+        issues.append(ConfigIssue(f"{where}.members", f"members set different worker.cpp_chunk_tokens "
+                                  f"{sorted(chunk_sizes)}; the pipeline needs one"))
+    return issues
+
+
+def _has_bad_settings(config: Config, instance: InstanceConfig) -> bool:
+    return bool(_validate_settings(config, instance, ""))
 
 
 def _validate_settings(config: Config, instance: InstanceConfig, where: str) -> list[ConfigIssue]:

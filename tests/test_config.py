@@ -203,3 +203,40 @@ def test_layerwise_worker_options(tmp_path: Path) -> None:
     assert "worker.copy_cpus: CPU ids must be distinct and >= 0, got [-1]" in message
     config = load_config(write(tmp_path, {"worker": {"compute_cpus": [0], "copy_cpus": [1]}, "store": {"numa_node": 1}}))
     assert (config.worker.compute_cpus, config.worker.copy_cpus, config.store.numa_node) == ([0], [1], 1)
+
+
+def _grouped(groups: list[dict[str, object]], **worker_settings: object) -> dict[str, object]:
+    instances = [{"name": f"p{i}", "role": "prefill", "port": 7000 + i} for i in range(4)]
+    instances.append({"name": "d0", "role": "decode", "port": 7010})
+    if worker_settings:
+        instances[1]["settings"] = worker_settings
+    return {"cluster": {"instances": instances, "prefill_groups": groups}}
+
+
+def test_prefill_groups_are_validated(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, _grouped([{"name": "pg", "members": ["p0", "p1"], "layer_splits": [10]}])))
+    group = config.cluster.prefill_groups[0]
+    assert config.prefill_group_of("p1") == group and config.prefill_group_of("p2") is None
+    assert group.stage_of("p1") == 1 and group.layer_splits == [10]
+    message = errors_of(tmp_path, _grouped([
+        {"name": "pg", "members": ["p0"]},
+        {"name": "pg", "members": ["p1", "d0", "pp2", "p1"], "layer_splits": [3, 2]},
+    ]))
+    assert "cluster.prefill_groups[0].members: a group needs at least 2 members" in message
+    assert "cluster.prefill_groups[1].name: must be non-empty and unique, got 'pg'" in message
+    assert "'d0' is a decode instance; members must be prefill instances" in message
+    assert "'pp2' is no instance" in message and "(did you mean 'p2'?)" in message
+    assert "'p1' is in more than one prefill group (or twice in this one)" in message
+    assert "cluster.prefill_groups[1].layer_splits: needs 3 increasing layer indices" in message
+    assert "cluster.prefill_groups[0].members: required" not in message
+
+
+def test_group_members_must_agree_and_not_switch(tmp_path: Path) -> None:
+    mixed = errors_of(tmp_path, _grouped([{"name": "pg", "members": ["p0", "p1"]}], cpp_chunk_tokens=512))
+    assert "members set different worker.cpp_chunk_tokens [512, 1024]" in mixed
+    switching = errors_of(tmp_path, _grouped([{"name": "pg", "members": ["p0", "p1"]}], switchable=True))
+    assert "'p1' is switchable; a group member holds only its layers" in switching
+    missing = errors_of(tmp_path, {"cluster": {"prefill_groups": [{"members": ["a", "b"]}]}})
+    assert "cluster.prefill_groups[0].name: required key is missing" in missing
+    assert "worker.cpp_chunk_tokens: must be >= 16" in errors_of(tmp_path, {"worker": {"cpp_chunk_tokens": 8}})
+    assert "scheduler.cpp_min_tokens: must be >= 0" in errors_of(tmp_path, {"scheduler": {"cpp_min_tokens": -1}})

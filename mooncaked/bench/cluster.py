@@ -43,8 +43,9 @@ def instance(name: str, role: str, host: str = "127.0.0.1", **extra: Any) -> dic
 
 
 def write_config(path: Path, cluster_id: str, instances: Sequence[dict[str, Any]],
-                 sections: dict[str, dict[str, Any]]) -> Path:
-    data: dict[str, Any] = {"cluster": {"id": cluster_id, "instances": list(instances)}, **sections}
+                 sections: dict[str, dict[str, Any]], **cluster: Any) -> Path:
+    """`cluster`: further keys of the cluster section (prefill_groups, ...)."""
+    data: dict[str, Any] = {"cluster": {"id": cluster_id, "instances": list(instances), **cluster}, **sections}
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 

@@ -100,6 +100,7 @@ class OursGenerator:
 def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     """Our fused, transposed weights split back into Hugging Face names and layout."""
     args = model.args
+    assert model.embed_tokens is not None and model.norm is not None and model.lm_head is not None
     state = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight}
     if not args.tie_word_embeddings:
         state["lm_head.weight"] = _dense(model.lm_head)

@@ -1,12 +1,14 @@
-"""Store instances as their own processes for a benchmark whose worker runs in the benchmark's process.
+"""Instances as their own processes for a benchmark: stores beside a worker in the benchmark's process, or
+whole clusters of workers (bench cpp).
 
 A store in the worker's process would share its interpreter lock: the store's side of every transfer would
 then compete with the forward for it, a cost no deployment pays (a store is its own process, usually on
 another host).
 
-1. `async with store_processes(config_path, config, names, log_path, timeout_s)`: start
-   `python -m mooncaked --role store --instance NAME` for each name (each pins itself to its instance's `cpus`),
-   then wait until every one answers HEALTH over RPC.
+1. `async with instance_processes(config_path, config, names, log_path, timeout_s)`: start
+   `python -m mooncaked --role ROLE --instance NAME` for each name, in order (each pins itself to its
+   instance's `cpus`), then wait until every one answers HEALTH over RPC (a worker does once it has loaded
+   and profiled itself). `store_processes` is the same for stores.
 2. On exit: SIGTERM each, wait up to the deadline, then SIGKILL the process group it was started in.
 """
 
@@ -31,12 +33,20 @@ STOP_TIMEOUT_S = 15.0
 @contextlib.asynccontextmanager
 async def store_processes(config_path: Path, config: Config, names: Sequence[str], log_path: Path,
                           timeout_s: float) -> AsyncIterator[None]:
+    async with instance_processes(config_path, config, names, log_path, timeout_s):
+        yield
+
+
+@contextlib.asynccontextmanager
+async def instance_processes(config_path: Path, config: Config, names: Sequence[str], log_path: Path,
+                             timeout_s: float) -> AsyncIterator[None]:
     processes: list[asyncio.subprocess.Process] = []
     try:
         with open(log_path, "ab") as log:
             for name in names:
+                role = config.instance_named(name).role
                 processes.append(await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", "mooncaked", "--role", "store", "--config", str(config_path),
+                    sys.executable, "-m", "mooncaked", "--role", role, "--config", str(config_path),
                     "--instance", name, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
                     start_new_session=True))
         await _wait_healthy(config, names, processes, log_path, timeout_s)
@@ -55,7 +65,7 @@ async def _wait_healthy(config: Config, names: Sequence[str], processes: Sequenc
             while not await _is_healthy(clients, config.instance_named(name)):
                 if process.returncode is not None or time.monotonic() > deadline:
                     tail = log_path.read_text(errors="replace")[-2000:]
-                    raise RuntimeError(f"store {name} did not start within {timeout_s:g}s:\n{tail}")
+                    raise RuntimeError(f"instance {name} did not start within {timeout_s:g}s:\n{tail}")
                 await asyncio.sleep(0.2)
     finally:
         await clients.close()

@@ -71,15 +71,17 @@ class KVSizing:
                 f"({self.origin})")
 
 
-def page_nbytes(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one page: block_size tokens of every layer's K and V."""
-    return args.num_layers * 2 * block_size * args.num_kv_heads * args.head_dim * dtype.itemsize
+def page_nbytes(args: ModelArgs, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
+    """Bytes of one page: block_size tokens of every layer's K and V (of `num_layers` on a pipeline stage)."""
+    return (args.num_layers if num_layers is None else num_layers) * 2 * block_size * args.num_kv_heads * args.head_dim * dtype.itemsize
 
 
 def size_kv(budget: KVBudget, *, args: ModelArgs, block_size: int, dtype: torch.dtype, device_type: str,
-            max_model_len: int, device_memory: DeviceMemory | None = None) -> KVSizing:
-    """The page count for `budget` (see the module docstring); KVBudgetTooSmall below one request's need."""
-    per_page = page_nbytes(args, block_size, dtype)
+            max_model_len: int, device_memory: DeviceMemory | None = None,
+            num_layers: int | None = None) -> KVSizing:
+    """The page count for `budget` (see the module docstring); KVBudgetTooSmall below one request's need.
+    num_layers: the layers whose KV the pages hold (a pipeline stage's); None: every layer of `args`."""
+    per_page = page_nbytes(args, block_size, dtype, num_layers)
     if budget.num_kv_pages is not None:
         return KVSizing(budget.num_kv_pages, block_size, per_page, "worker.num_kv_pages")
     budget_bytes, origin = _budget_bytes(budget, device_type, device_memory)

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 import torch
 
-from mooncaked.model.config import ModelArgs
+from mooncaked.model.config import LayerRange, ModelArgs
 
 
 class PagesExhausted(RuntimeError):
@@ -85,13 +85,21 @@ class PageAllocator:
 
 
 class KVPages:
-    """Owns the per-layer KV page tensors and their allocator."""
+    """Owns the per-layer KV page tensors and their allocator. A pipeline stage holds pages for its own layers
+    only: page layer i is model layer `first_layer + i`, and a store object still holds every model layer
+    (`object_nbytes`)."""
 
     def __init__(self, *, num_layers: int, num_pages: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, first_layer: int = 0,
+                 num_model_layers: int | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.num_layers = num_layers
+        self.first_layer = first_layer
+        self.num_model_layers = num_layers if num_model_layers is None else num_model_layers
+        if not 0 <= first_layer <= self.num_model_layers - num_layers:
+            raise ValueError(f"layers [{first_layer}, {first_layer + num_layers}) are not within the model's "
+                             f"{self.num_model_layers}")
         self.num_pages = num_pages
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
@@ -106,9 +114,11 @@ class KVPages:
 
     @classmethod
     def for_model(cls, args: ModelArgs, *, num_pages: int, block_size: int, dtype: torch.dtype,
-                  device: torch.device | str) -> KVPages:
-        return cls(num_layers=args.num_layers, num_pages=num_pages, block_size=block_size,
-                   num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=dtype, device=device)
+                  device: torch.device | str, layers: LayerRange | None = None) -> KVPages:
+        layers = layers or LayerRange.whole(args)
+        return cls(num_layers=layers.size, num_pages=num_pages, block_size=block_size,
+                   num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=dtype, device=device,
+                   first_layer=layers.start, num_model_layers=args.num_layers)
 
     @property
     def page_shape(self) -> tuple[int, int, int]:
@@ -131,8 +141,17 @@ class KVPages:
 
     @property
     def block_nbytes(self) -> int:
-        """Bytes of one store object: all layers' K and V of one block (DESIGN section 5)."""
+        """Bytes of this instance's layers' K and V of one block (one staging row)."""
         return self.num_layers * self.layer_block_nbytes
+
+    @property
+    def object_nbytes(self) -> int:
+        """Bytes of one store object: all model layers' K and V of one block (DESIGN section 5)."""
+        return self.num_model_layers * self.layer_block_nbytes
+
+    def object_layer_offset(self, layer: int) -> int:
+        """Where page layer `layer` (model layer first_layer + layer) starts inside a store object."""
+        return (self.first_layer + layer) * self.layer_block_nbytes
 
     def num_pages_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size

@@ -6,7 +6,8 @@
    last new token's logits per sequence (all rows with `return_all_logits`). `decode(batch)` runs one new
    token per sequence and returns logits [S, vocab]; with `cuda_graphs` (CUDA, Triton) a step without layer
    callbacks replays the CUDA graph of its batch-size bucket (engine/cuda_graphs.py) instead.
-3. For every layer i: `before_layer(i)` (the caller waits there until layer i's prefix KV is in the pages),
+3. For every layer i (of the layers this model holds: a pipeline stage holds a range of them, and takes the
+   previous stage's hidden states instead of embedding tokens): `before_layer(i)` (the caller waits there until layer i's prefix KV is in the pages),
    then the layer: store the new tokens' K/V into pages, attend over the pages (within the layer's sliding
    window, if the model has one: every token's KV is still stored, so prefixes stay shareable), MLP; then
    `after_layer(i)`
@@ -36,17 +37,18 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, kv_pages: KVPages, backend: str = "auto", *,
                  cuda_graphs: bool = False, max_batch_size: int = 32, max_seq_len: int = 2048) -> None:
-        args = model.args
-        if (kv_pages.num_layers, kv_pages.num_kv_heads, kv_pages.head_dim) != (
-                args.num_layers, args.num_kv_heads, args.head_dim):
-            raise ValueError("KV pages do not match the model (num_layers, num_kv_heads, head_dim)")
+        args, layers = model.args, model.layer_range
+        if (kv_pages.num_layers, kv_pages.first_layer, kv_pages.num_kv_heads, kv_pages.head_dim) != (
+                layers.size, layers.start, args.num_kv_heads, args.head_dim):
+            raise ValueError("KV pages do not match the model (layers, num_kv_heads, head_dim)")
         if kv_pages.device != model.device:
             raise ValueError(f"KV pages on {kv_pages.device} but model on {model.device}")
-        kernels.resolve_backend(backend, model.embed_tokens.weight)  # validates the name
+        kernels.resolve_backend(backend, kv_pages.buffer)  # validates the name
         self.model = model
         self.kv_pages = kv_pages
         self.backend = backend
         self.scale = args.head_dim ** -0.5
+        self.first_layer = layers.start  # page layer of model layer i: i - first_layer
         self.layer_windows = [args.layer_sliding_window(i) for i in range(args.num_layers)]
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs:
@@ -56,19 +58,27 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self._decode_eager, kv_pages.device, max_batch_size, max_blocks)
 
     def prefill(self, batch: PrefillBatch, *, before_layer: LayerCallback | None = None,
-                after_layer: LayerCallback | None = None, return_all_logits: bool = False) -> torch.Tensor:
-        """One chunk -> logits fp32 [S, vocab] (last new token per sequence), or [T, vocab] if return_all_logits."""
+                after_layer: LayerCallback | None = None, return_all_logits: bool = False,
+                hidden_in: torch.Tensor | None = None, return_hidden: bool = False) -> torch.Tensor:
+        """One chunk -> logits fp32 [S, vocab] (last new token per sequence), or [T, vocab] if return_all_logits.
+
+        A pipeline stage after the first takes the previous stage's output `hidden_in` [T, hidden] in place of
+        embedding batch.input_ids; with `return_hidden` (every stage but the last) the result is hidden
+        [T, hidden] after this stage's last layer instead of logits."""
         k_pages, v_pages = self.kv_pages.k_pages, self.kv_pages.v_pages
-        backend, scale, windows = self.backend, self.scale, self.layer_windows
+        backend, scale, windows, first = self.backend, self.scale, self.layer_windows, self.first_layer
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            kernels.store_kv(k, v, k_pages[layer], v_pages[layer], batch.slot_mapping, backend)
-            return kernels.prefill_attention(q, k_pages[layer], v_pages[layer], batch.block_tables,
+            page_layer = layer - first
+            kernels.store_kv(k, v, k_pages[page_layer], v_pages[page_layer], batch.slot_mapping, backend)
+            return kernels.prefill_attention(q, k_pages[page_layer], v_pages[page_layer], batch.block_tables,
                                              batch.cu_seqlens_q, batch.seq_lens, scale, backend,
                                              sliding_window=windows[layer])
 
         with torch.inference_mode():
-            hidden = self._layers(batch.input_ids, batch.positions, attend, before_layer, after_layer)
+            hidden = self._layers(batch.input_ids, batch.positions, attend, before_layer, after_layer, hidden_in)
+            if return_hidden:
+                return hidden
             if not return_all_logits:
                 hidden = hidden.index_select(0, batch.last_token_indices)
             return self.model.compute_logits(hidden)
@@ -85,6 +95,7 @@ class ModelRunner:
                       after_layer: LayerCallback | None = None) -> torch.Tensor:
         k_pages, v_pages = self.kv_pages.k_pages, self.kv_pages.v_pages
         backend, scale, windows = self.backend, self.scale, self.layer_windows
+        assert self.first_layer == 0 and self.model.layer_range.is_whole, "decode needs the whole model"
         # one plan per distinct window (a Qwen model may mix windowed and full layers), shared by its layers
         plans = {window: kernels.plan_decode_attention(batch.block_tables, batch.seq_lens, self.kv_pages.block_size,
                                                        self.model.dtype, backend, sliding_window=window)
@@ -101,10 +112,12 @@ class ModelRunner:
             return self.model.compute_logits(hidden)
 
     def _layers(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
-                before_layer: LayerCallback | None, after_layer: LayerCallback | None) -> torch.Tensor:
-        """input_ids [T] -> hidden [T, hidden_size] after the last layer (before the final norm)."""
+                before_layer: LayerCallback | None, after_layer: LayerCallback | None,
+                hidden_in: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [T] (or a previous stage's hidden_in [T, hidden_size]) -> hidden [T, hidden_size] after this
+        model's last layer (before the final norm). The callbacks get page layers (0 .. layers held - 1)."""
         model = self.model
-        hidden = model.embed(input_ids)
+        hidden = model.embed(input_ids) if hidden_in is None else hidden_in
         cos, sin = model.rope.lookup(positions)
         for i, layer in enumerate(model.layers):
             if before_layer is not None:

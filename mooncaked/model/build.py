@@ -1,10 +1,11 @@
 """A model with its weights in place: in this process's memory, or on the host's shared weight file.
 
 1. `WeightSource`: a checkpoint's tensors (a fresh iterator per call) and the files they come from.
-2. `build_model(args, weights, dtype, device, cache_dir)`: with a cache directory and source files, the
-   weights are read-only views of the host's weight file for this source and layout (model.weight_file),
-   converted into it when new; where that fails (an unwritable or full disk) the reason is logged and the
-   weights are allocated in private memory, as they are without a cache directory (and always on a GPU).
+2. `build_model(args, weights, dtype, device, cache_dir, layers)` (a pipeline stage: only `layers`): with a
+   cache directory and source files, the weights are read-only views of the host's weight file for this source
+   and layout (model.weight_file), converted into it when new; where that fails (an unwritable or full disk) the
+   reason is logged and the weights are allocated in private memory, as they are without a cache directory (and
+   always on a GPU).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from mooncaked.model.config import ModelArgs
+from mooncaked.model.config import LayerRange, ModelArgs
 from mooncaked.model.llama import LlamaForCausalLM
 from mooncaked.model.weight_file import WeightLayout, cache_key, open_weight_file
 
@@ -39,22 +40,22 @@ class WeightSource:
 
 
 def build_model(args: ModelArgs, weights: WeightSource, dtype: torch.dtype, device: str,
-                cache_dir: str | None) -> LlamaForCausalLM:
+                cache_dir: str | None, layers: LayerRange | None = None) -> LlamaForCausalLM:
     if cache_dir is not None and weights.files:
         try:
-            return _build_mapped(args, weights, dtype, device, Path(cache_dir))
+            return _build_mapped(args, weights, dtype, device, Path(cache_dir), layers)
         except OSError as exc:  # WeightFileError, or the directory cannot be created or written
             logger.warning("cannot share the weights of %s through %s (%s); holding them in this process's "
                            "private memory", weights.label, cache_dir, exc)
-    model = LlamaForCausalLM(args, dtype=dtype, device=device)
+    model = LlamaForCausalLM(args, dtype=dtype, device=device, layers=layers)
     model.load_weights(weights.tensors(), source=weights.label)
     return model.eval()
 
 
 def _build_mapped(args: ModelArgs, weights: WeightSource, dtype: torch.dtype, device: str,
-                  cache_dir: Path) -> LlamaForCausalLM:
+                  cache_dir: Path, layers: LayerRange | None) -> LlamaForCausalLM:
     """The model on read-only views of this host's weight file for `weights` (converted into it if new)."""
-    model = LlamaForCausalLM(args, dtype=dtype, device=device, is_weights_deferred=True)
+    model = LlamaForCausalLM(args, dtype=dtype, device=device, layers=layers, is_weights_deferred=True)
     layout = WeightLayout.of(model.weight_layout(), dtype)
     key = cache_key(weights.files, layout)
     path = cache_dir / f"{_SAFE_NAME.sub('_', weights.model_id)}-{key[:16]}.weights"

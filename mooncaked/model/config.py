@@ -190,6 +190,55 @@ class ShardShape:
         return self.num_kv_heads * self.head_dim
 
 
+@dataclass(frozen=True)
+class LayerRange:
+    """Layers [start, end) of a model with `num_layers` layers: what one pipeline stage of a prefill group holds
+    (the first stage also the embedding, the last the final norm and output head); the whole model by default."""
+
+    start: int
+    end: int
+    num_layers: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.end <= self.num_layers:
+            raise ValueError(f"layer range [{self.start}, {self.end}) is not within the model's {self.num_layers} "
+                             "layers (or is empty)")
+
+    @classmethod
+    def whole(cls, args: ModelArgs) -> LayerRange:
+        return cls(0, args.num_layers, args.num_layers)
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+    @property
+    def has_embedding(self) -> bool:
+        return self.start == 0
+
+    @property
+    def has_head(self) -> bool:
+        return self.end == self.num_layers
+
+    @property
+    def is_whole(self) -> bool:
+        return self.has_embedding and self.has_head
+
+
+def split_layers(num_layers: int, num_stages: int, splits: list[int] | None = None) -> list[LayerRange]:
+    """The stages' layer ranges: `splits` (the first layer of stages 1..) or an even split (earlier stages take
+    the extra layers); ValueError when they do not give every stage at least one layer."""
+    if num_stages < 1 or num_stages > num_layers:
+        raise ValueError(f"cannot split {num_layers} layers into {num_stages} stages")
+    if not splits:
+        base, extra = divmod(num_layers, num_stages)
+        splits = [sum(base + (i < extra) for i in range(stage)) for stage in range(1, num_stages)]
+    if len(splits) != num_stages - 1:
+        raise ValueError(f"{num_stages} stages need {num_stages - 1} layer splits, got {splits}")
+    bounds = [0, *splits, num_layers]
+    return [LayerRange(bounds[i], bounds[i + 1], num_layers) for i in range(num_stages)]
+
+
 # Random-weight presets for tests and benchmarks. Vocabulary 320 covers the 256 byte tokens plus specials of
 # the byte-level test tokenizer (tokenizer.byte_level_test_tokenizer).
 _PRESETS: dict[str, ModelArgs] = {

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mooncaked.model import packed_gemm
-from mooncaked.model.config import ModelArgs, ShardShape
+from mooncaked.model.config import LayerRange, ModelArgs, ShardShape
 from mooncaked.model.packed_gemm import PACKED_MAX_ROWS, PackedWeight
 from mooncaked.model.rope import RopeCache, apply_rope
 from mooncaked.model.weight_names import CheckpointError, check_complete, check_tensor, hf_tensor_shapes, is_ignored
@@ -157,7 +157,8 @@ class WeightTarget:
 
 
 class LlamaForCausalLM(nn.Module):
-    """Weights and the per-layer compute; holds no per-request state (KV lives in engine.kv_pages).
+    """Weights and the per-layer compute; holds no per-request state (KV lives in engine.kv_pages). A pipeline
+    stage holds only `layers` (the embedding only on the first stage, the final norm and head on the last).
 
     With `is_weights_deferred` the weights take no memory (meta tensors) until `bind_weights` places them, e.g.
     in a memory-mapped weight file (model.weight_file).
@@ -165,21 +166,27 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, args: ModelArgs, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", shape: ShardShape | None = None,
-                 is_weights_deferred: bool = False) -> None:
+                 layers: LayerRange | None = None, is_weights_deferred: bool = False) -> None:
         super().__init__()
         self.args = args
         self.shape = shape or ShardShape.whole(args)
+        self.layer_range = layers or LayerRange.whole(args)
         self.dtype = dtype
         self.device = torch.device(device)
         weight_device = "meta" if is_weights_deferred else device
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype, device="meta")
-        self.embed_tokens.weight = nn.Parameter(
-            torch.empty(args.vocab_size, args.hidden_size, dtype=dtype, device=weight_device), requires_grad=False)
+        self.embed_tokens: nn.Embedding | None = None
+        if self.layer_range.has_embedding:
+            self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype, device="meta")
+            self.embed_tokens.weight = nn.Parameter(
+                torch.empty(args.vocab_size, args.hidden_size, dtype=dtype, device=weight_device), requires_grad=False)
         self.layers = nn.ModuleList(LlamaDecoderLayer(args, self.shape, i, dtype, weight_device)
-                                    for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, weight_device)
-        # a transposed copy even when tied to the embedding: the embedding lookup needs [vocab, hidden] rows
-        self.lm_head = Linear(args.hidden_size, args.vocab_size, dtype, weight_device)
+                                    for i in range(self.layer_range.start, self.layer_range.end))
+        self.norm: RMSNorm | None = None
+        self.lm_head: Linear | None = None
+        if self.layer_range.has_head:
+            self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, weight_device)
+            # a transposed copy even when tied to the embedding: the embedding lookup needs [vocab, hidden] rows
+            self.lm_head = Linear(args.hidden_size, args.vocab_size, dtype, weight_device)
         self.rope = RopeCache(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings,
                               dtype, device, args.rope_freq_factors)
 
@@ -211,11 +218,13 @@ class LlamaForCausalLM(nn.Module):
         return {"plain": plain, "packed": packed}
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids int64 [T] -> [T, hidden_size]."""
+        """input_ids int64 [T] -> [T, hidden_size] (first stage only)."""
+        assert self.embed_tokens is not None, "this pipeline stage holds no embedding"
         return self.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] (pre final norm) -> logits [N, vocab] in fp32."""
+        """hidden [N, hidden_size] (pre final norm) -> logits [N, vocab] in fp32 (last stage only)."""
+        assert self.norm is not None and self.lm_head is not None, "this pipeline stage holds no output head"
         return self.lm_head(self.norm(hidden)).float()
 
     def load_hf_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -224,8 +233,10 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
         """Copy Hugging Face named tensors as they come; CheckpointError names a missing, unexpected, repeated or
-        mis-shaped one. Ignorable tensors (model.weight_names.is_ignored) are skipped."""
+        mis-shaped one. Ignorable tensors (model.weight_names.is_ignored) and, on a pipeline stage, the other
+        stages' tensors are skipped."""
         expected = hf_tensor_shapes(self.args)
+        needed = hf_tensor_shapes(self.args, self.layer_range)
         targets = self.weight_targets()
         seen: set[str] = set()
         with torch.no_grad():
@@ -235,22 +246,27 @@ class LlamaForCausalLM(nn.Module):
                 check_tensor(name, tuple(tensor.shape), expected, source)
                 if name in seen:
                     raise CheckpointError(f"{source}: tensor {name!r} appears twice")
-                targets[name].copy_from(tensor)
                 seen.add(name)
-            check_complete(seen, expected, source)
-            if self.args.tie_word_embeddings:
-                assert self.lm_head.weight_t is not None
-                self.lm_head.weight_t.copy_(self.embed_tokens.weight.t())
+                if name in needed:
+                    for target in targets[name]:
+                        target.copy_from(tensor)
+            check_complete(seen & set(needed), needed, source)
 
-    def weight_targets(self) -> dict[str, WeightTarget]:
-        """Every Hugging Face tensor name of this shard -> where it lands."""
-        targets = {"model.embed_tokens.weight": WeightTarget(self.embed_tokens.weight),
-                   "model.norm.weight": WeightTarget(self.norm.weight)}
-        if not self.args.tie_word_embeddings:
-            targets["lm_head.weight"] = WeightTarget(_plain(self.lm_head), is_transposed=True)
+    def weight_targets(self) -> dict[str, list[WeightTarget]]:
+        """Every Hugging Face tensor name of this shard and stage -> where it lands (the embedding of a model with
+        tied embeddings also in the transposed output head)."""
+        targets: dict[str, list[WeightTarget]] = {}
+        if self.embed_tokens is not None:
+            targets["model.embed_tokens.weight"] = [WeightTarget(self.embed_tokens.weight)]
+        if self.norm is not None and self.lm_head is not None:
+            targets["model.norm.weight"] = [WeightTarget(self.norm.weight)]
+            head = WeightTarget(_plain(self.lm_head), is_transposed=True)
+            head_name = "model.embed_tokens.weight" if self.args.tie_word_embeddings else "lm_head.weight"
+            targets.setdefault(head_name, []).append(head)
         for layer in self.layers:
             assert isinstance(layer, LlamaDecoderLayer)
-            targets.update(_layer_targets(layer, f"model.layers.{layer.layer_idx}."))
+            for name, target in _layer_targets(layer, f"model.layers.{layer.layer_idx}.").items():
+                targets[name] = [target]
         return targets
 
 

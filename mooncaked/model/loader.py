@@ -18,8 +18,10 @@ Sources:
 4. fp32 on CPU: MKL-pack the projections for decode-sized GEMMs as `packing` says (model.packed_gemm):
    `packed` drops each plain projection once packed (its pages of the weight file are unmapped), `both` keeps
    both, `plain` packs nothing.
-5. Cache the LoadedModel per process and (source, dtype, device, seed, packing, cache directory): the model
-   holds no per-request state, so every runner in the process can share it.
+5. Cache the LoadedModel per process and (source, dtype, device, seed, packing, cache directory, layer range):
+   the model holds no per-request state, so every runner in the process can share it. A pipeline stage
+   (`layers`) allocates and keeps only its layers' weights (the embedding on the first stage, the final norm
+   and head on the last); its weight file holds those only.
 
 Every failure of `load_model` or `load_frontend` is a StartupError (errors.py: a restart cannot fix it): the
 named ones (UnsupportedModel, CheckpointError, ModelDoesNotFit, ...) as they are, anything else (a missing file,
@@ -42,7 +44,7 @@ import torch
 
 from mooncaked.errors import StartupError
 from mooncaked.model.chat_template import CHATML_TEMPLATE, ChatTemplate
-from mooncaked.model.config import ModelArgs, random_preset
+from mooncaked.model.config import LayerRange, ModelArgs, random_preset
 from mooncaked.model.build import WeightSource, build_model
 from mooncaked.model.llama import LlamaForCausalLM
 from mooncaked.model.heap import release_free_heap
@@ -123,13 +125,15 @@ def embedded_smollm2_path() -> Path:
 
 def load_model(source: str, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
                seed: int = 0, cpu_packed_gemm: bool = True, packing: Packing = "both",
-               weight_cache_dir: str | Path | None = None) -> LoadedModel:
+               weight_cache_dir: str | Path | None = None, layers: LayerRange | None = None) -> LoadedModel:
     """Load (or return the process-wide cached) model for `source`; see the module docstring for sources.
 
     packing: which copies of its projections an fp32 CPU model keeps (model.packed_gemm.Packing); `plain`
     whenever cpu_packed_gemm is off or the model is not fp32 on CPU.
     weight_cache_dir: on CPU, hold the weights in a file there (converted once per host, then memory-mapped
     read-only by every process: model.weight_file); None: in this process's private memory.
+    layers: a pipeline stage's layers (cluster.prefill_groups): only they are allocated and loaded (with the
+    embedding on the first stage, the final norm and head on the last); None: the whole model.
     """
     try:
         torch_device = torch.device(device)
@@ -137,7 +141,7 @@ def load_model(source: str, *, dtype: str | torch.dtype = "auto", device: str | 
         is_packable = cpu_packed_gemm and torch_device.type == "cpu" and torch_dtype == torch.float32
         cache_dir = str(weight_cache_dir) if weight_cache_dir is not None and torch_device.type == "cpu" else None
         return _load_cached(source, torch_dtype, str(torch_device), seed, packing if is_packable else "plain",
-                            cache_dir)
+                            cache_dir, layers)
     except StartupError:
         raise  # already names what is wrong (an unsupported model, a damaged checkpoint, too little memory)
     except Exception as exc:
@@ -204,8 +208,8 @@ def _frontend(args: ModelArgs, tokenizer: TextTokenizer, template_source: str, e
 
 @functools.lru_cache(maxsize=4)
 def _load_cached(source: str, dtype: torch.dtype, device: str, seed: int, packing: Packing,
-                 cache_dir: str | None) -> LoadedModel:
-    loaded = _load_source(source, dtype, device, seed, packing, cache_dir)
+                 cache_dir: str | None, layers: LayerRange | None) -> LoadedModel:
+    loaded = _load_source(source, dtype, device, seed, packing, cache_dir, layers)
     if packing != "plain":
         num_packed = loaded.model.pack_for_cpu(is_replacing=packing == "packed")
         logger.info("MKL-packed %d projections of %s for CPU decode (%s)", num_packed, loaded.model_id,
@@ -218,36 +222,43 @@ def _load_cached(source: str, dtype: torch.dtype, device: str, seed: int, packin
 
 
 def _load_source(source: str, dtype: torch.dtype, device: str, seed: int, packing: Packing,
-                 cache_dir: str | None) -> LoadedModel:
+                 cache_dir: str | None, layers: LayerRange | None) -> LoadedModel:
     if source == EMBEDDED_SMOLLM2:
-        return _load_gguf(embedded_smollm2_path(), dtype, device, packing, cache_dir, model_id=SMOLLM2_MODEL_ID)
+        return _load_gguf(embedded_smollm2_path(), dtype, device, packing, cache_dir, SMOLLM2_MODEL_ID, layers)
     if source.startswith("random:"):
-        return _load_random(source.removeprefix("random:"), dtype, device, seed, packing)
+        return _load_random(source.removeprefix("random:"), dtype, device, seed, packing, layers)
     path = Path(source)
     if path.is_dir():
-        return _load_hf_dir(path, dtype, device, packing, cache_dir)
+        return _load_hf_dir(path, dtype, device, packing, cache_dir, layers)
     if path.suffix == ".gguf":
-        return _load_gguf(path, dtype, device, packing, cache_dir, model_id=path.stem)
+        return _load_gguf(path, dtype, device, packing, cache_dir, path.stem, layers)
     raise ValueError(f"model source {source!r} is not {EMBEDDED_SMOLLM2!r}, 'random:<preset>', "
                      "a Hugging Face checkpoint directory or a .gguf file")
 
 
+def _checked_layers(args: ModelArgs, layers: LayerRange | None, source: str) -> LayerRange | None:
+    if layers is not None and layers.num_layers != args.num_layers:
+        raise ModelLoadError(f"{source} has {args.num_layers} layers, not the {layers.num_layers} its pipeline "
+                             "stage was split from")
+    return layers
+
+
 def _load_gguf(path: Path, dtype: torch.dtype, device: str, packing: Packing, cache_dir: str | None,
-               model_id: str) -> LoadedModel:
+               model_id: str, layers: LayerRange | None) -> LoadedModel:
     gguf_file = GGUFModelFile.open(path)
     args = gguf_file.model_args()
     tokenizer = TextTokenizer.from_gguf_metadata(gguf_file.metadata)
     source = gguf_file.metadata.get("tokenizer.chat_template") or CHATML_TEMPLATE
     template = ChatTemplate(str(source), bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
-    check_fits(args, dtype, torch.device(device), packing, str(path))
+    check_fits(args, dtype, torch.device(device), packing, str(path), layers=layers)
     logger.info("loading GGUF %s (%s, %d layers) as %s on %s", path, args.family, args.num_layers, dtype, device)
     weights = WeightSource(str(path), model_id, gguf_file.iter_hf_tensors, (path,))
-    model = build_model(args, weights, dtype, device, cache_dir)
+    model = build_model(args, weights, dtype, device, cache_dir, _checked_layers(args, layers, str(path)))
     return _loaded(model, tokenizer, template, args.eos_token_ids, model_id)
 
 
 def _load_hf_dir(model_dir: Path, dtype: torch.dtype, device: str, packing: Packing,
-                 cache_dir: str | None) -> LoadedModel:
+                 cache_dir: str | None, layers: LayerRange | None) -> LoadedModel:
     args = read_hf_config(model_dir)
     checkpoint = SafetensorsCheckpoint.open(model_dir)
     checkpoint.check(args)
@@ -255,12 +266,12 @@ def _load_hf_dir(model_dir: Path, dtype: torch.dtype, device: str, packing: Pack
     tokenizer = TextTokenizer.from_hf_dir(model_dir, eos_token_ids=eos_ids)
     template = ChatTemplate(_hf_chat_template(model_dir), bos_token=tokenizer.bos_token,
                             eos_token=tokenizer.eos_token)
-    check_fits(args, dtype, torch.device(device), packing, str(model_dir))
+    check_fits(args, dtype, torch.device(device), packing, str(model_dir), layers=layers)
     logger.info("loading %s checkpoint %s (%d layers, %d shards, %.2f GiB) as %s on %s", args.family, model_dir,
                 args.num_layers, len(checkpoint.shards), checkpoint.total_bytes / (1 << 30), dtype, device)
     files = (model_dir / "config.json", *checkpoint.shards)
     weights = WeightSource(str(model_dir), model_dir.name, lambda: _tensors_with_progress(checkpoint), files)
-    model = build_model(args, weights, dtype, device, cache_dir)
+    model = build_model(args, weights, dtype, device, cache_dir, _checked_layers(args, layers, str(model_dir)))
     return _loaded(model, tokenizer, template, tuple(tokenizer.eos_token_ids), model_dir.name)
 
 
@@ -270,16 +281,17 @@ def _tensors_with_progress(checkpoint: SafetensorsCheckpoint) -> Iterator[tuple[
     progress.finish(time.monotonic())
 
 
-def _load_random(preset: str, dtype: torch.dtype, device: str, seed: int, packing: Packing) -> LoadedModel:
+def _load_random(preset: str, dtype: torch.dtype, device: str, seed: int, packing: Packing,
+                 layers: LayerRange | None) -> LoadedModel:
     args = random_preset(preset)
-    check_fits(args, dtype, torch.device(device), packing, f"random:{preset}")
+    check_fits(args, dtype, torch.device(device), packing, f"random:{preset}", layers=layers)
     tokenizer = byte_level_test_tokenizer()
     if tokenizer.vocab_size > args.vocab_size:
         raise ValueError(f"random preset {preset!r} has vocab_size {args.vocab_size} < test tokenizer's "
                          f"{tokenizer.vocab_size}")
     template = ChatTemplate(CHATML_TEMPLATE, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
     weights = WeightSource(f"random:{preset}", f"random-{preset}", lambda: random_hf_state_dict(args, seed).items())
-    model = build_model(args, weights, dtype, device, None)
+    model = build_model(args, weights, dtype, device, None, _checked_layers(args, layers, f"random:{preset}"))
     return _loaded(model, tokenizer, template, args.eos_token_ids, f"random-{preset}")
 
 

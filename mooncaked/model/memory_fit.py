@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from mooncaked.errors import StartupError
-from mooncaked.model.config import ModelArgs
+from mooncaked.model.config import LayerRange, ModelArgs
 from mooncaked.model.packed_gemm import Packing
-from mooncaked.model.weight_names import hf_tensor_shapes, num_parameters
+from mooncaked.model.weight_names import hf_tensor_shapes
 
 GIB = 1 << 30
 _MEMINFO = Path("/proc/meminfo")
@@ -29,19 +29,27 @@ class ModelDoesNotFit(StartupError, ValueError):
     """The weights need more memory than the device has free; the message gives both figures."""
 
 
-def weight_bytes(args: ModelArgs, dtype: torch.dtype, packing: Packing = "plain") -> int:
-    num_elements = num_parameters(args) + 2 * args.max_position_embeddings * args.head_dim  # + cos/sin tables
-    if args.tie_word_embeddings:
-        num_elements += args.vocab_size * args.hidden_size  # lm_head's transposed copy
-    both = projection_bytes(args, dtype) if packing == "both" else 0
+def weight_bytes(args: ModelArgs, dtype: torch.dtype, packing: Packing = "plain",
+                 layers: LayerRange | None = None) -> int:
+    """Of the whole model, or of the pipeline stage holding `layers`."""
+    layers = layers or LayerRange.whole(args)
+    shapes = hf_tensor_shapes(args, layers)
+    num_elements = sum(_numel(shape) for shape in shapes.values()) + 2 * args.max_position_embeddings * args.head_dim
+    embedding = args.vocab_size * args.hidden_size
+    if args.tie_word_embeddings and layers.has_head:
+        num_elements += embedding  # lm_head's transposed copy
+    if args.tie_word_embeddings and layers.has_head and not layers.has_embedding:
+        num_elements -= embedding  # a last stage reads the embedding only into its head
+    both = projection_bytes(args, dtype, layers) if packing == "both" else 0
     return num_elements * dtype.itemsize + both
 
 
-def projection_bytes(args: ModelArgs, dtype: torch.dtype) -> int:
+def projection_bytes(args: ModelArgs, dtype: torch.dtype, layers: LayerRange | None = None) -> int:
     """Bytes of every projection: each 2-D weight but the embedding, the output head included."""
-    num_elements = sum(_numel(shape) for name, shape in hf_tensor_shapes(args).items()
+    layers = layers or LayerRange.whole(args)
+    num_elements = sum(_numel(shape) for name, shape in hf_tensor_shapes(args, layers).items()
                        if len(shape) == 2 and name != "model.embed_tokens.weight")
-    if args.tie_word_embeddings:
+    if args.tie_word_embeddings and layers.has_head:
         num_elements += args.vocab_size * args.hidden_size
     return num_elements * dtype.itemsize
 
@@ -72,9 +80,10 @@ def free_bytes(device: torch.device) -> int | None:
 
 
 def check_fits(args: ModelArgs, dtype: torch.dtype, device: torch.device, packing: Packing, label: str,
-               available: int | None = None) -> None:
-    """ModelDoesNotFit when the weights of `args` exceed `available` (default: free_bytes(device))."""
-    needed = weight_bytes(args, dtype, packing)
+               available: int | None = None, layers: LayerRange | None = None) -> None:
+    """ModelDoesNotFit when the weights of `args` (of the stage holding `layers`) exceed `available` (default:
+    free_bytes(device))."""
+    needed = weight_bytes(args, dtype, packing, layers)
     available = free_bytes(device) if available is None else available
     if available is None or needed <= available:
         return

@@ -15,19 +15,26 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from mooncaked.errors import StartupError
-from mooncaked.model.config import ModelArgs
+from mooncaked.model.config import LayerRange, ModelArgs
 
 
 class CheckpointError(StartupError, ValueError):
     """A checkpoint's tensors do not match its config (missing, unexpected or mis-shaped); the message names one."""
 
 
-def hf_tensor_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+def hf_tensor_shapes(args: ModelArgs, layers: LayerRange | None = None) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the model, or of the stage holding `layers` (a last stage of a model with tied embeddings
+    needs the embedding too: it is its output head)."""
+    layers = layers or LayerRange.whole(args)
     h, inter = args.hidden_size, args.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (args.vocab_size, h), "model.norm.weight": (h,)}
-    if not args.tie_word_embeddings:
-        shapes["lm_head.weight"] = (args.vocab_size, h)
-    for i in range(args.num_layers):
+    shapes: dict[str, tuple[int, ...]] = {}
+    if layers.has_embedding or (layers.has_head and args.tie_word_embeddings):
+        shapes["model.embed_tokens.weight"] = (args.vocab_size, h)
+    if layers.has_head:
+        shapes["model.norm.weight"] = (h,)
+        if not args.tie_word_embeddings:
+            shapes["lm_head.weight"] = (args.vocab_size, h)
+    for i in range(layers.start, layers.end):
         shapes.update(_layer_shapes(args, f"model.layers.{i}.", h, inter))
     return shapes
 

@@ -7,10 +7,12 @@ Entry point, called once per request by the conductor and by the simulator:
              policy: SchedulerPolicy, now: float) -> Placement | Rejection
 
 1. Prefix match: `index.prefix_lengths(request.block_keys)` gives every store's reusable prefix (line 3).
-2. Prefill choice by `policy.config.scheduler`:
+2. Prefill choice among the available instances, prefill groups (chunked pipeline parallelism) only for
+   prompts longer than `cpp_min_tokens` (or when no single instance is available), by `policy.config.scheduler`:
    - `kvcache_centric` (lines 4-16): per instance, reuse the best prefix anywhere when it is more than
      `kvcache_balancing_threshold` times the local one (paying T_transfer for the missing blocks), else the local
-     prefix; TTFT = T_transfer + T_queue + T_prefill; the smallest wins (on ties the first, or under
+     prefix; TTFT = T_transfer + T_queue + T_prefill (a group's T_prefill follows its pipeline,
+     sched/pipeline.py); the smallest wins (on ties the first, or under
      `tie_break: coldest_store` the one whose store's coldest block is oldest);
    - `cache_aware`: the same with local prefixes only (no transfer);
    - `load_balancing`: the smallest T_queue; `random`: a hash of the request id and seed.
@@ -28,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mooncaked.sched.admission import rejects_at_arrival, select_decode
+from mooncaked.sched.pipeline import PipelinePredictor
 from mooncaked.sched.predictors import Predictors, PrefillTimePredictor, queue_time_s
 from mooncaked.sched.shadow_index import ShadowIndex
 from mooncaked.sched.types import (
@@ -37,6 +40,7 @@ from mooncaked.sched.types import (
     REASON_TBT_SLO,
     REASON_TTFT_SLO,
     DecodeInstanceView,
+    PipelineSpec,
     Placement,
     PolicyConfig,
     PrefillInstanceView,
@@ -77,7 +81,7 @@ def schedule(
     now: float,
 ) -> Placement | Rejection:
     """Algorithm 1 with the configured prefill scheduler and admission policy; see the module docstring."""
-    candidates = [view for view in prefill_views if view.is_available]
+    candidates = eligible_prefill(request, prefill_views, policy.config)
     if not candidates:
         return Rejection(request.request_id, REASON_NO_PREFILL)
     prefix_lengths = index.prefix_lengths(request.block_keys)
@@ -111,6 +115,16 @@ def schedule(
         predicted_ttft_s=ttft,
         predicted_tbt_s=decode.predicted_tbt_s,
     )
+
+
+def eligible_prefill(request: RequestInfo, prefill_views: Sequence[PrefillInstanceView],
+                     config: PolicyConfig) -> list[PrefillInstanceView]:
+    """The available views that may take `request`: single instances, and prefill groups when the prompt is
+    longer than `cpp_min_tokens`; a short prompt goes to a group only when no single instance is available."""
+    available = [view for view in prefill_views if view.is_available]
+    is_long = request.num_prompt_tokens > config.cpp_min_tokens
+    eligible = [view for view in available if view.pipeline is None or is_long]
+    return eligible or available
 
 
 def choose_prefill(
@@ -147,7 +161,7 @@ def _best_ttft(
     is_coldest_first = policy.config.tie_break == "coldest_store"
     predictors = policy.predictors
     # many instances share a prefix length and a model: predict once each
-    prefill_s_by: dict[tuple[int, tuple[float, ...]], float] = {}
+    prefill_s_by: dict[tuple[int, tuple[float, ...], PipelineSpec | None], float] = {}
     best: PrefillChoice | None = None
     for view in candidates:
         local_len = prefix_lengths.get(view.store_id, 0)
@@ -155,11 +169,12 @@ def _best_ttft(
             prefix_len, transfer_s, source = best_len, predictors.transfer.predict(best_len - local_len), best_store
         else:
             prefix_len, transfer_s, source = local_len, 0.0, None
-        prefill_s = prefill_s_by.get((prefix_len, view.prefill_coefficients))
+        model_key = (prefix_len, view.prefill_coefficients, view.pipeline)
+        prefill_s = prefill_s_by.get(model_key)
         if prefill_s is None:
             prefill_s = prefill_model(view, policy).predict(request.num_prompt_tokens,
                                                             _prefix_tokens(request, prefix_len, policy))
-            prefill_s_by[(prefix_len, view.prefill_coefficients)] = prefill_s
+            prefill_s_by[model_key] = prefill_s
         queue_s = queue_time_s(view, now)
         ttft_s = transfer_s + queue_s + prefill_s + view.overhead_s
         if best is None or ttft_s < best.ttft_s or (
@@ -170,8 +185,10 @@ def _best_ttft(
     return best
 
 
-def prefill_model(view: PrefillInstanceView, policy: SchedulerPolicy) -> PrefillTimePredictor:
-    """The instance's own fitted model when it reported one, else the policy's."""
+def prefill_model(view: PrefillInstanceView, policy: SchedulerPolicy) -> PrefillTimePredictor | PipelinePredictor:
+    """A group's pipeline; else the instance's own fitted model when it reported one, else the policy's."""
+    if view.pipeline is not None:
+        return PipelinePredictor(view.pipeline)
     if view.prefill_coefficients:
         return PrefillTimePredictor(view.prefill_coefficients)
     return policy.predictors.prefill

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -31,6 +32,27 @@ class RequestInfo:
 
 
 @dataclass(frozen=True)
+class PipelineSpec:
+    """A prefill group as the scheduler sees it: each stage's prefill coefficients (PrefillTimePredictor's, in
+    stage order), the chunk size, and the seconds to hand one chunk's hidden states from stage s to s+1."""
+
+    stage_coefficients: tuple[tuple[float, ...], ...]
+    chunk_tokens: int
+    handoff_s: tuple[float, ...] = ()  # one per stage boundary; missing ones count as 0
+
+    def __post_init__(self) -> None:
+        if len(self.stage_coefficients) < 2:
+            raise ValueError(f"a pipeline needs at least 2 stages, got {len(self.stage_coefficients)}")
+        if self.chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        if any(len(c) != 6 for c in self.stage_coefficients):
+            raise ValueError("every stage needs the 6 coefficients of a PrefillTimePredictor")
+        values = [v for c in self.stage_coefficients for v in c] + list(self.handoff_s)
+        if not all(math.isfinite(v) for v in values) or any(h < 0 for h in self.handoff_s):
+            raise ValueError("stage coefficients must be finite and handoffs finite and >= 0")
+
+
+@dataclass(frozen=True)
 class PrefillInstanceView:
     """A prefill instance's load. `store_id` names the store on its host (the shadow index answers per store).
 
@@ -38,7 +60,8 @@ class PrefillInstanceView:
     predicted prefill times of the requests waiting behind it (the owner adds a request's prediction when it
     queues it and subtracts it when it starts). `prefill_coefficients`: the instance's own fitted prefill model
     (empty: the policy's). `overhead_s`: what a request spends there besides queueing and compute (KV
-    planning, write confirmation, RPC), added to its TTFT.
+    planning, write confirmation, RPC), added to its TTFT. A prefill group is one view (named by its first
+    stage) with a `pipeline`: its prefill time follows the pipeline, its queue is the group's.
     """
 
     instance_id: str
@@ -50,6 +73,7 @@ class PrefillInstanceView:
     prefill_coefficients: tuple[float, ...] = ()
     overhead_s: float = 0.0
     coldest_use: float = 0.0  # last use of its store's least recently used block (`mooncaked.sched.store_recency`)
+    pipeline: PipelineSpec | None = None  # a prefill group (its first stage's id): predicted by sched/pipeline.py
 
 
 @dataclass(frozen=True)
@@ -129,7 +153,8 @@ class PolicyConfig:
     of a block's use count (its heat). replica_displaced_reuse: the assumed chance that the block a replica
     displaces would have been reused; a second copy is kept when heat x transfer time of a block >= this x its
     recompute time. tie_break: among instances with equal predicted TTFT, `first` (the paper) or `coldest_store`:
-    the one whose store's least recently used block was used longest ago.
+    the one whose store's least recently used block was used longest ago. cpp_min_tokens: prompts of more
+    tokens may go to a prefill group (a view with a `pipeline`) when it predicts the lower TTFT.
     """
 
     scheduler: str = "kvcache_centric"
@@ -145,6 +170,7 @@ class PolicyConfig:
     heat_half_life_s: float = 60.0
     replica_displaced_reuse: float = 0.5
     tie_break: str = "first"
+    cpp_min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:
@@ -163,5 +189,7 @@ class PolicyConfig:
             raise ValueError(f"replication must be one of {', '.join(REPLICATION_MODES)}, got {self.replication!r}")
         if self.tie_break not in TIE_BREAKS:
             raise ValueError(f"tie_break must be one of {', '.join(TIE_BREAKS)}, got {self.tie_break!r}")
+        if self.cpp_min_tokens < 0:
+            raise ValueError(f"cpp_min_tokens must be >= 0, got {self.cpp_min_tokens}")
         if not self.heat_half_life_s > 0 or not self.replica_displaced_reuse >= 0:
             raise ValueError("heat_half_life_s must be positive and replica_displaced_reuse >= 0")

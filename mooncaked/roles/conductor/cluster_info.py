@@ -21,6 +21,8 @@ async def describe_cluster(view: ClusterView) -> dict[str, Any]:
     prefill_waiting, decode_incoming = view.num_waiting()
     return {
         "instances": [_describe_worker(w, view.block_size) for w in view.workers],
+        "prefill_groups": [{"name": group.name, "members": group.members, "is_ready": view.is_group_ready(head)}
+                           for head, group in view.groups.items()],
         "membership": view.membership.status().as_dict(),
         "stores": stores,
         "prefix_blocks": dict(view.prefix_blocks),
@@ -41,7 +43,10 @@ def _describe_worker(worker: WorkerState, block_size: int) -> dict[str, Any]:
             "model": None if load is None else {"prefill_coefficients": load.prefill_coefficients,
                                                 "decode_coefficients": load.decode_coefficients,
                                                 "pending_work_s": load.pending_work_s,
-                                                "overhead_s": load.overhead_s},
+                                                "overhead_s": load.overhead_s,
+                                                "stage_coefficients": load.stage_coefficients,
+                                                "pipeline_stages": load.pipeline_stages,
+                                                "pipeline_handoffs_s": load.pipeline_handoffs_s},
             "load": None if load is None else {
                 "num_running": load.num_running, "num_waiting": load.num_waiting,
                 "num_queued_tokens": load.num_queued_tokens, "num_free_pages": load.num_free_pages,

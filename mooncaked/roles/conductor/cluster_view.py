@@ -6,7 +6,8 @@
    deadline). It returns once every store was dumped and every worker polled once (or `startup_timeout_s`
    passed), so a restarted conductor places its first request on a fresh index.
 2. Per request the backend calls `place()` (Algorithm 1 over the live views, or an inline placement on a decode
-   instance when no prefill instance is configured or the prompt's uncached part is small enough), then
+   instance when no prefill instance is configured or the prompt's uncached part is small enough; a prefill
+   group is one candidate, its first stage, available only while every member is up), then
    `begin()`, `prefill_done()`, `decode_started()` and `finish()` so the queue model (predicted prefill time
    of dispatched requests per prefill instance, placed requests per decode instance) stays current between
    polls. `report_failure()` marks an instance down until its next successful poll. Every LOAD reply carries
@@ -41,7 +42,8 @@ from mooncaked.kv.spare_marks import SpareMarkSender
 from mooncaked.membership import Membership, MemberRecord, StaticMembership, store_on_host
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.in_flight import InFlightTable
-from mooncaked.roles.conductor.instance_views import OutputForecast, WorkerState, decode_view, prefill_view
+from mooncaked.roles.conductor.instance_views import (OutputForecast, WorkerState, decode_view, pipeline_spec,
+                                                      prefill_view)
 from mooncaked.roles.conductor.live_predictors import LivePredictors
 from mooncaked.roles.conductor.store_follower import FollowerSettings, StoreFollower
 from mooncaked.roles.worker.messages import LOAD, LoadReply, LoadRequest
@@ -54,8 +56,9 @@ from mooncaked.sched.shadow_index import ShadowIndex
 from mooncaked.sched.store_recency import StoreRecency
 from mooncaked.sched.types import (
     REASON_DECODE_FULL, REASON_NO_DECODE, REASON_NO_PREFILL, REASON_TBT_SLO, REASON_TTFT_SLO,
-    DecodeInstanceView, Placement, PolicyConfig, PrefillInstanceView, Rejection, RequestInfo,
+    DecodeInstanceView, PipelineSpec, Placement, PolicyConfig, PrefillInstanceView, Rejection, RequestInfo,
 )
+from mooncaked.sched.pipeline import split_predictor
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +110,9 @@ class ClusterView:
         for record in self.membership.members().values():
             self._add_member(record)
         self.prefix_blocks = {"reused_local": 0, "reused_remote": 0, "computed": 0}  # this conductor's requests
+        # prefill groups by their first stage (which takes PREFILL); the other members are no candidates
+        self.groups = {group.members[0]: group for group in config.cluster.prefill_groups}
+        self.later_stages = {member for group in config.cluster.prefill_groups for member in group.members[1:]}
 
     def _worker_state(self, instance: InstanceConfig) -> WorkerState:
         store = store_on_host(self.membership, instance.host)
@@ -238,7 +244,14 @@ class ClusterView:
         self.predictors.report(worker.instance.name, reply.prefill_coefficients, reply.decode_coefficients)
 
     def report_failure(self, instance_name: str, reason: str) -> None:
-        """Mark an instance down (a failed poll or request leg) until a LOAD call succeeds again."""
+        """Mark an instance down (a failed poll or request leg) until a LOAD call succeeds again. A prefill group's
+        failed leg marks every member down: the one that failed stays down until it answers again, so the group
+        takes nothing meanwhile even if this conductor's poll has not yet noticed it."""
+        group = self.groups.get(instance_name)
+        for member in group.members[1:] if group is not None else ():
+            state = self.prefill.get(member)
+            if state is not None:  # not an outage of its own: its next answered poll brings it back
+                state.is_up = False
         worker = self.prefill.get(instance_name) or self.decode.get(instance_name)
         if worker is None:
             return
@@ -268,7 +281,8 @@ class ClusterView:
         decode_views = [self._decode_view(w, now, excluded) for w in self.decode.values()]
         if not self.prefill:
             return self._place_inline(request, decode_views, now, max_uncached=None)
-        prefill_views = [self._prefill_view(w, now, excluded) for w in self.prefill.values()]
+        prefill_views = [self._prefill_view(w, now, excluded) for w in self.prefill.values()
+                         if w.instance.name not in self.later_stages]
         result = schedule(request, prefill_views, decode_views, self.index, self.policy(), now)
         if isinstance(result, Rejection):
             if result.reason != REASON_NO_PREFILL:
@@ -318,7 +332,26 @@ class ClusterView:
         view = prefill_view(worker, self.flights.on_prefill(name), self.predictors, now)
         if self.recency is not None:
             view = dataclasses.replace(view, coldest_use=self.recency.coldest_use(worker.store_id))
+        if name in self.groups:
+            view = dataclasses.replace(view, pipeline=self._group_pipeline(worker),
+                                       is_available=view.is_available and self.is_group_ready(name))
         return dataclasses.replace(view, is_available=False) if name in excluded else view
+
+    def _group_pipeline(self, first_stage: WorkerState) -> PipelineSpec:
+        """The pipeline the group's first stage reports, else (no stage model fitted yet) the default whole-model
+        predictor split evenly over the stages."""
+        reported = pipeline_spec(first_stage.load)
+        if reported is not None:
+            return reported
+        num_stages = len(self.groups[first_stage.instance.name].members)
+        stages = split_predictor(self.predictors.current.prefill, [1.0 / num_stages] * num_stages)
+        return PipelineSpec(stages, int(self.config.role_section(first_stage.instance).cpp_chunk_tokens))
+
+    def is_group_ready(self, first_stage: str) -> bool:
+        """Every member of the group is up and ready: until a member is back, the group takes nothing."""
+        group = self.groups[first_stage]
+        members = [self.prefill.get(name) for name in group.members]
+        return all(member is not None and member.is_placeable for member in members)
 
     def _decode_view(self, worker: WorkerState, now: float, excluded: frozenset[str]) -> DecodeInstanceView:
         name = worker.instance.name

@@ -4,6 +4,7 @@
    it came, whether it is up. `InFlight` is one of this conductor's requests between placement and its end.
 2. `prefill_view`: the instance's own predicted held work (LOAD's `pending_work_s`, less the time since the
    reply) plus this conductor's requests the reply did not count yet, its fitted model and per-request overhead.
+   A prefill group's first stage reports the group's queue and its pipeline (`pipeline_spec`).
 3. `decode_view`: the running batch and the requests placed there, with per-request predicted ends from the
    output-length predictor (each request's remaining tokens times the instance's predicted step time).
 """
@@ -18,7 +19,7 @@ from mooncaked.roles.conductor.live_predictors import LivePredictors
 from mooncaked.roles.conductor.outages import OutageHistory
 from mooncaked.roles.worker.messages import LoadReply
 from mooncaked.sched.output_length import OutputLengthPredictor
-from mooncaked.sched.types import DecodeInstanceView, PrefillInstanceView
+from mooncaked.sched.types import DecodeInstanceView, PipelineSpec, PrefillInstanceView
 
 
 @dataclass
@@ -91,6 +92,18 @@ def prefill_view(worker: WorkerState, flights: list[InFlight], predictors: LiveP
     num_queued = max(len(flights), load.num_waiting + load.num_running)
     return PrefillInstanceView(name, worker.store_id, now, reported_s + mine_s, num_queued, worker.is_placeable,
                                coefficients, load.overhead_s)
+
+
+def pipeline_spec(load: LoadReply | None) -> PipelineSpec | None:
+    """A prefill group's pipeline from its first stage's LOAD reply; None until every stage reported a model (or
+    when the reply's pipeline does not form one)."""
+    if load is None or len(load.pipeline_stages) < 2:
+        return None
+    try:
+        return PipelineSpec(tuple(tuple(c) for c in load.pipeline_stages), load.cpp_chunk_tokens,
+                            tuple(load.pipeline_handoffs_s))
+    except ValueError:
+        return None
 
 
 def decode_view(worker: WorkerState, flights: list[InFlight], predictors: LivePredictors, forecast: OutputForecast,

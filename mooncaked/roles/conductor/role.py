@@ -188,7 +188,8 @@ def policy_config(config: Config) -> PolicyConfig:
                         ttft_slo_s=section.ttft_slo_ms / 1000, tbt_slo_s=section.tbt_slo_ms / 1000,
                         block_size=config.kv.block_size, decode_time_s=section.decode_time_s, seed=section.seed,
                         replication=section.replication, heat_half_life_s=section.heat_half_life_s,
-                        replica_displaced_reuse=section.replica_displaced_reuse, tie_break=section.tie_break)
+                        replica_displaced_reuse=section.replica_displaced_reuse, tie_break=section.tie_break,
+                        cpp_min_tokens=section.cpp_min_tokens)
 
 
 def view_settings(config: Config) -> ClusterViewSettings:

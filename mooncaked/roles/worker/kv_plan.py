@@ -46,6 +46,7 @@ class KvPlan:
     is_closed: bool = False
     is_cancelled: bool = False  # set by the event loop; the compute thread then posts no more writes
     owner: dict[str, Any] = field(default_factory=dict)  # allocate()'s tenant and share (store_owner)
+    sources: list[BlockSource] = field(default_factory=list)  # where the reused prefix's blocks are read from
 
     def prefill_seq(self) -> PrefillSeq:
         num_cached = self.num_prefix_blocks * self.kv.worker.block_size
@@ -127,6 +128,7 @@ async def plan_prompt_kv(worker: Worker, request_id: str, token_ids: list[int], 
     except BaseException:
         await plan.close(commit=False)
         raise
+    plan.sources = [source for source in sources if source.indices]
     plan.kv.start_loading(sources, plan.num_prefix_blocks)
     return plan
 

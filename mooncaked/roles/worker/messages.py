@@ -11,7 +11,8 @@
    continuous batch, stream token ids until EOS, a stop token or max_tokens. Stop strings and detokenization
    are the conductor's (it holds the tokenizer); it ends the stream by cancelling the call.
 4. LOAD (conductor -> prefill or decode): the instance's load, polled to keep every conductor's view fresh, and
-   its own fitted performance model (the conductor predicts with it from its first request).
+   its own fitted performance model (the conductor predicts with it from its first request); a prefill group's
+   first stage also reports the group's pipeline (every stage's model, the handoffs, the chunk size).
 
 Token text never rides these messages; bulk KV bytes go through the store and the transfer engine.
 """
@@ -162,6 +163,16 @@ class LoadReply(Message):
     held_request_ids: list[str] = field(default_factory=list)  # prefill: the requests pending_work_s counts
     overhead_s: float = 0.0  # recent mean seconds a request spends outside queue and compute (decode: inline prefills)
     kv_cache_bytes: int = 0  # bytes of its KV pages (all layers' K and V)
+    # a prefill group's member (cluster.prefill_groups) reports its own layers' model here, not in
+    # prefill_coefficients (it is no whole-model predictor); a later stage also its mean chunk handoff (the read
+    # of one chunk's hidden states from the previous stage)
+    stage_coefficients: list[float] = field(default_factory=list)
+    chunk_handoff_s: float = 0.0
+    # a group's first stage: the pipeline its queue and predictions follow (sched/pipeline.py); [] until every
+    # stage has reported a fitted model
+    pipeline_stages: list[list[float]] = field(default_factory=list)
+    pipeline_handoffs_s: list[float] = field(default_factory=list)
+    cpp_chunk_tokens: int = 0
 
 
 RESERVE = Method("reserve", ReserveRequest, ReserveReply)

@@ -12,6 +12,9 @@
    token, reply. Whatever happens, `finally` aborts uncommitted handles, ends leases and frees pages.
 5. Each batch's time, split per prompt by compute share, refits the instance's performance model (profiled at
    start); LOAD reports the model, the predicted work the instance holds and its per-request overhead.
+A prefill group's member (cluster.prefill_groups) holds only its layers: the first stage takes PREFILL, runs its
+queue one prompt at a time and drives each through the group's pipeline (cpp_head.py), reporting the group's
+pipeline in LOAD (cpp_monitor.py); the later stages serve the pipeline's calls (cpp_stage.py).
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ from mooncaked.membership import Membership
 from mooncaked.metrics import Metrics
 from mooncaked.roles.base import RoleEndpoint
 from mooncaked.roles.metrics_http import MetricsEndpoint
+from mooncaked.roles.worker.cpp_head import PipelineHead
+from mooncaked.roles.worker.cpp_monitor import GroupMonitor
+from mooncaked.roles.worker.cpp_stage import StageService
 from mooncaked.roles.worker.kv_plan import KvPlan, plan_prompt_kv
 from mooncaked.roles.worker.messages import LOAD, PREFILL, LoadReply, LoadRequest, PrefillReply, PrefillRequest
 from mooncaked.roles.worker.messages import TokenSample
@@ -36,7 +42,7 @@ from mooncaked.roles.worker.prefill_load import PrefillLoad
 from mooncaked.roles.worker.profiler import profile
 from mooncaked.roles.worker.sampling import to_params
 from mooncaked.roles.worker.worker import Worker
-from mooncaked.rpc import CallContext, Unavailable
+from mooncaked.rpc import CallContext, InvalidArgument, RpcError, Unavailable
 from mooncaked.sched.priority import queue_rank
 
 logger = logging.getLogger(__name__)
@@ -51,6 +57,7 @@ class PrefillJob:
     arrived_at: float  # the PREFILL call's arrival (before planning its KV)
     enqueued_at: float
     future: asyncio.Future[PrefillReply]
+    deadline: float = 0.0  # the PREFILL call's (time.monotonic())
     is_running: bool = False
     started_at: float = 0.0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
@@ -70,7 +77,8 @@ class PrefillJob:
 
 
 class PrefillRole:
-    """Owns the worker, the prefill queue and the batch loop task."""
+    """Owns the worker, the prefill queue and the batch loop task; in a prefill group also its stage's pipeline
+    part: the first stage's `pipeline` (cpp_head.py) or a later stage's `stage_service` (cpp_stage.py)."""
 
     name = "prefill"
 
@@ -90,18 +98,41 @@ class PrefillRole:
         self.metrics = Metrics()
         self.metrics_endpoint = MetricsEndpoint(instance.host, instance.metrics_port, self.metrics,
                                                 self._refresh_metrics)
+        self.pipeline: PipelineHead | None = None
+        self.group_monitor: GroupMonitor | None = None
+        self.stage_service: StageService | None = None
 
     async def start(self) -> None:
         await self.worker.start()
+        await self._start_stage()
         await profile(self.worker, with_decode=False)
         self.activate()
         await self.endpoint.start()
         await self.metrics_endpoint.start()
 
+    async def _start_stage(self) -> None:
+        stage = self.worker.stage
+        if stage is None:
+            return
+        if stage.is_first:
+            self.pipeline = PipelineHead(self.worker)
+            await self.pipeline.start()
+            self.group_monitor = GroupMonitor(self.worker)
+            self.group_monitor.start()
+        else:
+            self.stage_service = StageService(self.worker, self.endpoint)
+            await self.stage_service.start()
+
     async def stop(self) -> None:
         await self.metrics_endpoint.stop()
         await self.endpoint.stop()
         await self.deactivate()
+        if self.stage_service is not None:
+            await self.stage_service.stop()
+        if self.group_monitor is not None:
+            await self.group_monitor.stop()
+        if self.pipeline is not None:
+            await self.pipeline.stop()
         await self.worker.stop()
 
     def activate(self) -> None:
@@ -124,7 +155,8 @@ class PrefillRole:
 
     @property
     def is_idle(self) -> bool:
-        return not self._queue and not self._running
+        is_stage_idle = self.stage_service is None or self.stage_service.is_idle
+        return not self._queue and not self._running and is_stage_idle
 
     def _refresh_metrics(self) -> None:
         self.metrics.queues.set_length("prefill", len(self._queue))
@@ -149,26 +181,41 @@ class PrefillRole:
     async def _load(self, request: LoadRequest, ctx: CallContext) -> LoadReply:
         pages, load, now = self.worker.pages, self.load, time.monotonic()
         assert pages is not None and load is not None
+        load.pipeline = self.group_monitor.spec() if self.group_monitor is not None else None
+        spec = load.pipeline_now(now)
         coefficients = load.coefficients(now)
-        return LoadReply(role="prefill", num_running=len(self._running), num_waiting=len(self._queue),
+        num_running = len(self._running) + (len(self.stage_service.jobs) if self.stage_service else 0)
+        is_member = self.worker.stage is not None  # its model covers its layers only: not a whole-model predictor
+        own = list(coefficients.prefill)
+        return LoadReply(role="prefill", num_running=num_running, num_waiting=len(self._queue),
                          num_queued_tokens=sum(job.num_new_tokens for job in self._queue + self._running),
                          num_free_pages=pages.num_free, num_pages=pages.num_pages,
-                         step_time_s=load.mean_batch_s, prefill_coefficients=list(coefficients.prefill),
+                         step_time_s=load.mean_batch_s, prefill_coefficients=[] if is_member else own,
                          decode_coefficients=list(coefficients.decode),
                          pending_work_s=load.pending_work_s([job.prompt for job in self._queue], now),
                          held_request_ids=[job.request.request_id for job in self._running + self._queue],
-                         overhead_s=load.overhead.value, kv_cache_bytes=self.worker.kv_cache_bytes)
+                         overhead_s=load.overhead.value, kv_cache_bytes=self.worker.kv_cache_bytes,
+                         stage_coefficients=own if is_member else [],
+                         chunk_handoff_s=self.stage_service.handoff.value if self.stage_service else 0.0,
+                         pipeline_stages=[list(c) for c in spec.stage_coefficients] if spec else [],
+                         pipeline_handoffs_s=list(spec.handoff_s) if spec else [],
+                         cpp_chunk_tokens=spec.chunk_tokens if spec else 0)
 
     async def _prefill(self, request: PrefillRequest, ctx: CallContext) -> PrefillReply:
         request_id_var.set(request.request_id)
         arrived_at = time.monotonic()
+        stage = self.worker.stage
+        if stage is not None and not stage.is_first:
+            raise InvalidArgument(f"{self.instance.name} is {stage.describe()}; send PREFILL to its first stage "
+                                  f"{stage.group.members[0]}")
         to_params(request.sampling)  # invalid sampling parameters fail here, not inside a batch
         plan = await plan_prompt_kv(self.worker, request.request_id, request.token_ids, request.block_keys,
                                     fetch_store=request.fetch_store, num_fetch_blocks=request.num_fetch_blocks,
                                     decode_store=request.decode_store, destinations=request.destinations,
                                     timeout_s=max(ctx.deadline - time.monotonic(), 0.001),
                                     key_isolation=request.key_isolation, tenant=request.tenant)
-        job = PrefillJob(request, plan, arrived_at, time.monotonic(), asyncio.get_running_loop().create_future())
+        job = PrefillJob(request, plan, arrived_at, time.monotonic(), asyncio.get_running_loop().create_future(),
+                         deadline=ctx.deadline)
         job.idle.set()
         try:
             self._queue.append(job)
@@ -188,6 +235,8 @@ class PrefillRole:
         batch: list[PrefillJob] = []
         num_tokens = 0
         for job in sorted(self._queue, key=_queue_rank):
+            if batch and self.pipeline is not None:
+                break  # a group runs one prompt at a time: its stages pipeline the chunks, and the prompts
             if batch and (job.num_new_tokens > section.prefill_chunk
                           or num_tokens + job.num_new_tokens > section.max_batch_tokens
                           or job.request.sampling.is_batch > batch[0].request.sampling.is_batch):
@@ -216,13 +265,15 @@ class PrefillRole:
         assert self.load is not None
         self.load.batch_started([job.prompt for job in batch], started)
         try:
-            first_tokens = await self._compute(batch)
+            first_tokens, compute_s = await self._compute(batch)
             elapsed_s = time.monotonic() - started
             self._observe(batch, started, elapsed_s)
-            self.load.batch_finished([job.prompt for job in batch], elapsed_s)
+            self.load.batch_finished([job.prompt for job in batch], compute_s)
             await self._finish(batch, first_tokens, elapsed_s)
         except Exception as exc:
-            if not isinstance(exc, PrefillCancelled):
+            if isinstance(exc, RpcError):  # a prefill group's stage failed: the error names it
+                logger.warning("prefill batch of %d failed: %s", len(batch), exc)
+            elif not isinstance(exc, PrefillCancelled):
                 logger.exception("prefill batch of %d failed", len(batch))
             for job in batch:
                 if not job.future.done():
@@ -249,13 +300,19 @@ class PrefillRole:
                 first_token=sample, num_cached_tokens=job.num_prefix_tokens,
                 num_fetched_blocks=job.plan.num_fetched_blocks, prefill_s=now - job.enqueued_at, compute_s=elapsed_s))
 
-    async def _compute(self, batch: list[PrefillJob]) -> list[TokenSample]:
-        """The forward on the compute thread. Cancelled (the role is stopping), it marks every plan cancelled and
-        still waits for the thread to leave the batch (at its next layer boundary): until then the batch's pages
-        and staging are in use."""
+    async def _compute(self, batch: list[PrefillJob]) -> tuple[list[TokenSample], float]:
+        """The forward on the compute thread, and its seconds (a group's first stage: through the pipeline, and
+        this stage's part of it). Cancelled (the role is stopping), it marks every plan cancelled and still waits
+        for the thread to leave the batch (at its next layer boundary): until then the batch's pages and staging
+        are in use."""
+        if self.pipeline is not None:
+            job = batch[0]
+            first_token, compute_s = await self.pipeline.run(job.request, job.plan, job.deadline)
+            return [first_token], compute_s
+        started = time.monotonic()
         forward = asyncio.ensure_future(self.worker.compute(self._forward, batch))
         try:
-            return await asyncio.shield(forward)
+            return await asyncio.shield(forward), time.monotonic() - started
         except asyncio.CancelledError:
             for job in batch:
                 job.plan.is_cancelled = True

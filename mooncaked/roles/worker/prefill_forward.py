@@ -1,7 +1,7 @@
 """The prefill forward shared by the prefill role and a decode instance's inline prefill (compute thread).
 
-1. One prompt longer than `prefill_chunk` runs alone, chunk by chunk (the chunk boundary is explicit here so
-   a pipeline of prefill instances can later split a prompt at it); otherwise the prompts run as one batch.
+1. One prompt longer than `prefill_chunk` runs alone, chunk by chunk (the chunk boundary is explicit here: a
+   prefill group's pipeline splits a prompt at it, cpp_forward.py); otherwise the prompts run as one batch.
 2. Before layer i of the first chunk, the forward waits until each plan's cached prefix of layer i is in its
    pages (the loader started at planning time and runs ahead); after layer i of the last chunk, each plan
    queues layer i's new KV for its destinations (copied and sent off this thread) and the next layer starts.
@@ -13,14 +13,25 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from mooncaked.engine.batch import build_prefill_batch, split_prefill_chunks
 from mooncaked.roles.worker.kv_plan import KvPlan
 from mooncaked.roles.worker.messages import SamplingSpec, TokenSample
+from mooncaked.roles.worker.request_kv import RequestKv
 from mooncaked.roles.worker.sampling import generator_at, sample_rows, to_params
 from mooncaked.roles.worker.worker import Worker
+
+
+class ForwardPlan(Protocol):
+    """What the layer callbacks use of a prompt's plan (kv_plan.KvPlan; a pipeline stage's cpp_stage.StageJob)."""
+
+    kv: RequestKv
+    is_cancelled: bool
+
+    def store_layer(self, layer: int) -> None: ...
 
 
 def run_prefill_forward(worker: Worker, plans: Sequence[KvPlan], specs: Sequence[SamplingSpec]) -> list[TokenSample]:
@@ -36,8 +47,8 @@ def run_prefill_forward(worker: Worker, plans: Sequence[KvPlan], specs: Sequence
         is_first, is_last = index == 0, index == len(chunks) - 1
         logits = runner.prefill(
             batch,
-            before_layer=lambda i: _before_layer(worker, plans, i, is_first),
-            after_layer=lambda i: _after_layer(worker, plans, i, is_last))
+            before_layer=lambda i: before_layer(worker, plans, i, is_first),
+            after_layer=lambda i: after_layer(worker, plans, i, is_last))
     assert logits is not None
     params = [to_params(spec) for spec in specs]
     return sample_rows(worker, logits, params, [generator_at(p, s.num_sampled) for p, s in zip(params, specs)])
@@ -47,7 +58,7 @@ class PrefillCancelled(Exception):
     """Every prompt of the forward was cancelled: it stops at the next layer boundary."""
 
 
-def _check_cancelled(plans: Sequence[KvPlan]) -> None:
+def _check_cancelled(plans: Sequence[ForwardPlan]) -> None:
     if all(plan.is_cancelled or plan.kv.is_failed for plan in plans):
         failed = next((plan for plan in plans if plan.kv.is_failed and not plan.is_cancelled), None)
         if failed is not None:
@@ -55,7 +66,9 @@ def _check_cancelled(plans: Sequence[KvPlan]) -> None:
         raise PrefillCancelled("every request of this prefill batch was cancelled")
 
 
-def _before_layer(worker: Worker, plans: Sequence[KvPlan], layer: int, is_first: bool) -> None:
+def before_layer(worker: Worker, plans: Sequence[ForwardPlan], layer: int, is_first: bool) -> None:
+    """Before layer `layer` of a chunk: the first chunk waits for that layer's prefix KV; later ones only check
+    whether every plan was cancelled (PrefillCancelled)."""
     if is_first:
         _load_layer(plans, layer)
     else:
@@ -64,14 +77,15 @@ def _before_layer(worker: Worker, plans: Sequence[KvPlan], layer: int, is_first:
         worker.timeline.record("compute", "", layer, "start")
 
 
-def _after_layer(worker: Worker, plans: Sequence[KvPlan], layer: int, is_last: bool) -> None:
+def after_layer(worker: Worker, plans: Sequence[ForwardPlan], layer: int, is_last: bool) -> None:
+    """After layer `layer` of a chunk: the last chunk queues that layer's new KV for every destination."""
     if worker.timeline is not None:
         worker.timeline.record("compute", "", layer, "end")
     if is_last:
         _store_layer(plans, layer)
 
 
-def _load_layer(plans: Sequence[KvPlan], layer: int) -> None:
+def _load_layer(plans: Sequence[ForwardPlan], layer: int) -> None:
     """Wait until layer `layer` of every plan's prefix is in its pages (a failed plan drops out)."""
     for plan in plans:
         if not plan.is_cancelled:
@@ -79,7 +93,7 @@ def _load_layer(plans: Sequence[KvPlan], layer: int) -> None:
     _check_cancelled(plans)
 
 
-def _store_layer(plans: Sequence[KvPlan], layer: int) -> None:
+def _store_layer(plans: Sequence[ForwardPlan], layer: int) -> None:
     _check_cancelled(plans)
     for plan in plans:
         plan.store_layer(layer)

@@ -6,7 +6,8 @@
 3. `replied(total_s, wait_s, compute_s)`: a request's seconds on this instance outside queueing and compute
    (KV planning, fetches, write confirmation), averaged into `overhead_s`.
 4. `pending_work_s(queued, now)`: what the instance still holds, in predicted seconds: the rest of the running
-   batch plus every queued prompt. Conductors add their own requests this does not count yet.
+   batch plus every queued prompt (a prefill group's first stage: predicted through the group's pipeline).
+   Conductors add their own requests this does not count yet.
 5. A running batch past its predicted time shows the instance runs slower than its model right now (another
    process took the cores, a cold cache) long before the batch ends and the scale learns it: `slowdown(now)`
    (elapsed over predicted, at least 1) multiplies the queue's predictions and the coefficients LOAD reports.
@@ -17,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mooncaked.sched.perf_model import ModelCoefficients, PerformanceModel, RecentMean, attribute_batch_time
+from mooncaked.sched.pipeline import PipelinePredictor
+from mooncaked.sched.types import PipelineSpec
 
 
 class PrefillLoad:
@@ -25,6 +28,7 @@ class PrefillLoad:
     def __init__(self, perf: PerformanceModel, hidden_size: int) -> None:
         self.perf = perf
         self.hidden_size = hidden_size
+        self.pipeline: PipelineSpec | None = None  # a prefill group's first stage: the group's (cpp_monitor.py)
         self.overhead = RecentMean()
         self.mean_batch_s = 0.0
         self._batch_predicted_s = 0.0
@@ -32,7 +36,10 @@ class PrefillLoad:
         self._batch_started = 0.0
 
     def predict(self, num_tokens: int, num_prefix_tokens: int) -> float:
-        """This instance's predicted compute seconds for one prompt (0 until its model is fitted)."""
+        """This instance's predicted compute seconds for one prompt (0 until its model is fitted); a group's first
+        stage predicts the whole pipeline."""
+        if self.pipeline is not None:
+            return PipelinePredictor(self.pipeline).predict(num_tokens, num_prefix_tokens)
         model = self.perf.prefill
         return model.predict(num_tokens, num_prefix_tokens) if model is not None else 0.0
 
@@ -66,3 +73,11 @@ class PrefillLoad:
         """The model's coefficients, the prefill ones times the running batch's slowdown."""
         coefficients, slowdown = self.perf.coefficients(), self.slowdown(now)
         return ModelCoefficients(tuple(c * slowdown for c in coefficients.prefill), coefficients.decode)
+
+    def pipeline_now(self, now: float) -> PipelineSpec | None:
+        """A group's pipeline, every stage's coefficients times the running prompt's slowdown."""
+        spec, slowdown = self.pipeline, self.slowdown(now)
+        if spec is None:
+            return None
+        stages = tuple(tuple(c * slowdown for c in stage) for stage in spec.stage_coefficients)
+        return PipelineSpec(stages, spec.chunk_tokens, spec.handoff_s)

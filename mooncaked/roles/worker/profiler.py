@@ -8,7 +8,9 @@
 3. Decode (decode instances, which also prefill short prompts inline): steps at batch sizes 1, 4, 16, ...
    (at most `max_batch_size`) over short and long contexts, each the median of a few steps including
    sampling, as the decode loop times them.
-4. The samples go into `worker.perf`, which is refitted; the profile's time and sample counts are logged.
+4. A prefill group's stage profiles its own layers on chunks of up to `cpp_chunk_tokens` (a later stage from
+   stand-in hidden states): its model is one stage of the group's pipeline prediction (sched/pipeline.py).
+5. The samples go into `worker.perf`, which is refitted; the profile's time and sample counts are logged.
    `worker.profile_s: 0` skips it: the model then starts empty and learns from live samples alone.
 """
 
@@ -18,6 +20,8 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass
+
+import torch
 
 from mooncaked.engine.batch import DecodeSeq, PrefillSeq, build_decode_batch, build_prefill_batch
 from mooncaked.model.heap import release_free_heap
@@ -73,10 +77,11 @@ def profile_worker(worker: Worker, budget_s: float, with_decode: bool) -> Profil
 
 
 def _max_prompt_tokens(worker: Worker) -> int:
+    """One chunk: `prefill_chunk`, or on a prefill group's stage `cpp_chunk_tokens` (its unit of work)."""
     assert worker.kv_pages is not None
     section = worker.section
-    return min(section.prefill_chunk, worker.config.model.max_model_len,
-               worker.kv_pages.num_pages * worker.block_size)
+    chunk = section.cpp_chunk_tokens if worker.stage is not None else section.prefill_chunk
+    return min(chunk, worker.config.model.max_model_len, worker.kv_pages.num_pages * worker.block_size)
 
 
 def prefill_points(max_tokens: int) -> list[tuple[int, float]]:
@@ -121,12 +126,25 @@ def _time_prefill(worker: Worker, num_tokens: int, num_prefix_tokens: int) -> fl
     num_pages = -(-num_tokens // worker.block_size)
     token_ids = [(7 * i + 3) % loaded.args.vocab_size for i in range(num_tokens - num_prefix_tokens)]
     seq = PrefillSeq(token_ids, num_prefix_tokens, list(range(num_pages)))
+    hidden_in = _stage_input(worker, len(token_ids))
+    is_last_stage = worker.stage is None or worker.stage.is_last
     started = time.monotonic()
     batch = build_prefill_batch([seq], block_size=worker.block_size, num_pages=kv_pages.num_pages,
                                 device=kv_pages.device)
-    logits = runner.prefill(batch)
-    sample_rows(worker, logits, [GREEDY], [None])
+    out = runner.prefill(batch, hidden_in=hidden_in, return_hidden=not is_last_stage)
+    if is_last_stage:
+        sample_rows(worker, out, [GREEDY], [None])
     return time.monotonic() - started
+
+
+def _stage_input(worker: Worker, num_tokens: int) -> torch.Tensor | None:
+    """A later stage of a prefill group starts from hidden states [T, hidden]: seeded ones stand in for them."""
+    if worker.stage is None or worker.stage.is_first:
+        return None
+    assert worker.loaded is not None
+    generator = torch.Generator().manual_seed(num_tokens)
+    hidden = torch.randn(num_tokens, worker.loaded.args.hidden_size, generator=generator)
+    return hidden.to(worker.loaded.device, worker.loaded.dtype)
 
 
 def _profile_decode(worker: Worker, deadline: float) -> int:

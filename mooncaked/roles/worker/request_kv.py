@@ -97,18 +97,21 @@ class RequestKv:
             raise
 
     def layer_spans(self, indices: Sequence[int], offsets: Sequence[int], layer: int) -> list[Span]:
-        """Layer `layer` of blocks `indices` in this request's memory <-> pool `offsets`."""
+        """Layer `layer` of blocks `indices` in this request's memory <-> pool `offsets` (`layer` counts this
+        worker's layers: a pipeline stage's layer i is model layer first_layer + i of the store object)."""
         if self.is_direct:
             return self.page_spans(indices, offsets, layer)
-        block, size = self.worker.block_nbytes, self.worker.layer_nbytes
-        return [Span(offset + layer * size, index * block + layer * size, size)
-                for index, offset in zip(indices, offsets)]
+        kv_pages = self.worker.kv_pages
+        assert kv_pages is not None
+        # staging rows hold this worker's layers only; the store object every layer of the model
+        row, size, in_object = kv_pages.block_nbytes, kv_pages.layer_block_nbytes, kv_pages.object_layer_offset(layer)
+        return [Span(offset + in_object, index * row + layer * size, size) for index, offset in zip(indices, offsets)]
 
     def page_spans(self, indices: Sequence[int], offsets: Sequence[int], layer: int) -> list[Span]:
         """Layer `layer` of blocks `indices` as K and V page ranges of the pages' buffer <-> pool `offsets`."""
         kv_pages = self.worker.kv_pages
         assert kv_pages is not None
-        layer_offset, page_bytes = layer * kv_pages.layer_block_nbytes, kv_pages.page_nbytes
+        layer_offset, page_bytes = kv_pages.object_layer_offset(layer), kv_pages.page_nbytes
         return [Span(offset + layer_offset + kind * page_bytes,
                      kv_pages.page_byte_offset(layer, kind, self.page_ids[index]), page_bytes)
                 for index, offset in zip(indices, offsets) for kind in (0, 1)]

@@ -1,11 +1,12 @@
 """The runtime a prefill or decode instance is built on: one model replica, its KV pages, one compute thread.
 
 1. `Worker(config, instance)`; `await start()`: start the transfer engine, load the model on the compute thread
-   (on CPU mapped from the host's shared weight file; prefill keeps plain projections, decode packed ones in
-   their place, a switchable worker both: memory_plan.worker_packing), size the KV pages from the memory budget
-   (engine.kv_budget; a budget too small for one max-length request fails here), allocate them, build the
-   runner, copier, staging pool (pinned on the GPU's NUMA node) and sampler, register GPU pages as "cuda:N"
-   where RDMA can map them, connect to this host's store (mapping its pool).
+   (a prefill group member: only its stage's layers, cpp_group.py; on CPU mapped from the host's shared weight
+   file; prefill keeps plain projections, decode packed ones in their place, a switchable worker both:
+   memory_plan.worker_packing), size the KV pages from the memory budget (engine.kv_budget; a budget too small
+   for one max-length request fails here), allocate them (for its layers), build the runner, copier, staging
+   pool (pinned on the GPU's NUMA node) and sampler, register GPU pages as "cuda:N" where RDMA can map them,
+   connect to this host's store (mapping its pool).
 2. `await compute(fn, *args)` runs model work on the single compute thread, keeping the event loop free for RPC,
    transfers and heartbeats. KV copies between pages and staging run on the single copy thread
    (`copy_thread`), so a layer's store or load never runs on the compute thread; each thread may be pinned to
@@ -46,13 +47,15 @@ from mooncaked.kv.client import Staging, StoreClient
 from mooncaked.kv.keys import model_namespace
 from mooncaked.membership import Membership, StaticMembership, store_on_host
 from mooncaked.memory_plan import worker_packing
-from mooncaked.model.loader import LoadedModel, load_model
+from mooncaked.model.config import LayerRange
+from mooncaked.model.loader import LoadedModel, load_frontend, load_model
 from mooncaked.model.memory_fit import activation_bytes
 from mooncaked.model.sampler import Sampler
 from mooncaked.numa import allowed_memory_nodes
+from mooncaked.roles.worker.cpp_group import GroupStage, group_stage
 from mooncaked.roles.worker.kv_placement import register_kv_pages, staging_placement
 from mooncaked.roles.base import PeerClients, make_transfer_engine
-from mooncaked.rpc import InvalidArgument
+from mooncaked.rpc import InvalidArgument, Unavailable
 from mooncaked.sched.perf_model import PerformanceModel
 
 logger = logging.getLogger(__name__)
@@ -92,20 +95,23 @@ class Worker:
         self.namespace = b""
         self.perf = PerformanceModel()
         self.local_store_name = ""
+        self.stage: GroupStage | None = None  # this instance's place in a prefill group (set by start)
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         await self.engine.start()
         model = self.config.model
         free_before_load = await self.compute(_cuda_free_bytes, model.device)
+        layers = await self._find_stage()
         self.loaded = await self.compute(
             load_model, model.source, dtype=model.dtype, device=model.device, seed=model.seed,
             cpu_packed_gemm=model.cpu_packed_gemm, packing=worker_packing(self.instance.role, self.section.switchable),
-            weight_cache_dir=model.weight_cache_dir if model.share_weights else None)
-        self.kv_sizing = await self.compute(self._size_kv, free_before_load)
+            weight_cache_dir=model.weight_cache_dir if model.share_weights else None, layers=layers)
+        self.kv_sizing = await self.compute(self._size_kv, free_before_load, layers)
         block_size = self.config.kv.block_size
         self.kv_pages = KVPages.for_model(self.loaded.args, num_pages=self.kv_sizing.num_pages,
-                                          block_size=block_size, dtype=self.loaded.dtype, device=self.loaded.device)
+                                          block_size=block_size, dtype=self.loaded.dtype, device=self.loaded.device,
+                                          layers=layers)
         self.pages = PageAllocator(self.kv_sizing.num_pages)
         self.runner = ModelRunner(self.loaded.model, self.kv_pages, backend=model.kernel_backend,
                                   cuda_graphs=model.cuda_graphs, max_batch_size=self.section.max_batch_size,
@@ -126,9 +132,18 @@ class Worker:
         self.namespace = model_namespace(self.loaded.model_id, model.dtype, block_size)
         self.local_store_name = await self._find_local_store()
         await self.store_client(self.local_store_name)
-        logger.info("%s loaded %s; %s", self.instance.name, self.loaded.model_id, self.kv_sizing.describe())
+        logger.info("%s loaded %s%s; %s", self.instance.name, self.loaded.model_id,
+                    f" as {self.stage.describe()}" if self.stage else "", self.kv_sizing.describe())
 
-    def _size_kv(self, free_before_load: int | None) -> KVSizing:
+    async def _find_stage(self) -> LayerRange | None:
+        """This instance's stage of a prefill group (its layers), from the model's layer count; None: whole."""
+        if self.config.prefill_group_of(self.instance.name) is None:
+            return None
+        frontend = await self.compute(load_frontend, self.config.model.source)
+        self.stage = group_stage(self.config, self.instance, frontend.args.num_layers)
+        return None if self.stage is None else self.stage.layers
+
+    def _size_kv(self, free_before_load: int | None, layers: LayerRange | None) -> KVSizing:
         """Compute thread: the page count from the budget, once the weights are in (KVBudgetTooSmall if short)."""
         assert self.loaded is not None
         section, model = self.section, self.config.model
@@ -140,7 +155,7 @@ class Worker:
         budget = KVBudget(section.num_kv_pages, section.kv_memory_bytes, section.memory_fraction)
         return size_kv(budget, args=self.loaded.args, block_size=self.config.kv.block_size, dtype=self.loaded.dtype,
                        device_type=self.loaded.device.type, max_model_len=model.max_model_len,
-                       device_memory=device_memory)
+                       device_memory=device_memory, num_layers=None if layers is None else layers.size)
 
     def free_pages_later(self, owner: str, delay_s: float) -> None:
         """Free `owner`'s pages after `delay_s`: a move abandoned mid-flight may write into them until then."""
@@ -213,6 +228,13 @@ class Worker:
             raise InvalidArgument(f"{store_name!r} is not a store instance of this cluster")
         return record.instance_config()
 
+    def member_instance(self, name: str) -> InstanceConfig:
+        """Another member of this instance's prefill group; Unavailable while the membership lacks it."""
+        record = self.membership.members().get(name)
+        if record is None or record.role != "prefill":
+            raise Unavailable(f"prefill group member {name!r} is not in the cluster now")
+        return record.instance_config()
+
     @property
     def local_store(self) -> StoreClient:
         return self._stores[self.local_store_name]
@@ -233,8 +255,9 @@ class Worker:
 
     @property
     def block_nbytes(self) -> int:
+        """Bytes of one store object (every layer of the model, also on a pipeline stage)."""
         assert self.kv_pages is not None
-        return self.kv_pages.block_nbytes
+        return self.kv_pages.object_nbytes
 
     @property
     def layer_nbytes(self) -> int:

@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-from mooncaked.config import Config
+from mooncaked.config import Config, PrefillGroupConfig
 from mooncaked.kv.client import StoreClient
 from mooncaked.model.loader import load_model
 from mooncaked.roles.base import PeerClients
@@ -202,3 +202,43 @@ async def test_copies_on_other_stores_become_spare_and_go_first(tmp_path: Path) 
         await peers.close()
         for store in stores.values():
             await store.stop()
+
+
+async def test_a_prefill_group_is_one_candidate_while_every_member_is_up(tmp_path: Path) -> None:
+    """g0 + g1 form a group whose first stage reports a pipeline twice as fast as the single instance p0."""
+    config = make_config(tmp_path, instance("p0", "prefill"), instance("g0", "prefill"), instance("g1", "prefill"),
+                         instance("d0", "decode", settings={"inline_prefill_max_tokens": 0}))
+    config = dataclasses.replace(config, cluster=dataclasses.replace(
+        config.cluster, prefill_groups=[PrefillGroupConfig("pg", ["g0", "g1"])]), scheduler=dataclasses.replace(
+        config.scheduler, cpp_min_tokens=1000))
+    peers = PeerClients(config, config.instance_named("c0"))
+    view = make_view(config, peers)
+    single = (0.0, 1.0, -1.0, 0.0, 0.0, 0.0)  # 1 s per 1000 tokens
+    half = (0.0, 0.5, -0.5, 0.0, 0.0, 0.0)
+    for worker in view.workers:
+        worker.is_up, worker.load = True, idle_load()
+    view.prefill["p0"].load = dataclasses.replace(idle_load(), prefill_coefficients=list(single))
+    view.predictors.report("p0", list(single), [])
+    assert view.is_group_ready("g0")  # no pipeline reported yet: the default model over the stages
+    view.prefill["g0"].load = dataclasses.replace(idle_load(), stage_coefficients=list(half),
+                                                  pipeline_stages=[list(half), list(half)], cpp_chunk_tokens=500,
+                                                  pipeline_handoffs_s=[0.01])
+    long = view.place(RequestInfo("r0", 3000, ()), 0.0)
+    assert isinstance(long, Placement) and long.prefill_instance == "g0"
+    assert long.predicted_prefill_s < 2.0  # 6 chunks of 0.25 s, one more for the drain: 1.76 s, not 3 s
+    short = view.place(RequestInfo("r1", 900, ()), 0.0)
+    assert isinstance(short, Placement) and short.prefill_instance == "p0"  # not over cpp_min_tokens
+    assert all(view.place(RequestInfo(f"x{i}", 3000, ()), 0.0).prefill_instance != "g1" for i in range(3))
+    view.report_failure("g1", "killed")  # a member down: the group takes nothing until it is back
+    assert not view.is_group_ready("g0")
+    fallback = view.place(RequestInfo("r2", 3000, ()), 0.0)
+    assert isinstance(fallback, Placement) and fallback.prefill_instance == "p0"
+    view.prefill["g1"].is_up = True
+    again = view.place(RequestInfo("r3", 3000, ()), 0.0)
+    assert isinstance(again, Placement) and again.prefill_instance == "g0"
+    excluded = view.place(RequestInfo("r4", 3000, ()), 0.0, excluded=frozenset({"g0"}))
+    assert isinstance(excluded, Placement) and excluded.prefill_instance == "p0"
+    info = await describe_cluster(view)
+    assert info["prefill_groups"] == [{"name": "pg", "members": ["g0", "g1"], "is_ready": True}]
+    assert view.predictors.prefill_for("p0").coefficients == single  # stage models never become the default
+    await peers.close()

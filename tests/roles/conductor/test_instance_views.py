@@ -3,7 +3,10 @@ predicted ends from the output-length predictor."""
 
 from __future__ import annotations
 
+import math
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mooncaked.config import InstanceConfig
 from mooncaked.roles.conductor.instance_views import InFlight, OutputForecast, WorkerState, decode_view, prefill_view
@@ -67,3 +70,30 @@ def test_decode_view_predicts_each_request_end_from_its_output_length() -> None:
     assert view.step_coefficients == (0.1, 0.0, 0.0)
     uniform = decode_view(worker("decode", None), [running], live, OutputForecast(lengths, 50, False), 16, now=3.0)
     assert uniform.running_ends_at == () and uniform.incoming_decode_s == ()
+
+
+def _load(**pipeline: object) -> LoadReply:
+    return LoadReply("prefill", 0, 0, 0, 8, 8, 0.0, **pipeline)  # type: ignore[arg-type]
+
+
+def test_a_group_pipeline_comes_from_its_first_stage_load() -> None:
+    from mooncaked.roles.conductor.instance_views import pipeline_spec
+
+    spec = pipeline_spec(_load(pipeline_stages=[MODEL, MODEL], pipeline_handoffs_s=[0.5], cpp_chunk_tokens=64))
+    assert spec is not None and spec.chunk_tokens == 64 and spec.handoff_s == (0.5,)
+    assert pipeline_spec(None) is None and pipeline_spec(_load()) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.floats(allow_nan=True), max_size=7), max_size=4), st.integers(-5, 5000),
+       st.lists(st.floats(), max_size=3))
+def test_a_malformed_pipeline_report_is_no_pipeline(stages: list[list[float]], chunk: int,
+                                                    handoffs: list[float]) -> None:
+    """A LOAD reply off the wire never breaks placement: it forms a pipeline or none."""
+    from mooncaked.roles.conductor.instance_views import pipeline_spec
+    from mooncaked.sched.pipeline import PipelinePredictor
+
+    spec = pipeline_spec(_load(pipeline_stages=stages, cpp_chunk_tokens=chunk, pipeline_handoffs_s=handoffs))
+    if spec is not None:
+        assert len(spec.stage_coefficients) >= 2 and spec.chunk_tokens >= 1
+        assert math.isfinite(PipelinePredictor(spec).predict(2000, 100))

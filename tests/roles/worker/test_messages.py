@@ -42,3 +42,19 @@ def test_an_older_sender_without_the_new_fields_decodes_to_their_defaults() -> N
     del wire["priority"], wire["is_batch"]
     assert decode_message(m.SamplingSpec, wire) == m.SamplingSpec(**{**SPEC.__dict__, "priority": 0,
                                                                       "is_batch": False})
+
+
+def test_prefill_group_messages_round_trip() -> None:
+    from mooncaked.roles.worker import cpp_messages as c
+
+    span = c.BlockSpan("s0", [0, 2], [0, 1 << 33])
+    samples: list[Message] = [
+        span,
+        c.StageRequest("r1", "pg", 1, 15, 30, 8192, 2, 1024, SPEC, [span], [span, c.BlockSpan("d", [3], [64])]),
+        c.StageItem(False), c.StageItem(True, SAMPLE, 1.5),
+        c.ChunkRequest("r1", 3, "127.0.0.1:4000", "p0/cpp-send", 1 << 20, 1024), c.ChunkReply(),
+        c.StageAbort("r1", "stage 2 failed"), c.StageAbortReply(True),
+    ]
+    for message in samples:
+        test_round_trip_through_msgpack(message)
+    assert [method.name for method in c.CPP_METHODS] == ["cpp_stage", "cpp_chunk", "cpp_abort"]
