@@ -99,8 +99,8 @@ _SECTIONS: dict[str, type] = {
     "scheduler": PolicyConfig,
     "run": RunConfig,
 }
-_NON_NEGATIVE = {"link_latency_s", "prefill_overhead_s", "decode_overhead_s", "decode_per_request_s",
-                 "max_requests", "output_length_cap", "prefill_noise", "seed", "dram_blocks_per_host",
+_NON_NEGATIVE = {"cpp_min_tokens", "link_latency_s", "prefill_overhead_s", "decode_overhead_s",
+                 "decode_per_request_s", "max_requests", "output_length_cap", "prefill_noise", "seed", "dram_blocks_per_host",
                  "output_length_noise", "replica_displaced_reuse"}
 
 

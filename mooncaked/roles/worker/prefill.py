@@ -265,10 +265,10 @@ class PrefillRole:
         assert self.load is not None
         self.load.batch_started([job.prompt for job in batch], started)
         try:
-            first_tokens, compute_s = await self._compute(batch)
+            first_tokens, stage_s = await self._compute(batch)
             elapsed_s = time.monotonic() - started
             self._observe(batch, started, elapsed_s)
-            self.load.batch_finished([job.prompt for job in batch], compute_s)
+            self.load.batch_finished([job.prompt for job in batch], elapsed_s if stage_s is None else stage_s)
             await self._finish(batch, first_tokens, elapsed_s)
         except Exception as exc:
             if isinstance(exc, RpcError):  # a prefill group's stage failed: the error names it
@@ -300,19 +300,18 @@ class PrefillRole:
                 first_token=sample, num_cached_tokens=job.num_prefix_tokens,
                 num_fetched_blocks=job.plan.num_fetched_blocks, prefill_s=now - job.enqueued_at, compute_s=elapsed_s))
 
-    async def _compute(self, batch: list[PrefillJob]) -> tuple[list[TokenSample], float]:
-        """The forward on the compute thread, and its seconds (a group's first stage: through the pipeline, and
-        this stage's part of it). Cancelled (the role is stopping), it marks every plan cancelled and still waits
+    async def _compute(self, batch: list[PrefillJob]) -> tuple[list[TokenSample], float | None]:
+        """The forward on the compute thread (a group's first stage: through the pipeline, with the seconds of
+        this stage's part of it; None elsewhere: the batch's whole time is its sample). Cancelled (the role is stopping), it marks every plan cancelled and still waits
         for the thread to leave the batch (at its next layer boundary): until then the batch's pages and staging
         are in use."""
         if self.pipeline is not None:
             job = batch[0]
             first_token, compute_s = await self.pipeline.run(job.request, job.plan, job.deadline)
             return [first_token], compute_s
-        started = time.monotonic()
         forward = asyncio.ensure_future(self.worker.compute(self._forward, batch))
         try:
-            return await asyncio.shield(forward), time.monotonic() - started
+            return await asyncio.shield(forward), None
         except asyncio.CancelledError:
             for job in batch:
                 job.plan.is_cancelled = True
