@@ -27,10 +27,20 @@ import aiohttp
 import yaml
 
 
+_handed_out: set[int] = set()  # ports free_port returned in this process (the kernel may offer one again)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A port free on `host` now and not returned before by this process: a config built from several calls never
+    names one port twice."""
+    for _ in range(1000):
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise RuntimeError(f"no free port on {host} that this process has not handed out already")
 
 
 def instance(name: str, role: str, host: str = "127.0.0.1", **extra: Any) -> dict[str, Any]:

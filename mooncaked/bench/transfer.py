@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from mooncaked.bench.cluster import free_port
 from mooncaked.bench.transfer_baselines import (
     END,
     HEADER,
@@ -134,7 +135,7 @@ async def _measure(plan: Plan, context: Any, num_handshakes: int) -> tuple[dict[
     engine_pipe, engine_child = context.Pipe()
     raw_pipe, raw_child = context.Pipe()
     gloo_pipes = [context.Pipe() for _ in range(2)]
-    gloo_port = _free_port()
+    gloo_port = free_port()
     children = [
         context.Process(target=_engine_receiver, args=(engine_child, plan), daemon=True),
         context.Process(target=raw_receiver, args=(raw_child, plan), daemon=True),
@@ -194,12 +195,6 @@ def _cpu_seconds(child_pids: list[int | None]) -> float:
             fields = stat.read().rsplit(")", 1)[1].split()
         total += (int(fields[11]) + int(fields[12])) / ticks_per_s  # utime, stime
     return total
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 # engine ----------------------------------------------------------------------------------------------------------

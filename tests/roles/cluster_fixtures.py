@@ -3,28 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from mooncaked.bench.cluster import free_port
 from mooncaked.config import Config, load_config
 from mooncaked.lifecycle import Role
 from mooncaked.roles import make_role
-
-
-_handed_out: set[int] = set()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on `host` now and not handed out before in this test session (ports are per process)."""
-    while True:
-        with socket.socket() as sock:
-            sock.bind((host, 0))
-            port = int(sock.getsockname()[1])
-        if port not in _handed_out:
-            _handed_out.add(port)
-            return port
 
 
 def instance(name: str, role: str, host: str = "127.0.0.1", **extra: Any) -> dict[str, Any]:
