@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,6 +85,7 @@ class ClusterView:
         self.config = config
         self.membership = membership or StaticMembership(config)
         self.peers = peers
+        self.run_id = secrets.randbits(62) + 1  # this process's run: decode instances drop an earlier run's orphans
         self.policy_config = policy_config
         self.predictors = predictors
         self.settings = settings
@@ -227,7 +229,7 @@ class ClusterView:
         while True:
             started = loop.time()
             try:
-                reply = await client.call(LOAD, LoadRequest(), timeout_s=self.settings.poll_timeout_s)
+                reply = await client.call(LOAD, LoadRequest(self.run_id), timeout_s=self.settings.poll_timeout_s)
             except Exception as exc:  # down until a poll succeeds again
                 if not isinstance(exc, RpcError):
                     logger.exception("LOAD from %s failed unexpectedly", worker.instance.name)

@@ -115,7 +115,8 @@ class Leg:
         request = ReserveRequest(work.leg_id, list(work.block_keys), len(work.token_ids), work.sampling.max_tokens,
                                  min(int(lease_s * 1000), self.config.store.max_lease_ms),
                                  is_inline_prefill=not placement.prefill_instance, tenant=work.tenant,
-                                 priority=work.sampling.priority, is_batch=work.sampling.is_batch)
+                                 priority=work.sampling.priority, is_batch=work.sampling.is_batch,
+                                 conductor_run=self.view.run_id)
         self.may_hold_reservation = True  # from here a cancel or a lost reply may leave one behind
         waits = self.config.scheduler.admission in ("none", "baseline")  # RESERVE waits for room there
         timeout_s = conductor.prefill_timeout_s if waits else self.config.rpc.call_timeout_s

@@ -112,6 +112,7 @@ class DecodeRole:
     async def _load(self, request: LoadRequest, ctx: CallContext) -> LoadReply:
         pages = self.worker.pages
         assert pages is not None
+        await self.reservations.drop_orphans(ctx.peer_instance, request.conductor_run)
         coefficients = self.worker.perf.coefficients()
         return LoadReply(role="decode", num_running=len(self.loop.running), num_waiting=len(self.reservations),
                          num_queued_tokens=0, num_free_pages=pages.num_free - self.reservations.num_pages(),
@@ -163,6 +164,7 @@ class DecodeRole:
         if request.max_tokens < 1 or request.num_prompt_tokens < 1 or request.lease_ms < 1:
             raise InvalidArgument("num_prompt_tokens, max_tokens and lease_ms must be >= 1")
         await self.reservations.expire()
+        await self.reservations.drop_orphans(ctx.peer_instance, request.conductor_run)
         num_pages = num_blocks_for(request.num_prompt_tokens + request.max_tokens, self.worker.block_size)
         if num_pages > self.worker.num_pages:
             return ReserveReply(is_accepted=False, reason=f"memory: needs {num_pages} KV pages, the instance has "
@@ -172,7 +174,7 @@ class DecodeRole:
             reason = await self._wait_for_room(request, num_pages, ctx)
         if reason:
             return ReserveReply(is_accepted=False, reason=reason)
-        reservation = self.reservations.add(request, num_pages)
+        reservation = self.reservations.add(request, num_pages, ctx.peer_instance)
         if self._waiting:
             await self.reservations.room.freed()  # the next in line may fit beside it
         if request.is_inline_prefill:

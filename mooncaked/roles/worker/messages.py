@@ -80,6 +80,9 @@ class ReserveRequest(Message):
     tenant: Optional[StoreTenant] = None
     priority: int = 0  # the order of RESERVE calls waiting for room (sched/priority.py)
     is_batch: bool = False
+    # the reserving conductor process's run id (random per start; 0: unknown): a reservation of an earlier run of
+    # the same conductor is an orphan once a later run calls, and is dropped
+    conductor_run: int = 0
 
 
 @dataclass(frozen=True)
@@ -144,7 +147,7 @@ class DecodeItem(Message):
 
 @dataclass(frozen=True)
 class LoadRequest(Message):
-    pass
+    conductor_run: int = 0  # a conductor's run id (ReserveRequest.conductor_run); 0: another caller
 
 
 @dataclass(frozen=True)

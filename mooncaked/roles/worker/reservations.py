@@ -3,7 +3,8 @@
 1. `add` records a reservation RESERVE accepted; `allocate` takes store space on this host for the prompt blocks
    it lacks (plus a private block for the partial tail) and `reply` names them as destinations.
 2. DECODE claims a reservation (`get`) and drops it once its KV is loaded; UNRESERVE, a lease running out
-   (`expire`) or the role stopping (`close`) drop it too. Dropping gives the pages back at once (waking RESERVE
+   (`expire`), its conductor calling again as a new run (`drop_orphans`: it restarted) or the role stopping
+   (`close`) drop it too. Dropping gives the pages back at once (waking RESERVE
    calls waiting for room) and aborts the store handles, after `abort_grace_s` when a prefill may still write.
 """
 
@@ -35,6 +36,7 @@ class Reservation:
     request: ReserveRequest
     num_pages: int
     expires_at: float
+    conductor: str = ""  # the instance that reserved it (its run: request.conductor_run)
     handles: list[WriteHandle] = field(default_factory=list)
     present: list[BlockLocation] = field(default_factory=list)
     lease_id: int = 0
@@ -75,8 +77,8 @@ class ReservationBook:
     def next_expiry(self, default: float) -> float:
         return min((r.expires_at for r in self.by_id.values()), default=default)
 
-    def add(self, request: ReserveRequest, num_pages: int) -> Reservation:
-        reservation = Reservation(request, num_pages, time.monotonic() + request.lease_ms / 1000)
+    def add(self, request: ReserveRequest, num_pages: int, conductor: str = "") -> Reservation:
+        reservation = Reservation(request, num_pages, time.monotonic() + request.lease_ms / 1000, conductor)
         self.by_id[request.request_id] = reservation
         return reservation
 
@@ -84,6 +86,16 @@ class ReservationBook:
         now = time.monotonic()
         for request_id in [r for r, res in self.by_id.items() if res.expires_at < now]:
             logger.info("reservation %s expired unclaimed", request_id)
+            await self.drop(request_id, is_prefill_done=False)
+
+    async def drop_orphans(self, conductor: str, run: int) -> None:
+        """`conductor` calls as run `run`: its earlier runs' reservations will never be claimed (that process is
+        gone; a restarted conductor does not know them), so they are dropped now, not at their lease's end."""
+        if not run:
+            return
+        for request_id in [r for r, res in self.by_id.items()
+                           if res.conductor == conductor and res.request.conductor_run not in (0, run)]:
+            logger.info("reservation %s dropped: %s restarted since it reserved", request_id, conductor)
             await self.drop(request_id, is_prefill_done=False)
 
     async def allocate(self, reservation: Reservation) -> None:
