@@ -19,6 +19,7 @@ import pytest
 from mooncaked.config import Config
 from mooncaked.roles.conductor.role import ConductorRole
 from mooncaked.roles.worker import prefill_forward
+from mooncaked.roles.worker.decode import DecodeRole
 from mooncaked.roles.worker.prefill import PrefillRole
 from tests.roles.cluster_fixtures import cluster_config, instance, running_roles
 from tests.roles.test_conductor_flow import GREEDY, completion, eventually, expected_text, prompt, url
@@ -125,3 +126,33 @@ async def test_a_prefill_instance_stopped_mid_prompt_hands_it_to_another(
             first.clear()  # stopped above
         p1 = roles["p1"]
         assert isinstance(p1, PrefillRole) and p1.worker.perf.num_samples()["prefill_live"] == 1
+
+
+async def test_a_decode_instance_that_stops_decoding_hands_its_streams_on(tmp_path: Path) -> None:
+    """A decode loop stopped under a running stream (a role switch's drain deadline, or the role stopping) ends the
+    stream with Unavailable, which the conductor migrates like a lost instance."""
+    config = failover_config(tmp_path, [("s0", "store"), ("p0", "prefill"), ("d0", "decode"), ("d1", "decode"),
+                                        ("c0", "conductor")])
+    tokens = prompt(62, 40)
+    num_tokens = 200
+    _, text = expected_text(tokens, num_tokens)
+    async with running_roles(config, ["s0", "p0", "d0", "d1", "c0"]) as roles, aiohttp.ClientSession() as http:
+        d0 = roles["d0"]
+        assert isinstance(d0, DecodeRole)
+        body = {"prompt": tokens, "max_tokens": num_tokens, "stream": True, **GREEDY}
+        texts: list[str] = []
+        async with http.post(url(config, "/v1/completions"), json=body) as response:
+            assert response.status == 200
+            async for raw in response.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line.removeprefix("data: "))
+                assert "error" not in event, event
+                texts.append(event["choices"][0]["text"])
+                if len(texts) == 3:
+                    assert d0.loop.running, "the stream was expected on d0 (the first of two idle instances)"
+                    await d0.loop.stop()
+        assert "".join(texts) == text
+        assert (await metric(http, config, "mooncaked_migrations_total{")).startswith(
+            'mooncaked_migrations_total{cause="decode_lost"} 1.0')

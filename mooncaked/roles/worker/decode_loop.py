@@ -7,7 +7,8 @@
    (batch size, context) is a live sample of the worker's performance model.
 3. `remove(seq)` takes a sequence out (finished, or its client went away); it returns once no step uses the
    sequence's pages any more, so the caller may free them.
-4. `stop()` cancels the loop task and awaits it; sequences still running get a final error through their queues.
+4. `stop()` cancels the loop task and awaits it; sequences still running get a final Unavailable through their
+   queues (the conductor migrates them: mid-stream failover).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from mooncaked.roles.worker.messages import FINISH_EOS, FINISH_LENGTH, TokenSamp
 from mooncaked.roles.worker.request_kv import RequestKv
 from mooncaked.roles.worker.sampling import reseed, sample_rows
 from mooncaked.roles.worker.worker import Worker
+from mooncaked.rpc import Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +85,8 @@ class DecodeLoop:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         for seq in self.running:
-            seq.outbox.put_nowait(RuntimeError("decode instance is stopping"))
+            seq.outbox.put_nowait(Unavailable(f"{self.worker.instance.name} stopped decoding (stopping or switching "
+                                              "role); continue the request elsewhere"))
         self.running = []
 
     def add(self, seq: RunningSeq) -> None:
