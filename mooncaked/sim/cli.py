@@ -160,7 +160,10 @@ def _run_cpp_study(args: argparse.Namespace, config: SimConfig, progress: Any) -
         print(f"mooncaked sim cpp-study: {exc}", file=sys.stderr)
         return 2
     result = run_cpp_study(args.trace, config, groups, buckets, progress)
+    print("== TTFT by prompt length ==")
     print(format_table(result))
+    print("== TTFT by new (uncached) tokens ==")
+    print(format_table(result, "rows_by_new_tokens"))
     _write_json(args.json, result)
     return 0
 

@@ -3,9 +3,10 @@
 1. Variants on one trace and one cluster, admission `none` (every request is served, so TTFTs compare like for
    like): `no_cpp`, every prefill node a single instance, and per `GxS` spec G groups of S stages built from the
    same prefill nodes (`cluster.num_prefill_groups`, `cluster.stages_per_group`), the rest single instances.
-2. Requests are bucketed by prompt length (`buckets` are the upper edges; the last bucket is open); per bucket
-   and variant: the number of requests, mean / p50 / p90 TTFT, how many exceed the TTFT SLO and the share
-   prefilled by a group. `format_table` prints them as one markdown table.
+2. Requests are bucketed by prompt length (`rows`) and by new tokens, the prompt less the prefix its prefill
+   reused (`rows_by_new_tokens`); `buckets` are the upper edges, the last bucket is open. Per bucket and
+   variant: the number of requests, mean / p50 / p90 TTFT, how many exceed the TTFT SLO and the share prefilled
+   by a group. `format_table` prints one of them as a markdown table.
 """
 
 from __future__ import annotations
@@ -66,12 +67,14 @@ def study_variants(base: SimConfig, groups: Sequence[tuple[int, int]]) -> dict[s
     return variants
 
 
-def bucket_rows(records: Sequence[RequestRecord], buckets: Sequence[int], ttft_slo_s: float) -> list[dict[str, Any]]:
-    """One row per prompt-length bucket over the served requests (empty buckets included, with nan TTFTs)."""
+def bucket_rows(records: Sequence[RequestRecord], buckets: Sequence[int], ttft_slo_s: float,
+                length: Callable[[RequestRecord], int] = lambda r: r.input_length) -> list[dict[str, Any]]:
+    """One row per bucket of `length` (the prompt's by default) over the served requests (empty buckets
+    included, with nan TTFTs)."""
     rows = []
     for low, high in zip([0, *buckets], [*buckets, None]):
-        served = [r for r in records if not r.rejection_reason and low < r.input_length
-                  and (high is None or r.input_length <= high)]
+        served = [r for r in records if not r.rejection_reason and low < length(r)
+                  and (high is None or length(r) <= high)]
         ttfts = [r.ttft_s for r in served]
         count = len(served)
         rows.append({
@@ -90,35 +93,44 @@ def run_cpp_study(trace: str, base: SimConfig, groups: Sequence[tuple[int, int]]
     result: dict[str, Any] = {"buckets": list(buckets), "variants": {}}
     for name, config in variants.items():
         run = _run(trace, config, progress)
+        slo_s, block_size = config.scheduler.ttft_slo_s, config.scheduler.block_size
         result["variants"][name] = {
             "num_prefill_groups": config.cluster.num_prefill_groups,
             "stages_per_group": config.cluster.stages_per_group,
             "summary": summarize(run),
-            "rows": bucket_rows(run.records, buckets, config.scheduler.ttft_slo_s),
+            "rows": bucket_rows(run.records, buckets, slo_s),
+            "rows_by_new_tokens": bucket_rows(run.records, buckets, slo_s, lambda r: new_tokens(r, block_size)),
         }
     return result
 
 
-def format_table(study: dict[str, Any]) -> str:
-    """A markdown table: per bucket the request count, then per variant the mean / p90 TTFT, the requests over
-    the TTFT SLO and (CPP variants) the share prefilled by a group; a last row over all requests."""
+def new_tokens(record: RequestRecord, block_size: int) -> int:
+    """The tokens a request's prefill computed: its prompt less the reused prefix (the last token always)."""
+    return record.input_length - min(record.prefix_blocks * block_size, record.input_length - 1)
+
+
+def format_table(study: dict[str, Any], rows: str = "rows") -> str:
+    """A markdown table of `rows` (or `rows_by_new_tokens`): per bucket the request count (per variant where
+    they differ), then per variant the mean / p90 TTFT, the requests over the TTFT SLO and (CPP variants) the
+    share prefilled by a group; a last row over all requests."""
     variants: dict[str, Any] = study["variants"]
-    header = ["prompt tokens", "requests"]
+    header = ["prompt tokens" if rows == "rows" else "new tokens", "requests"]
     for name in variants:
         header += [f"{name}: mean / p90 TTFT (s)", f"{name}: over SLO"]
         header += [] if name == NO_CPP else [f"{name}: on a group"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     first = next(iter(variants.values()))
-    for i, row in enumerate(first["rows"]):
-        cells = [row["bucket"], str(row["num_requests"])]
+    for i, row in enumerate(first[rows]):
+        counts = [str(variant[rows][i]["num_requests"]) for variant in variants.values()]
+        cells = [row["bucket"], counts[0] if len(set(counts)) == 1 else " / ".join(counts)]
         for name, variant in variants.items():
-            cells += _cells(name, variant["rows"][i])
+            cells += _cells(name, variant[rows][i])
         lines.append("| " + " | ".join(cells) + " |")
     totals = ["all", str(first["summary"]["num_served"])]
     for name, variant in variants.items():
         summary = variant["summary"]
         totals += _cells(name, {"ttft_mean_s": summary["ttft_mean_s"], "ttft_p90_s": summary["ttft_p90_s"],
-                                "num_over_slo": sum(row["num_over_slo"] for row in variant["rows"]),
+                                "num_over_slo": sum(row["num_over_slo"] for row in variant[rows]),
                                 "pipelined_share": summary["num_pipelined"] / max(summary["num_served"], 1)})
     lines.append("| " + " | ".join(totals) + " |")
     return "\n".join(lines)
@@ -141,4 +153,4 @@ def _label(low: int, high: int | None) -> str:
 
 
 def _number(value: float) -> str:
-    return "-" if value != value else f"{value:.3g}"
+    return "-" if value != value else f"{value:.2f}"

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from mooncaked.sim import cli
 from mooncaked.sim.config import SimConfig, SimConfigError, with_overrides
-from mooncaked.sim.cpp_study import format_table, parse_buckets, parse_groups, run_cpp_study
+from mooncaked.sim.cpp_study import format_table, new_tokens, parse_buckets, parse_groups, run_cpp_study
+from mooncaked.sim.results import RequestRecord
 
 BUCKETS = [2048, 32768]
 
@@ -56,6 +57,18 @@ def test_groups_take_the_long_prompts_and_shorten_their_ttft(tmp_path: Path) -> 
     assert len(table) == 2 + len(BUCKETS) + 1 + 1  # header, rule, buckets, all
     assert table[0].startswith("| prompt tokens | requests | no_cpp: mean / p90 TTFT (s) | no_cpp: over SLO |")
     assert table[-1].startswith("| all | 40 |")
+    # no prompt shares a prefix: every prompt's tokens are all new
+    for variant in (plain, grouped):
+        by_new = [row["num_requests"] for row in variant["rows_by_new_tokens"]]
+        assert by_new == [row["num_requests"] for row in variant["rows"]]
+    assert format_table(study, "rows_by_new_tokens").startswith("| new tokens | requests |")
+
+
+def test_new_tokens_are_the_prompt_less_the_reused_prefix() -> None:
+    record = RequestRecord(0, 0.0, input_length=1500, output_length=1, num_blocks=3, prefix_blocks=2)
+    assert new_tokens(record, 512) == 476
+    whole = RequestRecord(1, 0.0, input_length=1024, output_length=1, num_blocks=2, prefix_blocks=2)
+    assert new_tokens(whole, 512) == 1  # a fully cached prompt still computes its last token
 
 
 @given(st.text(max_size=30))
