@@ -105,6 +105,24 @@ def test_group_config_errors_name_the_key() -> None:
     assert [p.instance_id for p in Simulator(grouped, []).prefill] == ["prefill-0", "prefill-2"]
 
 
+@settings(max_examples=200, deadline=None)
+@given(num_prefill=st.integers(-1, 12), num_groups=st.integers(-2, 8), num_stages=st.integers(-1, 6),
+       chunk_tokens=st.one_of(st.integers(-5, 5000), st.text(max_size=3), st.floats()))
+def test_any_group_config_builds_its_nodes_or_names_the_key(num_prefill: int, num_groups: int, num_stages: int,
+                                                            chunk_tokens: object) -> None:
+    cluster = {"num_prefill": num_prefill, "num_prefill_groups": num_groups, "stages_per_group": num_stages,
+               "cpp_chunk_tokens": chunk_tokens}
+    try:
+        config = parse_sim_config({"cluster": cluster})
+    except SimConfigError as exc:
+        assert str(exc).startswith("cluster.")
+        return
+    prefill = Simulator(config, []).prefill
+    assert sum(p.num_nodes for p in prefill) == num_prefill
+    assert sum(1 for p in prefill if p.pipeline is not None) == num_groups
+    assert all(p.pipeline.chunk_tokens == chunk_tokens for p in prefill if p.pipeline is not None)
+
+
 def conductor_view(tmp_path: Path, sim: Simulator) -> ClusterView:
     """A conductor over p0 and the group g0 + g1 (a 1024-token chunk), predicting with the simulator's model."""
     config = cluster_config(
