@@ -65,3 +65,12 @@ def split_predictor(whole: PrefillTimePredictor, layer_fractions: Sequence[float
     simulator and for defaults before the stages report their own fits."""
     constant, *rest = whole.coefficients
     return tuple((constant, *(c * fraction for c in rest)) for fraction in layer_fractions)
+
+
+def even_pipeline(whole: PrefillTimePredictor, num_stages: int, chunk_tokens: int,
+                  handoff_s: float = 0.0) -> PipelineSpec:
+    """A group of `num_stages` stages with equal shares of the layers (split_predictor), each boundary handing a
+    chunk over in `handoff_s`: the conductor's model of a group before its stages report their own fits, and
+    the simulator's groups."""
+    stages = split_predictor(whole, [1.0 / num_stages] * num_stages)
+    return PipelineSpec(stages, chunk_tokens, (handoff_s,) * (num_stages - 1) if handoff_s else ())

@@ -7,6 +7,8 @@
     mooncaked sim prediction-study --trace FILE [--errors 0,0.1,0.3,0.5] [--config sim.yaml] [--json FILE]
     mooncaked sim pool-study --trace FILE [--blocks-per-node 1000,2000,5859] [--speeds 1,2] [--json FILE]
                   [--config sim.yaml] [--set section.key=value ...]
+    mooncaked sim cpp-study --trace FILE [--groups 4x2,2x4] [--buckets 2048,8192,...] [--config sim.yaml]
+                  [--set section.key=value ...] [--json FILE]
 
 The main CLI calls `add_arguments(parser)` on its `sim` subparser and `run(args)` for the exit code. The first
 positional word picks the mode (`run` when omitted). Progress goes to stderr, tables to stdout. In pool-study
@@ -31,7 +33,7 @@ from mooncaked.sim.engine import Simulator
 from mooncaked.sim.results import format_summary, summarize, to_json
 from mooncaked.sim.trace import TraceError, load_trace
 
-MODES = ("run", "cache", "experiments", "prediction-study", "pool-study")
+MODES = ("run", "cache", "experiments", "prediction-study", "pool-study", "cpp-study")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prediction-study mode: sigmas of the log-normal prediction error")
     parser.add_argument("--blocks-per-node", default="1000,2000,5859", help="pool-study: DRAM blocks per node")
     parser.add_argument("--speeds", default="1,2", help="pool-study: replay speeds")
+    parser.add_argument("--groups", default="4x2", help="cpp-study: prefill groups x stages per group, e.g. 4x2,2x4")
+    parser.add_argument("--buckets", default="2048,8192,16384,32768,65536",
+                        help="cpp-study: upper edges of the prompt-length buckets (tokens)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -67,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_prediction_study(args, config)
     if args.mode == "pool-study":
         return _run_pool_study(args, config, progress)
+    if args.mode == "cpp-study":
+        return _run_cpp_study(args, config, progress)
     if args.mode == "experiments":
         from mooncaked.sim.experiments import run_experiments
 
@@ -139,6 +146,24 @@ def _run_pool_study(args: argparse.Namespace, config: SimConfig, progress: Any) 
         return 2
     result = run_pool_study(args.trace, config, blocks, speeds, progress)
     print(format_rows(result["rows"]))
+    _write_json(args.json, result)
+    return 0
+
+
+def _run_cpp_study(args: argparse.Namespace, config: SimConfig, progress: Any) -> int:
+    from mooncaked.sim.cpp_study import format_table, parse_buckets, parse_groups, run_cpp_study, study_variants
+
+    try:
+        groups, buckets = parse_groups(args.groups), parse_buckets(args.buckets)
+        study_variants(config, groups)  # every variant's config is valid before the first run
+    except SimConfigError as exc:
+        print(f"mooncaked sim cpp-study: {exc}", file=sys.stderr)
+        return 2
+    result = run_cpp_study(args.trace, config, groups, buckets, progress)
+    print("== TTFT by prompt length ==")
+    print(format_table(result))
+    print("== TTFT by new (uncached) tokens ==")
+    print(format_table(result, "rows_by_new_tokens"))
     _write_json(args.json, result)
     return 0
 

@@ -1,21 +1,26 @@
 """Simulated cluster state: host stores, prefill instances, decode instances (each owns its own fields).
 
 The engine (`mooncaked.sim.engine`) is the only writer; these classes keep the bookkeeping that makes the
-scheduler's views cheap to build (running sums instead of rescans).
+scheduler's views cheap to build (running sums instead of rescans). A prefill group (chunked pipeline
+parallelism) is one `PrefillInstance` with a `pipeline`, as the conductor sees it: one candidate named after its
+first stage, with one queue and its first stage's host store (the group's store).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from mooncaked.kv.eviction import BlockCache, make_eviction_policy
 from mooncaked.kv.replica_eviction import make_spare_first_policy
+from mooncaked.sched.pipeline import even_pipeline
 from mooncaked.sched.replicas import StoreMarks
 from mooncaked.sched.shadow_index import ShadowIndex
-from mooncaked.sched.types import DecodeInstanceView, Placement, PrefillInstanceView
+from mooncaked.sched.types import DecodeInstanceView, PipelineSpec, Placement, PrefillInstanceView
+from mooncaked.sim.config import SimConfig
+from mooncaked.sim.costs import CostModel
 
 
 class HostStore:
@@ -81,6 +86,11 @@ class PrefillInstance:
     busy_until: float = 0.0
     queued_prefill_s: float = 0.0
     busy_time_done: float = 0.0  # seconds of finished jobs (fetch waits included)
+    pipeline: PipelineSpec | None = None  # a prefill group: its stages' models, chunk size and handoffs
+
+    @property
+    def num_nodes(self) -> int:
+        return 1 if self.pipeline is None else len(self.pipeline.stage_coefficients)
 
     def busy_time(self, now: float) -> float:
         if self.current is None:
@@ -90,8 +100,22 @@ class PrefillInstance:
     def view(self, coldest_use: float = 0.0) -> PrefillInstanceView:
         return PrefillInstanceView(
             self.instance_id, self.store.store_id, self.busy_until, self.queued_prefill_s, len(self.queue),
-            coldest_use=coldest_use,
+            coldest_use=coldest_use, pipeline=self.pipeline,
         )
+
+
+def prefill_instances(num_prefill: int, num_groups: int, pipeline: PipelineSpec | None,
+                      make_store: Callable[[int], HostStore]) -> list[PrefillInstance]:
+    """Prefill nodes 0..num_prefill-1: the last `num_groups` x stages form the groups, in order, the others are
+    single instances. A group's later stages keep no store: the conductor places nothing on them, so their
+    hosts' DRAM would hold no prefix. `make_store(node)` gives node's host store."""
+    num_stages = 0 if pipeline is None or num_groups == 0 else len(pipeline.stage_coefficients)
+    num_single = num_prefill - num_groups * num_stages
+    assert num_single >= 0, "more group nodes than prefill nodes"
+    instances = [PrefillInstance(f"prefill-{i}", make_store(i)) for i in range(num_single)]
+    for first in range(num_single, num_prefill, max(num_stages, 1)):
+        instances.append(PrefillInstance(f"prefill-{first}", make_store(first), pipeline=pipeline))
+    return instances
 
 
 @dataclass
@@ -148,3 +172,24 @@ class DecodeInstance:
             incoming=tuple(self.incoming.values()) if with_details else (),  # includes `waiting`
             **forecast,
         )
+
+
+def build_instances(config: SimConfig, costs: CostModel, index: ShadowIndex,
+                    is_replica_aware: bool) -> tuple[list[PrefillInstance], list[DecodeInstance]]:
+    """The prefill instances (groups included) and decode instances of `config.cluster`, each with its host store."""
+    cluster = config.cluster
+    capacity = cluster.dram_blocks_per_host
+    pipeline = None
+    if cluster.num_prefill_groups:
+        pipeline = even_pipeline(costs.predictors.prefill, cluster.stages_per_group, cluster.cpp_chunk_tokens,
+                                 costs.chunk_handoff_s)
+    prefill = prefill_instances(
+        cluster.num_prefill, cluster.num_prefill_groups, pipeline,
+        lambda i: HostStore(f"p{i}", capacity, cluster.eviction, index, is_replica_aware))
+    decode_capacity = capacity if cluster.decode_hosts_in_pool else 0
+    decode = [
+        DecodeInstance(f"decode-{i}", HostStore(f"d{i}", decode_capacity, cluster.eviction, index, is_replica_aware),
+                       cluster.max_batch_size, costs.max_decode_context_tokens)
+        for i in range(cluster.num_decode)
+    ]
+    return prefill, decode

@@ -2,7 +2,7 @@
 
 1. `load_sim_config(path)` reads YAML; `parse_sim_config(mapping)` validates it. Every error names the key
    (`cluster.num_prefill: must be an integer >= 1, got 'x'`); unknown keys are errors, never ignored.
-2. Sections: `cluster` (instances, DRAM per host, link bandwidth), `model` and `gpu` (the cost model),
+2. Sections: `cluster` (instances, prefill groups, DRAM per host, link bandwidth), `model` and `gpu` (the cost model),
    `scheduler` (a `mooncaked.sched.types.PolicyConfig`), `run` (trace speed, seed, sampling).
 3. `with_overrides(config, scheduler=..., ...)` gives a copy for command-line overrides and experiments.
 """
@@ -22,6 +22,9 @@ from mooncaked.sched.types import PolicyConfig
 from mooncaked.sim.output_forecast import MODES as FORECAST_MODES
 
 
+DEFAULT_CPP_MIN_TOKENS = 2048  # the conductor's scheduler.cpp_min_tokens default
+
+
 class SimConfigError(ValueError):
     """A sim config value is missing, mistyped or out of range; the message names the key."""
 
@@ -37,6 +40,9 @@ class ClusterConfig:
     link_latency_s: float = 0.0005
     h2d_bandwidth_gbps: float = 1024.0  # B_h2d of Table 1: 128 GB/s
     max_batch_size: int = 128
+    num_prefill_groups: int = 0  # prefill groups (chunked pipeline parallelism) made of num_prefill's nodes
+    stages_per_group: int = 2  # nodes per group, each holding an equal share of the layers
+    cpp_chunk_tokens: int = 1024  # new tokens per pipeline chunk (worker.cpp_chunk_tokens)
 
 
 @dataclass(frozen=True)
@@ -88,7 +94,7 @@ class SimConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     gpu: GpuConfig = field(default_factory=GpuConfig)
-    scheduler: PolicyConfig = field(default_factory=PolicyConfig)
+    scheduler: PolicyConfig = field(default_factory=lambda: PolicyConfig(cpp_min_tokens=DEFAULT_CPP_MIN_TOKENS))
     run: RunConfig = field(default_factory=RunConfig)
 
 
@@ -99,9 +105,9 @@ _SECTIONS: dict[str, type] = {
     "scheduler": PolicyConfig,
     "run": RunConfig,
 }
-_NON_NEGATIVE = {"cpp_min_tokens", "link_latency_s", "prefill_overhead_s", "decode_overhead_s",
-                 "decode_per_request_s", "max_requests", "output_length_cap", "prefill_noise", "seed", "dram_blocks_per_host",
-                 "output_length_noise", "replica_displaced_reuse"}
+_NON_NEGATIVE = {"link_latency_s", "prefill_overhead_s", "decode_overhead_s", "decode_per_request_s",
+                 "max_requests", "output_length_cap", "prefill_noise", "seed", "dram_blocks_per_host",
+                 "output_length_noise", "replica_displaced_reuse", "num_prefill_groups", "cpp_min_tokens"}
 
 
 def load_sim_config(path: str | Path, base: SimConfig | None = None) -> SimConfig:
@@ -147,10 +153,23 @@ def _parse_section(name: str, cls: type, values: Mapping[str, Any]) -> Any:
                              f"got {parsed['output_length_predictor']!r}")
     if name == "cluster" and parsed.get("eviction", "lru") not in POLICY_NAMES:
         raise SimConfigError(f"cluster.eviction: must be one of {', '.join(POLICY_NAMES)}, got {parsed['eviction']!r}")
+    if name == "cluster":
+        _check_groups(parsed)
     try:
         return cls(**parsed)
     except ValueError as exc:
         raise SimConfigError(f"{name}: {exc}") from exc
+
+
+def _check_groups(cluster: Mapping[str, Any]) -> None:
+    stages = cluster.get("stages_per_group", ClusterConfig.stages_per_group)
+    if stages < 2:
+        raise SimConfigError(f"cluster.stages_per_group: a group needs at least 2 stages, got {stages}")
+    num_nodes = cluster.get("num_prefill_groups", 0) * stages
+    num_prefill = cluster.get("num_prefill", ClusterConfig.num_prefill)
+    if num_nodes > num_prefill:
+        raise SimConfigError(f"cluster.num_prefill_groups: {num_nodes} group nodes "
+                             f"(num_prefill_groups x stages_per_group) exceed cluster.num_prefill = {num_prefill}")
 
 
 def _check_value(key_path: str, value: Any, default: Any, key: str) -> Any:

@@ -5,6 +5,8 @@
 3. Decode step: read all weights and every running token's KV at `hbm_bandwidth * hbm_utilisation`, plus a fixed
    and a per-request overhead (tensor-parallel all-reduces, sampling).
 4. Transfers: bytes / link bandwidth + latency; loading a request's KV into a decode GPU: bytes / B_h2d.
+5. A prefill group's stage hands one chunk's hidden states (chunk tokens x d x s bytes) to the next stage over
+   the link: `chunk_handoff_s`.
 The same predictors serve as the scheduler's predictions and (up to `run.prefill_noise`) as the ground truth.
 """
 
@@ -25,6 +27,7 @@ class CostModel:
     link_latency_s: float
     h2d_bandwidth: float  # bytes/s
     max_decode_context_tokens: int
+    chunk_handoff_s: float  # one pipeline chunk's hidden states from a stage to the next
 
 
 def build_cost_model(config: SimConfig) -> CostModel:
@@ -50,6 +53,7 @@ def build_cost_model(config: SimConfig) -> CostModel:
         overhead_s=gpu.decode_overhead_s,
     )
     transfer = TransferTimePredictor(bytes_per_block, link_bandwidth, cluster.link_latency_s)
+    chunk_bytes = cluster.cpp_chunk_tokens * model.hidden_size * model.dtype_bytes
     kv_hbm_bytes = max(gpu.hbm_bytes - model.weight_bytes, 0.0) * gpu.kv_memory_fraction
     return CostModel(
         predictors=Predictors(prefill, decode, transfer),
@@ -59,4 +63,5 @@ def build_cost_model(config: SimConfig) -> CostModel:
         link_latency_s=cluster.link_latency_s,
         h2d_bandwidth=cluster.h2d_bandwidth_gbps * 1e9 / 8,
         max_decode_context_tokens=int(kv_hbm_bytes // kv_bytes_per_token),
+        chunk_handoff_s=cluster.link_latency_s + chunk_bytes / link_bandwidth,
     )

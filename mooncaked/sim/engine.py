@@ -7,8 +7,11 @@ A request's life in the simulator:
    decode instance as incoming.
 2. FETCH_DONE: the fetched blocks are committed to the prefill host's store (hot-spot replication).
 3. Prefill: jobs run one at a time per instance, FIFO; a job starts when the instance is free and its fetch is
-   done, and takes the cost model's time for (prompt, reused prefix). PREFILL_DONE commits every block of the
-   prompt to the prefill host's store (and, when configured, to the decode host's), which is the first token.
+   done, and takes the cost model's time for (prompt, reused prefix). A prefill group
+   (`cluster.num_prefill_groups`) is one instance whose time follows its pipeline (sched/pipeline.py: fill,
+   steady state, drain) over stages that each take an equal share of the cost model's layers, as the conductor
+   predicts a group whose stages have not reported fits. PREFILL_DONE commits every block of the prompt to the
+   prefill host's store (and, when configured, to the decode host's), which is the first token.
 4. Decode: under admission `baseline` the least loaded decode instance may refuse the request now (wasted
    prefill). Otherwise DECODE_READY (after the part of the KV stream not hidden behind prefill and the load into
    HBM) queues it at its decode instance, which runs continuous-batching steps; each step's duration is the
@@ -32,10 +35,11 @@ from collections.abc import Callable
 from typing import Any
 
 from mooncaked.sched.admission import admit_at_decode, select_decode
-from mooncaked.sched.algorithm import SchedulerPolicy, schedule
+from mooncaked.sched.algorithm import SchedulerPolicy, prefill_model, schedule
 from mooncaked.sched.shadow_index import ShadowIndex
 from mooncaked.sched.types import REASON_DECODE_REFUSED, DecodeInstanceView, Placement, RequestInfo
-from mooncaked.sim.cluster import DecodeInstance, DecodeSeq, HostStore, PrefillInstance, PrefillJob
+from mooncaked.sim.cluster import (DecodeInstance, DecodeSeq, HostStore, PrefillInstance, PrefillJob,
+                                   build_instances)
 from mooncaked.sim.config import SimConfig
 from mooncaked.sim.costs import CostModel, build_cost_model
 from mooncaked.sim.pool import PoolPolicies
@@ -79,23 +83,7 @@ class Simulator:
         return min(length, cap) if cap else length
 
     def _build_cluster(self) -> None:
-        cluster = self.config.cluster
-        capacity = cluster.dram_blocks_per_host
-        is_aware = self.pool.is_replica_aware
-        self.prefill = [
-            PrefillInstance(f"prefill-{i}", HostStore(f"p{i}", capacity, cluster.eviction, self.index, is_aware))
-            for i in range(cluster.num_prefill)
-        ]
-        decode_capacity = capacity if cluster.decode_hosts_in_pool else 0
-        self.decode = [
-            DecodeInstance(
-                f"decode-{i}",
-                HostStore(f"d{i}", decode_capacity, cluster.eviction, self.index, is_aware),
-                cluster.max_batch_size,
-                self.costs.max_decode_context_tokens,
-            )
-            for i in range(cluster.num_decode)
-        ]
+        self.prefill, self.decode = build_instances(self.config, self.costs, self.index, self.pool.is_replica_aware)
         self.prefill_by_id = {p.instance_id: p for p in self.prefill}
         self.decode_by_id = {d.instance_id: d for d in self.decode}
         self.store_by_id = {p.store.store_id: p.store for p in self.prefill}
@@ -162,6 +150,7 @@ class Simulator:
         keys = request.hash_ids
         self.pool.note_use(instance.store.store_id, keys, placement.num_prefix_blocks, now)
         record.prefill_instance = placement.prefill_instance
+        record.is_pipelined = instance.pipeline is not None
         record.decode_instance = placement.decode_instance
         record.prefix_blocks = placement.num_prefix_blocks
         record.local_prefix_blocks = placement.num_local_prefix_blocks
@@ -209,7 +198,8 @@ class Simulator:
         job.started_at = now
         num_prefix_blocks = self._reusable_blocks_at_start(instance, job)
         prefix_tokens = min(num_prefix_blocks * self.config.scheduler.block_size, job.num_prompt_tokens - 1)
-        compute_s = self.costs.predictors.prefill.predict(job.num_prompt_tokens, max(prefix_tokens, 0))
+        model = prefill_model(instance.view(), self.policy)  # a group's follows its pipeline
+        compute_s = model.predict(job.num_prompt_tokens, max(prefix_tokens, 0))
         noise = self.config.run.prefill_noise
         if noise > 0:
             compute_s *= self.rng.lognormvariate(0.0, noise)
@@ -332,7 +322,9 @@ class Simulator:
     def _on_sample(self, now: float, _: None) -> None:
         interval = self.config.run.sample_interval_s
         busy = [p.busy_time(now) for p in self.prefill]
-        prefill_load = sum(b - last for b, last in zip(busy, self._busy_at_last_sample)) / (interval * len(busy))
+        nodes = [p.num_nodes for p in self.prefill]  # a group keeps every one of its nodes busy
+        busy_s = sum(n * (b - last) for n, b, last in zip(nodes, busy, self._busy_at_last_sample))
+        prefill_load = busy_s / (interval * sum(nodes))
         self._busy_at_last_sample = busy
         slo = self.config.scheduler.tbt_slo_s
         decode_load = sum(d.step_time_s for d in self.decode) / (slo * len(self.decode)) if self.decode else 0.0

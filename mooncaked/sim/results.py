@@ -33,6 +33,7 @@ class RequestRecord:
     predicted_ttft_s: float = math.nan
     finished_s: float = math.nan
     wasted_prefill: bool = False
+    is_pipelined: bool = False  # prefilled by a prefill group
 
 
 @dataclass
@@ -89,6 +90,7 @@ def summarize(result: SimResult) -> dict[str, Any]:
         "num_rejected": len(records) - len(served),
         "rejections": dict(sorted(Counter(r.rejection_reason for r in records if r.rejection_reason).items())),
         "num_wasted_prefills": sum(1 for r in records if r.wasted_prefill),
+        "num_pipelined": sum(1 for r in served if r.is_pipelined),
         "num_slo_met": sum(1 for r in records if r.slo_met),
         "slo_attainment": sum(1 for r in records if r.slo_met) / len(records) if records else math.nan,
         "ttft_mean_s": _mean(ttfts),

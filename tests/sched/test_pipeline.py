@@ -5,7 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mooncaked.sched.algorithm import SchedulerPolicy, eligible_prefill, schedule
-from mooncaked.sched.pipeline import PipelinePredictor, chunk_bounds, pipeline_seconds, split_predictor
+from mooncaked.sched.pipeline import (PipelinePredictor, chunk_bounds, even_pipeline, pipeline_seconds,
+                                      split_predictor)
 from mooncaked.sched.predictors import DecodeStepPredictor, Predictors, PrefillTimePredictor, TransferTimePredictor
 from mooncaked.sched.shadow_index import ShadowIndex
 from mooncaked.sched.types import (DecodeInstanceView, PipelineSpec, Placement, PolicyConfig, PrefillInstanceView,
@@ -47,6 +48,16 @@ def test_split_predictor_shares_the_token_terms() -> None:
     whole = PrefillTimePredictor((0.02, 1.0, -1.0, 0.4, 0.0, -0.4))
     first, second = split_predictor(whole, [0.25, 0.75])
     assert first == (0.02, 0.25, -0.25, 0.1, 0.0, -0.1) and second[1] == pytest.approx(0.75)
+
+
+def test_an_even_pipeline_splits_the_whole_model_over_its_stages() -> None:
+    whole = PrefillTimePredictor((0.02, 1.0, -1.0, 0.4, 0.0, -0.4))
+    spec = even_pipeline(whole, 4, chunk_tokens=256, handoff_s=0.003)
+    assert spec.stage_coefficients == split_predictor(whole, [0.25] * 4)
+    assert spec.chunk_tokens == 256 and spec.handoff_s == (0.003,) * 3
+    assert even_pipeline(whole, 2, chunk_tokens=256).handoff_s == ()  # no handoff: the conductor's default
+    # one chunk through 4 quarter stages and 3 handoffs: the whole model's work, 3 more constants and handoffs
+    assert PipelinePredictor(spec).predict(256, 0) == pytest.approx(whole.predict(256, 0) + 3 * (0.02 + 0.003))
 
 
 @settings(max_examples=200, deadline=None)

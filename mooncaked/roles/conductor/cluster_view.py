@@ -59,7 +59,7 @@ from mooncaked.sched.types import (
     REASON_DECODE_FULL, REASON_NO_DECODE, REASON_NO_PREFILL, REASON_TBT_SLO, REASON_TTFT_SLO,
     DecodeInstanceView, PipelineSpec, Placement, PolicyConfig, PrefillInstanceView, Rejection, RequestInfo,
 )
-from mooncaked.sched.pipeline import split_predictor
+from mooncaked.sched.pipeline import even_pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -346,8 +346,8 @@ class ClusterView:
         if reported is not None:
             return reported
         num_stages = len(self.groups[first_stage.instance.name].members)
-        stages = split_predictor(self.predictors.current.prefill, [1.0 / num_stages] * num_stages)
-        return PipelineSpec(stages, int(self.config.role_section(first_stage.instance).cpp_chunk_tokens))
+        chunk_tokens = int(self.config.role_section(first_stage.instance).cpp_chunk_tokens)
+        return even_pipeline(self.predictors.current.prefill, num_stages, chunk_tokens)
 
     def is_group_ready(self, first_stage: str) -> bool:
         """Every member of the group is up and ready: until a member is back, the group takes nothing."""
