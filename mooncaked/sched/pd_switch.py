@@ -4,8 +4,10 @@
    (1.0 = at its SLO; None for a pool with no ready instance) and then `plan(candidates, now)`.
 2. `plan` asks `pd_ratio.decide` for a bounded step over the sample windows. Only switches are possible (no
    instance can be started or stopped here): moving an instance, or scaling out the hot side, becomes a switch
-   of one switchable instance from the colder side; scaling in is a hold. Hysteresis: the ratio's tolerance band,
-   then the same switch must be decided `num_confirm` periods in a row, and `dwell_s` must have passed since
+   of one switchable instance from the colder side; scaling in is a hold. A scale-out inside the tolerance band
+   is a hold too: with both pools near or past their SLO, a switch only moves the bottleneck to the side it
+   leaves (and the next period moves it back). Hysteresis: the ratio's tolerance band, then the same switch
+   must be decided `num_confirm` periods in a row, and `dwell_s` must have passed since
    the last switch anywhere and since the chosen instance last switched.
 3. The owner applies the returned `SwitchPlan` and calls `switched(name, now)` (success or not): the windows
    are cleared, since the loads they hold describe the pools before the switch.
@@ -70,6 +72,8 @@ class SwitchPlanner:
         decision = decide(list(self.prefill_loads), list(self.decode_loads), num_prefill, num_decode, self.config)
         self.last_decision = decision
         from_role = _from_role(decision, num_prefill, num_decode, self.config.min_per_side)
+        if _is_balanced(decision.imbalance_factor, self.config.tolerance):
+            from_role = ""
         if from_role != self._pending:
             self._pending, self._num_pending = from_role, 0
         if not from_role:
@@ -96,6 +100,10 @@ class SwitchPlanner:
 
     def _has_dwelt(self, since: float | None, now: float) -> bool:
         return since is None or now - since >= self.dwell_s
+
+
+def _is_balanced(factor: float, tolerance: float) -> bool:
+    return 1.0 / (1.0 + tolerance) <= factor <= 1.0 + tolerance
 
 
 def _from_role(decision: PdDecision, num_prefill: int, num_decode: int, min_per_side: int) -> str:

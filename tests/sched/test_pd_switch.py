@@ -43,6 +43,15 @@ def test_hysteresis_band_and_minimum_per_side_hold() -> None:
     assert run(planner, fleet(2, 1, switchable=False), 0.1, 3.0, 2.0) is None  # none may switch
 
 
+def test_both_pools_past_their_slo_and_near_balance_hold() -> None:
+    """Both sides saturated within the band: a switch would only move the bottleneck, so none is planned."""
+    planner = SwitchPlanner(RATIO, window=4, num_confirm=1, dwell_s=0.0)
+    for now, (prefill, decode) in enumerate([(1.4, 1.6), (1.6, 1.4), (2.0, 2.5), (2.5, 2.0)]):
+        assert run(planner, fleet(2, 2), prefill, decode, float(now)) is None
+    assert planner.last_decision is not None and planner.last_decision.reason.startswith("scale_out")
+    assert run(planner, fleet(2, 2), 0.2, 9.0, 5.0) is not None  # far outside the band, it switches
+
+
 def test_a_flip_flopping_signal_never_confirms() -> None:
     planner = SwitchPlanner(RATIO, window=1, num_confirm=2, dwell_s=0.0)
     for step in range(10):
@@ -61,6 +70,8 @@ def test_plans_always_respect_the_pools(loads: list[tuple[float, float]], num_pr
             continue
         assert last_switch is None or now - last_switch >= 2.0
         remaining = (num_prefill if plan.from_role == "prefill" else num_decode) - 1
+        factor = plan.decision.imbalance_factor
+        assert not 1 / (1 + RATIO.tolerance) <= factor <= 1 + RATIO.tolerance
         assert remaining >= RATIO.min_per_side and plan.to_role != plan.from_role
         planner.switched(plan.name, float(now))
         last_switch = now
