@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,9 +71,9 @@ async def test_a_decode_process_killed_mid_stream_hands_the_stream_to_another(tm
             d0.wait(timeout=10)
 
 
-async def stream_killing(http: aiohttp.ClientSession, address: str, body: dict[str, Any],
-                         victim: subprocess.Popen[bytes]) -> tuple[str, dict[str, Any]]:
-    """Stream `body`; kill -9 `victim` after the third chunk. The streamed text and the usage."""
+async def stream_interrupted(http: aiohttp.ClientSession, address: str, body: dict[str, Any],
+                             interrupt: Callable[[], Awaitable[None]]) -> tuple[str, dict[str, Any]]:
+    """Stream `body`; await `interrupt()` after the third chunk. The streamed text and the usage."""
     texts: list[str] = []
     usage: dict[str, Any] = {}
     async with http.post(address, json=body) as response:
@@ -86,10 +87,20 @@ async def stream_killing(http: aiohttp.ClientSession, address: str, body: dict[s
             if event.get("choices"):
                 texts.append(event["choices"][0]["text"])
                 if len(texts) == 3:
-                    os.kill(victim.pid, signal.SIGKILL)
+                    await interrupt()
             usage = event.get("usage") or usage
-    assert victim.wait(timeout=10) == -signal.SIGKILL
     return "".join(texts), usage
+
+
+async def stream_killing(http: aiohttp.ClientSession, address: str, body: dict[str, Any],
+                         victim: subprocess.Popen[bytes]) -> tuple[str, dict[str, Any]]:
+    """Stream `body`; kill -9 `victim` after the third chunk. The streamed text and the usage."""
+    async def kill() -> None:
+        os.kill(victim.pid, signal.SIGKILL)
+
+    streamed = await stream_interrupted(http, address, body, kill)
+    assert victim.wait(timeout=10) == -signal.SIGKILL
+    return streamed
 
 
 async def test_a_prefill_instance_stopped_mid_prompt_hands_it_to_another(
@@ -140,19 +151,12 @@ async def test_a_decode_instance_that_stops_decoding_hands_its_streams_on(tmp_pa
         d0 = roles["d0"]
         assert isinstance(d0, DecodeRole)
         body = {"prompt": tokens, "max_tokens": num_tokens, "stream": True, **GREEDY}
-        texts: list[str] = []
-        async with http.post(url(config, "/v1/completions"), json=body) as response:
-            assert response.status == 200
-            async for raw in response.content:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line.removeprefix("data: "))
-                assert "error" not in event, event
-                texts.append(event["choices"][0]["text"])
-                if len(texts) == 3:
-                    assert d0.loop.running, "the stream was expected on d0 (the first of two idle instances)"
-                    await d0.loop.stop()
-        assert "".join(texts) == text
+
+        async def stop_d0() -> None:
+            assert d0.loop.running, "the stream was expected on d0 (the first of two idle instances)"
+            await d0.loop.stop()
+
+        streamed, _ = await stream_interrupted(http, url(config, "/v1/completions"), body, stop_d0)
+        assert streamed == text
         assert (await metric(http, config, "mooncaked_migrations_total{")).startswith(
             'mooncaked_migrations_total{cause="decode_lost"} 1.0')
