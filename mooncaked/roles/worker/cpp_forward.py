@@ -91,5 +91,5 @@ class ChunkSender:
     async def settle(self) -> None:
         """Let the calls in flight end, well or not (their slots are then free again)."""
         calls, self._calls = self._calls, []
-        if calls:
-            await asyncio.wait([asyncio.wrap_future(c) for c in calls])
+        if calls:  # their failures are the run's already (on_failure): gathered only to be retrieved
+            await asyncio.gather(*(asyncio.wrap_future(c) for c in calls), return_exceptions=True)

@@ -85,18 +85,20 @@ class PipelineRun:
         self.plan = plan
         self.deadline = deadline
         self.error: Exception | None = None
+        self._is_error_secondary = False  # a chunk handoff failed: the stage's own stream may still say why
         self._stages: dict[str, asyncio.Task[StageItem]] = {}
         self._ready: dict[str, asyncio.Future[None]] = {}
         assert head.send_slots is not None
         client = self.worker.peers.for_instance(self.worker.member_instance(self.stage.next_member))
         self.sender = ChunkSender(self.worker, head.send_slots, client, request.request_id, deadline,
-                                  lambda exc: self.fail(_stage_failed(self.stage, 1, exc)),
+                                  lambda exc: self.fail(_stage_failed(self.stage, 1, exc), is_secondary=True),
                                   lambda: plan.is_cancelled)
 
-    def fail(self, error: Exception) -> None:
-        """Any thread's view of the run ends here: nothing more is computed, sent or stored for it."""
-        if self.error is None:
-            self.error = error
+    def fail(self, error: Exception, is_secondary: bool = False) -> None:
+        """Any thread's view of the run ends here: nothing more is computed, sent or stored for it. The first
+        error is the run's, except that a stage's own failure replaces a chunk handoff's (its consequence)."""
+        if self.error is None or (self._is_error_secondary and not is_secondary):
+            self.error, self._is_error_secondary = error, is_secondary
             logger.warning("%s: %s", self.request.request_id, error)
         self.plan.is_cancelled = True
         if self.head.send_slots is not None:
