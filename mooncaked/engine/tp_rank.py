@@ -1,0 +1,127 @@
+"""One rank of a tensor-parallel model: its process group membership, its shard, its KV pages, its runner.
+
+1. `RankSpec` is everything a rank needs to build its part (picklable: it crosses into spawned processes).
+2. `join_group(spec, rank, num_ranks, store)` joins the ranks' group (gloo over loopback on CPU, NCCL on CUDA,
+   the rank's own device `cuda:<base + rank>`) with `spec.timeout_s` as every collective's deadline, and
+   installs it for the model's layers (model.tensor_parallel).
+3. `build_rank(spec, rank, num_ranks)` loads the rank's shard (only its heads and MLP columns) and allocates
+   pages for its KV heads.
+4. `rank_main` (the entry of ranks 1..N-1, spawned by engine.tp_runner): join, build, report ready, then run
+   every forward rank 0 sends, in order, until `stop`, until rank 0's process exits, or until a forward fails
+   (the rank reports the error on its channel and exits: rank 0's collectives then fail, never hang).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from mooncaked.engine.kv_pages import KVPages
+from mooncaked.engine.runner import ModelRunner
+from mooncaked.engine.tp_channel import ChannelClosed, RankChannel
+from mooncaked.model.loader import LoadedModel, load_model, model_args
+from mooncaked.model.packed_gemm import Packing
+from mooncaked.model import tensor_parallel
+from mooncaked.model.tensor_parallel import shard_shape
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    source: str  # model source (loader syntax)
+    num_pages: int  # KV pages per rank (each holds the rank's KV heads)
+    block_size: int
+    dtype: str = "float32"
+    device: str = "cpu"  # cpu, or cuda / cuda:N (rank r then runs on cuda:N+r)
+    seed: int = 0
+    packing: Packing = "plain"
+    backend: str = "auto"  # kernel backend
+    num_threads: int = 1  # torch intra-op threads per rank
+    timeout_s: float = 60.0  # deadline of the rendezvous, every collective and every command send
+
+
+@dataclass(frozen=True)
+class RankShard:
+    loaded: LoadedModel
+    kv_pages: KVPages
+    runner: ModelRunner
+
+
+def rank_device(device: str, rank: int) -> str:
+    parsed = torch.device(device)
+    if parsed.type != "cuda":
+        return device
+    return f"cuda:{(parsed.index or 0) + rank}"
+
+
+def join_group(spec: RankSpec, rank: int, num_ranks: int, store: dist.Store) -> None:
+    """Join the ranks' group (blocks until all have, or `spec.timeout_s`) and install it for the model's layers."""
+    timeout = timedelta(seconds=spec.timeout_s)
+    if torch.device(spec.device).type == "cuda":
+        torch.cuda.set_device(torch.device(rank_device(spec.device, rank)))
+        nccl_options = dist.ProcessGroupNCCL.Options()
+        nccl_options._timeout = timeout
+        tensor_parallel.install_group(dist.ProcessGroupNCCL(store, rank, num_ranks, nccl_options))
+        return
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in the stubs
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]  # loopback only
+    tensor_parallel.install_group(dist.ProcessGroupGloo(store, rank, num_ranks, options))
+
+
+def build_rank(spec: RankSpec, rank: int, num_ranks: int) -> RankShard:
+    shard = shard_shape(model_args(spec.source), rank, num_ranks)
+    device = rank_device(spec.device, rank)
+    loaded = load_model(spec.source, dtype=spec.dtype, device=device, seed=spec.seed, packing=spec.packing,
+                        shard=shard)
+    kv_pages = KVPages.for_model(loaded.args, num_pages=spec.num_pages, block_size=spec.block_size,
+                                 dtype=loaded.dtype, device=device, shard=shard)
+    return RankShard(loaded, kv_pages, ModelRunner(loaded.model, kv_pages, backend=spec.backend))
+
+
+def rank_main(spec: RankSpec, rank: int, num_ranks: int, port: int, sock: socket.socket) -> None:
+    """Entry of a spawned rank (1..N-1)."""
+    channel = RankChannel(sock, spec.timeout_s)
+    torch.set_num_threads(spec.num_threads)
+    try:
+        store = dist.TCPStore(LOOPBACK, port, num_ranks, is_master=False, timeout=timedelta(seconds=spec.timeout_s))
+        join_group(spec, rank, num_ranks, store)
+        shard = build_rank(spec, rank, num_ranks)
+        channel.send(("ready",))
+        _serve(channel, shard.runner)
+    except Exception as exc:  # report, then exit at once: tearing down a broken group could block
+        logger.exception("tensor-parallel rank %d failed", rank)
+        try:
+            channel.send(("error", f"rank {rank}: {exc!r}"))
+        except ChannelClosed:
+            pass
+        os._exit(1)
+    tensor_parallel.remove_group()
+
+
+def _serve(channel: RankChannel, runner: ModelRunner) -> None:
+    parent = multiprocessing.parent_process()
+    sentinel = None if parent is None else parent.sentinel
+    while channel.wait_readable(None, sentinel):  # idle until a command comes or rank 0's process exits
+        message = channel.recv()
+        if message[0] == "stop":
+            return
+        # ranks > 0 stop before the output head: only rank 0 returns logits, and the head comes after every
+        # collective, so skipping it here leaves the memory bandwidth to rank 0's copy
+        if message[0] == "prefill":
+            runner.prefill(message[1], return_hidden=True)
+        elif message[0] == "decode":
+            runner.decode(message[1], return_hidden=True)
+        else:
+            raise ValueError(f"unknown tensor-parallel command {message[0]!r}")
+    logger.warning("rank 0's process exited; this tensor-parallel rank stops")
