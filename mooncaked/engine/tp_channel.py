@@ -56,6 +56,22 @@ class RankChannel:
         ready, _, _ = select.select(watched, [], [], timeout_s)
         return self.sock in ready
 
+    def send_fds(self, fds: list[int]) -> None:
+        """Pass file descriptors (before any message: the shared all-reduce segment's, engine.tp_shm)."""
+        try:
+            socket.send_fds(self.sock, [b"f"], fds)
+        except OSError as exc:
+            raise ChannelClosed(f"cannot send to the other rank: {exc}") from exc
+
+    def recv_fds(self, num_fds: int) -> list[int]:
+        try:
+            _, fds, _, _ = socket.recv_fds(self.sock, 1, num_fds)
+        except OSError as exc:
+            raise ChannelClosed(f"cannot read from the other rank: {exc}") from exc
+        if len(fds) != num_fds:
+            raise ChannelClosed(f"the other rank sent {len(fds)} file descriptors, not {num_fds}")
+        return fds
+
     def close(self) -> None:
         self.sock.close()
 

@@ -3,7 +3,8 @@
 Lifecycle:
 1. `TensorParallelRunner.start(spec, num_ranks)` refuses a degree the model's heads do not allow (before any
    process starts), opens the rendezvous store on a free loopback port, spawns ranks 1..N-1 (engine.tp_rank),
-   joins the process group as rank 0, loads its own shard, and waits (with the spec's deadline, watching the
+   joins the process group as rank 0 (on CPU also creating the shared all-reduce segment, engine.tp_shm, and
+   passing it to the ranks), loads its own shard, and waits (with the spec's deadline, watching the
    children) until every rank reports ready; any failure stops every rank and raises.
 2. `prefill(batch)` / `decode(batch)` send the batch to every rank, then run rank 0's forward: each rank
    computes its heads and MLP columns on its own KV pages, the all-reduces inside the layers join them, and
@@ -29,7 +30,9 @@ import torch.distributed as dist
 
 from mooncaked.engine.batch import DecodeBatch, PrefillBatch
 from mooncaked.engine.tp_channel import ChannelClosed, RankChannel
-from mooncaked.engine.tp_rank import LOOPBACK, RankShard, RankSpec, build_rank, join_group, rank_main
+from mooncaked.engine.tp_rank import (LOOPBACK, BackendReducer, RankShard, RankSpec, batch_to_wire, build_rank,
+                                      join_group, rank_main, uses_shared_memory)
+from mooncaked.engine.tp_shm import SharedMemoryReducer
 from mooncaked.model.llama import LlamaForCausalLM
 from mooncaked.model.loader import model_args
 from mooncaked.model import tensor_parallel
@@ -51,6 +54,7 @@ class TensorParallelRunner:
         self.processes: list[BaseProcess] = []  # rank r + 1's process
         self.channels: list[RankChannel] = []  # rank r + 1's channel
         self.shard: RankShard | None = None
+        self.reducer: SharedMemoryReducer | None = None
         self.failure: str | None = None
 
     @classmethod
@@ -63,13 +67,24 @@ class TensorParallelRunner:
         runner = cls(spec, num_ranks)
         try:
             runner._spawn(store.port)
-            join_group(spec, 0, num_ranks, store)
+            tensor_parallel.install_group(runner._join_reducer(store))
             runner.shard = build_rank(spec, 0, num_ranks)
             runner._wait_ready(time.monotonic() + spec.timeout_s)
         except BaseException:
             runner.stop()
             raise
         return runner
+
+    def _join_reducer(self, store: dist.Store) -> tensor_parallel.Reducer:
+        """Rank 0's reducer; with shared memory, create the segment and pass it to every rank."""
+        backend = join_group(self.spec, 0, self.num_ranks, store)
+        if not uses_shared_memory(self.spec):
+            return BackendReducer(backend)
+        self.reducer = SharedMemoryReducer.create(self.num_ranks, self.spec.allreduce_slot_bytes,
+                                                  self.spec.timeout_s, backend, lambda: bool(self.dead_ranks()))
+        for channel in self.channels:
+            channel.send_fds(self.reducer.fds)
+        return self.reducer
 
     def _spawn(self, port: int) -> None:
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked threads or CUDA state
@@ -92,14 +107,14 @@ class TensorParallelRunner:
         """Logits fp32 [S, vocab] (last new token per sequence), or [T, vocab] with return_all_logits."""
         assert self.shard is not None
         runner = self.shard.runner
-        return self._step(("prefill", batch),
+        return self._step(("prefill", batch_to_wire(batch)),
                           lambda: runner.prefill(batch, return_all_logits=return_all_logits))
 
     def decode(self, batch: DecodeBatch) -> torch.Tensor:
         """Logits fp32 [S, vocab]."""
         assert self.shard is not None
         runner = self.shard.runner
-        return self._step(("decode", batch), lambda: runner.decode(batch))
+        return self._step(("decode", batch_to_wire(batch)), lambda: runner.decode(batch))
 
     def dead_ranks(self) -> list[str]:
         """'rank r (exit code c)' for each rank process that has exited."""
@@ -122,6 +137,9 @@ class TensorParallelRunner:
         for channel in self.channels:
             channel.close()
         tensor_parallel.remove_group()
+        if self.reducer is not None:
+            self.reducer.close()
+            self.reducer = None
 
     def _step(self, command: tuple[Any, ...], forward: Any) -> torch.Tensor:
         if self.failure is not None:

@@ -16,7 +16,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 import torch
 
@@ -71,10 +71,15 @@ def sliced_shape(shape: tuple[int, ...], piece: Slice | None) -> tuple[int, ...]
     return shape[:dim] + (length,) + shape[dim + 1:]
 
 
-_group: Any = None  # the c10d backend (ProcessGroupGloo / ProcessGroupNCCL) of this process's ranks, or None
+class Reducer(Protocol):
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum `tensor` in place across the ranks."""
 
 
-def install_group(group: Any) -> None:
+_group: Reducer | None = None  # how this process's rank all-reduces with the others (engine.tp_rank), or None
+
+
+def install_group(group: Reducer) -> None:
     global _group
     if _group is not None:
         raise RuntimeError("this process already belongs to a tensor-parallel group; stop its runner first")
@@ -95,4 +100,4 @@ def all_reduce(tensor: torch.Tensor) -> None:
     timeout passes."""
     if _group is None:
         raise RuntimeError("a tensor-parallel shard runs only in a process that joined its group (engine.tp_runner)")
-    _group.allreduce([tensor]).wait()
+    _group.all_reduce(tensor)

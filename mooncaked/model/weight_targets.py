@@ -2,8 +2,8 @@
 
 1. `layer_targets(prefix, shape, projections, norms)`: name -> WeightTarget for one layer. Column-parallel
    projections (q/k/v, gate/up) take the shard's output rows of the [out, in] tensor, row-parallel ones (o,
-   down) its input columns; at TP=1 the slices are whole. Row-parallel biases live on rank 0 only (the all-reduce sums the
-   ranks' outputs, so each is added once).
+   down) its input columns; at TP=1 the slices are whole. Row-parallel biases live on rank 0 only (the
+   all-reduce sums the ranks' outputs, so each is added once).
 2. `WeightTarget.copy_from(tensor, is_sliced)` narrows a whole tensor to the shard's slice (or takes a tensor
    the reader already sliced), transposes it where needed, and copies it in.
 """

@@ -63,16 +63,22 @@ def started() -> Iterator[list[TensorParallelRunner]]:
         runner.stop()
 
 
-@pytest.mark.parametrize("case_id", TP_CASES)
-def test_tp2_gives_the_tokens_of_tp1(case_id: str, tmp_path: Path, started: list[TensorParallelRunner]) -> None:
+@pytest.mark.parametrize("case_id, slot_bytes", [(case_id, 8 << 20) for case_id in TP_CASES] + [
+    ("mistral-sliding-window", 0), ("qwen2.5-qkv-bias-tied", 1024)],
+    ids=TP_CASES + ["mistral-gloo-only", "qwen2.5-prefill-gloo-decode-shared-memory"])
+def test_tp2_gives_the_tokens_of_tp1(case_id: str, slot_bytes: int, tmp_path: Path,
+                                     started: list[TensorParallelRunner]) -> None:
+    """All-reduces through shared memory, through gloo only, or both (prefill rows do not fit 1 KiB slots)."""
     write_checkpoint(next(c for c in CASES if c.case_id == case_id), tmp_path, seed=7)
     loaded = load_model(str(tmp_path), packing="plain")
     kv = KVPages.for_model(loaded.args, num_pages=NUM_PAGES, block_size=BLOCK, dtype=torch.float32, device="cpu")
     single = ModelRunner(loaded.model, kv, backend="torch")
     expected_tokens, expected_logits = _greedy(lambda b: single.prefill(b, return_all_logits=True), single.decode)
-    spec = RankSpec(str(tmp_path), num_pages=NUM_PAGES, block_size=BLOCK, backend="torch", timeout_s=60.0)
+    spec = RankSpec(str(tmp_path), num_pages=NUM_PAGES, block_size=BLOCK, backend="torch", timeout_s=60.0,
+                    allreduce_slot_bytes=slot_bytes)
     started.append(tp := TensorParallelRunner.start(spec, 2))
     assert tp.shard is not None and tp.shard.kv_pages.num_kv_heads == max(1, loaded.args.num_kv_heads // 2)
+    assert (tp.reducer is not None) == (slot_bytes > 0)
     tokens, logits = _greedy(lambda b: tp.prefill(b, return_all_logits=True), tp.decode)
     assert tokens == expected_tokens
     torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=0)
