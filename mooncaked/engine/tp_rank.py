@@ -99,11 +99,15 @@ def uses_shared_memory(spec: RankSpec) -> bool:
 class BackendReducer:
     """All-reduce through the group's backend (NCCL; gloo where shared memory is off)."""
 
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, backend: Any, num_ranks: int) -> None:
         self.backend = backend
+        self.num_ranks = num_ranks
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         self.backend.allreduce([tensor]).wait()
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tp_shm.gather_through(self.backend, tensor, self.num_ranks)
 
 
 def _join_reducer(spec: RankSpec, rank: int, num_ranks: int, store: dist.Store,
@@ -111,7 +115,7 @@ def _join_reducer(spec: RankSpec, rank: int, num_ranks: int, store: dist.Store,
     """A spawned rank's reducer (the shared segment's fd comes first on the channel)."""
     backend = join_group(spec, rank, num_ranks, store)
     if not uses_shared_memory(spec):
-        return BackendReducer(backend)
+        return BackendReducer(backend, num_ranks)
     parent = multiprocessing.parent_process()
     sentinel = None if parent is None else parent.sentinel
     return tp_shm.SharedMemoryReducer(channel.recv_fds(1 + num_ranks), rank, num_ranks, spec.allreduce_slot_bytes,
@@ -170,18 +174,20 @@ def _to_numpy(value: Any) -> Any:
 
 def _serve(channel: RankChannel, runner: ModelRunner) -> None:
     device = runner.kv_pages.device
+    # A replicated output head comes after every collective: ranks > 0 skip it (only rank 0 returns logits),
+    # leaving the memory bandwidth to rank 0's copy. A vocabulary-split one all-gathers: every rank runs it.
+    is_head_replicated = runner.model.shape.vocab_size is None
     parent = multiprocessing.parent_process()
     sentinel = None if parent is None else parent.sentinel
     while channel.wait_readable(None, sentinel):  # idle until a command comes or rank 0's process exits
         message = channel.recv()
         if message[0] == "stop":
             return
-        # ranks > 0 stop before the output head: only rank 0 returns logits, and the head comes after every
-        # collective, so skipping it here leaves the memory bandwidth to rank 0's copy
         if message[0] == "prefill":
-            runner.prefill(batch_from_wire(PrefillBatch, message[1], device), return_hidden=True)
+            runner.prefill(batch_from_wire(PrefillBatch, message[1], device), return_all_logits=message[2],
+                           return_hidden=is_head_replicated)
         elif message[0] == "decode":
-            runner.decode(batch_from_wire(DecodeBatch, message[1], device), return_hidden=True)
+            runner.decode(batch_from_wire(DecodeBatch, message[1], device), return_hidden=is_head_replicated)
         else:
             raise ValueError(f"unknown tensor-parallel command {message[0]!r}")
     logger.warning("rank 0's process exited; this tensor-parallel rank stops")

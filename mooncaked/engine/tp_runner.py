@@ -79,7 +79,7 @@ class TensorParallelRunner:
         """Rank 0's reducer; with shared memory, create the segment and pass it to every rank."""
         backend = join_group(self.spec, 0, self.num_ranks, store)
         if not uses_shared_memory(self.spec):
-            return BackendReducer(backend)
+            return BackendReducer(backend, self.num_ranks)
         self.reducer = SharedMemoryReducer.create(self.num_ranks, self.spec.allreduce_slot_bytes,
                                                   self.spec.timeout_s, backend, lambda: bool(self.dead_ranks()))
         for channel in self.channels:
@@ -107,7 +107,7 @@ class TensorParallelRunner:
         """Logits fp32 [S, vocab] (last new token per sequence), or [T, vocab] with return_all_logits."""
         assert self.shard is not None
         runner = self.shard.runner
-        return self._step(("prefill", batch_to_wire(batch)),
+        return self._step(("prefill", batch_to_wire(batch), return_all_logits),
                           lambda: runner.prefill(batch, return_all_logits=return_all_logits))
 
     def decode(self, batch: DecodeBatch) -> torch.Tensor:

@@ -8,11 +8,12 @@ a wait for the others' flags, and a sum: tens of microseconds. vLLM's and DeepSp
 1. Rank 0 `SharedMemoryReducer.create(num_ranks, ...)`: an anonymous memfd, sized for one flag per rank and two
    sets (alternating per operation) of one slot per rank, and one wake-up eventfd per rank; each other rank
    receives the fds over its channel (`socket.send_fds`) and maps the same segment.
-2. `all_reduce(tensor)`: operation k writes the rank's tensor into its slot of set k % 2, publishes k in its
-   flag, waits until every flag reaches k, then sums the slots in rank order into `tensor` (every rank gets
-   the very same bits). A rank writes set k % 2 again only at operation k + 2, which it reaches after every rank
-   published k + 1, i.e. after every rank finished reading operation k: two sets suffice. A rank signals its
-   peers' eventfds after publishing; a waiting rank spins a few polls, then sleeps on its own eventfd.
+2. `all_reduce(tensor)` (and `all_gather`, which concatenates the slots instead): operation k writes the
+   rank's tensor into its slot of set k % 2, publishes k in its flag, waits until every flag reaches k, then
+   sums the slots in rank order into `tensor` (every rank gets the very same bits). A rank writes set k % 2
+   again only at operation k + 2, which it reaches after every rank published k + 1, i.e. after every rank
+   finished reading operation k: two sets suffice. A rank signals its peers' eventfds after publishing; a
+   waiting rank spins up to ~1 ms, then sleeps on its own eventfd.
 3. Tensors that are not fp32 or do not fit a slot go through the process group (`fallback`), on every rank alike
    (the decision depends on shapes only, which all ranks share).
 4. The wait has a deadline and checks `is_peer_lost()` (a rank process exited, or rank 0's) every 10 ms.
@@ -81,11 +82,26 @@ class SharedMemoryReducer:
         self.num_ops += 1
         slots = self._sets[self.num_ops % 2, :, :num_bytes].view(torch.float32)  # [ranks, numel]
         slots[self.rank].copy_(tensor.view(-1))
-        self._flags[self.rank] = self.num_ops
+        self._publish(self.num_ops)
+        torch.sum(slots, dim=0, out=tensor.view(-1))
+
+    def _publish(self, num_ops: int) -> None:
+        """Mark this rank's slot of operation `num_ops` written, wake the peers, wait for theirs."""
+        self._flags[self.rank] = num_ops
         for fd in self._peer_wake_fds:
             os.eventfd_write(fd, 1)
-        self._wait_all(self.num_ops)
-        torch.sum(slots, dim=0, out=tensor.view(-1))
+        self._wait_all(num_ops)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """[R, C] fp32 on each rank -> [R, C * num_ranks], the ranks' columns in rank order."""
+        num_bytes = tensor.numel() * tensor.element_size()
+        if tensor.dtype != torch.float32 or num_bytes > self.slot_bytes or not tensor.is_contiguous():
+            return gather_through(self.fallback, tensor, self.num_ranks)
+        self.num_ops += 1
+        slots = self._sets[self.num_ops % 2, :, :num_bytes].view(torch.float32)  # [ranks, numel]
+        slots[self.rank].copy_(tensor.view(-1))
+        self._publish(self.num_ops)
+        return torch.cat([slots[r].view(tensor.shape) for r in range(self.num_ranks)], dim=-1)
 
     def close(self) -> None:
         self._sets = torch.empty(0)
@@ -113,6 +129,13 @@ class SharedMemoryReducer:
             if time.monotonic() > deadline:
                 late = [r for r in range(self.num_ranks) if flags[r] < num_ops]
                 raise TimeoutError(f"all-reduce {num_ops}: ranks {late} did not arrive within {self.timeout_s:g} s")
+
+
+def gather_through(backend: Any, tensor: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """all_gather through a c10d backend: [R, C] -> [R, C * num_ranks]."""
+    parts = [torch.empty_like(tensor) for _ in range(num_ranks)]
+    backend.allgather([parts], [tensor.contiguous()]).wait()
+    return torch.cat(parts, dim=-1)
 
 
 def segment_bytes(num_ranks: int, slot_bytes: int) -> int:

@@ -177,6 +177,8 @@ class ShardShape:
     kv_head_offset: int = 0  # first KV head of this shard
     intermediate_offset: int = 0  # first MLP column of this shard
     rank: int = 0  # tensor-parallel rank holding this shard (model.tensor_parallel)
+    vocab_size: int | None = None  # output head rows of this shard; None: every one (not split)
+    vocab_offset: int = 0  # first output head row of this shard
     num_ranks: int = 1  # ranks the layer is split across; > 1: row-parallel outputs are all-reduced
 
     @classmethod

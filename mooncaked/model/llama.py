@@ -129,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
         if self.layer_range.has_head:
             self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, weight_device)
             # a transposed copy even when tied to the embedding: the embedding lookup needs [vocab, hidden] rows
-            self.lm_head = Linear(args.hidden_size, args.vocab_size, dtype, weight_device)
+            self.lm_head = Linear(args.hidden_size, self.shape.vocab_size or args.vocab_size, dtype, weight_device)
         self.rope = RopeCache(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings,
                               dtype, device, args.rope_freq_factors)
 
@@ -166,9 +166,11 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] (pre final norm) -> logits [N, vocab] in fp32 (last stage only)."""
+        """hidden [N, hidden_size] (pre final norm) -> logits [N, vocab] in fp32 (last stage only). A shard of a
+        vocabulary-split head gathers every rank's columns (every rank must call it)."""
         assert self.norm is not None and self.lm_head is not None, "this pipeline stage holds no output head"
-        return self.lm_head(self.norm(hidden)).float()
+        logits = self.lm_head(self.norm(hidden)).float()
+        return logits if self.shape.vocab_size is None else tensor_parallel.all_gather(logits)
 
     def load_hf_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Copy a whole Hugging Face state dict (`model.layers.0.self_attn.q_proj.weight`, ...) into the weights."""
@@ -194,7 +196,7 @@ class LlamaForCausalLM(nn.Module):
                 seen.add(name)
                 if name in needed:
                     for target in targets.get(name, ()):  # a row-parallel bias has none on ranks > 0
-                        target.copy_from(tensor, is_sliced)
+                        target.copy_from(tensor, name in slices)
             check_complete(seen & set(needed), needed, source)
 
     def weight_slices(self) -> dict[str, Slice]:
@@ -213,7 +215,8 @@ class LlamaForCausalLM(nn.Module):
             targets["model.embed_tokens.weight"] = [WeightTarget(self.embed_tokens.weight)]
         if self.norm is not None and self.lm_head is not None:
             targets["model.norm.weight"] = [WeightTarget(self.norm.weight)]
-            head = WeightTarget(plain(self.lm_head), is_transposed=True)
+            rows = None if self.shape.vocab_size is None else (0, self.shape.vocab_offset, self.shape.vocab_size)
+            head = WeightTarget(plain(self.lm_head), is_transposed=True, narrow=rows)
             head_name = "model.embed_tokens.weight" if self.args.tie_word_embeddings else "lm_head.weight"
             targets.setdefault(head_name, []).append(head)
         for layer in self.layers:

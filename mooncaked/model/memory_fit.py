@@ -32,15 +32,18 @@ class ModelDoesNotFit(StartupError, ValueError):
 def weight_bytes(args: ModelArgs, dtype: torch.dtype, packing: Packing = "plain",
                  layers: LayerRange | None = None, num_ranks: int = 1) -> int:
     """Of the whole model, or of the pipeline stage holding `layers`; with `num_ranks`, of one tensor-parallel
-    rank (its share of the layers' projections; embedding, norms and head replicated)."""
+    rank (its share of the layers' projections and of the output head; embedding and norms replicated)."""
     layers = layers or LayerRange.whole(args)
     shapes = hf_tensor_shapes(args, layers)
     num_elements = sum(_numel(shape) for shape in shapes.values()) + 2 * args.max_position_embeddings * args.head_dim
     sharded = sum(_numel(shape) for name, shape in shapes.items() if _is_sharded(name))
     num_elements -= sharded - sharded // num_ranks
     embedding = args.vocab_size * args.hidden_size
+    head = embedding // num_ranks if args.vocab_size % num_ranks == 0 else embedding  # split by vocabulary rows
     if args.tie_word_embeddings and layers.has_head:
-        num_elements += embedding  # lm_head's transposed copy
+        num_elements += head  # lm_head's transposed copy
+    elif layers.has_head:
+        num_elements -= embedding - head
     if args.tie_word_embeddings and layers.has_head and not layers.has_embedding:
         num_elements -= embedding  # a last stage reads the embedding only into its head
     both = projection_bytes(args, dtype, layers) if packing == "both" else 0

@@ -6,7 +6,8 @@
 2. `shard_shape(args, rank, num_ranks)`: rank r's ShardShape. Column-parallel projections (q/k/v, gate/up)
    take its output rows, row-parallel ones (o, down) its input columns; their partial outputs are summed
    across ranks with an all-reduce after o_proj and down_proj (model.llama), rank 0 adding the residual and
-   the row-parallel biases once. Embedding, norms and the output head are replicated.
+   the row-parallel biases once. The output head is split by vocabulary rows where the degree divides the
+   vocabulary (each rank's logits are all-gathered), else replicated; embedding and norms are replicated.
 3. The model lists the part of each Hugging Face tensor a rank reads (`LlamaForCausalLM.weight_slices`), so a
    safetensors checkpoint is read slice by slice (model.weights_hf) rather than whole; `sliced_shape` is the
    shape such a slice has.
@@ -59,9 +60,11 @@ def shard_shape(args: ModelArgs, rank: int, num_ranks: int) -> ShardShape:
     else:  # replicated: ranks_per_kv_head consecutive ranks hold the same KV head
         num_kv_heads = 1
         kv_head_offset = rank // (num_ranks // args.num_kv_heads)
+    vocab = args.vocab_size // num_ranks if num_ranks > 1 and args.vocab_size % num_ranks == 0 else None
     return ShardShape(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=args.head_dim,
                       intermediate_size=inter, head_offset=rank * num_heads, kv_head_offset=kv_head_offset,
-                      intermediate_offset=rank * inter, rank=rank, num_ranks=num_ranks)
+                      intermediate_offset=rank * inter, rank=rank, num_ranks=num_ranks, vocab_size=vocab,
+                      vocab_offset=0 if vocab is None else rank * vocab)
 
 
 def sliced_shape(shape: tuple[int, ...], piece: Slice | None) -> tuple[int, ...]:
@@ -74,6 +77,9 @@ def sliced_shape(shape: tuple[int, ...], piece: Slice | None) -> tuple[int, ...]
 class Reducer(Protocol):
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum `tensor` in place across the ranks."""
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's 2-D `tensor` [R, C], side by side in rank order: [R, C * num_ranks]."""
 
 
 _group: Reducer | None = None  # how this process's rank all-reduces with the others (engine.tp_rank), or None
@@ -93,6 +99,13 @@ def remove_group() -> None:
 
 def has_group() -> bool:
     return _group is not None
+
+
+def all_gather(tensor: torch.Tensor) -> torch.Tensor:
+    """[R, C] on each rank -> [R, C * num_ranks] (the output head's logits, split by vocabulary rows)."""
+    if _group is None:
+        raise RuntimeError("a tensor-parallel shard runs only in a process that joined its group (engine.tp_runner)")
+    return _group.all_gather(tensor)
 
 
 def all_reduce(tensor: torch.Tensor) -> None:

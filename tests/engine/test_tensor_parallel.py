@@ -7,6 +7,8 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import pytest
@@ -51,6 +53,11 @@ def _greedy(prefill: PrefillFn, decode: DecodeFn) -> tuple[list[int], torch.Tens
     return tokens, torch.cat(logits)
 
 
+def _pid(process: BaseProcess) -> int:
+    assert process.pid is not None
+    return process.pid
+
+
 @pytest.fixture
 def started() -> Iterator[list[TensorParallelRunner]]:
     """Runners a test starts; each is stopped at the end, whatever the test did to its ranks."""
@@ -59,17 +66,21 @@ def started() -> Iterator[list[TensorParallelRunner]]:
     for runner in runners:
         for process in runner.processes:
             if process.is_alive():
-                os.kill(process.pid, signal.SIGCONT)
+                os.kill(_pid(process), signal.SIGCONT)
         runner.stop()
 
 
-@pytest.mark.parametrize("case_id, slot_bytes", [(case_id, 8 << 20) for case_id in TP_CASES] + [
-    ("mistral-sliding-window", 0), ("qwen2.5-qkv-bias-tied", 1024)],
-    ids=TP_CASES + ["mistral-gloo-only", "qwen2.5-prefill-gloo-decode-shared-memory"])
-def test_tp2_gives_the_tokens_of_tp1(case_id: str, slot_bytes: int, tmp_path: Path,
+@pytest.mark.parametrize("case_id, slot_bytes, vocab_size", [(case_id, 8 << 20, 320) for case_id in TP_CASES] + [
+    ("mistral-sliding-window", 0, 320), ("qwen2.5-qkv-bias-tied", 1024, 320),
+    ("llama3.1-untied-rope-llama3", 8 << 20, 321), ("qwen3-qk-norm-tied", 0, 321)],
+    ids=TP_CASES + ["mistral-gloo-only", "qwen2.5-prefill-gloo-decode-shared-memory",
+                    "llama3.1-replicated-head", "qwen3-tied-replicated-head-gloo-only"])
+def test_tp2_gives_the_tokens_of_tp1(case_id: str, slot_bytes: int, vocab_size: int, tmp_path: Path,
                                      started: list[TensorParallelRunner]) -> None:
-    """All-reduces through shared memory, through gloo only, or both (prefill rows do not fit 1 KiB slots)."""
-    write_checkpoint(next(c for c in CASES if c.case_id == case_id), tmp_path, seed=7)
+    """All-reduces through shared memory, through gloo only, or both (prefill rows do not fit 1 KiB slots); the
+    output head split by vocabulary rows (320) or, where 2 does not divide the vocabulary (321), replicated."""
+    case = next(c for c in CASES if c.case_id == case_id)
+    write_checkpoint(replace(case, config={**case.config, "vocab_size": vocab_size}), tmp_path, seed=7)
     loaded = load_model(str(tmp_path), packing="plain")
     kv = KVPages.for_model(loaded.args, num_pages=NUM_PAGES, block_size=BLOCK, dtype=torch.float32, device="cpu")
     single = ModelRunner(loaded.model, kv, backend="torch")
@@ -79,6 +90,7 @@ def test_tp2_gives_the_tokens_of_tp1(case_id: str, slot_bytes: int, tmp_path: Pa
     started.append(tp := TensorParallelRunner.start(spec, 2))
     assert tp.shard is not None and tp.shard.kv_pages.num_kv_heads == max(1, loaded.args.num_kv_heads // 2)
     assert (tp.reducer is not None) == (slot_bytes > 0)
+    assert tp.model.shape.vocab_size == (None if vocab_size % 2 else vocab_size // 2)
     tokens, logits = _greedy(lambda b: tp.prefill(b, return_all_logits=True), tp.decode)
     assert tokens == expected_tokens
     torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=0)
@@ -106,7 +118,7 @@ def _one_prefill(runner: TensorParallelRunner) -> torch.Tensor:
 def test_a_killed_rank_fails_rank_0_and_every_later_step(started: list[TensorParallelRunner]) -> None:
     runner = _tiny_group(started, timeout_s=10.0)
     _one_prefill(runner)
-    os.kill(runner.processes[0].pid, signal.SIGKILL)
+    os.kill(_pid(runner.processes[0]), signal.SIGKILL)
     begin = time.monotonic()
     with pytest.raises(RankFailed, match="rank 1"):  # seen dead before the step, or its collective fails
         _one_prefill(runner)
@@ -118,7 +130,7 @@ def test_a_killed_rank_fails_rank_0_and_every_later_step(started: list[TensorPar
 def test_a_stalled_rank_fails_rank_0_within_the_deadline(started: list[TensorParallelRunner]) -> None:
     runner = _tiny_group(started, timeout_s=3.0)
     _one_prefill(runner)
-    os.kill(runner.processes[0].pid, signal.SIGSTOP)
+    os.kill(_pid(runner.processes[0]), signal.SIGSTOP)
     begin = time.monotonic()
     with pytest.raises(RankFailed):
         _one_prefill(runner)

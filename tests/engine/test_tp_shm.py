@@ -1,6 +1,6 @@
-"""The shared-memory all-reduce, with two ranks as threads of this process: sums agree bit for bit across ranks
-through many operations of varying sizes (the two alternating slot sets), and a peer that never arrives or is
-lost fails the wait by its deadline."""
+"""The shared-memory all-reduce and all-gather, with two ranks as threads of this process: sums agree bit for bit
+across ranks through many operations of varying sizes (the two alternating slot sets), gathers put the ranks'
+columns in rank order, and a peer that never arrives or is lost fails the wait by its deadline."""
 
 from __future__ import annotations
 
@@ -35,18 +35,21 @@ def test_every_rank_gets_the_same_sum(sizes: list[int]) -> None:
     outputs: list[list[torch.Tensor]] = [[], []]
 
     def run(rank: int) -> None:
-        for tensor in inputs[rank]:
+        for tensor in inputs[rank]:  # an all-reduce, then an all-gather of [1, n]: both slot sets in turn
             mine = tensor.clone()
             ranks[rank].all_reduce(mine)
             outputs[rank].append(mine)
+            outputs[rank].append(ranks[rank].all_gather(tensor.view(1, -1)))
 
     thread = threading.Thread(target=run, args=(1,))
     thread.start()
     run(0)
     thread.join(30)
     assert not thread.is_alive()
-    for a, b, x, y in zip(outputs[0], outputs[1], inputs[0], inputs[1]):
-        assert torch.equal(a, b) and torch.equal(a, x + y)
+    for i, (x, y) in enumerate(zip(inputs[0], inputs[1])):
+        assert torch.equal(outputs[0][2 * i], outputs[1][2 * i]) and torch.equal(outputs[0][2 * i], x + y)
+        gathered = torch.cat([x, y]).view(1, -1)
+        assert torch.equal(outputs[0][2 * i + 1], gathered) and torch.equal(outputs[1][2 * i + 1], gathered)
     for reducer in ranks:
         reducer.close()
 

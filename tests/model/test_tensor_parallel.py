@@ -88,7 +88,8 @@ def test_a_rank_needs_about_its_share_of_the_layers() -> None:
     whole, rank = weight_bytes(args, torch.float32), weight_bytes(args, torch.float32, num_ranks=2)
     h, inter = args.hidden_size, args.intermediate_size
     per_layer = 2 * h * (args.q_size + args.kv_size) + 3 * h * inter  # q, k, v, o; gate, up, down
-    assert whole - rank == args.num_layers * per_layer * 4 // 2  # the rest (embedding, head, norms) replicated
+    head = args.vocab_size * h  # the tied head's transposed copy, split by vocabulary rows
+    assert whole - rank == (args.num_layers * per_layer + head) * 4 // 2  # embedding and norms replicated
 
 
 def test_each_rank_has_a_weight_file_of_its_own(tmp_path: Path) -> None:
