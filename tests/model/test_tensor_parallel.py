@@ -81,6 +81,11 @@ def test_a_rank_reads_its_slices_of_the_checkpoint(tmp_path: Path) -> None:
         torch.testing.assert_close(layer.o_proj.weight_t, full.o_proj.weight_t[q])
         assert (layer.o_proj.bias is not None) == (rank == 0)  # row-parallel biases: added once, by rank 0
         assert (layer.down_proj.bias is not None) == (rank == 0) and layer.gate_up_proj.bias is not None
+        head, full_head = loaded.model.lm_head, whole.model.lm_head  # split by vocabulary rows
+        assert head is not None and full_head is not None and head.weight_t is not None
+        assert full_head.weight_t is not None and shard.vocab_size == args.vocab_size // 2
+        torch.testing.assert_close(head.weight_t, full_head.weight_t[:, rank * shard.vocab_size:
+                                                                     (rank + 1) * shard.vocab_size])
 
 
 def test_a_rank_needs_about_its_share_of_the_layers() -> None:
