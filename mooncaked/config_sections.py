@@ -33,6 +33,7 @@ class ModelSection:
     kernel_backend: str = bounded("auto", choices=("auto", "triton", "torch"))
     cpu_packed_gemm: bool = True
     cuda_graphs: bool = False
+    tensor_parallel_size: int = bounded(1, min=1, max=64, doc="ranks (processes; one GPU each on CUDA) per instance")
     share_weights: bool = True
     weight_cache_dir: Optional[str] = bounded(None, doc="null: $XDG_CACHE_HOME/mooncaked/weights, resolved at start")
     max_model_len: int = bounded(2048, min=16)

@@ -42,7 +42,23 @@ def validate(config: Config) -> list[ConfigIssue]:
             if merged is not None:  # a bad setting is reported by _validate_settings
                 issues.extend(_validate_kv_budget(merged, config.model.device, where))
     issues.extend(_validate_prefill_groups(config))
+    issues.extend(_validate_tensor_parallel(config))
     return issues
+
+
+def _validate_tensor_parallel(config: Config) -> list[ConfigIssue]:
+    """Tensor parallelism runs model-level (engine.tp_runner, `bench model --tp`); instances do not run it yet."""
+    num_ranks = config.model.tensor_parallel_size
+    if num_ranks == 1:
+        return []
+    where = "model.tensor_parallel_size"
+    if config.model.cuda_graphs:
+        return [ConfigIssue(where, f"{num_ranks} ranks cannot replay CUDA graphs; set model.cuda_graphs: false")]
+    workers = [i.name for i in config.cluster.instances if i.role in ("prefill", "decode")]
+    if workers:
+        return [ConfigIssue(where, f"{num_ranks}: prefill and decode instances ({', '.join(workers[:3])}) do not run "
+                            "tensor parallelism yet (README: Tensor parallelism); set it to 1")]
+    return []
 
 
 def _validate_kv_budget(section: WorkerSection, device: str, where: str) -> list[ConfigIssue]:

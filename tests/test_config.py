@@ -192,6 +192,17 @@ def test_cuda_graphs_need_a_cuda_device(tmp_path: Path) -> None:
     assert config.model.cuda_graphs
 
 
+def test_tensor_parallel_size_is_checked(tmp_path: Path) -> None:
+    message = errors_of(tmp_path, {"model": {"tensor_parallel_size": 0}})
+    assert "model.tensor_parallel_size: must be >= 1, got 0" in message
+    message = errors_of(tmp_path, {"model": {"tensor_parallel_size": 2, "cuda_graphs": True, "device": "cuda"}})
+    assert "model.tensor_parallel_size: 2 ranks cannot replay CUDA graphs" in message
+    workers = {"cluster": {"instances": [{"name": "p0", "role": "prefill", "host": "127.0.0.1", "port": 9001}]}}
+    message = errors_of(tmp_path, {**workers, "model": {"tensor_parallel_size": 2}})
+    assert "tensor_parallel_size: 2: prefill and decode instances (p0) do not run tensor parallelism" in message
+    assert load_config(write(tmp_path, {"model": {"tensor_parallel_size": 4}})).model.tensor_parallel_size == 4
+
+
 def test_layerwise_worker_options(tmp_path: Path) -> None:
     message = errors_of(tmp_path, {"worker": {"max_layers_in_flight": 0}, "store": {"numa_node": -2},
                                    "runtime": {"gil_switch_interval_ms": 0}})

@@ -1,4 +1,5 @@
-"""`mooncaked bench model`: CPU greedy decode, ours vs transformers `generate`, plus layer-callback overhead.
+"""`mooncaked bench model`: CPU greedy decode, ours vs transformers `generate`, plus layer-callback overhead
+(`--tp N`: tensor-parallel speedups instead, bench.model_tp).
 
 Stages:
   1. Load our model (fp32) with the projections a decode instance keeps (`--packing`, default `packed`: the
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 
+from mooncaked.bench import model_tp
 from mooncaked.engine.batch import DecodeSeq, PrefillSeq, build_decode_batch, build_prefill_batch
 from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.runner import ModelRunner
@@ -51,8 +53,9 @@ TARGET_CALLBACK_OVERHEAD = 0.02
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
-    parser.add_argument("--model", default=EMBEDDED_SMOLLM2, help="model source (loader syntax)")
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--model", default=None, help="model source (loader syntax); default: embedded:smollm2, "
+                        f"with --tp > 1 {model_tp.TP_MODEL}")
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (with --tp: 1 per side)")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per sequence")
     parser.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
     parser.add_argument("--prefill-tokens", type=int, default=1024, help="prompt length for callback overhead")
@@ -61,6 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--packing", choices=PACKINGS, default="packed",
                         help="projection copies ours keeps: packed (a decode instance), both (a switchable one), "
                              "plain (a prefill one)")
+    parser.add_argument("--tp", type=int, default=1, help="> 1: tensor-parallel prefill and decode at this degree "
+                        "(one thread per rank) vs TP=1 (one thread) instead (bench.model_tp)")
+    parser.add_argument("--decode-batch", type=int, default=8, help="with --tp: sequences per decode step")
+    parser.add_argument("--decode-context", type=int, default=64, help="with --tp: tokens before the first step")
 
 
 class OursGenerator:
@@ -233,6 +240,10 @@ def measure_callbacks(loaded: LoadedModel, ours: OursGenerator, num_tokens: int,
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.tp > 1:
+        return model_tp.run(args)
+    if args.model is None:
+        args.model = EMBEDDED_SMOLLM2
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 import torch
 
-from mooncaked.model.config import LayerRange, ModelArgs
+from mooncaked.model.config import LayerRange, ModelArgs, ShardShape
 
 
 class PagesExhausted(RuntimeError):
@@ -114,10 +114,13 @@ class KVPages:
 
     @classmethod
     def for_model(cls, args: ModelArgs, *, num_pages: int, block_size: int, dtype: torch.dtype,
-                  device: torch.device | str, layers: LayerRange | None = None) -> KVPages:
+                  device: torch.device | str, layers: LayerRange | None = None,
+                  shard: ShardShape | None = None) -> KVPages:
+        """Pages of `layers` (default all), for the KV heads of `shard` (a tensor-parallel rank; default all)."""
         layers = layers or LayerRange.whole(args)
+        num_kv_heads = args.num_kv_heads if shard is None else shard.num_kv_heads
         return cls(num_layers=layers.size, num_pages=num_pages, block_size=block_size,
-                   num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=dtype, device=device,
+                   num_kv_heads=num_kv_heads, head_dim=args.head_dim, dtype=dtype, device=device,
                    first_layer=layers.start, num_model_layers=args.num_layers)
 
     @property

@@ -39,8 +39,8 @@ class ModelRunner:
                  cuda_graphs: bool = False, max_batch_size: int = 32, max_seq_len: int = 2048) -> None:
         args, layers = model.args, model.layer_range
         if (kv_pages.num_layers, kv_pages.first_layer, kv_pages.num_kv_heads, kv_pages.head_dim) != (
-                layers.size, layers.start, args.num_kv_heads, args.head_dim):
-            raise ValueError("KV pages do not match the model (layers, num_kv_heads, head_dim)")
+                layers.size, layers.start, model.shape.num_kv_heads, args.head_dim):
+            raise ValueError("KV pages do not match the model (layers, this shard's num_kv_heads, head_dim)")
         if kv_pages.device != model.device:
             raise ValueError(f"KV pages on {kv_pages.device} but model on {model.device}")
         kernels.resolve_backend(backend, kv_pages.buffer)  # validates the name
@@ -84,15 +84,16 @@ class ModelRunner:
             return self.model.compute_logits(hidden)
 
     def decode(self, batch: DecodeBatch, *, before_layer: LayerCallback | None = None,
-               after_layer: LayerCallback | None = None) -> torch.Tensor:
-        """One new token per sequence -> logits fp32 [S, vocab]."""
-        if self.graphs is not None and before_layer is None and after_layer is None:
+               after_layer: LayerCallback | None = None, return_hidden: bool = False) -> torch.Tensor:
+        """One new token per sequence -> logits fp32 [S, vocab] (hidden [S, hidden] before the final norm with
+        `return_hidden`: a tensor-parallel rank other than 0 needs no logits)."""
+        if self.graphs is not None and before_layer is None and after_layer is None and not return_hidden:
             with torch.inference_mode():
                 return self.graphs.run(batch)
-        return self._decode_eager(batch, before_layer, after_layer)
+        return self._decode_eager(batch, before_layer, after_layer, return_hidden)
 
     def _decode_eager(self, batch: DecodeBatch, before_layer: LayerCallback | None = None,
-                      after_layer: LayerCallback | None = None) -> torch.Tensor:
+                      after_layer: LayerCallback | None = None, return_hidden: bool = False) -> torch.Tensor:
         k_pages, v_pages = self.kv_pages.k_pages, self.kv_pages.v_pages
         backend, scale, windows = self.backend, self.scale, self.layer_windows
         assert self.first_layer == 0 and self.model.layer_range.is_whole, "decode needs the whole model"
@@ -109,7 +110,7 @@ class ModelRunner:
 
         with torch.inference_mode():
             hidden = self._layers(batch.input_ids, batch.positions, attend, before_layer, after_layer)
-            return self.model.compute_logits(hidden)
+            return hidden if return_hidden else self.model.compute_logits(hidden)
 
     def _layers(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
                 before_layer: LayerCallback | None, after_layer: LayerCallback | None,

@@ -165,7 +165,8 @@ _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", 
 @dataclass(frozen=True)
 class ShardShape:
     """The part of every layer one device holds: query heads, KV heads and MLP columns, with where they start
-    in the checkpoint's tensors. On one device it is the whole layer; tensor parallelism gives each rank a slice.
+    in the checkpoint's tensors. On one device it is the whole layer; tensor parallelism gives each rank a slice
+    (model.tensor_parallel.shard_shape).
     """
 
     num_heads: int
@@ -175,6 +176,10 @@ class ShardShape:
     head_offset: int = 0  # first query head of this shard
     kv_head_offset: int = 0  # first KV head of this shard
     intermediate_offset: int = 0  # first MLP column of this shard
+    rank: int = 0  # tensor-parallel rank holding this shard (model.tensor_parallel)
+    vocab_size: int | None = None  # output head rows of this shard; None: every one (not split)
+    vocab_offset: int = 0  # first output head row of this shard
+    num_ranks: int = 1  # ranks the layer is split across; > 1: row-parallel outputs are all-reduced
 
     @classmethod
     def whole(cls, args: ModelArgs) -> ShardShape:
@@ -252,6 +257,11 @@ _PRESETS: dict[str, ModelArgs] = {
                               num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
                               max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1,
                               eos_token_ids=(2,)),
+    # SmolLM2-135M's size and shape with heads two ranks can split (8 query, 4 KV): tensor-parallel benchmarks
+    "smollm2-135m-8q4kv": ModelArgs(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                                    num_heads=8, num_kv_heads=4, head_dim=64, rms_norm_eps=1e-5,
+                                    rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
+                                    bos_token_id=1, eos_token_ids=(2,)),
 }
 
 

@@ -10,95 +10,34 @@
    With `is_weights_deferred` it allocates none: `bind_weights(views)` then makes each parameter a given tensor
    (a view of the host's memory-mapped weight file, model.weight_file; `weight_layout()` lists what it needs).
 2. `load_weights(named tensors)` streams Hugging Face named tensors (safetensors, GGUF or a random init)
-   into the fused parameters, one at a time, checking names and shapes (model.weight_names).
+   into the fused parameters, one at a time, checking names and shapes (model.weight_names); a tensor-parallel
+   shard (model.tensor_parallel) takes its slices (`weight_slices()`: a safetensors reader reads only those).
    `pack_for_cpu(is_replacing)` adds MKL-packed copies of the projections, or (a decode process) puts them in
    the plain ones' place (model.packed_gemm).
 3. Per forward the runner calls `embed`, `rope.lookup`, then each layer with an `attend` callable that owns
-   the paged KV (store, then attention), then `compute_logits` on the rows it needs.
+   the paged KV (store, then attention), then `compute_logits` on the rows it needs. A tensor-parallel shard
+   all-reduces o_proj's and down_proj's outputs over the process's group (every rank runs the same
+   forward in step; engine.tp_runner drives them).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mooncaked.model import packed_gemm
+from mooncaked.model import tensor_parallel
 from mooncaked.model.config import LayerRange, ModelArgs, ShardShape
-from mooncaked.model.packed_gemm import PACKED_MAX_ROWS, PackedWeight
+from mooncaked.model.layers import Linear, RMSNorm
 from mooncaked.model.rope import RopeCache, apply_rope
+from mooncaked.model.tensor_parallel import Slice, sliced_shape
 from mooncaked.model.weight_names import CheckpointError, check_complete, check_tensor, hf_tensor_shapes, is_ignored
+from mooncaked.model.weight_targets import WeightTarget, layer_targets, plain
 
 # attend(layer_idx, q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]) -> attention output [T, H, D]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
-        super().__init__()
-        self.eps = eps
-        self.shape = (dim,)
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.shape, self.weight, self.eps)
-
-
-class Linear(nn.Module):
-    """Projection with the weight stored transposed: weight_t [in_features, out_features], optional bias [out].
-
-    After `pack_for_cpu()` succeeds, products of at most PACKED_MAX_ROWS rows read an MKL-packed copy instead;
-    after `pack_for_cpu(is_replacing=True)` every product does and the plain weight is gone (weight_t is None).
-    """
-
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device | str,
-                 bias: bool = False) -> None:
-        super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
-        self.weight_t: nn.Parameter | None = nn.Parameter(
-            torch.empty(in_features, out_features, dtype=dtype, device=device), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
-                                 requires_grad=False) if bias else None
-        self.packed: PackedWeight | None = None
-
-    def pack_for_cpu(self, is_replacing: bool = False) -> bool:
-        """Build the packed copy of the current weight (call again after changing it); False if unavailable.
-        With `is_replacing`, the packed copy serves every row count and the plain weight is dropped."""
-        if self.weight_t is None:
-            raise RuntimeError("this projection's plain weight was replaced by its packed copy; reload the model")
-        self.packed = packed_gemm.pack(self.weight_t, is_every_row_count=is_replacing)
-        if self.packed is None or not is_replacing:
-            return self.packed is not None
-        self.packed = packed_gemm.without_plain(self.packed)
-        self.weight_t = None
-        return True
-
-    def _reads_packed(self, num_rows: int) -> bool:
-        return self.packed is not None and (self.weight_t is None or num_rows <= PACKED_MAX_ROWS)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in] -> [T, out]."""
-        if self._reads_packed(x.shape[0]):
-            assert self.packed is not None
-            return packed_gemm.matmul(x, self.packed, self.bias)
-        assert self.weight_t is not None
-        if self.bias is not None:
-            return torch.addmm(self.bias, x, self.weight_t)
-        return torch.matmul(x, self.weight_t)
-
-    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + x @ W (+ bias) for 2-D x [T, in] and residual [T, out] (one GEMM, no add pass, when unpacked
-        and bias-free)."""
-        if self._reads_packed(x.shape[0]):
-            assert self.packed is not None
-            return packed_gemm.matmul(x, self.packed, self.bias).add_(residual)
-        assert self.weight_t is not None
-        out = torch.addmm(residual, x, self.weight_t)
-        return out if self.bias is None else out.add_(self.bias)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -115,12 +54,14 @@ class LlamaDecoderLayer(nn.Module):
         self.intermediate_size = shape.intermediate_size
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
         self.qkv_proj = Linear(args.hidden_size, shape.q_size + 2 * shape.kv_size, dtype, device, args.qkv_bias)
-        self.o_proj = Linear(shape.q_size, args.hidden_size, dtype, device, args.o_bias)
+        is_bias_rank = shape.rank == 0  # row-parallel biases are added once, by rank 0
+        self.o_proj = Linear(shape.q_size, args.hidden_size, dtype, device, args.o_bias and is_bias_rank)
         self.q_norm = RMSNorm(shape.head_dim, args.rms_norm_eps, dtype, device) if args.qk_norm else None
         self.k_norm = RMSNorm(shape.head_dim, args.rms_norm_eps, dtype, device) if args.qk_norm else None
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
         self.gate_up_proj = Linear(args.hidden_size, 2 * shape.intermediate_size, dtype, device, args.mlp_bias)
-        self.down_proj = Linear(shape.intermediate_size, args.hidden_size, dtype, device, args.mlp_bias)
+        self.down_proj = Linear(shape.intermediate_size, args.hidden_size, dtype, device,
+                                args.mlp_bias and is_bias_rank)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn) -> torch.Tensor:
         """hidden [T, hidden_size] -> [T, hidden_size]."""
@@ -134,26 +75,28 @@ class LlamaDecoderLayer(nn.Module):
         k = qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         attn = attend(self.layer_idx, q, k, v)  # [T, H, D]
-        hidden = self.o_proj.forward_add(attn.reshape(num_tokens, self.q_size), hidden)
+        hidden = self._row_parallel(self.o_proj, attn.reshape(num_tokens, self.q_size), hidden)
         gate_up = self.gate_up_proj(self.post_attention_layernorm(hidden))  # [T, 2 * intermediate]
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj.forward_add(F.silu(gate).mul_(up), hidden)
+        return self._row_parallel(self.down_proj, F.silu(gate).mul_(up), hidden)
 
+    def weight_targets(self, p: str) -> dict[str, WeightTarget]:
+        """Hugging Face tensor name (`p` + name in the layer) -> where it lands (model.weight_targets)."""
+        norms = {"input_layernorm.weight": self.input_layernorm.weight,
+                 "post_attention_layernorm.weight": self.post_attention_layernorm.weight}
+        if self.q_norm is not None and self.k_norm is not None:
+            norms.update({"self_attn.q_norm.weight": self.q_norm.weight, "self_attn.k_norm.weight": self.k_norm.weight})
+        return layer_targets(p, self.shape, (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj), norms)
 
-@dataclass(frozen=True)
-class WeightTarget:
-    """Where one checkpoint tensor lands: `dst`, a view of a (fused) parameter, from the source's
-    `narrow` = (dim, start, length) slice in Hugging Face layout, transposed for [in, out] projections."""
-
-    dst: torch.Tensor
-    is_transposed: bool = False
-    narrow: tuple[int, int, int] | None = None
-
-    def copy_from(self, tensor: torch.Tensor) -> None:
-        src = tensor if self.narrow is None else tensor.narrow(*self.narrow)
-        src = src.t() if self.is_transposed else src
-        assert tuple(src.shape) == tuple(self.dst.shape), (tuple(src.shape), tuple(self.dst.shape))
-        self.dst.copy_(src)
+    def _row_parallel(self, linear: Linear, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + x @ W (+ bias), W's input columns split across the ranks: each rank's partial product is
+        summed by an all-reduce over the process's group (model.tensor_parallel); rank 0 adds the residual and
+        bias."""
+        if self.shape.num_ranks == 1:
+            return linear.forward_add(x, residual)
+        out = linear.forward_add(x, residual) if self.shape.rank == 0 else linear(x)
+        tensor_parallel.all_reduce(out)
+        return out
 
 
 class LlamaForCausalLM(nn.Module):
@@ -186,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
         if self.layer_range.has_head:
             self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, weight_device)
             # a transposed copy even when tied to the embedding: the embedding lookup needs [vocab, hidden] rows
-            self.lm_head = Linear(args.hidden_size, args.vocab_size, dtype, weight_device)
+            self.lm_head = Linear(args.hidden_size, self.shape.vocab_size or args.vocab_size, dtype, weight_device)
         self.rope = RopeCache(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings,
                               dtype, device, args.rope_freq_factors)
 
@@ -223,19 +166,23 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] (pre final norm) -> logits [N, vocab] in fp32 (last stage only)."""
+        """hidden [N, hidden_size] (pre final norm) -> logits [N, vocab] in fp32 (last stage only). A shard of a
+        vocabulary-split head gathers every rank's columns (every rank must call it)."""
         assert self.norm is not None and self.lm_head is not None, "this pipeline stage holds no output head"
-        return self.lm_head(self.norm(hidden)).float()
+        logits = self.lm_head(self.norm(hidden)).float()
+        return logits if self.shape.vocab_size is None else tensor_parallel.all_gather(logits)
 
     def load_hf_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Copy a whole Hugging Face state dict (`model.layers.0.self_attn.q_proj.weight`, ...) into the weights."""
         self.load_weights(state.items(), source="state dict")
 
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint",
+                     is_sliced: bool = False) -> None:
         """Copy Hugging Face named tensors as they come; CheckpointError names a missing, unexpected, repeated or
         mis-shaped one. Ignorable tensors (model.weight_names.is_ignored) and, on a pipeline stage, the other
-        stages' tensors are skipped."""
-        expected = hf_tensor_shapes(self.args)
+        stages' tensors are skipped. `is_sliced`: the tensors `weight_slices()` names come as those slices."""
+        slices = self.weight_slices() if is_sliced else {}
+        expected = {name: sliced_shape(shape, slices.get(name)) for name, shape in hf_tensor_shapes(self.args).items()}
         needed = hf_tensor_shapes(self.args, self.layer_range)
         targets = self.weight_targets()
         seen: set[str] = set()
@@ -248,9 +195,17 @@ class LlamaForCausalLM(nn.Module):
                     raise CheckpointError(f"{source}: tensor {name!r} appears twice")
                 seen.add(name)
                 if name in needed:
-                    for target in targets[name]:
-                        target.copy_from(tensor)
+                    for target in targets.get(name, ()):  # a row-parallel bias has none on ranks > 0
+                        target.copy_from(tensor, name in slices)
             check_complete(seen & set(needed), needed, source)
+
+    def weight_slices(self) -> dict[str, Slice]:
+        """Hugging Face tensor name -> the (dim, start, length) part of it this shard holds, for each tensor it
+        holds only part of (none at TP=1)."""
+        if self.shape.num_ranks == 1:
+            return {}
+        return {name: targets[0].narrow for name, targets in self.weight_targets().items()
+                if targets[0].narrow is not None}
 
     def weight_targets(self) -> dict[str, list[WeightTarget]]:
         """Every Hugging Face tensor name of this shard and stage -> where it lands (the embedding of a model with
@@ -260,53 +215,12 @@ class LlamaForCausalLM(nn.Module):
             targets["model.embed_tokens.weight"] = [WeightTarget(self.embed_tokens.weight)]
         if self.norm is not None and self.lm_head is not None:
             targets["model.norm.weight"] = [WeightTarget(self.norm.weight)]
-            head = WeightTarget(_plain(self.lm_head), is_transposed=True)
+            rows = None if self.shape.vocab_size is None else (0, self.shape.vocab_offset, self.shape.vocab_size)
+            head = WeightTarget(plain(self.lm_head), is_transposed=True, narrow=rows)
             head_name = "model.embed_tokens.weight" if self.args.tie_word_embeddings else "lm_head.weight"
             targets.setdefault(head_name, []).append(head)
         for layer in self.layers:
             assert isinstance(layer, LlamaDecoderLayer)
-            for name, target in _layer_targets(layer, f"model.layers.{layer.layer_idx}.").items():
+            for name, target in layer.weight_targets(f"model.layers.{layer.layer_idx}.").items():
                 targets[name] = [target]
         return targets
-
-
-def _layer_targets(layer: LlamaDecoderLayer, p: str) -> dict[str, WeightTarget]:
-    """Column-parallel projections (q/k/v, gate/up) take the shard's output rows of the Hugging Face [out, in]
-    tensor, row-parallel ones (o, down) its input columns; at TP=1 the slices are whole."""
-    s = layer.shape
-    q_end, k_end, inter = s.q_size, s.q_size + s.kv_size, s.intermediate_size
-    q_rows, kv_rows = (s.head_offset * s.head_dim, s.q_size), (s.kv_head_offset * s.head_dim, s.kv_size)
-    inter_rows = (s.intermediate_offset, inter)
-    qkv, gate_up = layer.qkv_proj, layer.gate_up_proj
-    targets = {
-        p + "input_layernorm.weight": WeightTarget(layer.input_layernorm.weight),
-        p + "post_attention_layernorm.weight": WeightTarget(layer.post_attention_layernorm.weight),
-        p + "self_attn.q_proj.weight": WeightTarget(_plain(qkv)[:, :q_end], True, (0, *q_rows)),
-        p + "self_attn.k_proj.weight": WeightTarget(_plain(qkv)[:, q_end:k_end], True, (0, *kv_rows)),
-        p + "self_attn.v_proj.weight": WeightTarget(_plain(qkv)[:, k_end:], True, (0, *kv_rows)),
-        p + "self_attn.o_proj.weight": WeightTarget(_plain(layer.o_proj), True, (1, *q_rows)),
-        p + "mlp.gate_proj.weight": WeightTarget(_plain(gate_up)[:, :inter], True, (0, *inter_rows)),
-        p + "mlp.up_proj.weight": WeightTarget(_plain(gate_up)[:, inter:], True, (0, *inter_rows)),
-        p + "mlp.down_proj.weight": WeightTarget(_plain(layer.down_proj), True, (1, *inter_rows)),
-    }
-    if qkv.bias is not None:
-        targets[p + "self_attn.q_proj.bias"] = WeightTarget(qkv.bias[:q_end], narrow=(0, *q_rows))
-        targets[p + "self_attn.k_proj.bias"] = WeightTarget(qkv.bias[q_end:k_end], narrow=(0, *kv_rows))
-        targets[p + "self_attn.v_proj.bias"] = WeightTarget(qkv.bias[k_end:], narrow=(0, *kv_rows))
-    if layer.o_proj.bias is not None:
-        targets[p + "self_attn.o_proj.bias"] = WeightTarget(layer.o_proj.bias)
-    if layer.q_norm is not None and layer.k_norm is not None:
-        targets[p + "self_attn.q_norm.weight"] = WeightTarget(layer.q_norm.weight)
-        targets[p + "self_attn.k_norm.weight"] = WeightTarget(layer.k_norm.weight)
-    if gate_up.bias is not None and layer.down_proj.bias is not None:
-        targets[p + "mlp.gate_proj.bias"] = WeightTarget(gate_up.bias[:inter], narrow=(0, *inter_rows))
-        targets[p + "mlp.up_proj.bias"] = WeightTarget(gate_up.bias[inter:], narrow=(0, *inter_rows))
-        targets[p + "mlp.down_proj.bias"] = WeightTarget(layer.down_proj.bias)
-    return targets
-
-
-def _plain(linear: Linear) -> torch.Tensor:
-    if linear.weight_t is None:
-        raise RuntimeError("weights cannot be loaded into a projection whose plain weight was replaced by its "
-                           "packed copy; load a new model")
-    return linear.weight_t

@@ -18,10 +18,12 @@ Sources:
 4. fp32 on CPU: MKL-pack the projections for decode-sized GEMMs as `packing` says (model.packed_gemm):
    `packed` drops each plain projection once packed (its pages of the weight file are unmapped), `both` keeps
    both, `plain` packs nothing.
-5. Cache the LoadedModel per process and (source, dtype, device, seed, packing, cache directory, layer range):
+5. Cache the LoadedModel per process and (source, dtype, device, seed, packing, cache directory, placement):
    the model holds no per-request state, so every runner in the process can share it. A pipeline stage
    (`layers`) allocates and keeps only its layers' weights (the embedding on the first stage, the final norm
-   and head on the last); its weight file holds those only.
+   and head on the last); its weight file holds those only. A tensor-parallel rank (`shard`) holds its heads
+   and MLP columns only, read as slices from safetensors; a degree that does not divide the model's heads is
+   refused (model.tensor_parallel.TensorParallelError) before anything is read.
 
 Every failure of `load_model` or `load_frontend` is a StartupError (errors.py: a restart cannot fix it): the
 named ones (UnsupportedModel, CheckpointError, ModelDoesNotFit, ...) as they are, anything else (a missing file,
@@ -35,7 +37,7 @@ import importlib.util
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,13 +46,14 @@ import torch
 
 from mooncaked.errors import StartupError
 from mooncaked.model.chat_template import CHATML_TEMPLATE, ChatTemplate
-from mooncaked.model.config import LayerRange, ModelArgs, random_preset
+from mooncaked.model.config import LayerRange, ModelArgs, ShardShape, random_preset
 from mooncaked.model.build import WeightSource, build_model
 from mooncaked.model.llama import LlamaForCausalLM
 from mooncaked.model.heap import release_free_heap
 from mooncaked.model.load_progress import LoadProgress
 from mooncaked.model.memory_fit import check_fits
 from mooncaked.model.packed_gemm import Packing
+from mooncaked.model.tensor_parallel import Slice, check_shardable, shard_shape
 from mooncaked.model.tokenizer import TextTokenizer, byte_level_test_tokenizer, read_tokenizer_config
 from mooncaked.model.weight_names import num_parameters as num_parameters  # the conductor's import path
 from mooncaked.model.weight_names import random_hf_state_dict
@@ -125,7 +128,8 @@ def embedded_smollm2_path() -> Path:
 
 def load_model(source: str, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
                seed: int = 0, cpu_packed_gemm: bool = True, packing: Packing = "both",
-               weight_cache_dir: str | Path | None = None, layers: LayerRange | None = None) -> LoadedModel:
+               weight_cache_dir: str | Path | None = None, layers: LayerRange | None = None,
+               shard: ShardShape | None = None) -> LoadedModel:
     """Load (or return the process-wide cached) model for `source`; see the module docstring for sources.
 
     packing: which copies of its projections an fp32 CPU model keeps (model.packed_gemm.Packing); `plain`
@@ -134,6 +138,8 @@ def load_model(source: str, *, dtype: str | torch.dtype = "auto", device: str | 
     read-only by every process: model.weight_file); None: in this process's private memory.
     layers: a pipeline stage's layers (cluster.prefill_groups): only they are allocated and loaded (with the
     embedding on the first stage, the final norm and head on the last); None: the whole model.
+    shard: a tensor-parallel rank's heads and MLP columns (model.tensor_parallel.shard_shape): only they are
+    allocated and read; None: every head.
     """
     try:
         torch_device = torch.device(device)
@@ -141,7 +147,7 @@ def load_model(source: str, *, dtype: str | torch.dtype = "auto", device: str | 
         is_packable = cpu_packed_gemm and torch_device.type == "cpu" and torch_dtype == torch.float32
         cache_dir = str(weight_cache_dir) if weight_cache_dir is not None and torch_device.type == "cpu" else None
         return _load_cached(source, torch_dtype, str(torch_device), seed, packing if is_packable else "plain",
-                            cache_dir, layers)
+                            cache_dir, Placement(layers, shard))
     except StartupError:
         raise  # already names what is wrong (an unsupported model, a damaged checkpoint, too little memory)
     except Exception as exc:
@@ -206,10 +212,27 @@ def _frontend(args: ModelArgs, tokenizer: TextTokenizer, template_source: str, e
                              context_length=args.max_position_embeddings, model_id=model_id)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Which part of the model this process holds: a pipeline stage's layers, a tensor-parallel rank's shard."""
+
+    layers: LayerRange | None = None
+    shard: ShardShape | None = None
+
+    @property
+    def num_ranks(self) -> int:
+        return 1 if self.shard is None else self.shard.num_ranks
+
+    def label(self, source: str) -> str:
+        if self.shard is None or self.shard.num_ranks == 1:
+            return source
+        return f"{source} (tensor-parallel rank {self.shard.rank} of {self.shard.num_ranks})"
+
+
 @functools.lru_cache(maxsize=4)
 def _load_cached(source: str, dtype: torch.dtype, device: str, seed: int, packing: Packing,
-                 cache_dir: str | None, layers: LayerRange | None) -> LoadedModel:
-    loaded = _load_source(source, dtype, device, seed, packing, cache_dir, layers)
+                 cache_dir: str | None, placement: Placement) -> LoadedModel:
+    loaded = _load_source(source, dtype, device, seed, packing, cache_dir, placement)
     if packing != "plain":
         num_packed = loaded.model.pack_for_cpu(is_replacing=packing == "packed")
         logger.info("MKL-packed %d projections of %s for CPU decode (%s)", num_packed, loaded.model_id,
@@ -222,43 +245,54 @@ def _load_cached(source: str, dtype: torch.dtype, device: str, seed: int, packin
 
 
 def _load_source(source: str, dtype: torch.dtype, device: str, seed: int, packing: Packing,
-                 cache_dir: str | None, layers: LayerRange | None) -> LoadedModel:
+                 cache_dir: str | None, placement: Placement) -> LoadedModel:
     if source == EMBEDDED_SMOLLM2:
-        return _load_gguf(embedded_smollm2_path(), dtype, device, packing, cache_dir, SMOLLM2_MODEL_ID, layers)
+        return _load_gguf(embedded_smollm2_path(), dtype, device, packing, cache_dir, SMOLLM2_MODEL_ID, placement)
     if source.startswith("random:"):
-        return _load_random(source.removeprefix("random:"), dtype, device, seed, packing, layers)
+        return _load_random(source.removeprefix("random:"), dtype, device, seed, packing, placement)
     path = Path(source)
     if path.is_dir():
-        return _load_hf_dir(path, dtype, device, packing, cache_dir, layers)
+        return _load_hf_dir(path, dtype, device, packing, cache_dir, placement)
     if path.suffix == ".gguf":
-        return _load_gguf(path, dtype, device, packing, cache_dir, path.stem, layers)
+        return _load_gguf(path, dtype, device, packing, cache_dir, path.stem, placement)
     raise ValueError(f"model source {source!r} is not {EMBEDDED_SMOLLM2!r}, 'random:<preset>', "
                      "a Hugging Face checkpoint directory or a .gguf file")
 
 
-def _checked_layers(args: ModelArgs, layers: LayerRange | None, source: str) -> LayerRange | None:
+def _checked_placement(args: ModelArgs, placement: Placement, source: str) -> Placement:
+    layers, shard = placement.layers, placement.shard
     if layers is not None and layers.num_layers != args.num_layers:
         raise ModelLoadError(f"{source} has {args.num_layers} layers, not the {layers.num_layers} its pipeline "
                              "stage was split from")
-    return layers
+    if shard is not None and shard != shard_shape(args, shard.rank, shard.num_ranks):
+        raise ModelLoadError(f"{source}: the tensor-parallel shard {shard} does not match the model's heads")
+    return placement
+
+
+def _build(args: ModelArgs, weights: WeightSource, dtype: torch.dtype, device: str, cache_dir: str | None,
+           placement: Placement, packing: Packing) -> LlamaForCausalLM:
+    check_shardable(args, placement.num_ranks)
+    check_fits(args, dtype, torch.device(device), packing, placement.label(weights.label), layers=placement.layers,
+               num_ranks=placement.num_ranks)
+    placement = _checked_placement(args, placement, weights.label)
+    return build_model(args, weights, dtype, device, cache_dir, placement.layers, placement.shard)
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, device: str, packing: Packing, cache_dir: str | None,
-               model_id: str, layers: LayerRange | None) -> LoadedModel:
+               model_id: str, placement: Placement) -> LoadedModel:
     gguf_file = GGUFModelFile.open(path)
     args = gguf_file.model_args()
     tokenizer = TextTokenizer.from_gguf_metadata(gguf_file.metadata)
     source = gguf_file.metadata.get("tokenizer.chat_template") or CHATML_TEMPLATE
     template = ChatTemplate(str(source), bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
-    check_fits(args, dtype, torch.device(device), packing, str(path), layers=layers)
     logger.info("loading GGUF %s (%s, %d layers) as %s on %s", path, args.family, args.num_layers, dtype, device)
     weights = WeightSource(str(path), model_id, gguf_file.iter_hf_tensors, (path,))
-    model = build_model(args, weights, dtype, device, cache_dir, _checked_layers(args, layers, str(path)))
+    model = _build(args, weights, dtype, device, cache_dir, placement, packing)
     return _loaded(model, tokenizer, template, args.eos_token_ids, model_id)
 
 
 def _load_hf_dir(model_dir: Path, dtype: torch.dtype, device: str, packing: Packing,
-                 cache_dir: str | None, layers: LayerRange | None) -> LoadedModel:
+                 cache_dir: str | None, placement: Placement) -> LoadedModel:
     args = read_hf_config(model_dir)
     checkpoint = SafetensorsCheckpoint.open(model_dir)
     checkpoint.check(args)
@@ -266,32 +300,32 @@ def _load_hf_dir(model_dir: Path, dtype: torch.dtype, device: str, packing: Pack
     tokenizer = TextTokenizer.from_hf_dir(model_dir, eos_token_ids=eos_ids)
     template = ChatTemplate(_hf_chat_template(model_dir), bos_token=tokenizer.bos_token,
                             eos_token=tokenizer.eos_token)
-    check_fits(args, dtype, torch.device(device), packing, str(model_dir), layers=layers)
     logger.info("loading %s checkpoint %s (%d layers, %d shards, %.2f GiB) as %s on %s", args.family, model_dir,
                 args.num_layers, len(checkpoint.shards), checkpoint.total_bytes / (1 << 30), dtype, device)
     files = (model_dir / "config.json", *checkpoint.shards)
-    weights = WeightSource(str(model_dir), model_dir.name, lambda: _tensors_with_progress(checkpoint), files)
-    model = build_model(args, weights, dtype, device, cache_dir, _checked_layers(args, layers, str(model_dir)))
+    weights = WeightSource(str(model_dir), model_dir.name, lambda: _tensors_with_progress(checkpoint), files,
+                           lambda slices: _tensors_with_progress(checkpoint, slices))
+    model = _build(args, weights, dtype, device, cache_dir, placement, packing)
     return _loaded(model, tokenizer, template, tuple(tokenizer.eos_token_ids), model_dir.name)
 
 
-def _tensors_with_progress(checkpoint: SafetensorsCheckpoint) -> Iterator[tuple[str, torch.Tensor]]:
+def _tensors_with_progress(checkpoint: SafetensorsCheckpoint,
+                           slices: Mapping[str, Slice] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     progress = LoadProgress(str(checkpoint.model_dir), checkpoint.total_bytes, time.monotonic())
-    yield from checkpoint.iter_tensors(progress)
+    yield from checkpoint.iter_tensors(progress, slices)
     progress.finish(time.monotonic())
 
 
 def _load_random(preset: str, dtype: torch.dtype, device: str, seed: int, packing: Packing,
-                 layers: LayerRange | None) -> LoadedModel:
+                 placement: Placement) -> LoadedModel:
     args = random_preset(preset)
-    check_fits(args, dtype, torch.device(device), packing, f"random:{preset}", layers=layers)
     tokenizer = byte_level_test_tokenizer()
     if tokenizer.vocab_size > args.vocab_size:
         raise ValueError(f"random preset {preset!r} has vocab_size {args.vocab_size} < test tokenizer's "
                          f"{tokenizer.vocab_size}")
     template = ChatTemplate(CHATML_TEMPLATE, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
     weights = WeightSource(f"random:{preset}", f"random-{preset}", lambda: random_hf_state_dict(args, seed).items())
-    model = build_model(args, weights, dtype, device, None, _checked_layers(args, layers, f"random:{preset}"))
+    model = _build(args, weights, dtype, device, None, placement, packing)
     return _loaded(model, tokenizer, template, args.eos_token_ids, f"random-{preset}")
 
 

@@ -30,18 +30,28 @@ class ModelDoesNotFit(StartupError, ValueError):
 
 
 def weight_bytes(args: ModelArgs, dtype: torch.dtype, packing: Packing = "plain",
-                 layers: LayerRange | None = None) -> int:
-    """Of the whole model, or of the pipeline stage holding `layers`."""
+                 layers: LayerRange | None = None, num_ranks: int = 1) -> int:
+    """Of the whole model, or of the pipeline stage holding `layers`; with `num_ranks`, of one tensor-parallel
+    rank (its share of the layers' projections and of the output head; embedding and norms replicated)."""
     layers = layers or LayerRange.whole(args)
     shapes = hf_tensor_shapes(args, layers)
     num_elements = sum(_numel(shape) for shape in shapes.values()) + 2 * args.max_position_embeddings * args.head_dim
+    sharded = sum(_numel(shape) for name, shape in shapes.items() if _is_sharded(name))
+    num_elements -= sharded - sharded // num_ranks
     embedding = args.vocab_size * args.hidden_size
+    head = embedding // num_ranks if args.vocab_size % num_ranks == 0 else embedding  # split by vocabulary rows
     if args.tie_word_embeddings and layers.has_head:
-        num_elements += embedding  # lm_head's transposed copy
+        num_elements += head  # lm_head's transposed copy
+    elif layers.has_head:
+        num_elements -= embedding - head
     if args.tie_word_embeddings and layers.has_head and not layers.has_embedding:
         num_elements -= embedding  # a last stage reads the embedding only into its head
     both = projection_bytes(args, dtype, layers) if packing == "both" else 0
     return num_elements * dtype.itemsize + both
+
+
+def _is_sharded(name: str) -> bool:
+    return ("self_attn." in name or "mlp." in name) and "norm" not in name
 
 
 def projection_bytes(args: ModelArgs, dtype: torch.dtype, layers: LayerRange | None = None) -> int:
@@ -80,10 +90,10 @@ def free_bytes(device: torch.device) -> int | None:
 
 
 def check_fits(args: ModelArgs, dtype: torch.dtype, device: torch.device, packing: Packing, label: str,
-               available: int | None = None, layers: LayerRange | None = None) -> None:
-    """ModelDoesNotFit when the weights of `args` (of the stage holding `layers`) exceed `available` (default:
-    free_bytes(device))."""
-    needed = weight_bytes(args, dtype, packing, layers)
+               available: int | None = None, layers: LayerRange | None = None, num_ranks: int = 1) -> None:
+    """ModelDoesNotFit when the weights of `args` (of the stage holding `layers`, of one of `num_ranks`
+    tensor-parallel ranks) exceed `available` (default: free_bytes(device))."""
+    needed = weight_bytes(args, dtype, packing, layers, num_ranks)
     available = free_bytes(device) if available is None else available
     if available is None or needed <= available:
         return

@@ -98,13 +98,17 @@ class WeightLayout:
         return sum(n for _, n in self.section_nbytes)
 
 
-def cache_key(source_files: Iterable[Path], layout: WeightLayout) -> str:
-    """Hex digest naming a source (each file's resolved path, size and mtime) converted to `layout`."""
+def cache_key(source_files: Iterable[Path], layout: WeightLayout, shard_tag: str = "") -> str:
+    """Hex digest naming a source (each file's resolved path, size and mtime) converted to `layout` (for the
+    tensor-parallel shard `shard_tag` names, if any: ranks' layouts can be alike, their contents are not)."""
     files = []
     for path in source_files:
         stat = path.stat()
         files.append([str(path.resolve()), stat.st_size, stat.st_mtime_ns])
-    text = json.dumps({"files": files, "layout": layout.describe()}, sort_keys=True)
+    described: dict[str, Any] = {"files": files, "layout": layout.describe()}
+    if shard_tag:
+        described["shard"] = shard_tag
+    text = json.dumps(described, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
 

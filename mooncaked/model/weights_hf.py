@@ -4,15 +4,16 @@
 2. `SafetensorsCheckpoint.open(dir)` finds the shards (`model.safetensors.index.json` when present, else every
    `*.safetensors`) and reads only their headers: tensor names, shapes, dtypes.
 3. `check(args)` compares those with the tensors the model needs, before any weight memory is allocated.
-4. `iter_tensors(progress)` yields (name, tensor) one at a time from safetensors' `safe_open` memory map, so
-   the copy into the model is the only read and peak memory is the model plus one tensor.
+4. `iter_tensors(progress, slices)` yields (name, tensor) one at a time from safetensors' `safe_open` memory
+   map, so the copy into the model is the only read and peak memory is the model plus one tensor; a
+   tensor-parallel rank reads only its slices of the sharded projections.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from mooncaked.model.config import ModelArgs
 from mooncaked.model.families import ConfigError, args_from_hf_config
 from mooncaked.model.load_progress import LoadProgress
+from mooncaked.model.tensor_parallel import Slice
 from mooncaked.model.weight_names import CheckpointError, check_complete, check_tensor, hf_tensor_shapes, is_ignored
 
 # safetensors dtype names of floating-point weights, and their sizes
@@ -87,12 +89,17 @@ class SafetensorsCheckpoint:
                 seen.append(entry.name)
         check_complete(seen, expected, str(self.model_dir))
 
-    def iter_tensors(self, progress: LoadProgress | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) pairs, one memory-mapped tensor at a time, in shard order."""
+    def iter_tensors(self, progress: LoadProgress | None = None,
+                     slices: Mapping[str, Slice] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) pairs, one memory-mapped tensor at a time, in shard order; a tensor `slices` names
+        comes as that (dim, start, length) slice, reading only its bytes (a tensor-parallel rank's part)."""
+        slices = slices or {}
         for path, entries in self.shards.items():
             with _open_shard(path) as shard:
                 for entry in entries:
-                    yield entry.name, shard.get_tensor(entry.name)
+                    piece = slices.get(entry.name)
+                    yield entry.name, shard.get_tensor(entry.name) if piece is None else _read_slice(shard, entry,
+                                                                                                     piece)
                     if progress is not None:
                         progress.advance(entry.nbytes, time.monotonic())
 
@@ -132,6 +139,15 @@ def _weight_map(index_path: Path) -> dict[str, str]:
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) and "/" not in v for v in weight_map.values()):
         raise CheckpointError(f"{index_path}: weight_map must map tensor names to shard file names")
     return weight_map
+
+
+def _read_slice(shard: Any, entry: TensorEntry, piece: Slice) -> torch.Tensor:
+    dim, start, length = piece
+    if not 0 <= dim < len(entry.shape) or start + length > entry.shape[dim]:
+        raise CheckpointError(f"tensor {entry.name!r} of shape {entry.shape} has no slice {piece}")
+    index = (slice(None),) * dim + (slice(start, start + length),)
+    tensor: torch.Tensor = shard.get_slice(entry.name)[index]
+    return tensor
 
 
 def _open_shard(path: Path) -> Any:

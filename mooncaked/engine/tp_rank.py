@@ -1,0 +1,193 @@
+"""One rank of a tensor-parallel model: its process group membership, its shard, its KV pages, its runner.
+
+1. `RankSpec` is everything a rank needs to build its part (picklable: it crosses into spawned processes).
+2. `join_group(spec, rank, num_ranks, store)` joins the ranks' group (gloo over loopback on CPU, NCCL on CUDA,
+   the rank's own device `cuda:<base + rank>`) with `spec.timeout_s` as every collective's deadline. The layers'
+   all-reduces (model.tensor_parallel's installed Reducer) go through NCCL on CUDA, and on CPU through a
+   shared-memory segment of the host (engine.tp_shm; gloo for what does not fit it, or with it switched off).
+3. `build_rank(spec, rank, num_ranks)` loads the rank's shard (only its heads and MLP columns) and allocates
+   pages for its KV heads.
+4. `rank_main` (the entry of ranks 1..N-1, spawned by engine.tp_runner): join, build, report ready, then run
+   every forward rank 0 sends, in order, until `stop`, until rank 0's process exits, or until a forward fails
+   (the rank reports the error on its channel and exits: rank 0's collectives then fail, never hang).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import os
+import select
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from mooncaked.engine import tp_shm
+from mooncaked.engine.batch import DecodeBatch, PrefillBatch
+from mooncaked.engine.kv_pages import KVPages
+from mooncaked.engine.runner import ModelRunner
+from mooncaked.engine.tp_channel import ChannelClosed, RankChannel
+from mooncaked.model import tensor_parallel
+from mooncaked.model.loader import LoadedModel, load_model, model_args
+from mooncaked.model.packed_gemm import Packing
+from mooncaked.model.tensor_parallel import shard_shape
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+BatchT = TypeVar("BatchT", PrefillBatch, DecodeBatch)
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    source: str  # model source (loader syntax)
+    num_pages: int  # KV pages per rank (each holds the rank's KV heads)
+    block_size: int
+    dtype: str = "float32"
+    device: str = "cpu"  # cpu, or cuda / cuda:N (rank r then runs on cuda:N+r)
+    seed: int = 0
+    packing: Packing = "plain"
+    backend: str = "auto"  # kernel backend
+    num_threads: int = 1  # torch intra-op threads per rank
+    timeout_s: float = 60.0  # deadline of the rendezvous, every collective and every command send
+    allreduce_slot_bytes: int = 8 << 20  # CPU: all-reduces up to this size go through shared memory; 0: gloo only
+
+
+@dataclass(frozen=True)
+class RankShard:
+    loaded: LoadedModel
+    kv_pages: KVPages
+    runner: ModelRunner
+
+
+def rank_device(device: str, rank: int) -> str:
+    parsed = torch.device(device)
+    if parsed.type != "cuda":
+        return device
+    return f"cuda:{(parsed.index or 0) + rank}"
+
+
+def join_group(spec: RankSpec, rank: int, num_ranks: int, store: dist.Store) -> Any:
+    """Join the ranks' group (blocks until all have, or `spec.timeout_s`); returns its c10d backend."""
+    timeout = timedelta(seconds=spec.timeout_s)
+    if is_cuda(spec):
+        torch.cuda.set_device(torch.device(rank_device(spec.device, rank)))
+        nccl_options = dist.ProcessGroupNCCL.Options()
+        nccl_options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, num_ranks, nccl_options)
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in the stubs
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]  # loopback only
+    return dist.ProcessGroupGloo(store, rank, num_ranks, options)
+
+
+def is_cuda(spec: RankSpec) -> bool:
+    return torch.device(spec.device).type == "cuda"
+
+
+def uses_shared_memory(spec: RankSpec) -> bool:
+    """Whether the ranks all-reduce through shared memory (engine.tp_shm) rather than the group alone."""
+    return not is_cuda(spec) and spec.allreduce_slot_bytes > 0 and tp_shm.is_supported()
+
+
+class BackendReducer:
+    """All-reduce through the group's backend (NCCL; gloo where shared memory is off)."""
+
+    def __init__(self, backend: Any, num_ranks: int) -> None:
+        self.backend = backend
+        self.num_ranks = num_ranks
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        self.backend.allreduce([tensor]).wait()
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tp_shm.gather_through(self.backend, tensor, self.num_ranks)
+
+
+def _join_reducer(spec: RankSpec, rank: int, num_ranks: int, store: dist.Store,
+                  channel: RankChannel) -> tensor_parallel.Reducer:
+    """A spawned rank's reducer (the shared segment's fd comes first on the channel)."""
+    backend = join_group(spec, rank, num_ranks, store)
+    if not uses_shared_memory(spec):
+        return BackendReducer(backend, num_ranks)
+    parent = multiprocessing.parent_process()
+    sentinel = None if parent is None else parent.sentinel
+    return tp_shm.SharedMemoryReducer(channel.recv_fds(1 + num_ranks), rank, num_ranks, spec.allreduce_slot_bytes,
+                                      spec.timeout_s, backend, lambda: _has_exited(sentinel))
+
+
+def _has_exited(sentinel: int | None) -> bool:
+    return sentinel is not None and bool(select.select([sentinel], [], [], 0)[0])
+
+
+def build_rank(spec: RankSpec, rank: int, num_ranks: int) -> RankShard:
+    shard = shard_shape(model_args(spec.source), rank, num_ranks)
+    device = rank_device(spec.device, rank)
+    loaded = load_model(spec.source, dtype=spec.dtype, device=device, seed=spec.seed, packing=spec.packing,
+                        shard=shard)
+    kv_pages = KVPages.for_model(loaded.args, num_pages=spec.num_pages, block_size=spec.block_size,
+                                 dtype=loaded.dtype, device=device, shard=shard)
+    return RankShard(loaded, kv_pages, ModelRunner(loaded.model, kv_pages, backend=spec.backend))
+
+
+def rank_main(spec: RankSpec, rank: int, num_ranks: int, port: int, sock: socket.socket) -> None:
+    """Entry of a spawned rank (1..N-1)."""
+    channel = RankChannel(sock, spec.timeout_s)
+    torch.set_num_threads(spec.num_threads)
+    try:
+        store = dist.TCPStore(LOOPBACK, port, num_ranks, is_master=False, timeout=timedelta(seconds=spec.timeout_s))
+        tensor_parallel.install_group(_join_reducer(spec, rank, num_ranks, store, channel))
+        shard = build_rank(spec, rank, num_ranks)
+        channel.send(("ready",))
+        _serve(channel, shard.runner)
+    except Exception as exc:  # report, then exit at once: tearing down a broken group could block
+        logger.exception("tensor-parallel rank %d failed", rank)
+        try:
+            channel.send(("error", f"rank {rank}: {exc!r}"))
+        except ChannelClosed:
+            pass
+        os._exit(1)
+    tensor_parallel.remove_group()
+
+
+def batch_to_wire(batch: PrefillBatch | DecodeBatch) -> dict[str, Any]:
+    """A batch's fields with numpy arrays for tensors: pickled ~20x faster than tensors (which pickle through
+    torch's storage serialization), and a decode step sends one per rank."""
+    return {f.name: _to_numpy(getattr(batch, f.name)) for f in dataclasses.fields(batch)}
+
+
+def batch_from_wire(cls: type[BatchT], fields: dict[str, Any], device: torch.device) -> BatchT:
+    values: dict[str, Any] = {name: torch.from_numpy(v).to(device) if isinstance(v, np.ndarray) else v
+                              for name, v in fields.items()}
+    return cls(**values)
+
+
+def _to_numpy(value: Any) -> Any:
+    return value.cpu().numpy() if isinstance(value, torch.Tensor) else value
+
+
+def _serve(channel: RankChannel, runner: ModelRunner) -> None:
+    device = runner.kv_pages.device
+    # A replicated output head comes after every collective: ranks > 0 skip it (only rank 0 returns logits),
+    # leaving the memory bandwidth to rank 0's copy. A vocabulary-split one all-gathers: every rank runs it.
+    is_head_replicated = runner.model.shape.vocab_size is None
+    parent = multiprocessing.parent_process()
+    sentinel = None if parent is None else parent.sentinel
+    while channel.wait_readable(None, sentinel):  # idle until a command comes or rank 0's process exits
+        message = channel.recv()
+        if message[0] == "stop":
+            return
+        if message[0] == "prefill":
+            runner.prefill(batch_from_wire(PrefillBatch, message[1], device), return_all_logits=message[2],
+                           return_hidden=is_head_replicated)
+        elif message[0] == "decode":
+            runner.decode(batch_from_wire(DecodeBatch, message[1], device), return_hidden=is_head_replicated)
+        else:
+            raise ValueError(f"unknown tensor-parallel command {message[0]!r}")
+    logger.warning("rank 0's process exited; this tensor-parallel rank stops")
