@@ -113,6 +113,7 @@ class RpcClient:
         task = self._connect_tasks[slot]
         if task is None or task.done():
             task = asyncio.get_running_loop().create_task(self._connect_with_backoff(slot))
+            task.add_done_callback(_mark_retrieved)  # its callers may all have given up (their own deadlines)
             self._connect_tasks[slot] = task
         try:
             return await asyncio.wait_for(asyncio.shield(task), timeout_s)
@@ -157,3 +158,9 @@ class RpcClient:
             conn.close_with_reason("handshake failed", is_error=False)
             raise
         return conn
+
+
+def _mark_retrieved(task: asyncio.Task[ClientConnection]) -> None:
+    """A failed connect is reported to every caller still waiting; with none left, it is not an error to log."""
+    if not task.cancelled():
+        task.exception()

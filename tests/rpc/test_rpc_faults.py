@@ -4,6 +4,7 @@ connection, with a logged reason, while well-behaved clients keep being served."
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import random
@@ -15,7 +16,9 @@ import pytest
 
 from mooncaked.rpc.protocol import (PROTOCOL_VERSION, Auth, CallFrame, CancelFrame, Challenge, ErrorFrame, Hello,
                                     ResultFrame, Welcome, decode_frame, encode_array, encode_frame)
-from mooncaked.rpc import InvalidArgument, NotFound, ResourceExhausted, RpcServer, Unauthenticated
+from mooncaked.bench.cluster import free_port
+from mooncaked.rpc import (DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted, RpcClient, RpcServer,
+                           Unauthenticated)
 from mooncaked.rpc.frames import handshake_proof
 from tests.rpc.test_rpc import BLOCK, CLUSTER, EAGER_SLEEP, ECHO, SECRET, Echo, Service, Sleep, make_client, make_server
 
@@ -290,4 +293,24 @@ async def test_client_refuses_to_send_a_call_without_a_deadline(server: tuple[Rp
         with pytest.raises(ValueError, match="every RPC needs a deadline"):
             await client.call(ECHO, Echo("x", []), timeout_s=timeout_s)
     assert (await client.call(ECHO, Echo("fine", []), timeout_s=5)).text == "fine"
+    await client.close()
+
+
+async def test_a_connect_every_caller_gave_up_on_fails_without_an_unretrieved_exception() -> None:
+    """The caller's deadline passes before the connect attempts end: the attempt's later failure is nobody's
+    error, and the event loop must not report it as an exception never retrieved."""
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _, context: reported.append(context))
+    client = RpcClient(f"tcp://127.0.0.1:{free_port()}", role="test", instance="t", cluster_id=CLUSTER, secret=None,
+                       connect_timeout_s=0.2)
+    with pytest.raises(DeadlineExceeded):
+        await client.call(ECHO, Echo("x", []), timeout_s=0.01)
+    attempts = [task for task in client._connect_tasks if task is not None]
+    await asyncio.wait(attempts, timeout=5.0)
+    assert all(task.done() for task in attempts)
+    client._connect_tasks = [None] * len(client._connect_tasks)
+    del attempts
+    gc.collect()
+    assert not reported, reported
     await client.close()
