@@ -146,7 +146,7 @@ class ConductorSection:
     batch_dir: Optional[str] = None  # files and batch state of the Batch API; None: /v1/files and /v1/batches off
     max_file_bytes: int = bounded(200 << 20, min=1024, doc="largest upload to POST /v1/files")
     max_batch_lines: int = bounded(50_000, min=1, doc="most lines in one batch input file")
-    batch_max_in_flight: int = bounded(4, min=1, doc="batch lines being served at once")
+    batch_max_in_flight: int = bounded(2, min=1, doc="batch lines being served at once")
     batch_slo_margin: float = bounded(0.5, min=0.01, max=1.0,
                                       doc="a batch line starts only when predicted TTFT and TBT stay under this "
                                       "fraction of their SLOs")

@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-output-tokens", type=int, default=16)
     parser.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     parser.add_argument("--tbt-slo-ms", type=float, default=500.0)
-    parser.add_argument("--batch-max-in-flight", type=int, default=4)
+    parser.add_argument("--batch-max-in-flight", type=int, default=2)
     parser.add_argument("--batch-slo-margin", type=float, default=0.5)
     parser.add_argument("--repeats", type=int, default=1, help="alone/with-batch pairs on the same cluster")
     parser.add_argument("--start-timeout-s", type=float, default=240.0)
