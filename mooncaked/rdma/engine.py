@@ -35,7 +35,7 @@ from mooncaked.rdma.dispatch import Piece, run_bytes_for
 from mooncaked.rdma.handshake import DataCredentials
 from mooncaked.rdma.local import LocalTransport
 from mooncaked.rdma.options import TransferOptions
-from mooncaked.rdma.segments import DEFAULT_LOCATION, SegmentTable
+from mooncaked.rdma.segments import DEFAULT_LOCATION, Segment, SegmentTable
 from mooncaked.rdma.rdma_transport import RdmaTransport
 from mooncaked.rdma.tcp_client import TcpPeerLink
 from mooncaked.rdma.tcp_server import DataServer
@@ -167,15 +167,10 @@ class TransferEngine:
 
     def register(self, name: str, buffer: Any, location: str = DEFAULT_LOCATION) -> SegmentRef:
         """Make `buffer` addressable by peers as SegmentRef(self.endpoint, name)."""
-        endpoint = self.endpoint
         segment = self._segments.register(name, buffer, location)
         if self._rdma is not None:
-            try:
-                self._rdma.register_segment(segment)
-            except OSError:
-                self._segments.unregister(name)
-                raise
-        return SegmentRef(endpoint, name)
+            self._register_with_rdma(segment, name)
+        return SegmentRef(self.endpoint, name)
 
     def register_device(self, name: str, address: int, num_bytes: int, location: str, owner: Any) -> SegmentRef:
         """GPU memory as a segment that only RDMA moves; ValueError without RDMA, OSError when a NIC cannot map
@@ -183,14 +178,18 @@ class TransferEngine:
         if self._rdma is None:
             raise ValueError(f"GPU memory moves only by RDMA, which is not active here "
                              f"({self.rdma_unavailable_reason or 'no NIC'})")
-        endpoint = self.endpoint
         segment = self._segments.register_device(name, address, num_bytes, location, owner)
+        self._register_with_rdma(segment, name)
+        return SegmentRef(self.endpoint, name)
+
+    def _register_with_rdma(self, segment: Segment, name: str) -> None:
+        """Map `segment` on the NICs; a NIC that refuses leaves the segment unregistered everywhere."""
+        assert self._rdma is not None
         try:
             self._rdma.register_segment(segment)
         except OSError:
             self._segments.unregister(name)
             raise
-        return SegmentRef(endpoint, name)
 
     def unregister(self, name: str) -> None:
         self._segments.unregister(name)

@@ -59,6 +59,11 @@ def trimmed_mean(samples: Sequence[float], trim_fraction: float) -> float:
     return sum(kept) / len(kept)
 
 
+def is_balanced(factor: float, tolerance: float) -> bool:
+    """f inside the hysteresis band [1 / (1 + tolerance), 1 + tolerance]."""
+    return 1.0 / (1.0 + tolerance) <= factor <= 1.0 + tolerance
+
+
 def imbalance_factor(prefill_samples: Sequence[float], decode_samples: Sequence[float], trim_fraction: float) -> float:
     """f_im = (L_decode + 1) / (L_prefill + 1) over trimmed means; > 1: decode is the hotter side."""
     decode_load = trimmed_mean(decode_samples, trim_fraction)
@@ -94,7 +99,7 @@ def decide(
                 return PdDecision(-num_removed, 0, factor, "scale_in_prefill")
             return PdDecision(0, -num_removed, factor, "scale_in_decode")
         return PdDecision(0, 0, factor, "hold")
-    if 1.0 / (1.0 + config.tolerance) <= factor <= 1.0 + config.tolerance:
+    if is_balanced(factor, config.tolerance):
         return PdDecision(0, 0, factor, "hold")
     colder_count = num_prefill if decode_is_hotter else num_decode
     num_moved = min(step, max(colder_count - config.min_per_side, 0))

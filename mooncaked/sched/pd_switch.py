@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from mooncaked.sched.pd_ratio import PdDecision, PdRatioConfig, decide
+from mooncaked.sched.pd_ratio import PdDecision, PdRatioConfig, decide, is_balanced
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class SwitchPlanner:
         decision = decide(list(self.prefill_loads), list(self.decode_loads), num_prefill, num_decode, self.config)
         self.last_decision = decision
         from_role = _from_role(decision, num_prefill, num_decode, self.config.min_per_side)
-        if _is_balanced(decision.imbalance_factor, self.config.tolerance):
+        if is_balanced(decision.imbalance_factor, self.config.tolerance):
             from_role = ""
         if from_role != self._pending:
             self._pending, self._num_pending = from_role, 0
@@ -100,10 +100,6 @@ class SwitchPlanner:
 
     def _has_dwelt(self, since: float | None, now: float) -> bool:
         return since is None or now - since >= self.dwell_s
-
-
-def _is_balanced(factor: float, tolerance: float) -> bool:
-    return 1.0 / (1.0 + tolerance) <= factor <= 1.0 + tolerance
 
 
 def _from_role(decision: PdDecision, num_prefill: int, num_decode: int, min_per_side: int) -> str:

@@ -25,6 +25,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from mooncaked.sched.predictors import DecodeStepPredictor, PrefillTimePredictor
 
@@ -63,9 +64,18 @@ def _factor(scale: RecentMean) -> float:
     return min(max(scale.value, SCALE_LIMITS[0]), SCALE_LIMITS[1])
 
 
-def _mean_ratio(old_s: list[float], new_s: list[float]) -> float:
-    """How much longer the old fit predicted the same samples than the new one (1 without samples)."""
-    old_total, new_total = sum(old_s), sum(new_s)
+class _Fit(Protocol):
+    def predict(self, first: int, second: int, /) -> float: ...
+
+
+def _mean_ratio(old: _Fit | None, new: _Fit, samples: Sequence[tuple[int, int, float]]) -> float:
+    """How much longer the old fit predicted the newest samples than the new one (1 for a first fit or no
+    samples)."""
+    if old is None:
+        return 1.0
+    recent = list(samples)[-CARRY_SAMPLES:]
+    old_total = sum(old.predict(a, b) for a, b, _ in recent)
+    new_total = sum(new.predict(a, b) for a, b, _ in recent)
     return old_total / new_total if old_total > 0 and new_total > 0 else 1.0
 
 
@@ -192,11 +202,7 @@ class PerformanceModel:
             fit = PrefillTimePredictor.fit_paper_form([*self._profile_prefill, *self._live_prefill])
         except ValueError:
             return
-        recent = [(n, p) for n, p, _ in list(self._live_prefill)[-CARRY_SAMPLES:]]
-        old = self.prefill_fit
-        ratio = _mean_ratio([old.predict(n, p) for n, p in recent], [fit.predict(n, p) for n, p in recent]) \
-            if old is not None else 1.0
-        self.prefill_scale = _carried(self.prefill_scale, ratio)
+        self.prefill_scale = _carried(self.prefill_scale, _mean_ratio(self.prefill_fit, fit, self._live_prefill))
         self.prefill_fit = fit
         self.num_refits += 1
 
@@ -206,11 +212,7 @@ class PerformanceModel:
             fit = DecodeStepPredictor.fit([*self._profile_decode, *self._live_decode], relative=True)
         except ValueError:
             return
-        recent = [(b, c) for b, c, _ in list(self._live_decode)[-CARRY_SAMPLES:]]
-        old = self.decode_fit
-        ratio = _mean_ratio([old.predict(b, c) for b, c in recent], [fit.predict(b, c) for b, c in recent]) \
-            if old is not None else 1.0
-        self.decode_scale = _carried(self.decode_scale, ratio)
+        self.decode_scale = _carried(self.decode_scale, _mean_ratio(self.decode_fit, fit, self._live_decode))
         self.decode_fit = fit
         self.num_refits += 1
 

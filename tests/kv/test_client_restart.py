@@ -1,18 +1,16 @@
 """A store that restarts under its clients: offsets of its earlier run are refused before any byte moves, and the
 clients go on with the new run (same host: the new pool file is mapped; another host: the new segment is used)."""
 
-import contextlib
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from mooncaked.kv.client import StaleOffsets, StoreClient
+from mooncaked.kv.client import StaleOffsets
 from mooncaked.kv.service import StoreService, StoreServiceConfig
 from mooncaked.rdma import TransferEngine
-from mooncaked.rpc import NotFound, RpcClient, RpcServer
-from tests.kv.test_store_rpc import BLOCK, key
+from mooncaked.rpc import NotFound, RpcServer
+from tests.kv.test_store_rpc import BLOCK, key, open_client_at
 
 
 class StoreRun:
@@ -41,24 +39,6 @@ class StoreRun:
             await self.engine.stop()
 
 
-@contextlib.asynccontextmanager
-async def store_client(port: int, path: str) -> AsyncIterator[StoreClient]:
-    """path "remote": a client on another host (engine on 127.0.0.2); "local": same host, pool mapped."""
-    engine = TransferEngine(host="127.0.0.2", transports=("tcp",)) if path == "remote" else None
-    if engine is not None:
-        await engine.start()
-    rpc = RpcClient(f"tcp://127.0.0.1:{port}", role="prefill", instance=path, cluster_id="test", secret=None)
-    client = await StoreClient.connect(rpc, host="127.0.0.2" if path == "remote" else "127.0.0.1", engine=engine,
-                                       timeout_s=10.0)
-    try:
-        yield client
-    finally:
-        await client.close()
-        await rpc.close()
-        if engine is not None:
-            await engine.stop()
-
-
 def filled(value: int, num_blocks: int = 1) -> np.ndarray:
     return np.full(num_blocks * BLOCK, value, dtype=np.uint8)
 
@@ -69,7 +49,7 @@ async def test_offsets_of_an_earlier_run_are_refused_and_the_client_goes_on(tmp_
     await first.start()
     second = StoreRun(tmp_path, first.port)
     try:
-        async with store_client(first.port, path) as client:
+        async with open_client_at(f"tcp://127.0.0.1:{first.port}", path) as client:
             source, sink = client.register_staging("source", filled(5)), client.register_staging("sink", filled(0))
             written = (await client.allocate([key(1)], BLOCK, 10_000)).handles
             await client.write_blocks(source, written)

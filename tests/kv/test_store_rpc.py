@@ -58,11 +58,17 @@ def rpc_client(address: str, name: str = "w") -> RpcClient:
 
 @contextlib.asynccontextmanager
 async def open_client(store: Store, path: str) -> AsyncIterator[StoreClient]:
+    async with open_client_at(store.address, path) as client:
+        yield client
+
+
+@contextlib.asynccontextmanager
+async def open_client_at(address: str, path: str) -> AsyncIterator[StoreClient]:
     """path "remote": a client on another host (engine on 127.0.0.2); "local": same host, pool mapped."""
     engine = TransferEngine(host="127.0.0.2", transports=("tcp",)) if path == "remote" else None
     if engine is not None:
         await engine.start()
-    rpc = rpc_client(store.address, path)
+    rpc = rpc_client(address, path)
     host = "127.0.0.2" if path == "remote" else "127.0.0.1"
     client = await StoreClient.connect(rpc, host=host, engine=engine, timeout_s=10.0)
     try:
