@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from mooncaked import kernels
+from mooncaked.kernels import triton_prefill
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Spec HBM bandwidth in bytes/s by device-name fragment (first match wins); others use clock * bus width.
@@ -57,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-batches", type=_int_list, default=[1, 4, 16, 64])
     parser.add_argument("--decode-contexts", type=_int_list, default=[4096, 8192, 16384, 32768])
     parser.add_argument("--rep-ms", type=int, default=200, help="timing window per measurement")
+    parser.add_argument("--prefill-tiles", type=_tiles_list, default=[],
+                        help="prefill tile shapes to compare, BLOCK_MxBLOCK_NxWARPSxSTAGES, comma-separated "
+                             "(e.g. 128x64x8x3,128x128x8x3); default: the kernel's own choice")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
     )
     device = torch.cuda.get_device_name()
     peak = peak_bandwidth()
-    prefill = [bench_prefill(setup, n, fraction) for n in args.prefill_tokens for fraction in (0.0, 0.5)]
+    prefill = [bench_prefill(setup, n, fraction, tiles) for tiles in args.prefill_tiles or [None]
+               for n in args.prefill_tokens for fraction in (0.0, 0.5)]
     decode = [bench_decode(setup, b, c) for b in args.decode_batches for c in args.decode_contexts]
     for row in decode:
         row["fraction_of_peak"] = row["bandwidth_gb_s"] * 1e9 / peak
@@ -101,8 +106,10 @@ def peak_bandwidth() -> float:
     return 2.0 * props.memory_clock_rate * 1e3 * props.memory_bus_width / 8
 
 
-def bench_prefill(setup: Setup, seq_len: int, prefix_fraction: float) -> dict[str, Any]:
-    """One sequence of seq_len tokens, the first prefix_fraction of them already cached in pages."""
+def bench_prefill(setup: Setup, seq_len: int, prefix_fraction: float,
+                  tiles: triton_prefill.PrefillTiles | None = None) -> dict[str, Any]:
+    """One sequence of seq_len tokens, the first prefix_fraction of them already cached in pages; `tiles`:
+    the kernel's tile shape (None: its default)."""
     heads, kv_heads, head_dim, device = setup.heads, setup.kv_heads, setup.head_dim, setup.device
     num_cached = int(seq_len * prefix_fraction)
     num_new = seq_len - num_cached
@@ -115,6 +122,9 @@ def bench_prefill(setup: Setup, seq_len: int, prefix_fraction: float) -> dict[st
     scale = head_dim**-0.5
 
     def ours() -> torch.Tensor:
+        if tiles is not None:
+            return triton_prefill.prefill_attention(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens,
+                                                    scale, tiles=tiles)
         return kernels.prefill_attention(
             q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, scale, backend="triton"
         )
@@ -134,7 +144,7 @@ def bench_prefill(setup: Setup, seq_len: int, prefix_fraction: float) -> dict[st
     ours_ms, sdpa_ms = setup.time_ms(ours), setup.time_ms(sdpa)
     visible_pairs = num_new * num_cached + num_new * (num_new + 1) / 2
     return {
-        "tokens": seq_len, "num_cached": num_cached, "num_new": num_new,
+        "tiles": _tiles_name(tiles), "tokens": seq_len, "num_cached": num_cached, "num_new": num_new,
         "ours_ms": ours_ms, "sdpa_ms": sdpa_ms, "ratio": sdpa_ms / ours_ms,
         "ours_tflops": 4 * heads * head_dim * visible_pairs / (ours_ms * 1e-3) / 1e12,
         "max_abs_err_vs_sdpa": error,
@@ -193,15 +203,35 @@ def _time_ms(fn: Callable[[], torch.Tensor], rep_ms: int) -> float:
 def _print_tables(device: str, peak: float, prefill: list[dict[str, Any]], decode: list[dict[str, Any]]) -> None:
     print(f"device: {device}  peak bandwidth {peak / 1e9:.0f} GB/s")
     print(f"\nprefill attention vs SDPA (target ratio >= {PREFILL_TARGET})")
-    print(f"{'tokens':>7} {'cached':>7} {'ours ms':>9} {'sdpa ms':>9} {'ratio':>6} {'TFLOP/s':>8} {'max err':>8}")
+    print(f"{'tiles':>12} {'tokens':>7} {'cached':>7} {'ours ms':>9} {'sdpa ms':>9} {'ratio':>6} {'TFLOP/s':>8} "
+          f"{'max err':>8}")
     for row in prefill:
-        print(f"{row['tokens']:>7} {row['num_cached']:>7} {row['ours_ms']:>9.3f} {row['sdpa_ms']:>9.3f} "
+        print(f"{row['tiles']:>12} {row['tokens']:>7} {row['num_cached']:>7} {row['ours_ms']:>9.3f} {row['sdpa_ms']:>9.3f} "
               f"{row['ratio']:>6.2f} {row['ours_tflops']:>8.1f} {row['max_abs_err_vs_sdpa']:>8.4f}")
     print(f"\ndecode attention bandwidth (target >= {DECODE_TARGET:.0%} of peak)")
     print(f"{'batch':>6} {'context':>8} {'ms':>8} {'GB/s':>8} {'of peak':>8} {'max err':>8}")
     for row in decode:
         print(f"{row['batch']:>6} {row['context']:>8} {row['ms']:>8.3f} {row['bandwidth_gb_s']:>8.0f} "
               f"{row['fraction_of_peak']:>8.1%} {row['max_abs_err_vs_reference']:>8.4f}")
+
+
+def _tiles_name(tiles: triton_prefill.PrefillTiles | None) -> str:
+    if tiles is None:
+        return "default"
+    return f"{tiles.block_m}x{tiles.block_n}x{tiles.num_warps}x{tiles.num_stages}"
+
+
+def _tiles_list(text: str) -> list[triton_prefill.PrefillTiles]:
+    tiles = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        fields = part.split("x")
+        if len(fields) != 4 or not all(f.isdigit() and int(f) > 0 for f in fields):
+            raise argparse.ArgumentTypeError(f"tile shape {part!r} is not BLOCK_MxBLOCK_NxWARPSxSTAGES, "
+                                             f"e.g. 128x64x8x3")
+        tiles.append(triton_prefill.PrefillTiles(*(int(f) for f in fields)))
+    if not tiles:
+        raise argparse.ArgumentTypeError("expected at least one tile shape, e.g. 128x64x8x3")
+    return tiles
 
 
 def _int_list(text: str) -> list[int]:

@@ -36,7 +36,7 @@ from mooncaked.engine.tp_channel import ChannelClosed, RankChannel
 from mooncaked.model import tensor_parallel
 from mooncaked.model.loader import LoadedModel, load_model, model_args
 from mooncaked.model.packed_gemm import Packing
-from mooncaked.model.tensor_parallel import shard_shape
+from mooncaked.model.tensor_parallel import TensorParallelError, shard_shape
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,18 @@ def rank_device(device: str, rank: int) -> str:
     if parsed.type != "cuda":
         return device
     return f"cuda:{(parsed.index or 0) + rank}"
+
+
+def check_devices(spec: RankSpec, num_ranks: int) -> None:
+    """Refuse a CUDA degree the host's devices cannot hold (rank r runs on cuda:N+r), before spawning ranks."""
+    if not is_cuda(spec):
+        return
+    first = torch.device(spec.device).index or 0
+    available = torch.cuda.device_count()
+    if first + num_ranks > available:
+        raise TensorParallelError(f"tensor_parallel_size {num_ranks} on {spec.device} needs CUDA devices cuda:{first}.."
+                         f"cuda:{first + num_ranks - 1}, one per rank; this host has {available}: lower "
+                         f"model.tensor_parallel_size or pick another first device")
 
 
 def join_group(spec: RankSpec, rank: int, num_ranks: int, store: dist.Store) -> Any:

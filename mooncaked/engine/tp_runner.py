@@ -31,7 +31,7 @@ import torch.distributed as dist
 from mooncaked.engine.batch import DecodeBatch, PrefillBatch
 from mooncaked.engine.tp_channel import ChannelClosed, RankChannel
 from mooncaked.engine.tp_rank import (LOOPBACK, BackendReducer, RankShard, RankSpec, batch_to_wire, build_rank,
-                                      join_group, rank_main, uses_shared_memory)
+                                      check_devices, join_group, rank_main, uses_shared_memory)
 from mooncaked.engine.tp_shm import SharedMemoryReducer
 from mooncaked.model.llama import LlamaForCausalLM
 from mooncaked.model.loader import model_args
@@ -60,6 +60,7 @@ class TensorParallelRunner:
     @classmethod
     def start(cls, spec: RankSpec, num_ranks: int) -> TensorParallelRunner:
         check_shardable(model_args(spec.source), num_ranks)
+        check_devices(spec, num_ranks)
         if tensor_parallel.has_group():
             raise RuntimeError("this process already belongs to a tensor-parallel group; stop its runner first")
         store = dist.TCPStore(LOOPBACK, 0, num_ranks, is_master=True, timeout=timedelta(seconds=spec.timeout_s),

@@ -103,6 +103,16 @@ def test_a_degree_the_heads_do_not_allow_starts_no_rank(started: list[TensorPara
     assert not tensor_parallel.has_group()
 
 
+def test_a_degree_past_the_hosts_cuda_devices_starts_no_rank(started: list[TensorParallelRunner]) -> None:
+    num_ranks = torch.cuda.device_count() + 1  # one more rank than devices, with or without a GPU
+    spec = RankSpec("random:tiny", num_pages=4, block_size=BLOCK, device="cuda")
+    with pytest.raises(TensorParallelError, match=rf"tensor_parallel_size {num_ranks} on cuda needs CUDA devices "
+                                                  rf"cuda:0..cuda:{num_ranks - 1}, one per rank; this host has "
+                                                  rf"{num_ranks - 1}"):
+        TensorParallelRunner.start(spec, num_ranks)
+    assert not tensor_parallel.has_group()
+
+
 def _tiny_group(started: list[TensorParallelRunner], timeout_s: float) -> TensorParallelRunner:
     spec = RankSpec("random:tiny", num_pages=NUM_PAGES, block_size=BLOCK, backend="torch", timeout_s=timeout_s)
     started.append(runner := TensorParallelRunner.start(spec, 2))

@@ -35,11 +35,14 @@ def test_a_store_waits_for_its_layers_compute_and_nothing_later() -> None:
     kv, copier = pages(), KVCopier("cuda")
     staging = new_staging(kv, 2)
     warm_up(kv, copier, staging)
+    # indices on the device before the spins: indexing with a host list copies it from pageable memory, which
+    # blocks this thread until the compute stream drains
+    rows = torch.tensor([2, 5], device="cuda")
     torch.cuda._sleep(SPIN_CYCLES)  # the compute stream is busy...
-    kv.k_pages[1][[2, 5]] = 7.0  # ...before it writes layer 1's pages
+    kv.k_pages[1].index_fill_(0, rows, 7.0)  # ...before it writes layer 1's pages
     layer_done = copier.mark_compute()  # after_layer(1), on the compute thread
     torch.cuda._sleep(4 * SPIN_CYCLES)  # layer 2 and later: long, and they overwrite the pages
-    kv.k_pages[1][[2, 5]] = 9.0
+    kv.k_pages[1].index_fill_(0, rows, 9.0)
     with concurrent.futures.ThreadPoolExecutor(1) as copy_thread:  # the worker's copy thread
         copy_thread.submit(lambda: copier.store_layer(kv, 1, staging, [2, 5], layer_done).synchronize()).result()
     assert not torch.cuda.current_stream().query(), "the store waited for compute queued after its layer"
