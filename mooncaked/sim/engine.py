@@ -5,7 +5,8 @@ A request's life in the simulator:
    is recorded. A Placement locks the reused prefix in its store(s), starts the remote fetch if any (it holds the
    source and destination NICs for bytes / bandwidth), queues the prefill job and announces the request to its
    decode instance as incoming.
-2. FETCH_DONE: the fetched blocks are committed to the prefill host's store (hot-spot replication).
+2. FETCH_DONE: the fetched blocks are in the job's pages; they are committed to the prefill host's store where
+   they find room (hot-spot replication).
 3. Prefill: jobs run one at a time per instance, FIFO; a job starts when the instance is free and its fetch is
    done, and takes the cost model's time for (prompt, reused prefix). A prefill group
    (`cluster.num_prefill_groups`) is one instance whose time follows its pipeline (sched/pipeline.py: fill,
@@ -31,7 +32,7 @@ from __future__ import annotations
 import heapq
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from mooncaked.sched.admission import admit_at_decode, select_decode
@@ -209,20 +210,23 @@ class Simulator:
         self._push(instance.busy_until, PREFILL_DONE, instance)
 
     def _reusable_blocks_at_start(self, instance: PrefillInstance, job: PrefillJob) -> int:
-        """The prefix the instance finds in its store when the job starts (a store lookup at execution, as the
-        instance itself does): more than planned when earlier prefills on this host committed further blocks,
-        fewer when fetched blocks found no room there. A job whose fetch is still under way counts the planned
-        prefix."""
-        planned = job.placement.num_prefix_blocks
+        """The planned prefix, and the blocks after it that earlier prefills on this host committed meanwhile (a
+        store lookup at execution). The planned local part is locked since placement; the fetched part is in the
+        job's pages once its fetch is done, whether or not it found room in this store: the instance reads it from
+        the source into the request's pages and only caches it where there is room (roles/worker/kv_plan.py,
+        "reuse, but do not cache"), so a full store costs the replica, not the reuse."""
+        num_prefix = job.placement.num_prefix_blocks
         if job.is_fetch_pending:
-            return planned
-        num_local = instance.store.cache.match_prefix(job.keys)
-        if num_local > planned:
-            extra = list(job.keys[planned:num_local])
-            instance.store.cache.lock(extra)
-            job.locked_keys.extend(extra)
-        self.records[job.request_index].prefix_blocks = num_local
-        return num_local
+            return num_prefix
+        cache, keys = instance.store.cache, job.keys
+        extra: list[Hashable] = []
+        while num_prefix < len(keys) and keys[num_prefix] in cache:
+            extra.append(keys[num_prefix])
+            num_prefix += 1
+        cache.lock(extra)
+        job.locked_keys.extend(extra)
+        self.records[job.request_index].prefix_blocks = num_prefix
+        return num_prefix
 
     def _on_prefill_done(self, now: float, instance: PrefillInstance) -> None:
         job = instance.current

@@ -11,7 +11,7 @@ from mooncaked.sim.cache_study import run_cache_study
 from mooncaked.sim.config import SimConfig, SimConfigError, parse_sim_config, with_overrides
 from mooncaked.sim.engine import Simulator
 from mooncaked.sim.results import tbt_of
-from mooncaked.sim.trace import TraceError, load_trace
+from mooncaked.sim.trace import TraceError, TraceRequest, load_trace
 
 
 def _write_trace(path, num_requests=240, seed=7):
@@ -139,3 +139,22 @@ def test_cli_run_and_cache_modes(tmp_path, capsys):
     bad = parser.parse_args(["--trace", str(trace), "--set", "cluster.num_prefill=zero", "--no-progress"])
     assert cli.run(bad) == 2
     assert "cluster.num_prefill" in capsys.readouterr().err
+
+
+def test_a_fetched_prefix_is_reused_even_where_the_store_has_no_room_for_it():
+    """The instance reads fetched blocks into the request's pages and caches them only where there is room
+    (roles/worker/kv_plan.py): a destination store full of leased blocks costs the replica, not the reuse."""
+    config = with_overrides(_small_config(scheduler="kvcache_centric", replication="always"), "cluster",
+                            num_prefill=2, dram_blocks_per_host=8)
+    ahead = TraceRequest(0, 0.0, 12 * 512, 1, tuple(range(200, 212)))  # runs first: the fetch ends meanwhile
+    request = TraceRequest(1, 0.001, 12 * 512, 1, tuple(range(12)))
+    sim = Simulator(config, [ahead, request])
+    source, destination = sim.store_by_id["p0"], sim.store_by_id["p1"]
+    source.put(range(8), now=0.0)
+    sim.prefill_by_id["prefill-0"].busy_until = 1e6  # the prefix's holder is busy: Algorithm 1 fetches it
+    destination.put(range(100, 108), now=0.0)
+    destination.cache.lock(range(100, 108))  # every block of the destination is leased by its queue
+    record = sim.run().records[1]
+    assert (record.prefill_instance, record.fetch_source, record.fetched_blocks) == ("prefill-1", "p0", 8)
+    assert record.prefix_blocks == 8  # the whole fetched prefix, though none of it was stored
+    assert all(key not in destination.cache for key in range(8))
