@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from mooncaked.kv.keys import block_keys, model_namespace
 from mooncaked.model.loader import load_model
 from mooncaked.rdma import SegmentRef, TransferEngine, TransferError, TransferOp, TransferRequest
 from mooncaked.roles.base import PeerClients
+from mooncaked.roles.worker.decode import DecodeRole
 from mooncaked.roles.worker.messages import (DECODE, PREFILL, RESERVE, DecodeRequest, PrefillRequest, ReserveRequest,
                                              SamplingSpec)
 from mooncaked.rpc import RpcClient
@@ -66,6 +68,25 @@ async def test_prefill_then_decode_equals_single_process(tmp_path: Path, num_tok
             assert out3 == expected
         finally:
             await clients.close()
+
+
+async def test_inline_overhead_leaves_out_the_wait_for_the_compute_thread(tmp_path: Path) -> None:
+    """The conductor predicts an inline prefill's wait for the compute thread itself (instance_views.inline_wait_s):
+    the overhead the decode instance reports is the rest (planning, writes), however long the thread was busy."""
+    config = cluster_config(tmp_path, [instance("s0", "store"), instance("p0", "prefill"), instance("d0", "decode")])
+    async with running_roles(config, ["s0", "d0"]) as roles:
+        decode = roles["d0"]
+        assert isinstance(decode, DecodeRole)
+        clients = PeerClients(config, config.instance_named("d0"))
+        busy_s = 1.0
+        thread_busy = asyncio.ensure_future(decode.worker.compute(time.sleep, busy_s))  # a long decode step, say
+        try:
+            out, _ = await generate(config, clients, "r1", list(range(3, 40)), 2, inline=True)
+            assert len(out) == 2 and thread_busy.done()  # the prefill ran after the busy thread
+        finally:
+            await thread_busy
+            await clients.close()
+        assert 0.0 <= decode.inline_overhead.value < busy_s / 2
 
 
 async def test_cross_host_tcp_and_remote_prefix_fetch(tmp_path: Path) -> None:

@@ -43,8 +43,8 @@ from mooncaked.kv.spare_marks import SpareMarkSender
 from mooncaked.membership import Membership, MemberRecord, StaticMembership, store_on_host
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.in_flight import InFlightTable
-from mooncaked.roles.conductor.instance_views import (OutputForecast, WorkerState, decode_view, pipeline_spec,
-                                                      prefill_view)
+from mooncaked.roles.conductor.instance_views import (OutputForecast, WorkerState, decode_view, inline_wait_s,
+                                                      pipeline_spec, prefill_view)
 from mooncaked.roles.conductor.live_predictors import LivePredictors
 from mooncaked.roles.conductor.store_follower import FollowerSettings, StoreFollower
 from mooncaked.roles.worker.messages import LOAD, LoadReply, LoadRequest
@@ -318,7 +318,8 @@ class ClusterView:
         prefill_s = self.predictors.prefill_for(decode.instance.name).predict(request.num_prompt_tokens,
                                                                               num_prefix_tokens)
         tbt_s = choice.predicted_tbt_s
-        ttft_s = prefill_s + (decode.load.overhead_s if decode.load is not None else 0.0)
+        wait_s = inline_wait_s(decode, self.flights.on_decode(decode.instance.name), self.predictors, now)
+        ttft_s = wait_s + prefill_s + (decode.load.overhead_s if decode.load is not None else 0.0)
         if config.admission != "none":
             if ttft_s > config.ttft_slo_s:
                 return Rejection(request.request_id, REASON_TTFT_SLO, ttft_s, tbt_s)

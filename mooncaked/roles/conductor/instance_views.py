@@ -106,6 +106,22 @@ def pipeline_spec(load: LoadReply | None) -> PipelineSpec | None:
         return None
 
 
+def inline_wait_s(worker: WorkerState, flights: list[InFlight], predictors: LivePredictors, now: float) -> float:
+    """Predicted wait of an inline prefill placed on decode instance `worker` now for its compute thread: half
+    the running decode step (it arrives at a uniformly random point of it) and the inline prefills queued ahead.
+    `flights`: this conductor's requests placed on `worker`."""
+    running = [f for f in flights if f.decode_started_at is not None]
+    num_running = len(running)
+    num_context_tokens = sum(f.num_context_tokens + f.num_generated for f in running)
+    if worker.load is not None:
+        num_running = max(num_running, worker.load.num_running)
+        num_context_tokens = max(num_context_tokens, worker.load.num_context_tokens)
+    step_s = predictors.decode_for(worker.instance.name).predict(num_running, num_context_tokens)
+    ahead_s = sum(min(f.predicted_prefill_s, max(f.ready_at - now, 0.0)) for f in flights
+                  if not f.prefill_instance and f.decode_started_at is None)
+    return (step_s / 2 if num_running else 0.0) + ahead_s
+
+
 def decode_view(worker: WorkerState, flights: list[InFlight], predictors: LivePredictors, forecast: OutputForecast,
                 block_size: int, now: float) -> DecodeInstanceView:
     """`flights`: this conductor's requests placed on `worker` (decoding, or still being prefilled)."""

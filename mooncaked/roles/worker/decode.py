@@ -225,8 +225,10 @@ class DecodeRole:
         return kv
 
     async def _prefill_inline(self, request: DecodeRequest, ctx: CallContext) -> tuple[RequestKv, TokenSample, int]:
-        """Prefill on this instance. Its forward is a sample of the prefill model; the rest of its time (planning,
-        waiting for the compute thread between decode steps, writes) is the inline overhead LOAD reports."""
+        """Prefill on this instance. Its forward is a sample of the prefill model; the rest of its time but the wait
+        for the compute thread (planning, writes) is the inline overhead LOAD reports. The conductor predicts the
+        wait itself (the running decode step's remainder and the inline prefills queued ahead), so it is left out
+        rather than averaged over busy and idle moments."""
         worker, started = self.worker, time.monotonic()
         plan = await plan_prompt_kv(worker, request.request_id, list(request.token_ids), request.block_keys,
                                     timeout_s=max(ctx.deadline - time.monotonic(), 0.001),
@@ -234,7 +236,8 @@ class DecodeRole:
                                     tenant=request.tenant)
         self._num_prefilling += 1
         try:
-            samples, forward_s = await worker.compute(_timed_forward, worker, plan, request.sampling)
+            submitted = time.monotonic()
+            samples, forward_start, forward_s = await worker.compute(_timed_forward, worker, plan, request.sampling)
             await plan.kv.wait_writes(self.config.transfer.timeout_s)
             await plan.close_store(commit=True)
         except BaseException:
@@ -244,7 +247,7 @@ class DecodeRole:
             self._num_prefilling -= 1
         num_prefix_tokens = plan.num_prefix_blocks * worker.block_size
         worker.perf.add_prefill(len(request.token_ids), num_prefix_tokens, forward_s)
-        self.inline_overhead.add(time.monotonic() - started - forward_s)
+        self.inline_overhead.add(time.monotonic() - started - forward_s - (forward_start - submitted))
         return plan.kv, samples[0], num_prefix_tokens
 
     # ---- 3. stream -------------------------------------------------------------------------------------
@@ -301,8 +304,8 @@ class DecodeRole:
             yield DecodeItem(tokens=tokens)
 
 
-def _timed_forward(worker: Worker, plan: KvPlan, sampling: SamplingSpec) -> tuple[list[TokenSample], float]:
-    """Compute thread: an inline prefill's forward and its own time (no wait for the thread in it)."""
+def _timed_forward(worker: Worker, plan: KvPlan, sampling: SamplingSpec) -> tuple[list[TokenSample], float, float]:
+    """Compute thread: an inline prefill's forward, when it started and its own time (no wait for the thread)."""
     started = time.monotonic()
     samples = run_prefill_forward(worker, [plan], [sampling])
-    return samples, time.monotonic() - started
+    return samples, started, time.monotonic() - started

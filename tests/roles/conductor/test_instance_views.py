@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mooncaked.config import InstanceConfig
-from mooncaked.roles.conductor.instance_views import InFlight, OutputForecast, WorkerState, decode_view, prefill_view
+from mooncaked.roles.conductor.instance_views import (InFlight, OutputForecast, WorkerState, decode_view, inline_wait_s,
+                                                      prefill_view)
 from mooncaked.roles.conductor.live_predictors import LivePredictors
 from mooncaked.roles.worker.messages import LoadReply
 from mooncaked.sched.output_length import OutputLengthPredictor
@@ -54,6 +55,20 @@ def test_before_any_model_the_conductor_queue_model_stands() -> None:
     view = prefill_view(worker("prefill", None), [flight("a", 1.0), flight("b", 2.0)], predictors(), now=1.5)
     assert view.busy_until == pytest.approx(2.0) and view.queued_prefill_s == pytest.approx(2.0)
     assert view.prefill_coefficients == ()
+
+
+def test_an_inline_prefill_waits_half_the_running_step_and_the_inline_prefills_ahead() -> None:
+    live, now = predictors(), 10.0  # every decode step: 0.5 s
+    idle = worker("decode", None)
+    assert inline_wait_s(idle, [], live, now) == 0.0
+    decoding = flight("a", 0.0, decode_started_at=2.0)
+    assert inline_wait_s(idle, [decoding], live, now) == pytest.approx(0.25)
+    queued = InFlight("b", "", "d", 0.3, dispatched_at=9.9, ready_at=now + 1.0, num_context_tokens=10)
+    overdue = InFlight("c", "", "d", 0.3, dispatched_at=1.0, ready_at=now - 1.0, num_context_tokens=10)
+    elsewhere = flight("e", 0.3)  # prefilled on a prefill instance: not on this compute thread
+    assert inline_wait_s(idle, [decoding, queued, overdue, elsewhere], live, now) == pytest.approx(0.25 + 0.3)
+    others = worker("decode", load(role="decode", num_running=3, num_context_tokens=900))
+    assert inline_wait_s(others, [], live, now) == pytest.approx(0.25)  # other conductors' requests decode there
 
 
 def test_decode_view_predicts_each_request_end_from_its_output_length() -> None:
