@@ -6,6 +6,8 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from mooncaked.bench import kernels as bench
 from mooncaked.kernels import reference
@@ -37,6 +39,23 @@ def test_bad_int_list_is_rejected() -> None:
     bench.add_arguments(parser)
     with pytest.raises(SystemExit):
         parser.parse_args(["--decode-batches", "1,x"])
+
+
+def test_prefill_tiles_parse_or_are_refused_by_name() -> None:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    tiles = parser.parse_args(["--prefill-tiles", "128x128x8x3, 64x64x4x1"]).prefill_tiles
+    assert [bench._tiles_name(t) for t in tiles] == ["128x128x8x3", "64x64x4x1"]
+
+
+@given(st.text(alphabet="0123456789x, -.", max_size=30))
+def test_any_prefill_tiles_text_parses_to_positive_shapes_or_an_argument_error(text: str) -> None:
+    try:
+        tiles = bench._tiles_list(text)
+    except argparse.ArgumentTypeError as exc:
+        assert "BLOCK_MxBLOCK_NxWARPSxSTAGES" in str(exc) or "at least one tile shape" in str(exc)
+        return
+    assert tiles and all(min(t.block_m, t.block_n, t.num_warps, t.num_stages) > 0 for t in tiles)
 
 
 def test_paged_kv_lays_out_every_sequence() -> None:
