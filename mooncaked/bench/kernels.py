@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
+from triton.runtime.errors import OutOfResources
 
 from mooncaked import kernels
 from mooncaked.kernels import triton_prefill
@@ -75,8 +76,11 @@ def run(args: argparse.Namespace) -> int:
     )
     device = torch.cuda.get_device_name()
     peak = peak_bandwidth()
-    prefill = [bench_prefill(setup, n, fraction, tiles) for tiles in args.prefill_tiles or [None]
-               for n in args.prefill_tokens for fraction in (0.0, 0.5)]
+    prefill = [row for tiles in args.prefill_tiles or [None] for n in args.prefill_tokens for fraction in (0.0, 0.5)
+               for row in _fitting(bench_prefill, setup, n, fraction, tiles)]
+    if not prefill:
+        print("no prefill tile shape fits this device", file=sys.stderr)
+        return 2
     decode = [bench_decode(setup, b, c) for b in args.decode_batches for c in args.decode_contexts]
     for row in decode:
         row["fraction_of_peak"] = row["bandwidth_gb_s"] * 1e9 / peak
@@ -234,6 +238,16 @@ def _print_tables(device: str, peak: float, prefill: list[dict[str, Any]], decod
         print(f"{row['batch']:>6} {row['context']:>8} {row['ms']:>8.3f} {row['eager_ms']:>9.3f} "
               f"{row['bandwidth_gb_s']:>8.0f} "
               f"{row['fraction_of_peak']:>8.1%} {row['max_abs_err_vs_reference']:>8.4f}")
+
+
+def _fitting(bench: Callable[..., dict[str, Any]], setup: Setup, seq_len: int, fraction: float,
+             tiles: triton_prefill.PrefillTiles | None) -> list[dict[str, Any]]:
+    """[bench's row], or [] with a message when the tile shape needs more than the device has (a sweep goes on)."""
+    try:
+        return [bench(setup, seq_len, fraction, tiles)]
+    except OutOfResources as exc:
+        print(f"prefill tiles {_tiles_name(tiles)} do not fit this device, skipped: {exc}", file=sys.stderr)
+        return []
 
 
 def _tiles_name(tiles: triton_prefill.PrefillTiles | None) -> str:

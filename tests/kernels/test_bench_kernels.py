@@ -7,6 +7,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from hypothesis import given
+from triton.runtime.errors import OutOfResources
 from hypothesis import strategies as st
 
 from mooncaked.bench import kernels as bench
@@ -73,3 +74,13 @@ def test_prefill_and_decode_measurements_agree_with_baselines() -> None:
     assert row["num_cached"] == 20 and row["max_abs_err_vs_sdpa"] < 1e-4 and row["ratio"] > 0
     row = bench.bench_decode(SETUP, batch=2, context=40)
     assert row["max_abs_err_vs_reference"] < 1e-4 and row["bandwidth_gb_s"] > 0
+
+
+def test_a_tile_shape_too_big_for_the_device_is_skipped_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:
+    def too_big(*_: object) -> dict[str, object]:
+        raise OutOfResources(300_000, 232_448, "shared memory")
+
+    tiles = bench._tiles_list("256x128x16x2")[0]
+    assert bench._fitting(too_big, SETUP, 64, 0.0, tiles) == []
+    assert "prefill tiles 256x128x16x2 do not fit this device" in capsys.readouterr().err
+    assert bench._fitting(lambda *_: {"ratio": 1.0}, SETUP, 64, 0.0, tiles) == [{"ratio": 1.0}]
