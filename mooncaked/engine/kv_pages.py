@@ -8,6 +8,11 @@
    token t of a sequence lives in page block_table[t // block_size] at offset t % block_size.
 3. When a request ends (or fails) its owner frees its pages (`free` / `free_owner`); the page contents are left
    as they are and simply overwritten by the next owner.
+
+Pages are token-major (the attention kernels read them so); a store object is head-major,
+[model layers, 2, model kv_heads, block_size, head_dim], so one tensor-parallel rank's KV heads of one layer's
+K (or V) are one contiguous range of it whatever the degree (`object_spans`), and objects have the same bytes
+at every degree. Staging rows hold this instance's part: [layers, 2, kv_heads, block_size, head_dim].
 """
 
 from __future__ import annotations
@@ -87,13 +92,20 @@ class PageAllocator:
 class KVPages:
     """Owns the per-layer KV page tensors and their allocator. A pipeline stage holds pages for its own layers
     only: page layer i is model layer `first_layer + i`, and a store object still holds every model layer
-    (`object_nbytes`)."""
+    (`object_nbytes`). A tensor-parallel rank holds KV heads [kv_head_offset, kv_head_offset + num_kv_heads) of
+    the model's `num_model_kv_heads`."""
 
     def __init__(self, *, num_layers: int, num_pages: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, first_layer: int = 0,
-                 num_model_layers: int | None = None) -> None:
+                 num_model_layers: int | None = None, kv_head_offset: int = 0,
+                 num_model_kv_heads: int | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        self.kv_head_offset = kv_head_offset
+        self.num_model_kv_heads = num_kv_heads if num_model_kv_heads is None else num_model_kv_heads
+        if not 0 <= kv_head_offset <= self.num_model_kv_heads - num_kv_heads:
+            raise ValueError(f"KV heads [{kv_head_offset}, {kv_head_offset + num_kv_heads}) are not within the "
+                             f"model's {self.num_model_kv_heads}")
         self.num_layers = num_layers
         self.first_layer = first_layer
         self.num_model_layers = num_layers if num_model_layers is None else num_model_layers
@@ -118,10 +130,11 @@ class KVPages:
                   shard: ShardShape | None = None) -> KVPages:
         """Pages of `layers` (default all), for the KV heads of `shard` (a tensor-parallel rank; default all)."""
         layers = layers or LayerRange.whole(args)
-        num_kv_heads = args.num_kv_heads if shard is None else shard.num_kv_heads
+        shard = shard or ShardShape.whole(args)
         return cls(num_layers=layers.size, num_pages=num_pages, block_size=block_size,
-                   num_kv_heads=num_kv_heads, head_dim=args.head_dim, dtype=dtype, device=device,
-                   first_layer=layers.start, num_model_layers=args.num_layers)
+                   num_kv_heads=shard.num_kv_heads, head_dim=args.head_dim, dtype=dtype, device=device,
+                   first_layer=layers.start, num_model_layers=args.num_layers, kv_head_offset=shard.kv_head_offset,
+                   num_model_kv_heads=args.num_kv_heads)
 
     @property
     def page_shape(self) -> tuple[int, int, int]:
@@ -133,14 +146,10 @@ class KVPages:
         """Bytes of one page of one layer, K or V."""
         return self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
-    def page_byte_offset(self, layer: int, kind: int, page_id: int) -> int:
-        """Where page `page_id` of `layer`'s K (kind 0) or V (kind 1) starts in `buffer`, in bytes."""
-        return ((layer * 2 + kind) * self.num_pages + page_id) * self.page_nbytes
-
     @property
     def layer_block_nbytes(self) -> int:
-        """Bytes of one layer's K and V for one block (one contiguous range of a store object)."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """Bytes of this instance's K and V of one layer of one block (one staging row's layer slice)."""
+        return 2 * self.page_nbytes
 
     @property
     def block_nbytes(self) -> int:
@@ -149,12 +158,21 @@ class KVPages:
 
     @property
     def object_nbytes(self) -> int:
-        """Bytes of one store object: all model layers' K and V of one block (DESIGN section 5)."""
-        return self.num_model_layers * self.layer_block_nbytes
+        """Bytes of one store object: all model layers' and KV heads' K and V of one block (DESIGN section 5)."""
+        head_nbytes = self.block_size * self.head_dim * self.dtype.itemsize
+        return self.num_model_layers * 2 * self.num_model_kv_heads * head_nbytes
 
-    def object_layer_offset(self, layer: int) -> int:
-        """Where page layer `layer` (model layer first_layer + layer) starts inside a store object."""
-        return (self.first_layer + layer) * self.layer_block_nbytes
+    def object_spans(self, layer: int) -> list[tuple[int, int, int]]:
+        """(offset in a store object, offset in a staging row, length) in bytes of this instance's part of page
+        layer `layer` (model layer first_layer + layer): its KV heads of K, then of V; one range when it holds
+        every KV head."""
+        head_nbytes = self.block_size * self.head_dim * self.dtype.itemsize
+        model_layer = self.first_layer + layer
+        spans = [(((model_layer * 2 + kind) * self.num_model_kv_heads + self.kv_head_offset) * head_nbytes,
+                  (layer * 2 + kind) * self.page_nbytes, self.page_nbytes) for kind in (0, 1)]
+        if self.num_kv_heads == self.num_model_kv_heads:
+            return [(spans[0][0], spans[0][1], 2 * self.page_nbytes)]
+        return spans
 
     def num_pages_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size

@@ -3,8 +3,8 @@
 1. `LayerLoader(kv, sources, num_blocks)`; `start()` (event loop) starts its task.
 2. The task walks the layers in order with at most `worker.max_layers_in_flight` of them in flight: for layer i
    it reads layer i's slice of every source block from its store (one transfer batch per store; same-host
-   stores are a memcpy on the worker's copy thread, others the transfer engine) straight into host pages, or
-   into staging and then, on the copy thread, into GPU pages; layer i is then ready. Layer i+1's read is
+   stores are a memcpy on the worker's copy thread, others the transfer engine) into staging and then, on the
+   copy thread, into the pages (a transposing copy: objects are head-major); layer i is then ready. Layer i+1's read is
    already under way while layer i computes.
 3. The compute thread calls `wait_layer(i)` before layer i (it returns False once the loading failed: the caller
    stops using this request); an event-loop caller awaits `wait_all()`.
@@ -41,7 +41,6 @@ class LoadTarget(Protocol):
 
     request_id: str
     worker: Worker
-    is_direct: bool  # reads land in the pages themselves; else in staging, then `copy_layer_in`
 
     async def read_layer(self, store_name: str, indices: Sequence[int], offsets: Sequence[int],
                          layer: int, incarnation: int = 0) -> None: ...
@@ -131,10 +130,10 @@ class LayerLoader:
             if timeline is not None:
                 timeline.record("load", kv.request_id, layer, "start")
             await asyncio.gather(*(kv.read_layer(s.store_name, s.indices, s.offsets, layer, s.incarnation) for s in self.sources))
-            if not kv.is_direct:  # the read filled staging: copy it into the pages
-                copy = kv.worker.copy_thread.submit(kv.copy_layer_in, layer, self.num_blocks)
-                self._copies.append(copy)
-                await asyncio.wrap_future(copy)
+            # the read filled staging: copy it into the pages
+            copy = kv.worker.copy_thread.submit(kv.copy_layer_in, layer, self.num_blocks)
+            self._copies.append(copy)
+            await asyncio.wrap_future(copy)
             if timeline is not None:
                 timeline.record("load", kv.request_id, layer, "end")
             self._ready[layer].set()

@@ -1,23 +1,22 @@
 """One request's KV on a worker: its pages, its host staging buffer, and the byte moves to and from stores.
 
 1. `RequestKv(worker, request_id, num_tokens)` allocates pages for every block of the prompt (the partial tail
-   included) plus `num_extra_tokens`. Pages in host memory (CPU) are a transfer-engine segment: every move goes
-   straight between them and the stores (`is_direct`). GPU pages take a staging buffer [num_blocks, layers, 2,
-   block_size, kv_heads, head_dim] in the store's object layout (DESIGN 5) from the worker's staging pool.
+   included) plus `num_extra_tokens`, and a staging buffer [num_blocks, layers, 2, kv_heads, block_size,
+   head_dim] in the store's head-major object layout (DESIGN 5, engine/kv_pages.py) from the worker's staging
+   pool: pages are token-major, so every move goes through staging and a transposing copy (on CPU pages too).
 2. Loading: `start_loading(sources, num_blocks)` (event loop) starts a LayerLoader: layer by layer from the
-   stores into the pages (through staging and a copy on the copy thread, for GPU pages). The forward waits per
-   layer (`wait_layer_loaded`, compute thread); a caller that needs all of it awaits `wait_loaded`.
+   stores into staging, then pages (a copy on the copy thread). The forward waits per layer
+   (`wait_layer_loaded`, compute thread); a caller that needs all of it awaits `wait_loaded`.
 3. Storing: `store_layer(i, start, writes)` (compute thread, after layer i) queues layer i's writes to every
-   store (event loop; GPU pages: after the copy of layer i of blocks `start..` into staging on the copy
-   thread) and returns: layer i is sent while layer i+1 computes. With GPU pages registered for RDMA
-   (GPUDirect), another host's store gets layer i straight from the pages. At most
-   `worker.max_layers_in_flight` layers are in flight; beyond, the compute thread waits for the oldest.
+   store (event loop, after the copy of layer i of blocks `start..` into staging on the copy thread) and
+   returns: layer i is sent while layer i+1 computes. At most `worker.max_layers_in_flight` layers are in
+   flight; beyond, the compute thread waits for the oldest.
    `wait_writes()` awaits them all (and reports a failed load). Same-host copies run on the copy thread,
    others on the transfer engine's threads: none on the compute thread.
 4. `release()` stops the loader, waits for queued copies, frees the pages and gives the staging back; the
    caller owns store handles and leases and ends them (commit, abort, release) before it. Memory a move was
-   abandoned in (cancelled, failed mid-flight) may still take late bytes: staging is dropped, not reused, and
-   pages are freed only after transfer.io_timeout_s.
+   abandoned in (cancelled, failed mid-flight) may still take late bytes: staging is dropped, not reused (moves
+   never touch the pages, so they are freed at once; a release cancelled mid-wait frees them after the deadline).
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from mooncaked.kv.client import Span, Staging
@@ -37,9 +35,6 @@ from mooncaked.roles.worker.layer_loader import BlockSource, LayerLoader, LoadFa
 from mooncaked.roles.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
-
-_NO_BYTES = np.empty(0, dtype=np.uint8)  # moves from the pages' segment never touch host bytes
-
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
@@ -67,9 +62,8 @@ class RequestKv:
         self.num_full_blocks = num_tokens // worker.block_size
         num_pages = num_blocks_for(num_tokens + num_extra_tokens, worker.block_size)
         self.page_ids: list[int] = worker.pages.allocate(num_pages, owner=request_id)
-        self.is_direct = worker.host_pages is not None
-        self._buffer = None if self.is_direct else worker.staging_pool.acquire(self.num_blocks)
-        self.staging = None if self._buffer is None else worker.staging_pool.view(self._buffer, self.num_blocks)
+        self._buffer = worker.staging_pool.acquire(self.num_blocks)
+        self.staging = worker.staging_pool.view(self._buffer, self.num_blocks)
         self.num_loaded = 0
         self.loader: LayerLoader | None = None
         self.store_error: Exception | None = None
@@ -80,10 +74,7 @@ class RequestKv:
 
     # ---- moves between stores and this request's memory (event loop) ------------------------------------
     def _memory(self) -> Staging:
-        """The local end of this request's moves: the pages (direct) or its staging buffer."""
-        if self.worker.host_pages is not None:
-            return self.worker.host_pages
-        assert self._buffer is not None
+        """The local end of this request's moves: its staging buffer."""
         return Staging(self._buffer.name, self._buffer.array)
 
     async def _move(self, op: TransferOp, store_name: str, spans: Sequence[Span], memory: Staging,
@@ -97,24 +88,14 @@ class RequestKv:
             raise
 
     def layer_spans(self, indices: Sequence[int], offsets: Sequence[int], layer: int) -> list[Span]:
-        """Layer `layer` of blocks `indices` in this request's memory <-> pool `offsets` (`layer` counts this
-        worker's layers: a pipeline stage's layer i is model layer first_layer + i of the store object)."""
-        if self.is_direct:
-            return self.page_spans(indices, offsets, layer)
+        """Layer `layer` of blocks `indices` in staging <-> pool `offsets` (`layer` counts this worker's layers:
+        a pipeline stage's layer i is model layer first_layer + i of the store object; a tensor-parallel rank
+        moves its KV heads' ranges of it)."""
         kv_pages = self.worker.kv_pages
         assert kv_pages is not None
-        # staging rows hold this worker's layers only; the store object every layer of the model
-        row, size, in_object = kv_pages.block_nbytes, kv_pages.layer_block_nbytes, kv_pages.object_layer_offset(layer)
-        return [Span(offset + in_object, index * row + layer * size, size) for index, offset in zip(indices, offsets)]
-
-    def page_spans(self, indices: Sequence[int], offsets: Sequence[int], layer: int) -> list[Span]:
-        """Layer `layer` of blocks `indices` as K and V page ranges of the pages' buffer <-> pool `offsets`."""
-        kv_pages = self.worker.kv_pages
-        assert kv_pages is not None
-        layer_offset, page_bytes = kv_pages.object_layer_offset(layer), kv_pages.page_nbytes
-        return [Span(offset + layer_offset + kind * page_bytes,
-                     kv_pages.page_byte_offset(layer, kind, self.page_ids[index]), page_bytes)
-                for index, offset in zip(indices, offsets) for kind in (0, 1)]
+        row, parts = kv_pages.block_nbytes, kv_pages.object_spans(layer)
+        return [Span(offset + in_object, index * row + in_row, size)
+                for index, offset in zip(indices, offsets) for in_object, in_row, size in parts]
 
     async def read_layer(self, store_name: str, indices: Sequence[int], offsets: Sequence[int], layer: int,
                          incarnation: int = 0) -> None:
@@ -137,7 +118,7 @@ class RequestKv:
     def copy_layer_in(self, layer: int, num_blocks: int) -> None:
         """Copy thread: staging[:num_blocks, layer] -> pages, complete when this returns."""
         worker = self.worker
-        assert worker.copier is not None and worker.kv_pages is not None and self.staging is not None
+        assert worker.copier is not None and worker.kv_pages is not None
         worker.copier.load_layer(worker.kv_pages, layer, self.staging[:num_blocks],
                                  self.page_ids[:num_blocks]).synchronize()
 
@@ -168,12 +149,10 @@ class RequestKv:
         if self.is_failed or not self._wait_store_window():
             return
         worker = self.worker
-        copy = None
-        if not self.is_direct:
-            assert worker.copier is not None
-            compute_done = worker.copier.mark_compute()  # layer `layer`'s end: the copy waits for nothing later
-            copy = worker.copy_thread.submit(self._copy_layer_out, layer, start, compute_done)
-            self._copies.append(copy)
+        assert worker.copier is not None
+        compute_done = worker.copier.mark_compute()  # layer `layer`'s end: the copy waits for nothing later
+        copy = worker.copy_thread.submit(self._copy_layer_out, layer, start, compute_done)
+        self._copies.append(copy)
         self._writes.append(worker.post(self._write_layer_all(copy, layer, writes)))
 
     def _wait_store_window(self) -> bool:
@@ -192,37 +171,21 @@ class RequestKv:
     def _copy_layer_out(self, layer: int, start: int, compute_done: torch.cuda.Event | None) -> None:
         """Copy thread: pages -> staging[start:, layer], once `compute_done` (CUDA) passed."""
         worker = self.worker
-        assert worker.copier is not None and worker.kv_pages is not None and self.staging is not None
+        assert worker.copier is not None and worker.kv_pages is not None
         if worker.timeline is not None:
             worker.timeline.record("store", self.request_id, layer, "start")
         if start < self.num_blocks:
             worker.copier.store_layer(worker.kv_pages, layer, self.staging[start:],
                                       self.page_ids[start: self.num_blocks], compute_done).synchronize()
 
-    async def _write_layer_all(self, copy: concurrent.futures.Future[None] | None, layer: int,
+    async def _write_layer_all(self, copy: concurrent.futures.Future[None], layer: int,
                                writes: Sequence[LayerWrite]) -> None:
         timeline = self.worker.timeline
-        if copy is not None:
-            await asyncio.wrap_future(copy)  # on CUDA the copy waited for layer `layer`'s compute
-        elif timeline is not None:
-            timeline.record("store", self.request_id, layer, "start")
-        await asyncio.gather(*(self._write_layer_to(w, layer) for w in writes if w.indices))
+        await asyncio.wrap_future(copy)  # on CUDA the copy waited for layer `layer`'s compute
+        await asyncio.gather(*(self.write_layer(w.store_name, w.indices, w.offsets, layer, w.incarnation)
+                               for w in writes if w.indices))
         if timeline is not None:
             timeline.record("store", self.request_id, layer, "end")
-
-    async def _write_layer_to(self, write: LayerWrite, layer: int) -> None:
-        """Another host's store reads GPU pages straight over RDMA when they are registered (GPUDirect)."""
-        pages_segment = self.worker.kv_pages_segment
-        if self.is_direct or pages_segment is None:
-            await self.write_layer(write.store_name, write.indices, write.offsets, layer, write.incarnation)
-            return
-        client = await self.worker.store_client(write.store_name)
-        if client.is_local:
-            await self.write_layer(write.store_name, write.indices, write.offsets, layer, write.incarnation)
-            return
-        spans = self.page_spans(write.indices, write.offsets, layer)
-        await self._move(TransferOp.WRITE, write.store_name, spans, Staging(pages_segment, _NO_BYTES),
-                         write.incarnation)
 
     async def wait_writes(self, timeout_s: float) -> None:
         """Await every queued layer write; raises the first failure (a failed load included)."""
@@ -260,15 +223,13 @@ class RequestKv:
             logger.error("%s: KV copies still running after %gs; its pages and staging are not reused",
                          self.request_id, timeout_s)
             return
-        is_late_write_possible = self.is_direct and not self._is_moves_clean
-        self._give_back(delay_s=self.worker.config.transfer.io_timeout_s if is_late_write_possible else 0.0,
-                        is_reusable=self._is_moves_clean)
+        # moves touch staging only (dropped below when one was abandoned), so the pages are free at once
+        self._give_back(delay_s=0.0, is_reusable=self._is_moves_clean)
 
     def _give_back(self, delay_s: float, is_reusable: bool) -> None:
         worker = self.worker
         assert worker.pages is not None and worker.staging_pool is not None
-        if self._buffer is not None:
-            worker.staging_pool.release(self._buffer, is_reusable=is_reusable)
+        worker.staging_pool.release(self._buffer, is_reusable=is_reusable)
         if delay_s > 0:
             worker.free_pages_later(self.request_id, delay_s)
         else:

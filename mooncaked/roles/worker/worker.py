@@ -5,8 +5,8 @@
    file; prefill keeps plain projections, decode packed ones in their place, a switchable worker both:
    memory_plan.worker_packing), size the KV pages from the memory budget (engine.kv_budget; a budget too small
    for one max-length request fails here), allocate them (for its layers), build the runner, copier, staging
-   pool (pinned on the GPU's NUMA node) and sampler, register GPU pages as "cuda:N" where RDMA can map them,
-   connect to this host's store (mapping its pool).
+   pool (pinned on the GPU's NUMA node) and sampler, connect to this host's store (mapping its pool). Every
+   store move goes through staging: objects are head-major, pages token-major (engine/kv_pages.py).
 2. `await compute(fn, *args)` runs model work on the single compute thread, keeping the event loop free for RPC,
    transfers and heartbeats. KV copies between pages and staging run on the single copy thread
    (`copy_thread`), so a layer's store or load never runs on the compute thread; each thread may be pinned to
@@ -43,7 +43,7 @@ from mooncaked.engine.kv_pages import KVPages, PageAllocator
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.engine.staging_pool import StagingPool
 from mooncaked.engine.timeline import LayerTimeline
-from mooncaked.kv.client import Staging, StoreClient
+from mooncaked.kv.client import StoreClient
 from mooncaked.kv.keys import model_namespace
 from mooncaked.membership import Membership, StaticMembership, store_on_host
 from mooncaked.memory_plan import worker_packing
@@ -53,7 +53,7 @@ from mooncaked.model.memory_fit import activation_bytes
 from mooncaked.model.sampler import Sampler
 from mooncaked.numa import allowed_memory_nodes
 from mooncaked.roles.worker.cpp_group import GroupStage, group_stage
-from mooncaked.roles.worker.kv_placement import register_kv_pages, staging_placement
+from mooncaked.roles.worker.kv_placement import staging_placement
 from mooncaked.roles.base import PeerClients, make_transfer_engine
 from mooncaked.rpc import InvalidArgument, Unavailable
 from mooncaked.sched.perf_model import PerformanceModel
@@ -79,8 +79,6 @@ class Worker:
         self.copy_thread = pinned_executor("kv-copy", self.section.copy_cpus, "worker.copy_cpus")
         self.staging_pool: StagingPool | None = None
         self.timeline: LayerTimeline | None = None
-        self.kv_pages_segment: str | None = None  # the pages' segment: host pages, or GPU pages RDMA maps
-        self.host_pages: Staging | None = None  # host pages as the local end of store moves (CPU)
         self._deferred_frees: dict[str, asyncio.TimerHandle] = {}
         self._stores: dict[str, StoreClient] = {}
         self._store_locks: dict[str, asyncio.Lock] = {}
@@ -121,13 +119,6 @@ class Worker:
         self.staging_pool = StagingPool(
             self.kv_pages, self.instance.name, lambda name, data: self.engine.register(name, data, placement.location),
             self.engine.unregister, numa_node=placement.numa_node)
-        pages_segment = f"{self.instance.name}/kv-pages"
-        if self.loaded.device.type == "cpu":  # host pages: moves go straight to and from them, no staging
-            self.engine.register(pages_segment, self.kv_pages.buffer, placement.location)
-            self.kv_pages_segment = pages_segment
-            self.host_pages = Staging(pages_segment, self.kv_pages.buffer.view(-1).view(torch.uint8).numpy())
-        elif register_kv_pages(self.engine, pages_segment, self.kv_pages.buffer, self.loaded.device):
-            self.kv_pages_segment = pages_segment
         self.sampler = Sampler(seed=model.seed, device=self.loaded.device)
         self.namespace = model_namespace(self.loaded.model_id, model.dtype, block_size)
         self.local_store_name = await self._find_local_store()
