@@ -161,19 +161,27 @@ class KVCopier:
             src = torch.empty((staging.shape[0], *staging.shape[2:]), dtype=staging.dtype, device=kv_pages.device)
             for n in range(staging.shape[0]):
                 src[n].copy_(staging[n, layer], non_blocking=True)
-        kernels.scatter_blocks(src[:, 0], kv_pages.k_pages[layer], ids, self.backend, head_major=True)
-        kernels.scatter_blocks(src[:, 1], kv_pages.v_pages[layer], ids, self.backend, head_major=True)
+        for pages, head, _ in kv_pages.copy_parts():  # every rank (replicas of a KV head too) gets its heads
+            heads = slice(head, head + pages.num_kv_heads)
+            kernels.scatter_blocks(src[:, 0, heads], pages.k_pages[layer], ids, self.backend, head_major=True)
+            kernels.scatter_blocks(src[:, 1, heads], pages.v_pages[layer], ids, self.backend, head_major=True)
 
     def _store(self, kv_pages: KVPages, layer: int, staging: torch.Tensor, ids: torch.Tensor) -> None:
-        k = kernels.gather_blocks(kv_pages.k_pages[layer], ids, self.backend, head_major=True)  # [N, Hkv, B, D]
-        v = kernels.gather_blocks(kv_pages.v_pages[layer], ids, self.backend, head_major=True)
-        if staging.device == k.device:
-            staging[:, layer, 0].copy_(k)
-            staging[:, layer, 1].copy_(v)
+        for pages, head, is_writer in kv_pages.copy_parts():
+            if is_writer:  # of a replicated KV head, the first rank holding it
+                self._store_part(pages, layer, staging[:, layer, :, head: head + pages.num_kv_heads], ids)
+
+    def _store_part(self, pages: KVPages, layer: int, dst: torch.Tensor, ids: torch.Tensor) -> None:
+        """pages' layer `layer` at `ids` -> dst [N, 2, Hl, B, D] (one layer of staging, these pages' heads)."""
+        k = kernels.gather_blocks(pages.k_pages[layer], ids, self.backend, head_major=True)  # [N, Hl, B, D]
+        v = kernels.gather_blocks(pages.v_pages[layer], ids, self.backend, head_major=True)
+        if dst.device == k.device:
+            dst[:, 0].copy_(k)
+            dst[:, 1].copy_(v)
             return
-        both = torch.stack([k, v], dim=1)  # [N, 2, Hkv, B, D]
+        both = torch.stack([k, v], dim=1)  # [N, 2, Hl, B, D]
         for n in range(both.shape[0]):  # device -> host per block: each destination range is contiguous
-            staging[n, layer].copy_(both[n], non_blocking=True)
+            dst[n].copy_(both[n], non_blocking=True)
 
 
 def _check_staging(kv_pages: KVPages, staging: torch.Tensor, num_blocks: int) -> None:

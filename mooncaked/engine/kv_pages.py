@@ -98,7 +98,7 @@ class KVPages:
     def __init__(self, *, num_layers: int, num_pages: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, first_layer: int = 0,
                  num_model_layers: int | None = None, kv_head_offset: int = 0,
-                 num_model_kv_heads: int | None = None) -> None:
+                 num_model_kv_heads: int | None = None, buffer: torch.Tensor | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.kv_head_offset = kv_head_offset
@@ -119,7 +119,10 @@ class KVPages:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (num_layers, 2, num_pages, block_size, num_kv_heads, head_dim)
-        self.buffer = torch.zeros(shape, dtype=dtype, device=device)
+        if buffer is None:
+            self.buffer = torch.zeros(shape, dtype=dtype, device=device)
+        else:  # memory shared with another process (a tensor-parallel rank's pages, engine/tp_pages.py)
+            self.buffer = buffer.view(dtype).view(shape)
         self.k_pages = [self.buffer[layer, 0] for layer in range(num_layers)]
         self.v_pages = [self.buffer[layer, 1] for layer in range(num_layers)]
         self.allocator = PageAllocator(num_pages)
@@ -127,14 +130,26 @@ class KVPages:
     @classmethod
     def for_model(cls, args: ModelArgs, *, num_pages: int, block_size: int, dtype: torch.dtype,
                   device: torch.device | str, layers: LayerRange | None = None,
-                  shard: ShardShape | None = None) -> KVPages:
-        """Pages of `layers` (default all), for the KV heads of `shard` (a tensor-parallel rank; default all)."""
+                  shard: ShardShape | None = None, buffer: torch.Tensor | None = None) -> KVPages:
+        """Pages of `layers` (default all), for the KV heads of `shard` (a tensor-parallel rank; default all),
+        in `buffer` (flat uint8 of `nbytes_for(...)`) when given."""
         layers = layers or LayerRange.whole(args)
         shard = shard or ShardShape.whole(args)
         return cls(num_layers=layers.size, num_pages=num_pages, block_size=block_size,
                    num_kv_heads=shard.num_kv_heads, head_dim=args.head_dim, dtype=dtype, device=device,
                    first_layer=layers.start, num_model_layers=args.num_layers, kv_head_offset=shard.kv_head_offset,
-                   num_model_kv_heads=args.num_kv_heads)
+                   num_model_kv_heads=args.num_kv_heads, buffer=buffer)
+
+    @staticmethod
+    def nbytes_for(args: ModelArgs, shard: ShardShape, num_pages: int, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes of the pages of every layer for `shard`'s KV heads."""
+        return args.num_layers * 2 * num_pages * block_size * shard.num_kv_heads * args.head_dim * dtype.itemsize
+
+    def copy_parts(self) -> list[tuple[KVPages, int, bool]]:
+        """(pages, first KV head in this instance's staging rows, whether store copies read them): the pages a
+        staging row is copied to and from. One instance's own pages; every rank's for a tensor-parallel
+        instance (engine/tp_pages.py)."""
+        return [(self, 0, True)]
 
     @property
     def page_shape(self) -> tuple[int, int, int]:
