@@ -43,11 +43,12 @@ def start_ranks(worker: Worker) -> tuple[TensorParallelRunner, KVSizing, Sharded
     args = model_args(model.source)
     dtype = resolve_dtype(model.dtype, model.device)
     budget = KVBudget(section.num_kv_pages, section.kv_memory_bytes, section.memory_fraction)
+    packing = worker_packing(worker.instance.role, section.switchable) if model.cpu_packed_gemm else "plain"
     sizing = size_kv(budget, args=args, block_size=config.kv.block_size, dtype=dtype, device_type="cpu",
                      max_model_len=model.max_model_len, device_memory=None, num_layers=None)
     spec = RankSpec(source=model.source, num_pages=sizing.num_pages, block_size=config.kv.block_size,
                     dtype=model.dtype, device=model.device, seed=model.seed,
-                    packing=worker_packing(worker.instance.role, section.switchable), backend=model.kernel_backend,
+                    packing=packing, backend=model.kernel_backend,
                     num_threads=config.runtime.num_threads, timeout_s=config.transfer.timeout_s,
                     is_pages_shared=True)
     runner = TensorParallelRunner.start(spec, config.tensor_parallel_size_of(worker.instance))
