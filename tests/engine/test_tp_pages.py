@@ -8,6 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mooncaked.engine.batch import PrefillBatch, PrefillSeq, build_prefill_batch
 from mooncaked.engine.kv_copy import KVCopier, new_staging
@@ -118,3 +120,40 @@ def test_a_raising_callback_stops_every_rank_and_the_group_stays_usable(tp: Tens
 
 def _raise(exc: Exception) -> None:
     raise exc
+
+
+@settings(max_examples=40, deadline=None)
+@given(num_kv_heads=st.sampled_from([1, 2, 4]), num_ranks=st.sampled_from([1, 2, 4]),
+       block_size=st.integers(1, 5), head_dim=st.sampled_from([2, 4, 6]), seed=st.integers(0, 2**16),
+       page_ids=st.lists(st.integers(0, 5), min_size=1, max_size=4, unique=True))
+def test_store_objects_are_the_same_bytes_at_every_degree(num_kv_heads: int, num_ranks: int, block_size: int,
+                                                          head_dim: int, seed: int, page_ids: list[int]) -> None:
+    """Any degree the KV heads allow (split, or replicated when fewer than the ranks): the ranks' pages stage
+    exactly the objects one instance holding every head stages, and loading them back fills each rank with its
+    heads; each rank's object_spans of a layer are its heads' ranges of the one-instance object."""
+    args = random_preset("tiny", num_heads=4, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    whole = KVPages.for_model(args, num_pages=6, block_size=block_size, dtype=torch.float32, device="cpu")
+    whole.buffer.copy_(torch.randn(whole.buffer.shape, generator=torch.Generator().manual_seed(seed)))
+    shards = [shard_shape(args, rank, num_ranks) for rank in range(num_ranks)]
+    ranks = [KVPages.for_model(args, num_pages=6, block_size=block_size, dtype=torch.float32, device="cpu",
+                               shard=shard) for shard in shards]
+    for pages in ranks:
+        heads = slice(pages.kv_head_offset, pages.kv_head_offset + pages.num_kv_heads)
+        pages.buffer.copy_(whole.buffer[:, :, :, :, heads])
+    sharded = ShardedPages(ranks, args)
+    ours, theirs = new_staging(sharded, len(page_ids)), new_staging(whole, len(page_ids))
+    KVCopier("cpu").store_all_layers(sharded, ours, page_ids).synchronize()
+    KVCopier("cpu").store_all_layers(whole, theirs, page_ids).synchronize()
+    assert torch.equal(ours, theirs)
+    for pages in ranks:
+        pages.buffer.zero_()
+    KVCopier("cpu").load_all_layers(sharded, theirs, page_ids).synchronize()
+    object_bytes = theirs[0].contiguous().view(-1).view(torch.uint8)
+    for pages in ranks:
+        heads = slice(pages.kv_head_offset, pages.kv_head_offset + pages.num_kv_heads)
+        assert torch.equal(pages.k_pages[1][page_ids], whole.k_pages[1][page_ids][:, :, heads])
+        rank_row = new_staging(pages, 1)
+        KVCopier("cpu").store_all_layers(pages, rank_row, page_ids[:1]).synchronize()
+        row_bytes = rank_row.view(-1).view(torch.uint8)
+        for in_object, in_row, size in pages.object_spans(1):
+            assert torch.equal(row_bytes[in_row: in_row + size], object_bytes[in_object: in_object + size])
