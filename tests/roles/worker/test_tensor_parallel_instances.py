@@ -130,6 +130,35 @@ async def test_a_killed_rank_fails_the_instance_and_its_requests(tmp_path: Path)
             await clients.close()
 
 
+async def test_a_rank_killed_mid_decode_ends_the_stream_with_an_error(tmp_path: Path) -> None:
+    """The rank dies while the request's tokens stream: the stream ends with RankFailed within the deadline."""
+    config = cluster_config(tmp_path, [instance("s0", "store"), instance("d0", "decode", **TP2)],
+                            transfer={"timeout_s": 5.0})
+    async with running_roles(config, ["s0", "d0"]) as roles:
+        worker = roles["d0"].worker  # type: ignore[attr-defined]
+        clients = PeerClients(config, config.instance_named("d0"))
+        try:
+            decode = clients.for_instance(config.instance_named("d0"))
+            tokens = prompt(5, 20)
+            keys = keys_for(config, tokens)
+            spec = SamplingSpec(max_tokens=900, temperature=0.0, ignore_eos=True)
+            reserve = await decode.call(RESERVE, ReserveRequest("long", keys, len(tokens), 900, 10_000,
+                                                                is_inline_prefill=True), timeout_s=DEADLINE_S)
+            assert reserve.is_accepted, reserve.reason
+            num_items = 0
+            with pytest.raises(Internal, match="RankFailed"):
+                async with asyncio.timeout(DEADLINE_S):
+                    async for _ in decode.stream(DECODE, DecodeRequest("long", tokens, keys, spec, None),
+                                                 timeout_s=DEADLINE_S):
+                        num_items += 1
+                        if num_items == 1:  # tokens are streaming: the request is mid-decode
+                            os.kill(worker.tp.processes[0].pid, signal.SIGKILL)
+            assert num_items >= 1
+            await asyncio.wait_for(worker.failed.wait(), DEADLINE_S)
+        finally:
+            await clients.close()
+
+
 async def test_serve_exits_non_zero_when_a_rank_exits(tmp_path: Path) -> None:
     """serve() stops the failed instance and returns EXIT_FAILED, so the supervisor restarts it whole."""
     config = cluster_config(tmp_path, [instance("s0", "store"), instance("d0", "decode", **TP2)],
