@@ -87,6 +87,9 @@ class KvPlan:
     async def close(self, commit: bool) -> None:
         await self.kv.settle_writes(self.kv.worker.config.transfer.timeout_s)
         await self.kv.release()  # stops the loader first: no read may use a lease ended below
+        if not self.kv.is_settled:  # a copy may still touch pool regions: leave them to their leases' expiry
+            logger.error("%s: store handles and leases are left to expire", self.kv.request_id)
+            return
         await self.close_store(commit)
 
 

@@ -2,19 +2,18 @@
 
 1. `LayerLoader(kv, sources, num_blocks)`; `start()` (event loop) starts its task.
 2. The task walks the layers in order with at most `worker.max_layers_in_flight` of them in flight: for layer i
-   it reads layer i's slice of every source block from its store (one transfer batch per store; same-host
-   stores are a memcpy on the worker's copy thread, others the transfer engine) into staging and then, on the
-   copy thread, into the pages (a transposing copy: objects are head-major); layer i is then ready. Layer i+1's read is
-   already under way while layer i computes.
+   it has the request load layer i's slice of every source block (`load_layer`: one move per store; host pages
+   take a same-host store's bytes straight from its pool in a transposing copy on the copy thread, other moves
+   go through staging and then a copy into the pages); layer i is then ready. Layer i+1's load is already under
+   way while layer i computes.
 3. The compute thread calls `wait_layer(i)` before layer i (it returns False once the loading failed: the caller
    stops using this request); an event-loop caller awaits `wait_all()`.
-4. `close()` cancels what is left and waits until no copy into the pages or staging is still running.
+4. `close()` cancels what is left; the request waits for copies still running (request_memory.CopyTracker).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import threading
 from collections.abc import Sequence
@@ -42,10 +41,7 @@ class LoadTarget(Protocol):
     request_id: str
     worker: Worker
 
-    async def read_layer(self, store_name: str, indices: Sequence[int], offsets: Sequence[int],
-                         layer: int, incarnation: int = 0) -> None: ...
-
-    def copy_layer_in(self, layer: int, num_blocks: int) -> None: ...
+    async def load_layer(self, layer: int, sources: Sequence[BlockSource]) -> None: ...
 
 
 class LoadFailed(Exception):
@@ -64,7 +60,6 @@ class LayerLoader:
         self.num_layers = worker.kv_pages.num_layers
         self._ready = [threading.Event() for _ in range(self.num_layers)]
         self.error: LoadFailed | None = None
-        self._copies: list[concurrent.futures.Future[None]] = []
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -90,17 +85,12 @@ class LayerLoader:
         if self.error is not None:
             raise self.error
 
-    async def close(self, timeout_s: float) -> bool:
-        """Cancel the task and wait for its queued copies; False when one is still running past `timeout_s`.
-        Awaits nothing when nothing runs (a caller being cancelled then still gets its pages back at once)."""
+    async def close(self) -> None:
+        """Cancel the task (the request's CopyTracker then waits for copies still running). Awaits nothing when
+        the task is done (a caller being cancelled then still gets its pages back at once)."""
         if self._task is not None and not self._task.done():
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        pending = [asyncio.wrap_future(c) for c in self._copies if not c.done()]
-        if not pending:
-            return True
-        _, still_running = await asyncio.wait(pending, timeout=timeout_s)
-        return not still_running
 
     def _fail(self, message: str) -> None:
         if self.error is None:
@@ -129,11 +119,7 @@ class LayerLoader:
         try:
             if timeline is not None:
                 timeline.record("load", kv.request_id, layer, "start")
-            await asyncio.gather(*(kv.read_layer(s.store_name, s.indices, s.offsets, layer, s.incarnation) for s in self.sources))
-            # the read filled staging: copy it into the pages
-            copy = kv.worker.copy_thread.submit(kv.copy_layer_in, layer, self.num_blocks)
-            self._copies.append(copy)
-            await asyncio.wrap_future(copy)
+            await kv.load_layer(layer, self.sources)
             if timeline is not None:
                 timeline.record("load", kv.request_id, layer, "end")
             self._ready[layer].set()

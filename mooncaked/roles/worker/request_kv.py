@@ -1,22 +1,27 @@
-"""One request's KV on a worker: its pages, its host staging buffer, and the byte moves to and from stores.
+"""One request's KV on a worker: its pages, the staging it holds while moves need it, and its byte moves.
 
 1. `RequestKv(worker, request_id, num_tokens)` allocates pages for every block of the prompt (the partial tail
-   included) plus `num_extra_tokens`, and a staging buffer [num_blocks, layers, 2, kv_heads, block_size,
-   head_dim] in the store's head-major object layout (DESIGN 5, engine/kv_pages.py) from the worker's staging
-   pool: pages are token-major, so every move goes through staging and a transposing copy (on CPU pages too).
-2. Loading: `start_loading(sources, num_blocks)` (event loop) starts a LayerLoader: layer by layer from the
-   stores into staging, then pages (a copy on the copy thread). The forward waits per layer
-   (`wait_layer_loaded`, compute thread); a caller that needs all of it awaits `wait_loaded`.
+   included) plus `num_extra_tokens`. Store objects are head-major, pages token-major (DESIGN 5,
+   engine/kv_pages.py), so every move transposes. Host pages (CPU) move straight to and from the store on this
+   host, whose pool the worker maps: one transposing copy per page on the copy thread (`PagesEnd`), no staging.
+   Moves with another host's store (and every move of GPU pages) go through a staging buffer [num_blocks,
+   layers, 2, kv_heads, block_size, head_dim] in the object layout, which the request holds only while such a
+   move is in flight (request_memory.StagingHold): a decode instance holds no second copy of its requests' KV.
+2. Loading: `start_loading(sources, num_blocks)` (event loop) starts a LayerLoader, which loads layer by layer
+   (`load_layer`: direct, or into staging and then into the pages on the copy thread). The forward waits per
+   layer (`wait_layer_loaded`, compute thread); a caller that needs all of it awaits `wait_loaded`.
 3. Storing: `store_layer(i, start, writes)` (compute thread, after layer i) queues layer i's writes to every
-   store (event loop, after the copy of layer i of blocks `start..` into staging on the copy thread) and
-   returns: layer i is sent while layer i+1 computes. At most `worker.max_layers_in_flight` layers are in
-   flight; beyond, the compute thread waits for the oldest.
+   store (event loop: direct copies from the pages on the copy thread; staged ones after the copy of layer i of
+   blocks `start..` into staging on the copy thread) and returns: layer i is sent while layer i+1 computes. At
+   most `worker.max_layers_in_flight` layers are in flight; beyond, the compute thread waits for the oldest.
    `wait_writes()` awaits them all (and reports a failed load). Same-host copies run on the copy thread,
    others on the transfer engine's threads: none on the compute thread.
-4. `release()` stops the loader, waits for queued copies, frees the pages and gives the staging back; the
-   caller owns store handles and leases and ends them (commit, abort, release) before it. Memory a move was
-   abandoned in (cancelled, failed mid-flight) may still take late bytes: staging is dropped, not reused (moves
-   never touch the pages, so they are freed at once; a release cancelled mid-wait frees them after the deadline).
+4. `release()` stops the loader, refuses new copies, waits for running ones (request_memory.CopyTracker), frees
+   the pages and gives staging back; the caller owns store handles and leases and ends them (commit, abort,
+   release) after it, so no direct copy can touch a pool region once its handle or lease ended. Staging a move
+   was abandoned in (cancelled, failed mid-flight) may still take late bytes from the transfer engine: it is
+   dropped, not reused. Moves never write the pages from another thread than the copy thread, so the pages are
+   freed at once (a release cancelled mid-wait frees them after the deadline).
 """
 
 from __future__ import annotations
@@ -24,14 +29,17 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from mooncaked.kv.client import Span, Staging
+from mooncaked.engine.kv_direct import PagesEnd
+from mooncaked.kv.client import Span, Staging, StoreClient
 from mooncaked.rdma import TransferOp
 from mooncaked.roles.worker.layer_loader import BlockSource, LayerLoader, LoadFailed
+from mooncaked.roles.worker.request_memory import CopyTracker, StagingHold
 from mooncaked.roles.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -51,7 +59,8 @@ class LayerWrite:
 
 
 class RequestKv:
-    """Owns one request's pages, staging buffer (GPU pages), loader, queued copies and in-flight writes."""
+    """Owns one request's pages, its copies (CopyTracker), its staging while moves need it (StagingHold), its
+    loader and its in-flight writes."""
 
     def __init__(self, worker: Worker, request_id: str, num_tokens: int, num_extra_tokens: int = 0) -> None:
         assert worker.pages is not None and worker.kv_pages is not None and worker.staging_pool is not None
@@ -62,50 +71,61 @@ class RequestKv:
         self.num_full_blocks = num_tokens // worker.block_size
         num_pages = num_blocks_for(num_tokens + num_extra_tokens, worker.block_size)
         self.page_ids: list[int] = worker.pages.allocate(num_pages, owner=request_id)
-        self._buffer = worker.staging_pool.acquire(self.num_blocks)
-        self.staging = worker.staging_pool.view(self._buffer, self.num_blocks)
+        self.is_host_pages = worker.kv_pages.device.type == "cpu"
+        self.pages_end = PagesEnd(worker.kv_pages, self.page_ids) if self.is_host_pages else None
+        self.staging = StagingHold(worker.staging_pool, self.num_blocks)
+        self.copies = CopyTracker(worker.copy_thread, request_id)
         self.num_loaded = 0
         self.loader: LayerLoader | None = None
         self.store_error: Exception | None = None
-        self._copies: list[concurrent.futures.Future[None]] = []
         self._writes: list[concurrent.futures.Future[None]] = []
-        self._is_moves_clean = True  # no move into or out of this request's memory was abandoned mid-flight
         self._is_released = False
+        self.is_settled = True  # see release
 
     # ---- moves between stores and this request's memory (event loop) ------------------------------------
-    def _memory(self) -> Staging:
-        """The local end of this request's moves: its staging buffer."""
-        return Staging(self._buffer.name, self._buffer.array)
+    def is_direct(self, client: StoreClient) -> bool:
+        """Whether moves with `client`'s store go straight between the pages and its mapped pool."""
+        return self.pages_end is not None and client.is_local
 
-    async def _move(self, op: TransferOp, store_name: str, spans: Sequence[Span], memory: Staging,
-                    incarnation: int) -> None:
-        client = await self.worker.store_client(store_name)
-        executor = self.worker.copy_thread if client.is_local else None
-        try:
-            await client.move(op, memory, spans, executor=executor, incarnation=incarnation)
-        except BaseException:
-            self._is_moves_clean = False
-            raise
+    async def _move(self, op: TransferOp, client: StoreClient, spans: Sequence[Span], incarnation: int) -> None:
+        """Pages (direct) or the held staging <-> `client`'s store; same-host copies run on the copy thread."""
+        memory: Staging | PagesEnd
+        if self.is_direct(client):
+            assert self.pages_end is not None
+            memory = self.pages_end
+        else:
+            assert self.staging.buffer is not None, "a move through staging runs while the request holds it"
+            memory = Staging(self.staging.buffer.name, self.staging.buffer.array)
+        await client.move(op, memory, spans, executor=self.copies if client.is_local else None,
+                          incarnation=incarnation)
 
     def layer_spans(self, indices: Sequence[int], offsets: Sequence[int], layer: int) -> list[Span]:
-        """Layer `layer` of blocks `indices` in staging <-> pool `offsets` (`layer` counts this worker's layers:
-        a pipeline stage's layer i is model layer first_layer + i of the store object; a tensor-parallel rank
-        moves its KV heads' ranges of it)."""
+        """Layer `layer` of blocks `indices` in staging rows <-> pool `offsets` (`layer` counts this worker's
+        layers: a pipeline stage's layer i is model layer first_layer + i of the store object; a tensor-parallel
+        rank moves its KV heads' ranges of it). Direct moves name the pages by the same row offsets."""
         kv_pages = self.worker.kv_pages
         assert kv_pages is not None
         row, parts = kv_pages.block_nbytes, kv_pages.object_spans(layer)
         return [Span(offset + in_object, index * row + in_row, size)
                 for index, offset in zip(indices, offsets) for in_object, in_row, size in parts]
 
-    async def read_layer(self, store_name: str, indices: Sequence[int], offsets: Sequence[int], layer: int,
-                         incarnation: int = 0) -> None:
-        spans = self.layer_spans(indices, offsets, layer)
-        await self._move(TransferOp.READ, store_name, spans, self._memory(), incarnation)
+    async def _read(self, source: BlockSource, layer: int) -> None:
+        client = await self.worker.store_client(source.store_name)
+        spans = self.layer_spans(source.indices, source.offsets, layer)
+        await self._move(TransferOp.READ, client, spans, source.incarnation)
 
-    async def write_layer(self, store_name: str, indices: Sequence[int], offsets: Sequence[int], layer: int,
-                          incarnation: int = 0) -> None:
-        spans = self.layer_spans(indices, offsets, layer)
-        await self._move(TransferOp.WRITE, store_name, spans, self._memory(), incarnation)
+    async def _write(self, write: LayerWrite, layer: int) -> None:
+        client = await self.worker.store_client(write.store_name)
+        spans = self.layer_spans(write.indices, write.offsets, layer)
+        await self._move(TransferOp.WRITE, client, spans, write.incarnation)
+
+    async def _on_copy_thread(self, fn: Callable[..., None], *args: Any) -> None:
+        await asyncio.wrap_future(self.copies.submit(fn, *args))
+
+    async def _staged(self, store_names: Sequence[str]) -> list[str]:
+        """Which of these stores' moves go through staging (another host's store, or GPU pages)."""
+        clients = [await self.worker.store_client(name) for name in store_names]
+        return [name for name, client in zip(store_names, clients) if not self.is_direct(client)]
 
     # ---- loading ---------------------------------------------------------------------------------------
     def start_loading(self, sources: Sequence[BlockSource], num_blocks: int) -> None:
@@ -115,12 +135,24 @@ class RequestKv:
             self.loader = LayerLoader(self, sources, num_blocks)
             self.loader.start()
 
-    def copy_layer_in(self, layer: int, num_blocks: int) -> None:
-        """Copy thread: staging[:num_blocks, layer] -> pages, complete when this returns."""
+    async def load_layer(self, layer: int, sources: Sequence[BlockSource]) -> None:
+        """Event loop: layer `layer` of every source's blocks into the pages, complete when this returns."""
+        staged = set(await self._staged([s.store_name for s in sources]))
+        if not staged:
+            await asyncio.gather(*(self._read(s, layer) for s in sources))
+            return
+        async with self.staging:
+            await asyncio.gather(*(self._read(s, layer) for s in sources))
+            indices = sorted(i for s in sources if s.store_name in staged for i in s.indices)
+            await self._on_copy_thread(self._copy_layer_in, layer, index_runs(indices))
+
+    def _copy_layer_in(self, layer: int, runs: Sequence[tuple[int, int]]) -> None:
+        """Copy thread: staging rows of each run [start, stop) of `layer` -> their pages."""
         worker = self.worker
-        assert worker.copier is not None and worker.kv_pages is not None
-        worker.copier.load_layer(worker.kv_pages, layer, self.staging[:num_blocks],
-                                 self.page_ids[:num_blocks]).synchronize()
+        assert worker.copier is not None and worker.kv_pages is not None and self.staging.view is not None
+        for start, stop in runs:
+            worker.copier.load_layer(worker.kv_pages, layer, self.staging.view[start:stop],
+                                     self.page_ids[start:stop]).synchronize()
 
     def wait_layer_loaded(self, layer: int) -> bool:
         """Compute thread, before layer `layer`: True once it is in the pages, False if this request's loading
@@ -150,10 +182,8 @@ class RequestKv:
             return
         worker = self.worker
         assert worker.copier is not None
-        compute_done = worker.copier.mark_compute()  # layer `layer`'s end: the copy waits for nothing later
-        copy = worker.copy_thread.submit(self._copy_layer_out, layer, start, compute_done)
-        self._copies.append(copy)
-        self._writes.append(worker.post(self._write_layer_all(copy, layer, writes)))
+        compute_done = worker.copier.mark_compute()  # layer `layer`'s end: a copy waits for nothing later
+        self._writes.append(worker.post(self._store_layer_all(layer, start, writes, compute_done)))
 
     def _wait_store_window(self) -> bool:
         limit = self.worker.section.max_layers_in_flight
@@ -168,24 +198,30 @@ class RequestKv:
             return False
         return True
 
+    async def _store_layer_all(self, layer: int, start: int, writes: Sequence[LayerWrite],
+                               compute_done: torch.cuda.Event | None) -> None:
+        """Event loop: layer `layer` to every store; staged writes after the pages -> staging copy."""
+        timeline = self.worker.timeline
+        if timeline is not None:
+            timeline.record("store", self.request_id, layer, "start")
+        writes = [w for w in writes if w.indices]
+        staged = set(await self._staged([w.store_name for w in writes]))
+        if not staged:
+            await asyncio.gather(*(self._write(w, layer) for w in writes))
+        else:
+            async with self.staging:
+                await self._on_copy_thread(self._copy_layer_out, layer, start, compute_done)
+                await asyncio.gather(*(self._write(w, layer) for w in writes))
+        if timeline is not None:
+            timeline.record("store", self.request_id, layer, "end")
+
     def _copy_layer_out(self, layer: int, start: int, compute_done: torch.cuda.Event | None) -> None:
         """Copy thread: pages -> staging[start:, layer], once `compute_done` (CUDA) passed."""
         worker = self.worker
-        assert worker.copier is not None and worker.kv_pages is not None
-        if worker.timeline is not None:
-            worker.timeline.record("store", self.request_id, layer, "start")
+        assert worker.copier is not None and worker.kv_pages is not None and self.staging.view is not None
         if start < self.num_blocks:
-            worker.copier.store_layer(worker.kv_pages, layer, self.staging[start:],
+            worker.copier.store_layer(worker.kv_pages, layer, self.staging.view[start:],
                                       self.page_ids[start: self.num_blocks], compute_done).synchronize()
-
-    async def _write_layer_all(self, copy: concurrent.futures.Future[None], layer: int,
-                               writes: Sequence[LayerWrite]) -> None:
-        timeline = self.worker.timeline
-        await asyncio.wrap_future(copy)  # on CUDA the copy waited for layer `layer`'s compute
-        await asyncio.gather(*(self.write_layer(w.store_name, w.indices, w.offsets, layer, w.incarnation)
-                               for w in writes if w.indices))
-        if timeline is not None:
-            timeline.record("store", self.request_id, layer, "end")
 
     async def wait_writes(self, timeout_s: float) -> None:
         """Await every queued layer write; raises the first failure (a failed load included)."""
@@ -203,44 +239,52 @@ class RequestKv:
     # ---- end -------------------------------------------------------------------------------------------
     async def release(self) -> None:
         """Free pages and staging; idempotent, and safe to cancel (what then still runs ends by its deadline
-        before the pages are freed). In-flight writes are cancelled, queued copies awaited."""
+        before the pages are freed). In-flight writes are cancelled, running copies awaited; no copy starts
+        after this began. `is_settled` is then False only when a copy still ran past transfer.timeout_s: the
+        pool regions it touches must then not be freed (the caller leaves them to their leases)."""
         if self._is_released:
             return
         self._is_released = True
+        self.copies.close()
+        self.staging.close()
         for write in self._writes:
             if write.cancel():
-                self._is_moves_clean = False
+                self.staging.is_clean = False
         self._writes = []
         timeout_s = self.worker.config.transfer.timeout_s
         try:
-            is_quiet = await self._settle_copies(timeout_s)
             if self.loader is not None:
-                is_quiet = await self.loader.close(timeout_s) and is_quiet
+                await self.loader.close()
+            self.is_settled = await self.copies.settle(timeout_s)
         except asyncio.CancelledError:
             self._give_back(delay_s=timeout_s, is_reusable=False)
             raise
-        if not is_quiet:  # a copy still runs: its pages and staging stay taken rather than reused under it
+        if not self.is_settled:  # a copy still runs: its pages and staging stay taken rather than reused under it
             logger.error("%s: KV copies still running after %gs; its pages and staging are not reused",
                          self.request_id, timeout_s)
             return
-        # moves touch staging only (dropped below when one was abandoned), so the pages are free at once
-        self._give_back(delay_s=0.0, is_reusable=self._is_moves_clean)
+        # moves through staging never touch the pages, and direct ones ran on the copy thread (settled above)
+        self._give_back(delay_s=0.0, is_reusable=True)
 
     def _give_back(self, delay_s: float, is_reusable: bool) -> None:
         worker = self.worker
-        assert worker.pages is not None and worker.staging_pool is not None
-        worker.staging_pool.release(self._buffer, is_reusable=is_reusable)
+        assert worker.pages is not None
+        self.staging.give_back(is_reusable and self.staging.num_users == 0)
         if delay_s > 0:
             worker.free_pages_later(self.request_id, delay_s)
         else:
             worker.pages.free_owner(self.request_id)
 
-    async def _settle_copies(self, timeout_s: float) -> bool:
-        pending = [c for c in self._copies if not c.cancel() and not c.done()]
-        if pending:
-            _, still_running = await asyncio.wait([asyncio.wrap_future(c) for c in pending], timeout=timeout_s)
-            return not still_running
-        return True
+
+def index_runs(indices: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted block indices as runs [start, stop) of consecutive ones."""
+    runs: list[tuple[int, int]] = []
+    for index in indices:
+        if runs and runs[-1][1] == index:
+            runs[-1] = (runs[-1][0], index + 1)
+        else:
+            runs.append((index, index + 1))
+    return runs
 
 
 __all__ = ["BlockSource", "LayerWrite", "LoadFailed", "RequestKv", "num_blocks_for"]

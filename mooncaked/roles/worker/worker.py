@@ -5,8 +5,9 @@
    file; prefill keeps plain projections, decode packed ones in their place, a switchable worker both:
    memory_plan.worker_packing), size the KV pages from the memory budget (engine.kv_budget; a budget too small
    for one max-length request fails here), allocate them (for its layers), build the runner, copier, staging
-   pool (pinned on the GPU's NUMA node) and sampler, connect to this host's store (mapping its pool). Every
-   store move goes through staging: objects are head-major, pages token-major (engine/kv_pages.py). With
+   pool (pinned on the GPU's NUMA node) and sampler, connect to this host's store (mapping its pool). Objects
+   are head-major, pages token-major (engine/kv_pages.py): host pages move straight to and from this host's
+   store in a transposing copy; other moves go through staging (roles/worker/request_kv.py). With
    N > 1 tensor-parallel ranks (tp_worker.py) the model is rank 0's shard, the runner drives the ranks, and
    the KV pages are every rank's (mapped here), so the rest of the worker is the same at any degree.
 2. `await compute(fn, *args)` runs model work on the single compute thread, keeping the event loop free for RPC,

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from mooncaked.config import Config
+from mooncaked.engine.kv_direct import PagesEnd
 from mooncaked.engine.timeline import LayerTimeline
-from mooncaked.kv import client as client_module
 from mooncaked.kv.client import Span, Staging, StoreClient
 from mooncaked.kv.keys import block_keys
 from mooncaked.model.loader import load_model
@@ -256,25 +256,25 @@ async def test_a_failed_load_fails_its_request_alone(tmp_path: Path, monkeypatch
         finally:
             for plan in plans:
                 await plan.close(commit=False)
-        # the failed request's pages took an abandoned move: they are freed after transfer.io_timeout_s
+        # the failed request's moves went to staging (dropped) or ran on the copy thread: its pages are free again
         await until(lambda: worker.pages.num_free == num_free_pages)  # type: ignore[union-attr]
         assert worker.pages.num_free == num_free_pages  # type: ignore[union-attr]
 
 
 async def test_the_copy_thread_runs_the_copies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The order above also holds for copies on the compute thread; this is the rest: same-host moves between
-    the pages and this host's store run on the copy thread."""
+    the pages and this host's store (straight, transposing) run on the copy thread."""
     config = make_config(tmp_path)
     tokens = [random.Random(6).randrange(3, 300) for _ in range(BLOCK + 3)]
     async with running_worker(config) as worker:
         threads: set[str] = set()
-        copy_spans = client_module._copy_spans
+        copy_spans = PagesEnd.copy_spans
 
         def spy(*args: Any) -> None:
             threads.add(threading.current_thread().name)
             copy_spans(*args)
 
-        monkeypatch.setattr(client_module, "_copy_spans", spy)
+        monkeypatch.setattr(PagesEnd, "copy_spans", spy)
         plan = await plan_prompt_kv(worker, "t", tokens, keys_of(worker, tokens), timeout_s=30)
         try:
             await prefill(worker, [plan])
@@ -305,9 +305,10 @@ async def test_another_hosts_store_gets_the_same_head_major_objects(tmp_path: Pa
         plan = await plan_prompt_kv(worker, "g", tokens, keys, timeout_s=30, decode_store="s_remote",
                                     destinations=[Destination(i, h) for i, h in enumerate(reply.handles)])
         try:
-            assert plan.kv.staging is not None
+            assert plan.kv.staging.buffer is None, "staging is taken by a move through it, not for a life"
             await prefill(worker, [plan])
             await plan.kv.wait_writes(30)
+            assert plan.kv.staging.buffer is None, "confirmed writes gave the staging back"
             await plan.close_store(commit=True)
             await remote.commit([h.handle_id for h in reply.handles])
             pages = worker.kv_pages

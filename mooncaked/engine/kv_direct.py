@@ -1,0 +1,76 @@
+"""Moves between host KV pages and a mapped store pool with no staging: one transposing copy per page.
+
+1. `PagesEnd(kv_pages, page_ids)` is the local end of one request's moves to and from the store on this host
+   (kv/client.py maps its pool): it takes the same spans a staging buffer would (`Span.staging_offset` is an
+   offset in staging rows [N, layers, 2, kv_heads, block_size, head_dim], row n for the page `page_ids[n]`), so
+   a move names its bytes the same way whichever end it has.
+2. `copy_spans(pool, op, spans)` (run on the worker's copy thread by StoreClient.move) copies each span's
+   heads between the pool, viewed as [heads, block_size, head_dim] (objects are head-major), and the pages
+   [block_size, heads, head_dim] (token-major), for every part of the pages (`KVPages.copy_parts`: a
+   tensor-parallel instance's ranks): a READ fills every rank holding a head, a WRITE reads the first only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from mooncaked.engine.kv_pages import KVPages
+from mooncaked.kv.client import Span
+from mooncaked.rdma import TransferOp
+
+
+class PagesEnd:
+    """One request's view of the host pages as the local end of same-host store moves; owns nothing."""
+
+    def __init__(self, kv_pages: KVPages, page_ids: Sequence[int]) -> None:
+        assert kv_pages.device.type == "cpu", "only host pages can be copied to and from a mapped pool"
+        self.kv_pages = kv_pages
+        self.page_ids = list(page_ids)
+        self.head_nbytes = kv_pages.block_size * kv_pages.head_dim * kv_pages.dtype.itemsize
+        self.parts = kv_pages.copy_parts()
+
+    def copy_spans(self, pool: np.ndarray, op: TransferOp, spans: Sequence[Span]) -> None:
+        """READ: pool -> pages; WRITE: pages -> pool. `pool` is the flat uint8 mapping of the store's pool."""
+        pool_bytes = torch.from_numpy(pool)
+        for span in spans:
+            self._check(span, pool.nbytes)
+            region = pool_bytes[span.pool_offset: span.pool_offset + span.num_bytes].view(self.kv_pages.dtype)
+            self._copy_span(region, op, span)
+
+    def _check(self, span: Span, pool_nbytes: int) -> None:
+        if span.pool_offset < 0 or span.pool_offset + span.num_bytes > pool_nbytes:
+            raise ValueError(f"pool range [{span.pool_offset}, +{span.num_bytes}) is outside the pool")
+        if span.staging_offset % self.head_nbytes or span.num_bytes % self.head_nbytes:
+            raise ValueError(f"span at row offset {span.staging_offset} of {span.num_bytes} bytes is not whole "
+                             f"KV heads of {self.head_nbytes} bytes")
+        row = span.staging_offset // self.kv_pages.block_nbytes
+        if not 0 <= row < len(self.page_ids):
+            raise ValueError(f"span row {row} is outside the request's {len(self.page_ids)} pages")
+
+    def _copy_span(self, region: torch.Tensor, op: TransferOp, span: Span) -> None:
+        """region [count heads * block_size * head_dim] of the pool <-> those heads of one page of one layer."""
+        pages = self.kv_pages
+        row, in_row = divmod(span.staging_offset, pages.block_nbytes)
+        layer, in_layer = divmod(in_row, pages.layer_block_nbytes)
+        first, count = in_layer // self.head_nbytes, span.num_bytes // self.head_nbytes
+        heads = region.view(count, pages.block_size, pages.head_dim)  # [count, B, D]; K heads then V heads
+        page_id, num_heads = self.page_ids[row], pages.num_kv_heads
+        for kind in (0, 1):
+            for part, offset, is_writer in self.parts:
+                lo = max(first, kind * num_heads + offset)
+                hi = min(first + count, kind * num_heads + offset + part.num_kv_heads)
+                if lo >= hi or (op is TransferOp.WRITE and not is_writer):
+                    continue
+                page = (part.k_pages if kind == 0 else part.v_pages)[layer][page_id]  # [B, Hl, D]
+                in_page = page[:, lo - kind * num_heads - offset: hi - kind * num_heads - offset]
+                in_pool = heads[lo - first: hi - first]  # [h, B, D]
+                if op is TransferOp.WRITE:
+                    in_pool.copy_(in_page.transpose(0, 1))
+                else:
+                    in_page.copy_(in_pool.transpose(0, 1))
+
+
+__all__ = ["PagesEnd"]

@@ -1,0 +1,106 @@
+"""Staging on a CPU worker: moves with this host's store go straight between the pages and its mapped pool (no
+staging buffer at all), and a request that moves with another host's store holds staging only while those moves
+are in flight (a decode instance keeps no second copy of a running request's KV)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from mooncaked.engine.staging_pool import StagingBuffer, StagingPool
+from mooncaked.kv.client import Span, Staging
+from mooncaked.rdma import TransferOp
+from mooncaked.roles.worker.kv_plan import plan_prompt_kv
+from mooncaked.roles.worker.layer_loader import BlockSource
+from mooncaked.roles.worker.request_kv import RequestKv
+from mooncaked.roles.worker.worker import Worker
+from tests.roles.worker.test_layerwise_overlap import (BLOCK, keys_of, make_config, prefill, running_worker,
+                                                       seed_remote_prefix)
+
+
+def count_acquires(pool: StagingPool, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    acquired: list[int] = []
+    acquire = pool.acquire
+
+    def counted(num_blocks: int) -> StagingBuffer:
+        acquired.append(num_blocks)
+        return acquire(num_blocks)
+
+    monkeypatch.setattr(pool, "acquire", counted)
+    return acquired
+
+
+def in_use(worker: Worker) -> int:
+    assert worker.staging_pool is not None
+    return worker.staging_pool.num_buffers - len(worker.staging_pool._free)
+
+
+async def test_moves_with_this_hosts_store_take_no_staging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt stored here, then reused from here (prefill) and loaded whole (decode): not one staging buffer."""
+    tokens = [random.Random(11).randrange(3, 300) for _ in range(2 * BLOCK + 5)]
+    async with running_worker(make_config(tmp_path)) as worker:
+        assert worker.staging_pool is not None and worker.local_store.is_local
+        acquired = count_acquires(worker.staging_pool, monkeypatch)
+        keys = keys_of(worker, tokens)
+        first = await plan_prompt_kv(worker, "first", tokens, keys, timeout_s=30)
+        try:
+            expected = await prefill(worker, [first])
+            await first.kv.wait_writes(30)
+            await first.close_store(commit=True)
+            pages = first.kv.page_ids
+            kv_before = worker.kv_pages.buffer[:, :, pages[:2]].clone()  # type: ignore[union-attr]
+        finally:
+            await first.close(commit=False)
+        again = await plan_prompt_kv(worker, "again", tokens, keys, timeout_s=30)
+        try:
+            assert again.num_prefix_blocks == 2
+            assert await prefill(worker, [again]) == expected
+        finally:
+            await again.close(commit=False)
+        found = await worker.local_store.lookup(keys, lease_ms=30_000)
+        kv = RequestKv(worker, "decode", len(tokens), 4)
+        try:
+            kv.start_loading([BlockSource("s_local", [0, 1], [loc.offset for loc in found.locations])], 2)
+            await kv.wait_loaded()
+            assert torch.equal(worker.kv_pages.buffer[:, :, kv.page_ids[:2]], kv_before)  # type: ignore[union-attr]
+        finally:
+            await kv.release()
+            await worker.local_store.release([found.read_lease_id])
+        assert acquired == [] and worker.staging_pool.num_buffers == 0
+
+
+async def test_a_load_from_another_host_gives_its_staging_back_once_loaded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode side of a request whose KV sits in another host's store: staging is held while layers are read
+    through it, and given back (reusable) when the load is done, long before the request ends."""
+    tokens = [random.Random(12).randrange(3, 300) for _ in range(2 * BLOCK)]
+    async with running_worker(make_config(tmp_path)) as worker:
+        assert worker.staging_pool is not None
+        await seed_remote_prefix(worker, tokens)
+        remote = await worker.store_client("s_remote")
+        found = await remote.lookup(keys_of(worker, tokens), lease_ms=30_000)
+        acquired = count_acquires(worker.staging_pool, monkeypatch)
+        held_during_reads: list[int] = []
+        move = remote.move
+
+        async def observed_move(op: TransferOp, staging: Staging, spans: Sequence[Span], **kwargs: Any) -> None:
+            held_during_reads.append(in_use(worker))
+            await move(op, staging, spans, **kwargs)
+
+        monkeypatch.setattr(remote, "move", observed_move)
+        kv = RequestKv(worker, "decode", len(tokens), 8)
+        try:
+            kv.start_loading([BlockSource("s_remote", [0, 1], [loc.offset for loc in found.locations],
+                                          found.locations[0].incarnation)], 2)
+            await kv.wait_loaded()
+            assert held_during_reads and all(n == 1 for n in held_during_reads), held_during_reads
+            assert kv.staging.buffer is None and in_use(worker) == 0, "the loaded request holds no staging"
+            assert len(acquired) >= 1 and worker.staging_pool.num_buffers == 1, "given back for reuse"
+        finally:
+            await kv.release()
+            await remote.release([found.read_lease_id])
