@@ -8,6 +8,9 @@
    heads between the pool, viewed as [heads, block_size, head_dim] (objects are head-major), and the pages
    [block_size, heads, head_dim] (token-major), for every part of the pages (`KVPages.copy_parts`: a
    tensor-parallel instance's ranks): a READ fills every rank holding a head, a WRITE reads the first only.
+3. `page_segment_spans(...)`: pages holding one KV head are the object's bytes already (a page [B, 1, D] is
+   [1, B, D]), so another host's store can read a layer straight from the pages registered as a segment
+   (GPUDirect, roles/worker/kv_placement.register_kv_pages): K and V are one range each.
 """
 
 from __future__ import annotations
@@ -78,6 +81,16 @@ class PagesEnd:
                 _copy(heads[lo - first: hi - first], in_page.transpose(1, 0, 2), op)  # [h, B, D]
 
 
+def page_segment_spans(kv_pages: KVPages, page_ids: Sequence[int], indices: Sequence[int],
+                       offsets: Sequence[int], layer: int) -> list[Span]:
+    """Layer `layer` of blocks `indices` as K and V ranges of the pages' buffer <-> pool `offsets`; only for
+    pages of one KV head, whose token-major bytes are head-major."""
+    assert kv_pages.num_kv_heads == 1, "a page of several KV heads is not one range of a head-major object"
+    return [Span(offset + kv_pages.object_part_offset(layer, kind),
+                 kv_pages.page_byte_offset(layer, kind, page_ids[index]), kv_pages.page_nbytes)
+            for index, offset in zip(indices, offsets) for kind in (0, 1)]
+
+
 def _copy(in_pool: np.ndarray, in_page: np.ndarray, op: TransferOp) -> None:
     """WRITE: in_page -> in_pool; READ: in_pool -> in_page (views of the same shape)."""
     if op is TransferOp.WRITE:
@@ -86,4 +99,4 @@ def _copy(in_pool: np.ndarray, in_page: np.ndarray, op: TransferOp) -> None:
         np.copyto(in_page, in_pool)
 
 
-__all__ = ["PagesEnd"]
+__all__ = ["PagesEnd", "page_segment_spans"]

@@ -161,6 +161,15 @@ class KVPages:
         """Bytes of one page of one layer, K or V."""
         return self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
+    def page_byte_offset(self, layer: int, kind: int, page_id: int) -> int:
+        """Where page `page_id` of `layer`'s K (kind 0) or V (kind 1) starts in `buffer`, in bytes."""
+        return ((layer * 2 + kind) * self.num_pages + page_id) * self.page_nbytes
+
+    def object_part_offset(self, layer: int, kind: int) -> int:
+        """Where this instance's KV heads of page layer `layer`'s K (kind 0) or V (kind 1) start in an object."""
+        head_nbytes = self.block_size * self.head_dim * self.dtype.itemsize
+        return (((self.first_layer + layer) * 2 + kind) * self.num_model_kv_heads + self.kv_head_offset) * head_nbytes
+
     @property
     def layer_block_nbytes(self) -> int:
         """Bytes of this instance's K and V of one layer of one block (one staging row's layer slice)."""

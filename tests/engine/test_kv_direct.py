@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mooncaked.engine.kv_copy import KVCopier, new_staging
-from mooncaked.engine.kv_direct import PagesEnd
+from mooncaked.engine.kv_direct import PagesEnd, page_segment_spans
 from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.tp_pages import ShardedPages
 from mooncaked.kv.client import Span, _copy_spans
@@ -91,3 +91,24 @@ def test_spans_that_are_not_whole_heads_or_outside_the_pool_are_refused() -> Non
         end.copy_spans(pool, TransferOp.READ, [Span(pages.object_nbytes, 0, pages.page_nbytes)])
     with pytest.raises(ValueError, match="outside the request's 1 pages"):
         end.copy_spans(pool, TransferOp.WRITE, [Span(0, pages.block_nbytes, pages.page_nbytes)])
+
+
+@pytest.mark.parametrize("num_model_kv_heads,num_ranks", [(1, 1), (2, 2), (4, 4)])
+def test_pages_of_one_kv_head_are_their_part_of_the_object_as_they_are(num_model_kv_heads: int,
+                                                                       num_ranks: int) -> None:
+    """What GPUDirect writes (a pages segment, K and V one range each) is what staging would write."""
+    args = random_preset("tiny", num_heads=4, num_kv_heads=num_model_kv_heads)
+    pages = KVPages.for_model(args, num_pages=NUM_PAGES, block_size=4, dtype=torch.bfloat16, device="cpu",
+                              shard=shard_shape(args, num_ranks - 1, num_ranks))
+    pages.buffer.copy_(torch.randn(pages.buffer.shape))
+    page_ids, offsets = [4, 1], [3 * pages.object_nbytes, 0]
+    staging = new_staging(pages, 2)
+    KVCopier("cpu", backend="torch").store_all_layers(pages, staging, page_ids).synchronize()
+    from_pages, staged = (np.zeros(4 * pages.object_nbytes, np.uint8) for _ in range(2))
+    page_bytes = pages.buffer.view(-1).view(torch.uint8).numpy()
+    for layer in range(pages.num_layers):
+        _copy_spans(from_pages, page_bytes, TransferOp.WRITE,
+                    page_segment_spans(pages, page_ids, [0, 1], offsets, layer))
+        _copy_spans(staged, staging.view(-1).view(torch.uint8).numpy(), TransferOp.WRITE,
+                    spans_of(pages, offsets, layer))
+    assert np.array_equal(from_pages, staged) and staged.any()

@@ -12,7 +12,8 @@
    layer (`wait_layer_loaded`, compute thread); a caller that needs all of it awaits `wait_loaded`.
 3. Storing: `store_layer(i, start, writes)` (compute thread, after layer i) queues layer i's writes to every
    store (event loop: direct copies from the pages on the copy thread; staged ones after the copy of layer i of
-   blocks `start..` into staging on the copy thread) and returns: layer i is sent while layer i+1 computes. At
+   blocks `start..` into staging on the copy thread; GPU pages of one KV head registered for GPUDirect go to
+   another host's store straight from the pages) and returns: layer i is sent while layer i+1 computes. At
    most `worker.max_layers_in_flight` layers are in flight; beyond, the compute thread waits for the oldest.
    `wait_writes()` awaits them all (and reports a failed load). Same-host copies run on the copy thread,
    others on the transfer engine's threads: none on the compute thread.
@@ -33,9 +34,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-from mooncaked.engine.kv_direct import PagesEnd
+from mooncaked.engine.kv_direct import PagesEnd, page_segment_spans
 from mooncaked.kv.client import Span, Staging, StoreClient
 from mooncaked.rdma import TransferOp
 from mooncaked.roles.worker.layer_loader import BlockSource, LayerLoader, LoadFailed
@@ -43,6 +45,8 @@ from mooncaked.roles.worker.request_memory import CopyTracker, StagingHold
 from mooncaked.roles.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
+
+_NO_BYTES = np.empty(0, dtype=np.uint8)  # moves from the pages' segment never touch host bytes
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
@@ -116,16 +120,25 @@ class RequestKv:
 
     async def _write(self, write: LayerWrite, layer: int) -> None:
         client = await self.worker.store_client(write.store_name)
+        segment = self.worker.kv_pages_segment
+        if segment is not None and not client.is_local:  # GPUDirect: the store reads the registered pages
+            assert self.worker.kv_pages is not None
+            spans = page_segment_spans(self.worker.kv_pages, self.page_ids, write.indices, write.offsets, layer)
+            await client.move(TransferOp.WRITE, Staging(segment, _NO_BYTES), spans, incarnation=write.incarnation)
+            return
         spans = self.layer_spans(write.indices, write.offsets, layer)
         await self._move(TransferOp.WRITE, client, spans, write.incarnation)
 
     async def _on_copy_thread(self, fn: Callable[..., None], *args: Any) -> None:
         await asyncio.wrap_future(self.copies.submit(fn, *args))
 
-    async def _staged(self, store_names: Sequence[str]) -> list[str]:
-        """Which of these stores' moves go through staging (another host's store, or GPU pages)."""
+    async def _staged(self, store_names: Sequence[str], is_write: bool = False) -> list[str]:
+        """Which of these stores' moves go through staging (another host's store, or GPU pages; writes from
+        GPU pages registered for GPUDirect do not)."""
         clients = [await self.worker.store_client(name) for name in store_names]
-        return [name for name, client in zip(store_names, clients) if not self.is_direct(client)]
+        is_gpudirect = is_write and self.worker.kv_pages_segment is not None
+        return [name for name, client in zip(store_names, clients)
+                if not self.is_direct(client) and not (is_gpudirect and not client.is_local)]
 
     # ---- loading ---------------------------------------------------------------------------------------
     def start_loading(self, sources: Sequence[BlockSource], num_blocks: int) -> None:
@@ -205,8 +218,10 @@ class RequestKv:
         if timeline is not None:
             timeline.record("store", self.request_id, layer, "start")
         writes = [w for w in writes if w.indices]
-        staged = set(await self._staged([w.store_name for w in writes]))
+        staged = set(await self._staged([w.store_name for w in writes], is_write=True))
         if not staged:
+            if compute_done is not None and writes:  # GPUDirect writes only: the NIC reads the pages after it
+                await self._on_copy_thread(compute_done.synchronize)
             await asyncio.gather(*(self._write(w, layer) for w in writes))
         else:
             async with self.staging:

@@ -5,7 +5,8 @@
    file; prefill keeps plain projections, decode packed ones in their place, a switchable worker both:
    memory_plan.worker_packing), size the KV pages from the memory budget (engine.kv_budget; a budget too small
    for one max-length request fails here), allocate them (for its layers), build the runner, copier, staging
-   pool (pinned on the GPU's NUMA node) and sampler, connect to this host's store (mapping its pool). Objects
+   pool (pinned on the GPU's NUMA node) and sampler, register GPU pages of one KV head as "cuda:N" where RDMA
+   can map them (GPUDirect), connect to this host's store (mapping its pool). Objects
    are head-major, pages token-major (engine/kv_pages.py): host pages move straight to and from this host's
    store in a transposing copy; other moves go through staging (roles/worker/request_kv.py). With
    N > 1 tensor-parallel ranks (tp_worker.py) the model is rank 0's shard, the runner drives the ranks, and
@@ -57,7 +58,7 @@ from mooncaked.model.memory_fit import activation_bytes
 from mooncaked.model.sampler import Sampler
 from mooncaked.numa import allowed_memory_nodes
 from mooncaked.roles.worker.cpp_group import GroupStage, group_stage
-from mooncaked.roles.worker.kv_placement import staging_placement
+from mooncaked.roles.worker.kv_placement import register_kv_pages, staging_placement
 from mooncaked.roles.worker.tp_worker import RankWatch, start_ranks
 from mooncaked.roles.base import PeerClients, make_transfer_engine
 from mooncaked.rpc import InvalidArgument, Unavailable
@@ -84,6 +85,7 @@ class Worker:
         self.copy_thread = pinned_executor("kv-copy", self.section.copy_cpus, "worker.copy_cpus")
         self.staging_pool: StagingPool | None = None
         self.timeline: LayerTimeline | None = None
+        self.kv_pages_segment: str | None = None  # GPU pages of one KV head registered for GPUDirect RDMA
         self._deferred_frees: dict[str, asyncio.TimerHandle] = {}
         self._stores: dict[str, StoreClient] = {}
         self._store_locks: dict[str, asyncio.Lock] = {}
@@ -119,6 +121,9 @@ class Worker:
         self.staging_pool = StagingPool(
             self.kv_pages, self.instance.name, lambda name, data: self.engine.register(name, data, placement.location),
             self.engine.unregister, numa_node=placement.numa_node)
+        if self.kv_pages.num_kv_heads == 1 and register_kv_pages(  # token-major pages of one head are head-major
+                self.engine, f"{self.instance.name}/kv-pages", self.kv_pages.buffer, self.loaded.device):
+            self.kv_pages_segment = f"{self.instance.name}/kv-pages"
         self.sampler = Sampler(seed=model.seed, device=self.loaded.device)
         self.namespace = model_namespace(self.loaded.model_id, model.dtype, block_size)
         self.local_store_name = await self._find_local_store()
