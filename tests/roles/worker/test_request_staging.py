@@ -4,14 +4,18 @@ are in flight (a decode instance keeps no second copy of a running request's KV)
 
 from __future__ import annotations
 
+import asyncio
 import random
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
+from mooncaked.engine.kv_direct import PagesEnd
 from mooncaked.engine.staging_pool import StagingBuffer, StagingPool
 from mooncaked.kv.client import Span, Staging
 from mooncaked.rdma import TransferOp
@@ -20,7 +24,7 @@ from mooncaked.roles.worker.layer_loader import BlockSource
 from mooncaked.roles.worker.request_kv import RequestKv
 from mooncaked.roles.worker.worker import Worker
 from tests.roles.worker.test_layerwise_overlap import (BLOCK, keys_of, make_config, prefill, running_worker,
-                                                       seed_remote_prefix)
+                                                       seed_remote_prefix, staging_layer)
 
 
 def count_acquires(pool: StagingPool, monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -104,3 +108,40 @@ async def test_a_load_from_another_host_gives_its_staging_back_once_loaded(
         finally:
             await kv.release()
             await remote.release([found.read_lease_id])
+
+
+async def test_release_waits_for_a_running_direct_copy_and_starts_none_after(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A direct write still copying into a pool region when the request is released: release returns only once
+    that copy ended (the plan then aborts the region's handle), and a layer queued after it copies nothing."""
+    tokens = [random.Random(13).randrange(3, 300) for _ in range(BLOCK + 3)]
+    async with running_worker(make_config(tmp_path)) as worker:
+        started, gate = threading.Event(), threading.Event()
+        copied_layers: list[int] = []
+        copy_spans = PagesEnd.copy_spans
+
+        def gated(end: PagesEnd, pool: np.ndarray, op: TransferOp, spans: Sequence[Span]) -> None:
+            if op is TransferOp.WRITE:
+                started.set()
+                gate.wait(10)
+                copied_layers.append(staging_layer(worker, spans))
+            copy_spans(end, pool, op, spans)
+
+        monkeypatch.setattr(PagesEnd, "copy_spans", gated)
+        plan = await plan_prompt_kv(worker, "late", tokens, keys_of(worker, tokens), timeout_s=30)
+        try:
+            await worker.compute(plan.kv.store_layer, 0, plan.num_prefix_blocks, plan.layer_writes())
+            assert await asyncio.to_thread(started.wait, 10)
+            release = asyncio.ensure_future(plan.kv.release())
+            await asyncio.sleep(0.05)
+            assert not release.done(), "release waits while a copy may still write the pool region"
+            gate.set()
+            await release
+            assert plan.kv.is_settled and copied_layers == [0]
+            await worker.compute(plan.kv.store_layer, 1, plan.num_prefix_blocks, plan.layer_writes())
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wrap_future(plan.kv._writes[-1])
+            assert copied_layers == [0], "no copy starts for a released request"
+        finally:
+            gate.set()
+            await plan.close(commit=False)
