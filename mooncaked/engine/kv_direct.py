@@ -8,6 +8,8 @@
    heads between the pool, viewed as [heads, block_size, head_dim] (objects are head-major), and the pages
    [block_size, heads, head_dim] (token-major), for every part of the pages (`KVPages.copy_parts`: a
    tensor-parallel instance's ranks): a READ fills every rank holding a head, a WRITE reads the first only.
+   `copy_rows` is the same copy between the pages and host staging rows (moves with another host's store):
+   numpy over same-size integers costs a fraction of torch's per-page calls.
 3. `page_segment_spans(...)`: pages holding one KV head are the object's bytes already (a page [B, 1, D] is
    [1, B, D]), so another host's store can read a layer straight from the pages registered as a segment
    (GPUDirect, roles/worker/kv_placement.register_kv_pages): K and V are one range each.
@@ -48,6 +50,13 @@ class PagesEnd:
             self._check(span, pool.nbytes)
             region = pool[span.pool_offset: span.pool_offset + span.num_bytes].view(self.arrays[0].dtype)
             self._copy_span(region, op, span)
+
+    def copy_rows(self, staging: np.ndarray, op: TransferOp, layer: int, rows: Sequence[int]) -> None:
+        """READ: staging rows' `layer` -> their pages; WRITE: the reverse. `staging` is the flat uint8 buffer
+        [rows, layers, 2, kv_heads, block_size, head_dim]: the same copy as with a pool, at the row offsets."""
+        row_nbytes, parts = self.kv_pages.block_nbytes, self.kv_pages.object_spans(layer)
+        self.copy_spans(staging, op, [Span(row * row_nbytes + in_row, row * row_nbytes + in_row, size)
+                                      for row in rows for _, in_row, size in parts])
 
     def _check(self, span: Span, pool_nbytes: int) -> None:
         if span.pool_offset < 0 or span.pool_offset + span.num_bytes > pool_nbytes:

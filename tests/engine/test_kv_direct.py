@@ -112,3 +112,29 @@ def test_pages_of_one_kv_head_are_their_part_of_the_object_as_they_are(num_model
         _copy_spans(staged, staging.view(-1).view(torch.uint8).numpy(), TransferOp.WRITE,
                     spans_of(pages, offsets, layer))
     assert np.array_equal(from_pages, staged) and staged.any()
+
+
+@settings(max_examples=20, deadline=None)
+@given(num_kv_heads=st.sampled_from([1, 2, 4]), num_ranks=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**16),
+       page_ids=st.lists(st.integers(0, NUM_PAGES - 1), min_size=1, max_size=4, unique=True))
+def test_staging_rows_copied_by_numpy_equal_the_copiers(num_kv_heads: int, num_ranks: int, seed: int,
+                                                        page_ids: list[int]) -> None:
+    """Host pages <-> staging rows (moves with another host's store) by PagesEnd.copy_rows, as KVCopier does."""
+    args = random_preset("tiny", num_heads=4, num_kv_heads=num_kv_heads, head_dim=4)
+    whole = KVPages.for_model(args, num_pages=NUM_PAGES, block_size=3, dtype=torch.bfloat16, device="cpu")
+    whole.buffer.copy_(torch.randn(whole.buffer.shape, generator=torch.Generator().manual_seed(seed)))
+    pages = whole if num_ranks == 1 else ranks_of(whole, num_ranks, num_kv_heads)
+    expected, ours = new_staging(pages, len(page_ids)), new_staging(pages, len(page_ids))
+    KVCopier("cpu", backend="torch").store_all_layers(pages, expected, page_ids).synchronize()
+    end, rows = PagesEnd(pages, page_ids), range(len(page_ids))
+    for layer in range(pages.num_layers):
+        end.copy_rows(ours.view(-1).view(torch.uint8).numpy(), TransferOp.WRITE, layer, rows)
+    assert torch.equal(ours, expected)
+    parts = [part for part, _, _ in pages.copy_parts()]
+    before = [part.buffer.clone() for part in parts]
+    for part in parts:
+        part.buffer.zero_()
+    for layer in range(pages.num_layers):
+        end.copy_rows(ours.view(-1).view(torch.uint8).numpy(), TransferOp.READ, layer, rows)
+    for part, saved in zip(parts, before):
+        assert torch.equal(part.buffer[:, :, page_ids], saved[:, :, page_ids])

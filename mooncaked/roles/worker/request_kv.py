@@ -163,6 +163,11 @@ class RequestKv:
         """Copy thread: staging rows of each run [start, stop) of `layer` -> their pages."""
         worker = self.worker
         assert worker.copier is not None and worker.kv_pages is not None and self.staging.view is not None
+        if self.pages_end is not None:  # host pages: one numpy pass, cheaper per page than the copier's
+            assert self.staging.buffer is not None
+            rows = [row for start, stop in runs for row in range(start, stop)]
+            self.pages_end.copy_rows(self.staging.buffer.array, TransferOp.READ, layer, rows)
+            return
         for start, stop in runs:
             worker.copier.load_layer(worker.kv_pages, layer, self.staging.view[start:stop],
                                      self.page_ids[start:stop]).synchronize()
@@ -234,7 +239,10 @@ class RequestKv:
         """Copy thread: pages -> staging[start:, layer], once `compute_done` (CUDA) passed."""
         worker = self.worker
         assert worker.copier is not None and worker.kv_pages is not None and self.staging.view is not None
-        if start < self.num_blocks:
+        if start < self.num_blocks and self.pages_end is not None:
+            assert self.staging.buffer is not None
+            self.pages_end.copy_rows(self.staging.buffer.array, TransferOp.WRITE, layer, range(start, self.num_blocks))
+        elif start < self.num_blocks:
             worker.copier.store_layer(worker.kv_pages, layer, self.staging.view[start:],
                                       self.page_ids[start: self.num_blocks], compute_done).synchronize()
 
