@@ -65,7 +65,7 @@ class KvPlan:
         """Compute thread, after layer `layer`: queue its new KV for every destination (copy, then writes)."""
         writes = [write for write in self.layer_writes() if write.indices]
         if writes and not self.is_cancelled:
-            self.kv.store_layer(layer, self.num_prefix_blocks, writes)
+            self.kv.store_layer(layer, writes)
 
     async def close_store(self, commit: bool) -> None:
         """Commit (or abort) the new blocks and end the read leases; idempotent, never raises."""

@@ -10,9 +10,9 @@
 2. Loading: `start_loading(sources, num_blocks)` (event loop) starts a LayerLoader, which loads layer by layer
    (`load_layer`: direct, or into staging and then into the pages on the copy thread). The forward waits per
    layer (`wait_layer_loaded`, compute thread); a caller that needs all of it awaits `wait_loaded`.
-3. Storing: `store_layer(i, start, writes)` (compute thread, after layer i) queues layer i's writes to every
+3. Storing: `store_layer(i, writes)` (compute thread, after layer i) queues layer i's writes to every
    store (event loop: direct copies from the pages on the copy thread; staged ones after the copy of layer i of
-   blocks `start..` into staging on the copy thread; GPU pages of one KV head registered for GPUDirect go to
+   their blocks from the pages into staging on the copy thread; GPU pages of one KV head registered for GPUDirect go to
    another host's store straight from the pages) and returns: layer i is sent while layer i+1 computes. At
    most `worker.max_layers_in_flight` layers are in flight; beyond, the compute thread waits for the oldest.
    `wait_writes()` awaits them all (and reports a failed load). Same-host copies run on the copy thread,
@@ -47,6 +47,7 @@ from mooncaked.roles.worker.worker import Worker
 logger = logging.getLogger(__name__)
 
 _NO_BYTES = np.empty(0, dtype=np.uint8)  # moves from the pages' segment never touch host bytes
+
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
@@ -194,14 +195,14 @@ class RequestKv:
             raise self.store_error
 
     # ---- storing ---------------------------------------------------------------------------------------
-    def store_layer(self, layer: int, start: int, writes: Sequence[LayerWrite]) -> None:
+    def store_layer(self, layer: int, writes: Sequence[LayerWrite]) -> None:
         """Compute thread, right after layer `layer` was computed (queued, on CUDA): see stage 3."""
         if self.is_failed or not self._wait_store_window():
             return
         worker = self.worker
         assert worker.copier is not None
         compute_done = worker.copier.mark_compute()  # layer `layer`'s end: a copy waits for nothing later
-        self._writes.append(worker.post(self._store_layer_all(layer, start, writes, compute_done)))
+        self._writes.append(worker.post(self._store_layer_all(layer, writes, compute_done)))
 
     def _wait_store_window(self) -> bool:
         limit = self.worker.section.max_layers_in_flight
@@ -216,9 +217,10 @@ class RequestKv:
             return False
         return True
 
-    async def _store_layer_all(self, layer: int, start: int, writes: Sequence[LayerWrite],
+    async def _store_layer_all(self, layer: int, writes: Sequence[LayerWrite],
                                compute_done: torch.cuda.Event | None) -> None:
-        """Event loop: layer `layer` to every store; staged writes after the pages -> staging copy."""
+        """Event loop: layer `layer` to every store; staged writes after the copy of their blocks (computed ones,
+        and loaded ones another store lacks) from the pages into staging, which holds nothing between moves."""
         timeline = self.worker.timeline
         if timeline is not None:
             timeline.record("store", self.request_id, layer, "start")
@@ -230,21 +232,26 @@ class RequestKv:
             await asyncio.gather(*(self._write(w, layer) for w in writes))
         else:
             async with self.staging:
-                await self._on_copy_thread(self._copy_layer_out, layer, start, compute_done)
+                indices = sorted({i for w in writes if w.store_name in staged for i in w.indices})
+                await self._on_copy_thread(self._copy_layer_out, layer, index_runs(indices), compute_done)
                 await asyncio.gather(*(self._write(w, layer) for w in writes))
         if timeline is not None:
             timeline.record("store", self.request_id, layer, "end")
 
-    def _copy_layer_out(self, layer: int, start: int, compute_done: torch.cuda.Event | None) -> None:
-        """Copy thread: pages -> staging[start:, layer], once `compute_done` (CUDA) passed."""
+    def _copy_layer_out(self, layer: int, runs: Sequence[tuple[int, int]],
+                        compute_done: torch.cuda.Event | None) -> None:
+        """Copy thread: pages -> staging rows of each run [start, stop) of `layer`, once `compute_done` (CUDA)
+        passed."""
         worker = self.worker
         assert worker.copier is not None and worker.kv_pages is not None and self.staging.view is not None
-        if start < self.num_blocks and self.pages_end is not None:
+        if self.pages_end is not None:  # host pages: one numpy pass, cheaper per page than the copier's
             assert self.staging.buffer is not None
-            self.pages_end.copy_rows(self.staging.buffer.array, TransferOp.WRITE, layer, range(start, self.num_blocks))
-        elif start < self.num_blocks:
-            worker.copier.store_layer(worker.kv_pages, layer, self.staging.view[start:],
-                                      self.page_ids[start: self.num_blocks], compute_done).synchronize()
+            rows = [row for start, stop in runs for row in range(start, stop)]
+            self.pages_end.copy_rows(self.staging.buffer.array, TransferOp.WRITE, layer, rows)
+            return
+        for start, stop in runs:
+            worker.copier.store_layer(worker.kv_pages, layer, self.staging.view[start:stop],
+                                      self.page_ids[start:stop], compute_done).synchronize()
 
     async def wait_writes(self, timeout_s: float) -> None:
         """Await every queued layer write; raises the first failure (a failed load included)."""

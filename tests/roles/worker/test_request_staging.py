@@ -21,6 +21,7 @@ from mooncaked.kv.client import Span, Staging
 from mooncaked.rdma import TransferOp
 from mooncaked.roles.worker.kv_plan import plan_prompt_kv
 from mooncaked.roles.worker.layer_loader import BlockSource
+from mooncaked.roles.worker.messages import Destination
 from mooncaked.roles.worker.request_kv import RequestKv
 from mooncaked.roles.worker.worker import Worker
 from tests.roles.worker.test_layerwise_overlap import (BLOCK, keys_of, make_config, prefill, running_worker,
@@ -130,7 +131,7 @@ async def test_release_waits_for_a_running_direct_copy_and_starts_none_after(
         monkeypatch.setattr(PagesEnd, "copy_spans", gated)
         plan = await plan_prompt_kv(worker, "late", tokens, keys_of(worker, tokens), timeout_s=30)
         try:
-            await worker.compute(plan.kv.store_layer, 0, plan.num_prefix_blocks, plan.layer_writes())
+            await worker.compute(plan.kv.store_layer, 0, plan.layer_writes())
             assert await asyncio.to_thread(started.wait, 10)
             release = asyncio.ensure_future(plan.kv.release())
             await asyncio.sleep(0.05)
@@ -138,10 +139,45 @@ async def test_release_waits_for_a_running_direct_copy_and_starts_none_after(
             gate.set()
             await release
             assert plan.kv.is_settled and copied_layers == [0]
-            await worker.compute(plan.kv.store_layer, 1, plan.num_prefix_blocks, plan.layer_writes())
+            await worker.compute(plan.kv.store_layer, 1, plan.layer_writes())
             with pytest.raises(asyncio.CancelledError):
                 await asyncio.wrap_future(plan.kv._writes[-1])
             assert copied_layers == [0], "no copy starts for a released request"
         finally:
             gate.set()
             await plan.close(commit=False)
+
+
+async def test_reused_blocks_another_host_wants_go_there_from_the_pages(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt whose first blocks are reused from this host's store (straight into the pages, no staging) and
+    that another host's store wants whole: every block goes there through staging, the reused ones copied
+    from the pages too (staging holds nothing between moves), and equals this host's objects."""
+    tokens = [random.Random(14).randrange(3, 300) for _ in range(3 * BLOCK)]
+    async with running_worker(make_config(tmp_path)) as worker:
+        keys = keys_of(worker, tokens)
+        seed = await plan_prompt_kv(worker, "seed", tokens[: 2 * BLOCK] + [7], keys[:2], timeout_s=30)
+        try:
+            await prefill(worker, [seed])
+            await seed.kv.wait_writes(30)
+            await seed.close_store(commit=True)
+        finally:
+            await seed.close(commit=False)
+        remote = await worker.store_client("s_remote")
+        reply = await remote.allocate(keys, worker.block_nbytes, 60_000)
+        plan = await plan_prompt_kv(worker, "r", tokens, keys, timeout_s=30, decode_store="s_remote",
+                                    destinations=[Destination(i, h) for i, h in enumerate(reply.handles)])
+        try:
+            assert plan.num_prefix_blocks == 2 and plan.kv.staging.buffer is None
+            await prefill(worker, [plan])
+            await plan.kv.wait_writes(30)
+            await plan.close_store(commit=True)
+            await remote.commit([h.handle_id for h in reply.handles])
+        finally:
+            await plan.close(commit=False)
+        here, there = await worker.local_store.lookup(keys, 30_000), await remote.lookup(keys, 30_000)
+        assert len(here.locations) == len(there.locations) == 3
+        buffers = [np.zeros(3 * worker.block_nbytes, np.uint8) for _ in range(2)]
+        await worker.local_store.read_blocks(worker.local_store.register_staging("here", buffers[0]), here.locations)
+        await remote.read_blocks(remote.register_staging("there", buffers[1]), there.locations)
+        assert buffers[0][: worker.block_nbytes].any() and np.array_equal(buffers[0], buffers[1])
