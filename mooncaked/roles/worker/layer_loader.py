@@ -1,6 +1,6 @@
 """Layer-wise loading of one request's blocks from stores into its pages (a reused prefix, a prefilled prompt).
 
-1. `LayerLoader(kv, sources, num_blocks)`; `start()` (event loop) starts its task.
+1. `LayerLoader(kv, sources)`; `start()` (event loop) starts its task.
 2. The task walks the layers in order with at most `worker.max_layers_in_flight` of them in flight: for layer i
    it has the request load layer i's slice of every source block (`load_layer`: one move per store; host pages
    take a same-host store's bytes straight from its pool in a transposing copy on the copy thread, other moves
@@ -51,10 +51,9 @@ class LoadFailed(Exception):
 class LayerLoader:
     """Owns the loading task of one request, its per-layer readiness and the copies it queued."""
 
-    def __init__(self, kv: LoadTarget, sources: Sequence[BlockSource], num_blocks: int) -> None:
+    def __init__(self, kv: LoadTarget, sources: Sequence[BlockSource]) -> None:
         self.kv = kv
         self.sources = [s for s in sources if s.indices]
-        self.num_blocks = num_blocks  # staging rows [0, num_blocks) are loaded
         worker = kv.worker
         assert worker.kv_pages is not None
         self.num_layers = worker.kv_pages.num_layers

@@ -146,7 +146,7 @@ class RequestKv:
         """Event loop: load blocks [0, num_blocks) of every layer from `sources` into the pages."""
         self.num_loaded = num_blocks
         if num_blocks:
-            self.loader = LayerLoader(self, sources, num_blocks)
+            self.loader = LayerLoader(self, sources)
             self.loader.start()
 
     async def load_layer(self, layer: int, sources: Sequence[BlockSource]) -> None:
