@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from mooncaked.engine.kv_direct import PagesEnd, page_segment_spans
+from mooncaked.engine.staging_pool import StagingBuffer
 from mooncaked.kv.client import Span, Staging, StoreClient
 from mooncaked.rdma import TransferOp
 from mooncaked.roles.worker.layer_loader import BlockSource, LayerLoader, LoadFailed
@@ -155,23 +156,25 @@ class RequestKv:
         if not staged:
             await asyncio.gather(*(self._read(s, layer) for s in sources))
             return
-        async with self.staging:
+        async with self.staging as (buffer, view):
             await asyncio.gather(*(self._read(s, layer) for s in sources))
             indices = sorted(i for s in sources if s.store_name in staged for i in s.indices)
-            await self._on_copy_thread(self._copy_layer_in, layer, index_runs(indices))
+            await self._on_copy_thread(self._copy_staging, TransferOp.READ, layer, index_runs(indices), buffer, view)
 
-    def _copy_layer_in(self, layer: int, runs: Sequence[tuple[int, int]]) -> None:
-        """Copy thread: staging rows of each run [start, stop) of `layer` -> their pages."""
+    def _copy_staging(self, op: TransferOp, layer: int, runs: Sequence[tuple[int, int]], buffer: StagingBuffer,
+                      view: torch.Tensor, compute_done: torch.cuda.Event | None = None) -> None:
+        """Copy thread. READ: staging rows of each run [start, stop) of `layer` -> their pages; WRITE: the
+        reverse, once `compute_done` (CUDA) passed."""
         worker = self.worker
-        assert worker.copier is not None and worker.kv_pages is not None and self.staging.view is not None
+        assert worker.copier is not None and worker.kv_pages is not None
         if self.pages_end is not None:  # host pages: one numpy pass, cheaper per page than the copier's
-            assert self.staging.buffer is not None
-            rows = [row for start, stop in runs for row in range(start, stop)]
-            self.pages_end.copy_rows(self.staging.buffer.array, TransferOp.READ, layer, rows)
+            self.pages_end.copy_rows(buffer.array, op, layer, [r for start, stop in runs for r in range(start, stop)])
             return
         for start, stop in runs:
-            worker.copier.load_layer(worker.kv_pages, layer, self.staging.view[start:stop],
-                                     self.page_ids[start:stop]).synchronize()
+            rows, ids = view[start:stop], self.page_ids[start:stop]
+            handle = (worker.copier.load_layer(worker.kv_pages, layer, rows, ids) if op is TransferOp.READ
+                      else worker.copier.store_layer(worker.kv_pages, layer, rows, ids, compute_done))
+            handle.synchronize()
 
     def wait_layer_loaded(self, layer: int) -> bool:
         """Compute thread, before layer `layer`: True once it is in the pages, False if this request's loading
@@ -231,27 +234,13 @@ class RequestKv:
                 await self._on_copy_thread(compute_done.synchronize)
             await asyncio.gather(*(self._write(w, layer) for w in writes))
         else:
-            async with self.staging:
+            async with self.staging as (buffer, view):
                 indices = sorted({i for w in writes if w.store_name in staged for i in w.indices})
-                await self._on_copy_thread(self._copy_layer_out, layer, index_runs(indices), compute_done)
+                await self._on_copy_thread(self._copy_staging, TransferOp.WRITE, layer, index_runs(indices), buffer,
+                                           view, compute_done)
                 await asyncio.gather(*(self._write(w, layer) for w in writes))
         if timeline is not None:
             timeline.record("store", self.request_id, layer, "end")
-
-    def _copy_layer_out(self, layer: int, runs: Sequence[tuple[int, int]],
-                        compute_done: torch.cuda.Event | None) -> None:
-        """Copy thread: pages -> staging rows of each run [start, stop) of `layer`, once `compute_done` (CUDA)
-        passed."""
-        worker = self.worker
-        assert worker.copier is not None and worker.kv_pages is not None and self.staging.view is not None
-        if self.pages_end is not None:  # host pages: one numpy pass, cheaper per page than the copier's
-            assert self.staging.buffer is not None
-            rows = [row for start, stop in runs for row in range(start, stop)]
-            self.pages_end.copy_rows(self.staging.buffer.array, TransferOp.WRITE, layer, rows)
-            return
-        for start, stop in runs:
-            worker.copier.store_layer(worker.kv_pages, layer, self.staging.view[start:stop],
-                                      self.page_ids[start:stop], compute_done).synchronize()
 
     async def wait_writes(self, timeout_s: float) -> None:
         """Await every queued layer write; raises the first failure (a failed load included)."""

@@ -70,7 +70,8 @@ class StagingHold:
         """The request was released: no move takes staging any more."""
         self.is_closed = True
 
-    async def __aenter__(self) -> torch.Tensor:
+    async def __aenter__(self) -> tuple[StagingBuffer, torch.Tensor]:
+        """(the buffer, its view): what a move and its copies use, passed on rather than read later."""
         if self.is_closed:
             raise asyncio.CancelledError("the request was released: no move takes staging for it any more")
         if self.buffer is None:
@@ -78,8 +79,8 @@ class StagingHold:
             self.view = self.pool.view(self.buffer, self.num_blocks)
             self.is_clean = True
         self.num_users += 1
-        assert self.view is not None
-        return self.view
+        assert self.buffer is not None and self.view is not None
+        return self.buffer, self.view
 
     async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None,
                         traceback: TracebackType | None) -> None:

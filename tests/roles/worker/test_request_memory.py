@@ -55,9 +55,9 @@ async def test_staging_is_held_while_moves_use_it_and_dropped_after_an_abandoned
     registered: list[str] = []
     hold = StagingHold(staging_pool(registered), 2)
     assert hold.buffer is None and registered == []
-    async with hold as first:
-        async with hold as second:
-            assert first is second and first.shape[0] == 2
+    async with hold as (buffer, first):
+        async with hold as (_, second):
+            assert first is second and first.shape[0] == 2 and hold.buffer is buffer
         assert hold.buffer is not None
     assert hold.buffer is None and len(registered) == 1, "given back, kept for reuse"
     with pytest.raises(TimeoutError):
