@@ -1,10 +1,9 @@
 """Whole-block KV copies between device pages and a staging buffer in the store's object layout.
 
-Layout (DESIGN section 5, head-major since layout v2): staging [N, num_layers, 2, kv_heads, block_size, head_dim];
-row n is this instance's part of one store object (`KVPages.object_spans`), and one layer's slice of it
-(`staging[n, layer]`, K then V) is one contiguous byte range at `layer_byte_range(kv_pages, layer)`. Pages are
-token-major [P, block_size, kv_heads, head_dim]: every copy transposes each page [B, Hkv, D] <-> [Hkv, B, D].
-Staging may live in host memory (pinned, or a shared-memory pool mapped as a tensor) or on the device.
+Layout (DESIGN section 5): staging [N, num_layers, 2, block_size, kv_heads, head_dim]; block n is one store
+object, and one layer's slice of it (`staging[n, layer]`, K then V) is one contiguous byte range at
+`layer_byte_range(kv_pages, layer)`. Staging may live in host memory (pinned, or a shared-memory pool mapped
+as a tensor) or on the device.
 
 1. `KVCopier(device)` owns the copy stream on CUDA. Submitting a copy never runs it on the caller's thread:
    - CUDA: the copy is queued on the dedicated copy stream and the handle holds an event recorded after it.
@@ -32,7 +31,7 @@ from mooncaked.engine.kv_pages import KVPages
 
 
 def staging_shape(kv_pages: KVPages, num_blocks: int) -> tuple[int, ...]:
-    return (num_blocks, kv_pages.num_layers, 2, kv_pages.num_kv_heads, kv_pages.block_size, kv_pages.head_dim)
+    return (num_blocks, kv_pages.num_layers, 2, kv_pages.block_size, kv_pages.num_kv_heads, kv_pages.head_dim)
 
 
 def layer_byte_range(kv_pages: KVPages, layer: int) -> tuple[int, int]:
@@ -156,32 +155,24 @@ class KVCopier:
 
     def _load(self, kv_pages: KVPages, layer: int, staging: torch.Tensor, ids: torch.Tensor) -> None:
         if staging.device == kv_pages.device:
-            src = staging[:, layer]  # [N, 2, Hkv, B, D]
+            src = staging[:, layer]  # [N, 2, B, Hkv, D]
         else:  # host -> device per block: each source range is contiguous, so the copies stay asynchronous
             src = torch.empty((staging.shape[0], *staging.shape[2:]), dtype=staging.dtype, device=kv_pages.device)
             for n in range(staging.shape[0]):
                 src[n].copy_(staging[n, layer], non_blocking=True)
-        for pages, head, _ in kv_pages.copy_parts():  # every rank (replicas of a KV head too) gets its heads
-            heads = slice(head, head + pages.num_kv_heads)
-            kernels.scatter_blocks(src[:, 0, heads], pages.k_pages[layer], ids, self.backend, head_major=True)
-            kernels.scatter_blocks(src[:, 1, heads], pages.v_pages[layer], ids, self.backend, head_major=True)
+        kernels.scatter_blocks(src[:, 0], kv_pages.k_pages[layer], ids, self.backend)
+        kernels.scatter_blocks(src[:, 1], kv_pages.v_pages[layer], ids, self.backend)
 
     def _store(self, kv_pages: KVPages, layer: int, staging: torch.Tensor, ids: torch.Tensor) -> None:
-        for pages, head, is_writer in kv_pages.copy_parts():
-            if is_writer:  # of a replicated KV head, the first rank holding it
-                self._store_part(pages, layer, staging[:, layer, :, head: head + pages.num_kv_heads], ids)
-
-    def _store_part(self, pages: KVPages, layer: int, dst: torch.Tensor, ids: torch.Tensor) -> None:
-        """pages' layer `layer` at `ids` -> dst [N, 2, Hl, B, D] (one layer of staging, these pages' heads)."""
-        k = kernels.gather_blocks(pages.k_pages[layer], ids, self.backend, head_major=True)  # [N, Hl, B, D]
-        v = kernels.gather_blocks(pages.v_pages[layer], ids, self.backend, head_major=True)
-        if dst.device == k.device:
-            dst[:, 0].copy_(k)
-            dst[:, 1].copy_(v)
+        k = kernels.gather_blocks(kv_pages.k_pages[layer], ids, self.backend)  # [N, B, Hkv, D]
+        v = kernels.gather_blocks(kv_pages.v_pages[layer], ids, self.backend)
+        if staging.device == k.device:
+            staging[:, layer, 0].copy_(k)
+            staging[:, layer, 1].copy_(v)
             return
-        both = torch.stack([k, v], dim=1)  # [N, 2, Hl, B, D]
+        both = torch.stack([k, v], dim=1)  # [N, 2, B, Hkv, D]
         for n in range(both.shape[0]):  # device -> host per block: each destination range is contiguous
-            dst[n].copy_(both[n], non_blocking=True)
+            staging[n, layer].copy_(both[n], non_blocking=True)
 
 
 def _check_staging(kv_pages: KVPages, staging: torch.Tensor, num_blocks: int) -> None:

@@ -9,10 +9,10 @@
 3. When a request ends (or fails) its owner frees its pages (`free` / `free_owner`); the page contents are left
    as they are and simply overwritten by the next owner.
 
-Pages are token-major (the attention kernels read them so); a store object is head-major,
-[model layers, 2, model kv_heads, block_size, head_dim], so one tensor-parallel rank's KV heads of one layer's
-K (or V) are one contiguous range of it whatever the degree (`object_spans`), and objects have the same bytes
-at every degree. Staging rows hold this instance's part: [layers, 2, kv_heads, block_size, head_dim].
+A store object has the pages' layout, [model layers, 2, block_size, model kv_heads, head_dim] (DESIGN section 5):
+it always holds every KV head of the model, so it is the same bytes whatever the tensor-parallel degree of the
+instance that wrote it; a rank's KV heads of one layer's K (or V) are the strided slice [:, heads] of it
+(engine/tp_pages.py copies them). Staging rows are whole objects' layers: [layers, 2, block_size, kv_heads, head_dim].
 """
 
 from __future__ import annotations
@@ -146,9 +146,9 @@ class KVPages:
         return args.num_layers * 2 * num_pages * block_size * shard.num_kv_heads * args.head_dim * dtype.itemsize
 
     def copy_parts(self) -> list[tuple[KVPages, int, bool]]:
-        """(pages, first KV head in this instance's staging rows, whether store copies read them): the pages a
-        staging row is copied to and from. One instance's own pages; every rank's for a tensor-parallel
-        instance (engine/tp_pages.py)."""
+        """(pages, their first KV head in an object, whether stores read them): the pages an object's bytes are
+        copied to and from. One instance's own pages; every rank's for a tensor-parallel instance
+        (engine/tp_pages.py)."""
         return [(self, 0, True)]
 
     @property
@@ -165,15 +165,11 @@ class KVPages:
         """Where page `page_id` of `layer`'s K (kind 0) or V (kind 1) starts in `buffer`, in bytes."""
         return ((layer * 2 + kind) * self.num_pages + page_id) * self.page_nbytes
 
-    def object_part_offset(self, layer: int, kind: int) -> int:
-        """Where this instance's KV heads of page layer `layer`'s K (kind 0) or V (kind 1) start in an object."""
-        head_nbytes = self.block_size * self.head_dim * self.dtype.itemsize
-        return (((self.first_layer + layer) * 2 + kind) * self.num_model_kv_heads + self.kv_head_offset) * head_nbytes
-
     @property
     def layer_block_nbytes(self) -> int:
-        """Bytes of this instance's K and V of one layer of one block (one staging row's layer slice)."""
-        return 2 * self.page_nbytes
+        """Bytes of one layer's K and V for one block, every model KV head (one contiguous range of a store
+        object, and a staging row's layer slice)."""
+        return 2 * self.block_size * self.num_model_kv_heads * self.head_dim * self.dtype.itemsize
 
     @property
     def block_nbytes(self) -> int:
@@ -182,21 +178,12 @@ class KVPages:
 
     @property
     def object_nbytes(self) -> int:
-        """Bytes of one store object: all model layers' and KV heads' K and V of one block (DESIGN section 5)."""
-        head_nbytes = self.block_size * self.head_dim * self.dtype.itemsize
-        return self.num_model_layers * 2 * self.num_model_kv_heads * head_nbytes
+        """Bytes of one store object: all model layers' K and V of one block (DESIGN section 5)."""
+        return self.num_model_layers * self.layer_block_nbytes
 
-    def object_spans(self, layer: int) -> list[tuple[int, int, int]]:
-        """(offset in a store object, offset in a staging row, length) in bytes of this instance's part of page
-        layer `layer` (model layer first_layer + layer): its KV heads of K, then of V; one range when it holds
-        every KV head."""
-        head_nbytes = self.block_size * self.head_dim * self.dtype.itemsize
-        model_layer = self.first_layer + layer
-        spans = [(((model_layer * 2 + kind) * self.num_model_kv_heads + self.kv_head_offset) * head_nbytes,
-                  (layer * 2 + kind) * self.page_nbytes, self.page_nbytes) for kind in (0, 1)]
-        if self.num_kv_heads == self.num_model_kv_heads:
-            return [(spans[0][0], spans[0][1], 2 * self.page_nbytes)]
-        return spans
+    def object_layer_offset(self, layer: int) -> int:
+        """Where page layer `layer` (model layer first_layer + layer) starts inside a store object."""
+        return (self.first_layer + layer) * self.layer_block_nbytes
 
     def num_pages_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size

@@ -4,8 +4,8 @@
    `KVPages.nbytes_for` for that rank's KV heads, and passes its fd over the rank's channel (engine.tp_runner);
    the rank maps it (`SharedPages.attach(fd, nbytes)`) and allocates its `KVPages` in it, so rank 0 sees every
    rank's pages (CPU only: a rank's GPU pages are on its own device).
-2. `ShardedPages(ranks, args)` is the instance's side of store moves: staging rows hold every KV head of the
-   model (the whole store object), and `KVCopier` copies each rank's heads between them and that rank's pages
+2. `ShardedPages(ranks, args)` is the instance's side of store moves: objects (and staging rows) hold every KV
+   head of the model, and engine/tp_copy.py copies each rank's heads between them and that rank's pages
    (`copy_parts`): loads fill every rank's pages, a replicated KV head included; stores read the first rank of
    each replica set only. Rank 0 moves all the instance's bytes; the ranks never talk to a store.
 3. `close()` unmaps; a rank's pages live as long as its process and rank 0's mapping.
@@ -66,7 +66,7 @@ class SharedPages:
 
 
 class ShardedPages(KVPages):
-    """Every rank's pages of one tensor-parallel instance, as one set of pages for staging copies; owns nothing
+    """Every rank's pages of one tensor-parallel instance, as one set of pages for store moves; owns nothing
     (rank 0's pages belong to its runner, the others' mappings to the runner). num_kv_heads is the model's."""
 
     def __init__(self, ranks: list[KVPages], args: ModelArgs) -> None:  # noqa: super().__init__ would allocate

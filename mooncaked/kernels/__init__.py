@@ -143,36 +143,30 @@ def decode_attention(
                                           sliding_window=sliding_window)
 
 
-def gather_blocks(pages: torch.Tensor, page_ids: torch.Tensor, backend: str = "auto",
-                  head_major: bool = False) -> torch.Tensor:
-    """Copy pages [P, B, Hkv, D] at page_ids int64 [N] into a new staging tensor [N, B, Hkv, D], or [N, Hkv, B, D]
-    when `head_major` (the store object layout)."""
+def gather_blocks(pages: torch.Tensor, page_ids: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """Copy pages [P, B, Hkv, D] at page_ids int64 [N] into a new staging tensor [N, B, Hkv, D]."""
     _check_page_ids(pages, page_ids)
     if resolve_backend(backend, pages) == "torch":
-        return reference.gather_blocks(pages, page_ids, head_major)
+        return reference.gather_blocks(pages, page_ids)
     _check_triton_device(pages)
     from mooncaked.kernels import triton_kv
 
-    return triton_kv.gather_blocks(pages, page_ids, head_major)
+    return triton_kv.gather_blocks(pages, page_ids)
 
 
-def scatter_blocks(src: torch.Tensor, pages: torch.Tensor, page_ids: torch.Tensor, backend: str = "auto",
-                   head_major: bool = False) -> None:
-    """Copy src [N, B, Hkv, D] ([N, Hkv, B, D] when `head_major`) into pages [P, B, Hkv, D] at page_ids int64 [N],
-    in place."""
+def scatter_blocks(src: torch.Tensor, pages: torch.Tensor, page_ids: torch.Tensor, backend: str = "auto") -> None:
+    """Copy src [N, B, Hkv, D] into pages [P, B, Hkv, D] at page_ids int64 [N], in place."""
     _check_page_ids(pages, page_ids)
-    _, block_size, num_kv_heads, head_dim = pages.shape
-    page_shape = (num_kv_heads, block_size, head_dim) if head_major else (block_size, num_kv_heads, head_dim)
-    if src.shape != (page_ids.shape[0], *page_shape):
-        raise ValueError(f"src must be [N={page_ids.shape[0]}, {', '.join(map(str, page_shape))}], "
+    if src.shape != (page_ids.shape[0], *pages.shape[1:]):
+        raise ValueError(f"src must be [N={page_ids.shape[0]}, {', '.join(map(str, pages.shape[1:]))}], "
                          f"got {tuple(src.shape)}")
     if resolve_backend(backend, pages) == "torch":
-        reference.scatter_blocks(src, pages, page_ids, head_major)
+        reference.scatter_blocks(src, pages, page_ids)
         return
     _check_triton_device(pages)
     from mooncaked.kernels import triton_kv
 
-    triton_kv.scatter_blocks(src, pages, page_ids, head_major)
+    triton_kv.scatter_blocks(src, pages, page_ids)
 
 
 def _check_triton_device(tensor: torch.Tensor) -> None:

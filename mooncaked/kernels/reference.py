@@ -204,12 +204,11 @@ def _decode_padded(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
     return o.reshape(num_seqs, num_heads, head_dim)
 
 
-def gather_blocks(pages: torch.Tensor, page_ids: torch.Tensor, head_major: bool = False) -> torch.Tensor:
-    """Copy pages [P, B, Hkv, D] at page_ids [N] into a new [N, B, Hkv, D] tensor ([N, Hkv, B, D] if head_major)."""
-    gathered = pages.index_select(0, page_ids.to(torch.int64))
-    return gathered.transpose(1, 2).contiguous() if head_major else gathered
+def gather_blocks(pages: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
+    """Copy pages [P, B, Hkv, D] at page_ids [N] into a new [N, B, Hkv, D] tensor."""
+    return pages.index_select(0, page_ids.to(torch.int64))
 
 
-def scatter_blocks(src: torch.Tensor, pages: torch.Tensor, page_ids: torch.Tensor, head_major: bool = False) -> None:
-    """Copy src [N, B, Hkv, D] ([N, Hkv, B, D] if head_major) into pages at page_ids [N], in place."""
-    pages.index_copy_(0, page_ids.to(torch.int64), (src.transpose(1, 2) if head_major else src).to(pages.dtype))
+def scatter_blocks(src: torch.Tensor, pages: torch.Tensor, page_ids: torch.Tensor) -> None:
+    """Copy src [N, B, Hkv, D] into pages at page_ids [N], in place."""
+    pages.index_copy_(0, page_ids.to(torch.int64), src.to(pages.dtype))

@@ -5,8 +5,7 @@ Stages:
      (flat slot = page_id * B + offset; pages are contiguous, so a slot is Hkv * D elements); a negative slot
      (the padding rows of a CUDA-graph decode step) writes nothing.
   2. `gather_blocks` / `scatter_blocks`: programs (page, chunk) copy BLOCK elements of one page between the
-     page pool and a contiguous staging tensor; `head_major` staging pages are [Hkv, B, D] (the store object
-     layout): each element's page offset is then computed from its staging offset (a transposing copy).
+     page pool and a contiguous staging tensor.
 All page offsets are computed in int64: P * B * Hkv * D easily exceeds 2**31 elements.
 """
 
@@ -40,25 +39,21 @@ def _store_kv_kernel(  # type: ignore[no-untyped-def]
 
 @triton.jit  # type: ignore[misc]
 def _copy_pages_kernel(  # type: ignore[no-untyped-def]
-    src_ptr, dst_ptr, page_ids_ptr, page_numel, block_size, num_kv_heads, head_dim,
-    IS_GATHER: tl.constexpr, IS_HEAD_MAJOR: tl.constexpr, BLOCK: tl.constexpr,
+    src_ptr, dst_ptr, page_ids_ptr, page_numel,
+    IS_GATHER: tl.constexpr, BLOCK: tl.constexpr,
 ):
     index = tl.program_id(0).to(tl.int64)
     page = tl.load(page_ids_ptr + index).to(tl.int64)
-    offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # in the staging page
-    mask = offs < page_numel
-    if IS_HEAD_MAJOR:  # staging [Hkv, B, D] element (h, b, d) is page [B, Hkv, D] element (b, h, d)
-        head_numel = block_size * head_dim
-        in_head = offs % head_numel
-        page_offs = ((in_head // head_dim) * num_kv_heads + offs // head_numel) * head_dim + in_head % head_dim
-    else:
-        page_offs = offs
     if IS_GATHER:
-        x = tl.load(src_ptr + page * page_numel + page_offs, mask=mask)
-        tl.store(dst_ptr + index * page_numel + offs, x.to(dst_ptr.dtype.element_ty), mask=mask)
+        src_page = page
+        dst_page = index
     else:
-        x = tl.load(src_ptr + index * page_numel + offs, mask=mask)
-        tl.store(dst_ptr + page * page_numel + page_offs, x.to(dst_ptr.dtype.element_ty), mask=mask)
+        src_page = index
+        dst_page = page
+    offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < page_numel
+    x = tl.load(src_ptr + src_page * page_numel + offs, mask=mask)
+    tl.store(dst_ptr + dst_page * page_numel + offs, x.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(
@@ -81,30 +76,25 @@ def store_kv(
     )
 
 
-def gather_blocks(pages: torch.Tensor, page_ids: torch.Tensor, head_major: bool = False) -> torch.Tensor:
-    """pages [P, B, Hkv, D] at page_ids [N] -> new contiguous [N, B, Hkv, D] ([N, Hkv, B, D] if head_major)."""
-    _, block_size, num_kv_heads, head_dim = pages.shape
-    shape = (num_kv_heads, block_size, head_dim) if head_major else (block_size, num_kv_heads, head_dim)
-    out = torch.empty((page_ids.shape[0], *shape), dtype=pages.dtype, device=pages.device)
-    _copy_pages(pages, out, pages, page_ids, is_gather=True, head_major=head_major)
+def gather_blocks(pages: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
+    """pages [P, B, Hkv, D] at page_ids [N] -> new contiguous [N, B, Hkv, D]."""
+    out = torch.empty((page_ids.shape[0], *pages.shape[1:]), dtype=pages.dtype, device=pages.device)
+    _copy_pages(pages, out, page_ids, is_gather=True)
     return out
 
 
-def scatter_blocks(src: torch.Tensor, pages: torch.Tensor, page_ids: torch.Tensor, head_major: bool = False) -> None:
-    """src [N, B, Hkv, D] ([N, Hkv, B, D] if head_major) -> pages [P, B, Hkv, D] at page_ids [N], in place."""
-    _copy_pages(src.contiguous(), pages, pages, page_ids, is_gather=False, head_major=head_major)
+def scatter_blocks(src: torch.Tensor, pages: torch.Tensor, page_ids: torch.Tensor) -> None:
+    """src [N, B, Hkv, D] -> pages [P, B, Hkv, D] at page_ids [N], in place."""
+    _copy_pages(src.contiguous(), pages, page_ids, is_gather=False)
 
 
-def _copy_pages(src: torch.Tensor, dst: torch.Tensor, pages: torch.Tensor, page_ids: torch.Tensor, *,
-                is_gather: bool, head_major: bool) -> None:
+def _copy_pages(src: torch.Tensor, dst: torch.Tensor, page_ids: torch.Tensor, is_gather: bool) -> None:
     num_pages = page_ids.shape[0]
     if num_pages == 0:
         return
-    _, block_size, num_kv_heads, head_dim = pages.shape
-    page_numel = block_size * num_kv_heads * head_dim
+    page_numel = dst[0].numel()
     grid = (num_pages, triton.cdiv(page_numel, COPY_BLOCK))
-    _copy_pages_kernel[grid](src, dst, page_ids, page_numel, block_size, num_kv_heads, head_dim,
-                             IS_GATHER=is_gather, IS_HEAD_MAJOR=head_major, BLOCK=COPY_BLOCK)
+    _copy_pages_kernel[grid](src, dst, page_ids, page_numel, IS_GATHER=is_gather, BLOCK=COPY_BLOCK)
 
 
 def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:

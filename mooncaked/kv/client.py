@@ -14,7 +14,7 @@
    move with an earlier run's offsets raises StaleOffsets and touches no byte, so a worker keeps working across
    a store restart and never reads or writes another run's blocks.
 
-A block is `[layer][k|v][kv_head][token][head_dim]` (head-major, kv.keys.KV_LAYOUT_VERSION 2); one layer's
+A block is `[layer][k|v][token][kv_head][head_dim]`; one layer's
 slice is `layer_bytes` long at `layer_index * layer_bytes` inside the block (DESIGN section 5).
 """
 
@@ -63,7 +63,8 @@ class Staging:
 
 
 class LocalEnd(Protocol):
-    """The local end of same-host moves that is no byte buffer (host KV pages: engine/kv_direct.py)."""
+    """The local end of same-host moves that is no byte buffer (a tensor-parallel instance's rank pages:
+    engine/tp_copy.py)."""
 
     def copy_spans(self, pool: np.ndarray, op: TransferOp, spans: Sequence[Span]) -> None: ...
 
@@ -220,7 +221,7 @@ class StoreClient:
         """READ: pool -> staging; WRITE: staging -> pool. Raises TransferError or ValueError on failure, and
         StaleOffsets when `incarnation` (the store run the offsets came from; 0: unchecked) is not the store's
         current one. A same-host copy runs on `executor` when given (a worker's copy thread), else off the event
-        loop once it is large. A LocalEnd (host KV pages, engine/kv_direct.py) is an end of same-host moves only."""
+        loop once it is large. A LocalEnd (rank pages, engine/tp_copy.py) is an end of same-host moves only."""
         if not spans:
             return
         pool, segment = await self._current(incarnation)
@@ -237,7 +238,7 @@ class StoreClient:
                 copy()
             return
         if not isinstance(staging, Staging):
-            raise ValueError("host pages move straight to and from the store on this host only; use staging")
+            raise ValueError("rank pages are copied to and from the store on this host only; use staging")
         assert self.engine is not None
         requests = [TransferRequest(op, staging.name, span.staging_offset, segment, span.pool_offset,
                                     span.num_bytes) for span in spans]

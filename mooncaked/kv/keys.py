@@ -1,7 +1,6 @@
 """Block keys: the one definition of prefix-block identity (DESIGN section 5).
 
-1. A model namespace folds the KV object layout version, model id, dtype and block size into 16 bytes, so two
-   models never share a key, and objects written in an older layout are never read as the current one.
+1. A model namespace folds the model id, dtype and block size into 16 bytes, so two models never share a key.
 2. Requests that may share KV only with each other (one tenant's, or one `cache_salt`'s, as vLLM defines it)
    get an isolated namespace: the model's with their isolation tag folded in (`isolation_tag`,
    `isolated_namespace`); the empty tag keeps the model's namespace, shared by everyone.
@@ -20,9 +19,6 @@ from array import array
 from collections.abc import Sequence
 
 KEY_BYTES = 16
-# v2: objects are head-major [layers, 2, kv_heads, block_size, head_dim] (v1 was token-major), so a tensor-parallel
-# rank's KV heads are one range of each layer's K and V whatever the degree
-KV_LAYOUT_VERSION = 2
 _ROOT_KEY = bytes(KEY_BYTES)
 
 
@@ -30,7 +26,7 @@ def model_namespace(model_id: str, dtype: str, block_size: int) -> bytes:
     """16-byte namespace for one (model, dtype, block size) combination."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    text = f"mooncaked/v{KV_LAYOUT_VERSION}|{model_id}|{dtype}|{block_size}".encode()
+    text = f"mooncaked/v1|{model_id}|{dtype}|{block_size}".encode()
     return hashlib.blake2b(text, digest_size=KEY_BYTES).digest()
 
 

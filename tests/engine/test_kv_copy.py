@@ -19,7 +19,7 @@ def _pages() -> KVPages:
     return kv
 
 
-def test_layer_slice_is_one_contiguous_range_k_then_v_head_major() -> None:
+def test_layer_slice_is_one_contiguous_range_k_then_v() -> None:
     kv = _pages()
     staging = new_staging(kv, 2)
     handle = KVCopier("cpu").store_all_layers(kv, staging, [4, 1])
@@ -32,9 +32,8 @@ def test_layer_slice_is_one_contiguous_range_k_then_v_head_major() -> None:
             offset, length = layer_byte_range(kv, layer)
             chunk = raw[n, offset: offset + length].view(torch.float32)
             half = length // 8
-            # head-major [Hkv=2, B=4, D=8]: each page transposed
-            assert torch.equal(chunk[:half].view(2, 4, 8), kv.k_pages[layer][page].transpose(0, 1))
-            assert torch.equal(chunk[half:].view(2, 4, 8), kv.v_pages[layer][page].transpose(0, 1))
+            assert torch.equal(chunk[:half].view(4, 2, 8), kv.k_pages[layer][page])
+            assert torch.equal(chunk[half:].view(4, 2, 8), kv.v_pages[layer][page])
 
 
 def test_layerwise_store_then_load_round_trips_into_other_pages() -> None:
@@ -49,16 +48,6 @@ def test_layerwise_store_then_load_round_trips_into_other_pages() -> None:
     for layer in range(3):
         assert torch.equal(dst.k_pages[layer][[3, 2]], src.k_pages[layer][[0, 5]])
         assert torch.equal(dst.v_pages[layer][[3, 2]], src.v_pages[layer][[0, 5]])
-
-
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_store_then_load_round_trips_with_each_backend(backend: str) -> None:
-    src, dst = _pages(), _pages()
-    staging = new_staging(src, 2)
-    KVCopier("cpu", backend=backend).store_all_layers(src, staging, [1, 4]).synchronize()
-    assert torch.equal(staging[1, 2, 1], src.v_pages[2][4].transpose(0, 1))
-    KVCopier("cpu", backend=backend).load_all_layers(dst, staging, [0, 5]).synchronize()
-    assert all(torch.equal(dst.k_pages[i][[0, 5]], src.k_pages[i][[1, 4]]) for i in range(3))
 
 
 def test_load_all_layers_and_shape_check() -> None:

@@ -1,6 +1,7 @@
 """A tensor-parallel worker's KV side on CPU: every rank's pages mapped in rank 0 (each holds TP=1's KV of its
-heads), staging copies to and from all of them as one (whole store objects), and gated prefills whose rank 0
-callback raises stop every rank at that layer and leave the group usable."""
+heads), strided copies between whole objects' bytes and all of them (engine/tp_copy.py: the objects TP=1
+stages), and gated prefills whose rank 0 callback raises stop every rank at that layer and leave the group
+usable."""
 
 from __future__ import annotations
 
@@ -8,19 +9,19 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from mooncaked.engine.batch import PrefillBatch, PrefillSeq, build_prefill_batch
 from mooncaked.engine.kv_copy import KVCopier, new_staging
 from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.runner import ModelRunner
+from mooncaked.engine.tp_copy import RankPagesEnd
 from mooncaked.engine.tp_pages import ShardedPages
 from mooncaked.engine.tp_rank import RankSpec
 from mooncaked.engine.tp_runner import TensorParallelRunner
 from mooncaked.model.config import random_preset
 from mooncaked.model.loader import load_model
 from mooncaked.model.tensor_parallel import shard_shape
+from mooncaked.rdma import TransferOp
 
 BLOCK = 8
 NUM_PAGES = 8
@@ -60,20 +61,26 @@ def test_each_ranks_mapped_pages_hold_its_heads_of_tp1s_kv(tp: TensorParallelRun
                                        atol=1e-5, rtol=0)
 
 
-def test_staging_of_all_ranks_is_the_whole_object_tp1_stages(tp: TensorParallelRunner) -> None:
+def copy_all_layers(end: RankPagesEnd, staging: torch.Tensor, op: TransferOp) -> None:
+    """Every layer of staging rows [0, len(end.page_ids)) <-> the ranks' pages, as the copy thread does."""
+    rows, flat = range(len(end.page_ids)), staging.view(-1).view(torch.uint8).numpy()
+    for layer in range(end.kv_pages.num_layers):
+        end.copy_rows(flat, op, layer, rows)
+
+
+def test_the_ranks_pages_stage_the_whole_objects_tp1_stages(tp: TensorParallelRunner) -> None:
     single, kv = _single()
     single.prefill(_batch())
     tp.prefill(_batch())
     sharded = ShardedPages(tp.rank_pages, random_preset("tiny"))
-    assert sharded.object_nbytes == kv.object_nbytes and sharded.object_spans(1) == kv.object_spans(1)
+    assert sharded.object_nbytes == kv.object_nbytes and sharded.block_nbytes == kv.block_nbytes
     ours, theirs = new_staging(sharded, 3), new_staging(kv, 3)
-    copier = KVCopier("cpu", backend="torch")
-    copier.store_all_layers(sharded, ours, PAGE_IDS).synchronize()
-    copier.store_all_layers(kv, theirs, PAGE_IDS).synchronize()
+    KVCopier("cpu", backend="torch").store_all_layers(kv, theirs, PAGE_IDS).synchronize()
+    copy_all_layers(RankPagesEnd(sharded, PAGE_IDS), ours, TransferOp.WRITE)
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
     for pages in tp.rank_pages:
         pages.buffer.zero_()
-    copier.load_all_layers(sharded, theirs, [1, 2, 4]).synchronize()
+    copy_all_layers(RankPagesEnd(sharded, [1, 2, 4]), theirs, TransferOp.READ)
     for rank, pages in enumerate(tp.rank_pages):
         assert torch.equal(pages.k_pages[0][[1, 2, 4]], kv.k_pages[0][PAGE_IDS][:, :, rank:rank + 1])
 
@@ -85,11 +92,11 @@ def test_replicated_kv_heads_load_into_every_replica_and_store_from_the_first() 
     sharded = ShardedPages(ranks, args)
     assert [writer for _, _, writer in sharded.copy_parts()] == [True, False]
     staging = torch.randn(new_staging(sharded, 1).shape)
-    KVCopier("cpu").load_all_layers(sharded, staging, [2]).synchronize()
+    copy_all_layers(RankPagesEnd(sharded, [2]), staging, TransferOp.READ)
     assert torch.equal(ranks[0].buffer, ranks[1].buffer) and ranks[1].k_pages[1][2].abs().sum() > 0
     ranks[1].buffer.zero_()  # a replica's pages are never read by a store copy
     out = new_staging(sharded, 1)
-    KVCopier("cpu").store_all_layers(sharded, out, [2]).synchronize()
+    copy_all_layers(RankPagesEnd(sharded, [2]), out, TransferOp.WRITE)
     assert torch.equal(out, staging)
 
 
@@ -120,40 +127,3 @@ def test_a_raising_callback_stops_every_rank_and_the_group_stays_usable(tp: Tens
 
 def _raise(exc: Exception) -> None:
     raise exc
-
-
-@settings(max_examples=40, deadline=None)
-@given(num_kv_heads=st.sampled_from([1, 2, 4]), num_ranks=st.sampled_from([1, 2, 4]),
-       block_size=st.integers(1, 5), head_dim=st.sampled_from([2, 4, 6]), seed=st.integers(0, 2**16),
-       page_ids=st.lists(st.integers(0, 5), min_size=1, max_size=4, unique=True))
-def test_store_objects_are_the_same_bytes_at_every_degree(num_kv_heads: int, num_ranks: int, block_size: int,
-                                                          head_dim: int, seed: int, page_ids: list[int]) -> None:
-    """Any degree the KV heads allow (split, or replicated when fewer than the ranks): the ranks' pages stage
-    exactly the objects one instance holding every head stages, and loading them back fills each rank with its
-    heads; each rank's object_spans of a layer are its heads' ranges of the one-instance object."""
-    args = random_preset("tiny", num_heads=4, num_kv_heads=num_kv_heads, head_dim=head_dim)
-    whole = KVPages.for_model(args, num_pages=6, block_size=block_size, dtype=torch.float32, device="cpu")
-    whole.buffer.copy_(torch.randn(whole.buffer.shape, generator=torch.Generator().manual_seed(seed)))
-    shards = [shard_shape(args, rank, num_ranks) for rank in range(num_ranks)]
-    ranks = [KVPages.for_model(args, num_pages=6, block_size=block_size, dtype=torch.float32, device="cpu",
-                               shard=shard) for shard in shards]
-    for pages in ranks:
-        heads = slice(pages.kv_head_offset, pages.kv_head_offset + pages.num_kv_heads)
-        pages.buffer.copy_(whole.buffer[:, :, :, :, heads])
-    sharded = ShardedPages(ranks, args)
-    ours, theirs = new_staging(sharded, len(page_ids)), new_staging(whole, len(page_ids))
-    KVCopier("cpu").store_all_layers(sharded, ours, page_ids).synchronize()
-    KVCopier("cpu").store_all_layers(whole, theirs, page_ids).synchronize()
-    assert torch.equal(ours, theirs)
-    for pages in ranks:
-        pages.buffer.zero_()
-    KVCopier("cpu").load_all_layers(sharded, theirs, page_ids).synchronize()
-    object_bytes = theirs[0].contiguous().view(-1).view(torch.uint8)
-    for pages in ranks:
-        heads = slice(pages.kv_head_offset, pages.kv_head_offset + pages.num_kv_heads)
-        assert torch.equal(pages.k_pages[1][page_ids], whole.k_pages[1][page_ids][:, :, heads])
-        rank_row = new_staging(pages, 1)
-        KVCopier("cpu").store_all_layers(pages, rank_row, page_ids[:1]).synchronize()
-        row_bytes = rank_row.view(-1).view(torch.uint8)
-        for in_object, in_row, size in pages.object_spans(1):
-            assert torch.equal(row_bytes[in_row: in_row + size], object_bytes[in_object: in_object + size])

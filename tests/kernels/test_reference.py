@@ -134,15 +134,3 @@ def test_gather_then_scatter_blocks() -> None:
     reference.scatter_blocks(staged, target, page_ids)
     assert torch.equal(target[page_ids], pages[page_ids])
     assert not target[[1, 3, 5]].any()
-
-
-def test_head_major_blocks_are_each_page_transposed() -> None:
-    """The store object layout: page [B, Hkv, D] is staged as [Hkv, B, D] and scattered back unchanged."""
-    pages = torch.randn(6, BLOCK_SIZE, 2, HEAD_DIM)
-    page_ids = torch.tensor([5, 1])
-    staged = reference.gather_blocks(pages, page_ids, head_major=True)
-    assert staged.shape == (2, 2, BLOCK_SIZE, HEAD_DIM) and staged.is_contiguous()
-    assert torch.equal(staged[0, 1, 3], pages[5, 3, 1])
-    target = torch.zeros_like(pages)
-    reference.scatter_blocks(staged, target, page_ids, head_major=True)
-    assert torch.equal(target[page_ids], pages[page_ids]) and not target[[0, 2, 3, 4]].any()

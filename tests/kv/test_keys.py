@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 
-from mooncaked.kv.keys import KEY_BYTES, KV_LAYOUT_VERSION, block_keys, model_namespace
+from mooncaked.kv.keys import KEY_BYTES, block_keys, model_namespace
 
 NS = model_namespace("smollm2-135m", "float32", 4)
 
@@ -37,13 +35,7 @@ def test_namespace_separates_models_dtypes_block_sizes() -> None:
 def test_deterministic_known_value() -> None:
     key = block_keys(list(range(64)), 64, model_namespace("m", "float32", 64))[0]
     assert key == block_keys(list(range(64)), 64, model_namespace("m", "float32", 64))[0]
-    assert key.hex() == "354ca04670f23b6553747146a6e2cd75"  # layout v2 (head-major objects)
-
-
-def test_the_layout_version_is_part_of_the_namespace() -> None:
-    """Objects of an older layout are never found under the current one's keys."""
-    old = hashlib.blake2b(b"mooncaked/v1|m|float32|64", digest_size=KEY_BYTES).digest()
-    assert KV_LAYOUT_VERSION == 2 and model_namespace("m", "float32", 64) != old
+    assert key.hex() == "a4f941252f99387d0e24ed29b0dd2e37"
 
 
 def test_bad_input() -> None:

@@ -1,28 +1,29 @@
 """One request's KV on a worker: its pages, the staging it holds while moves need it, and its byte moves.
 
 1. `RequestKv(worker, request_id, num_tokens)` allocates pages for every block of the prompt (the partial tail
-   included) plus `num_extra_tokens`. Store objects are head-major, pages token-major (DESIGN 5,
-   engine/kv_pages.py), so every move transposes. Host pages (CPU) move straight to and from the store on this
-   host, whose pool the worker maps: one transposing copy per page on the copy thread (`PagesEnd`), no staging.
-   Moves with another host's store (and every move of GPU pages) go through a staging buffer [num_blocks,
-   layers, 2, kv_heads, block_size, head_dim] in the object layout, which the request holds only while such a
-   move is in flight (request_memory.StagingHold): a decode instance holds no second copy of its requests' KV.
+   included) plus `num_extra_tokens`. Store objects have the pages' layout (DESIGN 5). Pages in host memory (CPU,
+   one process) are a transfer-engine segment: every move goes straight between them and the stores
+   (`is_direct`). A tensor-parallel instance (CPU; worker.tp) moves between its ranks' pages and this host's
+   mapped store pool in strided copies on the copy thread (engine/tp_copy.py). Other moves (GPU pages; a
+   tensor-parallel instance with another host's store) go through a staging buffer [num_blocks, layers, 2,
+   block_size, kv_heads, head_dim] in the object layout, which the request holds only while such a move is in
+   flight (request_memory.StagingHold).
 2. Loading: `start_loading(sources, num_blocks)` (event loop) starts a LayerLoader, which loads layer by layer
-   (`load_layer`: direct, or into staging and then into the pages on the copy thread). The forward waits per
-   layer (`wait_layer_loaded`, compute thread); a caller that needs all of it awaits `wait_loaded`.
-3. Storing: `store_layer(i, writes)` (compute thread, after layer i) queues layer i's writes to every
-   store (event loop: direct copies from the pages on the copy thread; staged ones after the copy of layer i of
-   their blocks from the pages into staging on the copy thread; GPU pages of one KV head registered for GPUDirect go to
-   another host's store straight from the pages) and returns: layer i is sent while layer i+1 computes. At
-   most `worker.max_layers_in_flight` layers are in flight; beyond, the compute thread waits for the oldest.
-   `wait_writes()` awaits them all (and reports a failed load). Same-host copies run on the copy thread,
-   others on the transfer engine's threads: none on the compute thread.
+   (`load_layer`: straight into the pages, or into staging and then into the pages on the copy thread). The
+   forward waits per layer (`wait_layer_loaded`, compute thread); a caller that needs all of it awaits
+   `wait_loaded`.
+3. Storing: `store_layer(i, writes)` (compute thread, after layer i) queues layer i's writes to every store
+   (event loop; staged ones after the copy of layer i of their blocks from the pages into staging on the copy
+   thread; GPU pages registered for RDMA (GPUDirect) go to another host's store straight from the pages) and
+   returns: layer i is sent while layer i+1 computes. At most `worker.max_layers_in_flight` layers are in
+   flight; beyond, the compute thread waits for the oldest. `wait_writes()` awaits them all (and reports a
+   failed load). Same-host copies run on the copy thread, others on the transfer engine's threads: none on the
+   compute thread.
 4. `release()` stops the loader, refuses new copies, waits for running ones (request_memory.CopyTracker), frees
    the pages and gives staging back; the caller owns store handles and leases and ends them (commit, abort,
-   release) after it, so no direct copy can touch a pool region once its handle or lease ended. Staging a move
-   was abandoned in (cancelled, failed mid-flight) may still take late bytes from the transfer engine: it is
-   dropped, not reused. Moves never write the pages from another thread than the copy thread, so the pages are
-   freed at once (a release cancelled mid-wait frees them after the deadline).
+   release) after it, so no same-host copy touches a pool region once its handle or lease ended. Memory a
+   transfer-engine move was abandoned in (cancelled, failed mid-flight) may still take late bytes: staging is
+   dropped, not reused, and pages that were a move's end are freed only after transfer.io_timeout_s.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from mooncaked.engine.kv_direct import PagesEnd, page_segment_spans
 from mooncaked.engine.staging_pool import StagingBuffer
-from mooncaked.kv.client import Span, Staging, StoreClient
+from mooncaked.engine.tp_copy import RankPagesEnd
+from mooncaked.kv.client import LocalEnd, Span, Staging, StoreClient
 from mooncaked.rdma import TransferOp
 from mooncaked.roles.worker.layer_loader import BlockSource, LayerLoader, LoadFailed
 from mooncaked.roles.worker.request_memory import CopyTracker, StagingHold
@@ -77,70 +78,90 @@ class RequestKv:
         self.num_full_blocks = num_tokens // worker.block_size
         num_pages = num_blocks_for(num_tokens + num_extra_tokens, worker.block_size)
         self.page_ids: list[int] = worker.pages.allocate(num_pages, owner=request_id)
-        self.is_host_pages = worker.kv_pages.device.type == "cpu"
-        self.pages_end = PagesEnd(worker.kv_pages, self.page_ids) if self.is_host_pages else None
+        self.is_direct = worker.host_pages is not None  # every move straight between the pages and the stores
+        self.ranks_end = RankPagesEnd(worker.kv_pages, self.page_ids) if worker.tp is not None else None
         self.staging = StagingHold(worker.staging_pool, self.num_blocks)
         self.copies = CopyTracker(worker.copy_thread, request_id)
         self.num_loaded = 0
         self.loader: LayerLoader | None = None
         self.store_error: Exception | None = None
         self._writes: list[concurrent.futures.Future[None]] = []
+        self._is_moves_clean = True  # no move straight into or out of the pages was abandoned mid-flight
         self._is_released = False
         self.is_settled = True  # see release
 
     # ---- moves between stores and this request's memory (event loop) ------------------------------------
-    def is_direct(self, client: StoreClient) -> bool:
-        """Whether moves with `client`'s store go straight between the pages and its mapped pool."""
-        return self.pages_end is not None and client.is_local
+    def _is_staged(self, client: StoreClient) -> bool:
+        """Whether moves with `client`'s store go through staging (GPU pages; ranks' pages, another host's)."""
+        return not self.is_direct and not (self.ranks_end is not None and client.is_local)
 
-    async def _move(self, op: TransferOp, client: StoreClient, spans: Sequence[Span], incarnation: int) -> None:
-        """Pages (direct) or the held staging <-> `client`'s store; same-host copies run on the copy thread."""
-        memory: Staging | PagesEnd
-        if self.is_direct(client):
-            assert self.pages_end is not None
-            memory = self.pages_end
-        else:
-            assert self.staging.buffer is not None, "a move through staging runs while the request holds it"
-            memory = Staging(self.staging.buffer.name, self.staging.buffer.array)
-        await client.move(op, memory, spans, executor=self.copies if client.is_local else None,
-                          incarnation=incarnation)
+    def _memory(self, client: StoreClient) -> Staging | LocalEnd:
+        """The local end of moves with `client`'s store: the pages, the ranks' pages, or the held staging."""
+        if self.worker.host_pages is not None:
+            return self.worker.host_pages
+        if self.ranks_end is not None and client.is_local:
+            return self.ranks_end
+        assert self.staging.buffer is not None, "a move through staging runs while the request holds it"
+        return Staging(self.staging.buffer.name, self.staging.buffer.array)
+
+    async def _move(self, op: TransferOp, client: StoreClient, spans: Sequence[Span], memory: Staging | LocalEnd,
+                    incarnation: int) -> None:
+        try:
+            await client.move(op, memory, spans, executor=self.copies if client.is_local else None,
+                              incarnation=incarnation)
+        except BaseException:
+            if self.is_direct:  # the transfer engine may still write the pages late
+                self._is_moves_clean = False
+            raise
 
     def layer_spans(self, indices: Sequence[int], offsets: Sequence[int], layer: int) -> list[Span]:
-        """Layer `layer` of blocks `indices` in staging rows <-> pool `offsets` (`layer` counts this worker's
-        layers: a pipeline stage's layer i is model layer first_layer + i of the store object; a tensor-parallel
-        rank moves its KV heads' ranges of it). Direct moves name the pages by the same row offsets."""
+        """Layer `layer` of blocks `indices` in this request's memory <-> pool `offsets` (`layer` counts this
+        worker's layers: a pipeline stage's layer i is model layer first_layer + i of the store object)."""
+        if self.is_direct:
+            return self.page_spans(indices, offsets, layer)
         kv_pages = self.worker.kv_pages
         assert kv_pages is not None
-        row, parts = kv_pages.block_nbytes, kv_pages.object_spans(layer)
-        return [Span(offset + in_object, index * row + in_row, size)
-                for index, offset in zip(indices, offsets) for in_object, in_row, size in parts]
+        # staging rows hold this worker's layers only; the store object every layer of the model
+        row, size, in_object = kv_pages.block_nbytes, kv_pages.layer_block_nbytes, kv_pages.object_layer_offset(layer)
+        return [Span(offset + in_object, index * row + layer * size, size) for index, offset in zip(indices, offsets)]
+
+    def page_spans(self, indices: Sequence[int], offsets: Sequence[int], layer: int) -> list[Span]:
+        """Layer `layer` of blocks `indices` as K and V page ranges of the pages' buffer <-> pool `offsets`."""
+        kv_pages = self.worker.kv_pages
+        assert kv_pages is not None
+        layer_offset, page_bytes = kv_pages.object_layer_offset(layer), kv_pages.page_nbytes
+        return [Span(offset + layer_offset + kind * page_bytes,
+                     kv_pages.page_byte_offset(layer, kind, self.page_ids[index]), page_bytes)
+                for index, offset in zip(indices, offsets) for kind in (0, 1)]
 
     async def _read(self, source: BlockSource, layer: int) -> None:
         client = await self.worker.store_client(source.store_name)
         spans = self.layer_spans(source.indices, source.offsets, layer)
-        await self._move(TransferOp.READ, client, spans, source.incarnation)
+        await self._move(TransferOp.READ, client, spans, self._memory(client), source.incarnation)
 
     async def _write(self, write: LayerWrite, layer: int) -> None:
+        """Another host's store reads GPU pages straight over RDMA when they are registered (GPUDirect)."""
         client = await self.worker.store_client(write.store_name)
         segment = self.worker.kv_pages_segment
-        if segment is not None and not client.is_local:  # GPUDirect: the store reads the registered pages
-            assert self.worker.kv_pages is not None
-            spans = page_segment_spans(self.worker.kv_pages, self.page_ids, write.indices, write.offsets, layer)
-            await client.move(TransferOp.WRITE, Staging(segment, _NO_BYTES), spans, incarnation=write.incarnation)
+        if segment is not None and not self.is_direct and not client.is_local:
+            spans = self.page_spans(write.indices, write.offsets, layer)
+            await self._move(TransferOp.WRITE, client, spans, Staging(segment, _NO_BYTES), write.incarnation)
             return
         spans = self.layer_spans(write.indices, write.offsets, layer)
-        await self._move(TransferOp.WRITE, client, spans, write.incarnation)
+        await self._move(TransferOp.WRITE, client, spans, self._memory(client), write.incarnation)
 
     async def _on_copy_thread(self, fn: Callable[..., None], *args: Any) -> None:
         await asyncio.wrap_future(self.copies.submit(fn, *args))
 
     async def _staged(self, store_names: Sequence[str], is_write: bool = False) -> list[str]:
-        """Which of these stores' moves go through staging (another host's store, or GPU pages; writes from
-        GPU pages registered for GPUDirect do not)."""
+        """Which of these stores' moves go through staging (writes from GPU pages registered for GPUDirect to
+        another host's store do not)."""
+        if self.is_direct:
+            return []
         clients = [await self.worker.store_client(name) for name in store_names]
         is_gpudirect = is_write and self.worker.kv_pages_segment is not None
         return [name for name, client in zip(store_names, clients)
-                if not self.is_direct(client) and not (is_gpudirect and not client.is_local)]
+                if self._is_staged(client) and not (is_gpudirect and not client.is_local)]
 
     # ---- loading ---------------------------------------------------------------------------------------
     def start_loading(self, sources: Sequence[BlockSource], num_blocks: int) -> None:
@@ -167,8 +188,8 @@ class RequestKv:
         reverse, once `compute_done` (CUDA) passed."""
         worker = self.worker
         assert worker.copier is not None and worker.kv_pages is not None
-        if self.pages_end is not None:  # host pages: one numpy pass, cheaper per page than the copier's
-            self.pages_end.copy_rows(buffer.array, op, layer, [r for start, stop in runs for r in range(start, stop)])
+        if self.ranks_end is not None:  # every rank's heads of each row, strided
+            self.ranks_end.copy_rows(buffer.array, op, layer, [r for start, stop in runs for r in range(start, stop)])
             return
         for start, stop in runs:
             rows, ids = view[start:stop], self.page_ids[start:stop]
@@ -269,6 +290,8 @@ class RequestKv:
         for write in self._writes:
             if write.cancel():
                 self.staging.is_clean = False
+                if self.is_direct:  # its transfer may still write the pages
+                    self._is_moves_clean = False
         self._writes = []
         timeout_s = self.worker.config.transfer.timeout_s
         try:
@@ -282,8 +305,10 @@ class RequestKv:
             logger.error("%s: KV copies still running after %gs; its pages and staging are not reused",
                          self.request_id, timeout_s)
             return
-        # moves through staging never touch the pages, and direct ones ran on the copy thread (settled above)
-        self._give_back(delay_s=0.0, is_reusable=True)
+        # moves through staging and copies on the copy thread (settled above) never write the pages late
+        is_late_write_possible = not self._is_moves_clean
+        self._give_back(delay_s=self.worker.config.transfer.io_timeout_s if is_late_write_possible else 0.0,
+                        is_reusable=True)
 
     def _give_back(self, delay_s: float, is_reusable: bool) -> None:
         worker = self.worker

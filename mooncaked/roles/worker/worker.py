@@ -5,12 +5,11 @@
    file; prefill keeps plain projections, decode packed ones in their place, a switchable worker both:
    memory_plan.worker_packing), size the KV pages from the memory budget (engine.kv_budget; a budget too small
    for one max-length request fails here), allocate them (for its layers), build the runner, copier, staging
-   pool (pinned on the GPU's NUMA node) and sampler, register GPU pages of one KV head as "cuda:N" where RDMA
-   can map them (GPUDirect), connect to this host's store (mapping its pool). Objects
-   are head-major, pages token-major (engine/kv_pages.py): host pages move straight to and from this host's
-   store in a transposing copy; other moves go through staging (roles/worker/request_kv.py). With
-   N > 1 tensor-parallel ranks (tp_worker.py) the model is rank 0's shard, the runner drives the ranks, and
-   the KV pages are every rank's (mapped here), so the rest of the worker is the same at any degree.
+   pool (pinned on the GPU's NUMA node) and sampler, register the pages as a transfer-engine segment (host
+   pages, which every move then reaches straight; GPU pages as "cuda:N" where RDMA can map them), connect to
+   this host's store (mapping its pool). With N > 1 tensor-parallel ranks (tp_worker.py) the model is rank 0's
+   shard, the runner drives the ranks, and the KV pages are every rank's (mapped here, moved by strided copies:
+   roles/worker/request_kv.py), so the rest of the worker is the same at any degree.
 2. `await compute(fn, *args)` runs model work on the single compute thread, keeping the event loop free for RPC,
    transfers and heartbeats. KV copies between pages and staging run on the single copy thread
    (`copy_thread`), so a layer's store or load never runs on the compute thread; each thread may be pinned to
@@ -48,7 +47,7 @@ from mooncaked.engine.runner import ModelRunner
 from mooncaked.engine.staging_pool import StagingPool
 from mooncaked.engine.timeline import LayerTimeline
 from mooncaked.engine.tp_runner import TensorParallelRunner
-from mooncaked.kv.client import StoreClient
+from mooncaked.kv.client import Staging, StoreClient
 from mooncaked.kv.keys import model_namespace
 from mooncaked.membership import Membership, StaticMembership, store_on_host
 from mooncaked.memory_plan import worker_packing
@@ -85,7 +84,8 @@ class Worker:
         self.copy_thread = pinned_executor("kv-copy", self.section.copy_cpus, "worker.copy_cpus")
         self.staging_pool: StagingPool | None = None
         self.timeline: LayerTimeline | None = None
-        self.kv_pages_segment: str | None = None  # GPU pages of one KV head registered for GPUDirect RDMA
+        self.kv_pages_segment: str | None = None  # the pages' segment: host pages, or GPU pages RDMA maps
+        self.host_pages: Staging | None = None  # host pages as the local end of store moves (CPU, one process)
         self._deferred_frees: dict[str, asyncio.TimerHandle] = {}
         self._stores: dict[str, StoreClient] = {}
         self._store_locks: dict[str, asyncio.Lock] = {}
@@ -121,15 +121,27 @@ class Worker:
         self.staging_pool = StagingPool(
             self.kv_pages, self.instance.name, lambda name, data: self.engine.register(name, data, placement.location),
             self.engine.unregister, numa_node=placement.numa_node)
-        if self.kv_pages.num_kv_heads == 1 and register_kv_pages(  # token-major pages of one head are head-major
-                self.engine, f"{self.instance.name}/kv-pages", self.kv_pages.buffer, self.loaded.device):
-            self.kv_pages_segment = f"{self.instance.name}/kv-pages"
+        self._register_pages(placement.location)
         self.sampler = Sampler(seed=model.seed, device=self.loaded.device)
         self.namespace = model_namespace(self.loaded.model_id, model.dtype, block_size)
         self.local_store_name = await self._find_local_store()
         await self.store_client(self.local_store_name)
         logger.info("%s loaded %s%s; %s", self.instance.name, self.loaded.model_id,
                     f" as {self.stage.describe()}" if self.stage else "", self.kv_sizing.describe())
+
+    def _register_pages(self, location: str) -> None:
+        """Host pages are a segment every move reaches straight; GPU pages one where RDMA maps them (GPUDirect).
+        A tensor-parallel instance's pages are every rank's buffer: its moves copy (request_kv.py)."""
+        assert self.kv_pages is not None and self.loaded is not None
+        pages_segment = f"{self.instance.name}/kv-pages"
+        if self.tp is not None:
+            return
+        if self.loaded.device.type == "cpu":  # host pages: moves go straight to and from them, no staging
+            self.engine.register(pages_segment, self.kv_pages.buffer, location)
+            self.kv_pages_segment = pages_segment
+            self.host_pages = Staging(pages_segment, self.kv_pages.buffer.view(-1).view(torch.uint8).numpy())
+        elif register_kv_pages(self.engine, pages_segment, self.kv_pages.buffer, self.loaded.device):
+            self.kv_pages_segment = pages_segment
 
     async def _load_replica(self) -> None:
         """One process: load the model (or this stage's layers), size and allocate the pages, build the runner."""

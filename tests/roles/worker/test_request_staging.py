@@ -1,6 +1,6 @@
-"""Staging on a CPU worker: moves with this host's store go straight between the pages and its mapped pool (no
-staging buffer at all), and a request that moves with another host's store holds staging only while those moves
-are in flight (a decode instance keeps no second copy of a running request's KV)."""
+"""Staging on a CPU worker (one process): its pages are a transfer-engine segment, so moves with this host's
+store (a copy on the copy thread) and with another host's store go straight between the pages and the store:
+no staging buffer at all; release waits for a same-host copy still running."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from mooncaked.engine.kv_direct import PagesEnd
+from mooncaked.kv import client as client_module
 from mooncaked.engine.staging_pool import StagingBuffer, StagingPool
 from mooncaked.kv.client import Span, Staging
 from mooncaked.rdma import TransferOp
@@ -79,22 +79,22 @@ async def test_moves_with_this_hosts_store_take_no_staging(tmp_path: Path, monke
         assert acquired == [] and worker.staging_pool.num_buffers == 0
 
 
-async def test_a_load_from_another_host_gives_its_staging_back_once_loaded(
+async def test_a_load_from_another_host_goes_straight_into_the_pages(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The decode side of a request whose KV sits in another host's store: staging is held while layers are read
-    through it, and given back (reusable) when the load is done, long before the request ends."""
+    """The decode side of a request whose KV sits in another host's store: each layer is read into the pages'
+    segment (K and V page ranges), no staging is taken, and the pages then hold the prefix's KV."""
     tokens = [random.Random(12).randrange(3, 300) for _ in range(2 * BLOCK)]
     async with running_worker(make_config(tmp_path)) as worker:
-        assert worker.staging_pool is not None
+        assert worker.staging_pool is not None and worker.host_pages is not None
         await seed_remote_prefix(worker, tokens)
         remote = await worker.store_client("s_remote")
         found = await remote.lookup(keys_of(worker, tokens), lease_ms=30_000)
         acquired = count_acquires(worker.staging_pool, monkeypatch)
-        held_during_reads: list[int] = []
+        segments: list[str] = []
         move = remote.move
 
         async def observed_move(op: TransferOp, staging: Staging, spans: Sequence[Span], **kwargs: Any) -> None:
-            held_during_reads.append(in_use(worker))
+            segments.append(staging.name)
             await move(op, staging, spans, **kwargs)
 
         monkeypatch.setattr(remote, "move", observed_move)
@@ -103,9 +103,13 @@ async def test_a_load_from_another_host_gives_its_staging_back_once_loaded(
             kv.start_loading([BlockSource("s_remote", [0, 1], [loc.offset for loc in found.locations],
                                           found.locations[0].incarnation)], 2)
             await kv.wait_loaded()
-            assert held_during_reads and all(n == 1 for n in held_during_reads), held_during_reads
-            assert kv.staging.buffer is None and in_use(worker) == 0, "the loaded request holds no staging"
-            assert len(acquired) >= 1 and worker.staging_pool.num_buffers == 1, "given back for reuse"
+            assert segments == [worker.host_pages.name] * worker.kv_pages.num_layers  # type: ignore[union-attr]
+            assert acquired == [] and worker.staging_pool.num_buffers == 0
+            buffer = np.zeros(2 * worker.block_nbytes, np.uint8)
+            await remote.read_blocks(remote.register_staging("check", buffer), found.locations)
+            objects = torch.from_numpy(buffer).view(worker.kv_pages.dtype)  # type: ignore[union-attr]
+            pages = worker.kv_pages.buffer[:, :, kv.page_ids[:2]]  # type: ignore[union-attr]  # [L, 2, 2, B, H, D]
+            assert torch.equal(objects.view(2, *pages.shape[:2], *pages.shape[3:]), pages.permute(2, 0, 1, 3, 4, 5))
         finally:
             await kv.release()
             await remote.release([found.read_lease_id])
@@ -119,16 +123,16 @@ async def test_release_waits_for_a_running_direct_copy_and_starts_none_after(
     async with running_worker(make_config(tmp_path)) as worker:
         started, gate = threading.Event(), threading.Event()
         copied_layers: list[int] = []
-        copy_spans = PagesEnd.copy_spans
+        copy_spans = client_module._copy_spans
 
-        def gated(end: PagesEnd, pool: np.ndarray, op: TransferOp, spans: Sequence[Span]) -> None:
+        def gated(pool: np.ndarray, pages: np.ndarray, op: TransferOp, spans: Sequence[Span]) -> None:
             if op is TransferOp.WRITE:
                 started.set()
                 gate.wait(10)
                 copied_layers.append(staging_layer(worker, spans))
-            copy_spans(end, pool, op, spans)
+            copy_spans(pool, pages, op, spans)
 
-        monkeypatch.setattr(PagesEnd, "copy_spans", gated)
+        monkeypatch.setattr(client_module, "_copy_spans", gated)
         plan = await plan_prompt_kv(worker, "late", tokens, keys_of(worker, tokens), timeout_s=30)
         try:
             await worker.compute(plan.kv.store_layer, 0, plan.layer_writes())
@@ -150,9 +154,9 @@ async def test_release_waits_for_a_running_direct_copy_and_starts_none_after(
 
 async def test_reused_blocks_another_host_wants_go_there_from_the_pages(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A prompt whose first blocks are reused from this host's store (straight into the pages, no staging) and
-    that another host's store wants whole: every block goes there through staging, the reused ones copied
-    from the pages too (staging holds nothing between moves), and equals this host's objects."""
+    """A prompt whose first blocks are reused from this host's store (straight into the pages) and that another
+    host's store wants whole: every block goes there from the pages, the reused ones too, with no staging, and
+    equals this host's objects."""
     tokens = [random.Random(14).randrange(3, 300) for _ in range(3 * BLOCK)]
     async with running_worker(make_config(tmp_path)) as worker:
         keys = keys_of(worker, tokens)

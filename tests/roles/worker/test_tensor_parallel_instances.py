@@ -106,6 +106,33 @@ async def test_a_prefix_stored_at_tp1_is_reused_by_a_tp2_prefill(tmp_path: Path)
             await clients.close()
 
 
+async def test_a_tp2_instance_moves_whole_objects_with_another_hosts_store_through_staging(tmp_path: Path) -> None:
+    """p0 (two ranks, 127.0.0.2) fetches a prefix p4 (127.0.0.4) sent to 127.0.0.3's store, into both ranks
+    through staging, then writes another prompt there through staging (each KV head read from its rank's pages);
+    both give one instance's tokens, and p0 holds no staging once done."""
+    config = cluster_config(tmp_path, [
+        instance("s2", "store", "127.0.0.2"), instance("p0", "prefill", "127.0.0.2", **TP2),
+        instance("s3", "store", "127.0.0.3"), instance("d0", "decode", "127.0.0.3"),
+        instance("s4", "store", "127.0.0.4"), instance("p4", "prefill", "127.0.0.4")])
+    first, second = prompt(4, 45), prompt(5, 37)
+    loaded = load_model("random:tiny")
+    async with running_roles(config, ["s2", "s3", "s4", "p0", "d0", "p4"]) as roles:
+        clients = PeerClients(config, config.instance_named("p0"))
+        try:
+            assert await generate(config, clients, "r1", first, "p4") == (greedy_tokens(loaded, first, NUM_NEW), 0)
+            keys = keys_for(config, first)
+            fetched = await clients.for_instance(config.instance_named("p0")).call(
+                PREFILL, PrefillRequest("r2", first, keys, SamplingSpec(max_tokens=1, temperature=0.0),
+                                        fetch_store="s3", num_fetch_blocks=len(keys)), timeout_s=DEADLINE_S)
+            assert fetched.num_fetched_blocks == 2 and fetched.num_cached_tokens == 32
+            assert fetched.first_token.token_id == greedy_tokens(loaded, first, 1)[0]
+            assert await generate(config, clients, "r3", second, "p0") == (greedy_tokens(loaded, second, NUM_NEW), 0)
+            pool = roles["p0"].worker.staging_pool  # type: ignore[attr-defined]
+            assert pool.num_buffers >= 1 and len(pool._free) == pool.num_buffers, "staging was used and given back"
+        finally:
+            await clients.close()
+
+
 async def test_a_killed_rank_fails_the_instance_and_its_requests(tmp_path: Path) -> None:
     """Within the deadline the instance reports itself failed and unhealthy, and a request fails (RankFailed)
     rather than hangs."""
