@@ -43,7 +43,7 @@ from mooncaked.engine.tp_copy import RankPagesEnd
 from mooncaked.kv.client import LocalEnd, Span, Staging, StoreClient
 from mooncaked.rdma import TransferOp
 from mooncaked.roles.worker.layer_loader import BlockSource, LayerLoader, LoadFailed
-from mooncaked.roles.worker.request_memory import CopyTracker, StagingHold
+from mooncaked.roles.worker.request_memory import CopyTracker, StagingHold, index_runs
 from mooncaked.roles.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -318,17 +318,6 @@ class RequestKv:
             worker.free_pages_later(self.request_id, delay_s)
         else:
             worker.pages.free_owner(self.request_id)
-
-
-def index_runs(indices: Sequence[int]) -> list[tuple[int, int]]:
-    """Sorted block indices as runs [start, stop) of consecutive ones."""
-    runs: list[tuple[int, int]] = []
-    for index in indices:
-        if runs and runs[-1][1] == index:
-            runs[-1] = (runs[-1][0], index + 1)
-        else:
-            runs.append((index, index + 1))
-    return runs
 
 
 __all__ = ["BlockSource", "LayerWrite", "LoadFailed", "RequestKv", "num_blocks_for"]

@@ -8,14 +8,14 @@
    flight: `async with hold:` around each such move (a layer's load from, or store to, another host's store)
    acquires the buffer on first use and gives it back when the last one ends; a move that ended in an error or a
    cancellation marks the buffer dirty, so it is dropped, not reused (a late byte could still land in it).
-   Used from the event loop only.
+   Used from the event loop only. `index_runs` turns the block indices a move stages into runs of rows.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -97,4 +97,15 @@ class StagingHold:
             self.buffer, self.view = None, None
 
 
-__all__ = ["CopyTracker", "StagingHold"]
+def index_runs(indices: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted block indices as runs [start, stop) of consecutive ones."""
+    runs: list[tuple[int, int]] = []
+    for index in indices:
+        if runs and runs[-1][1] == index:
+            runs[-1] = (runs[-1][0], index + 1)
+        else:
+            runs.append((index, index + 1))
+    return runs
+
+
+__all__ = ["CopyTracker", "StagingHold", "index_runs"]
