@@ -167,6 +167,8 @@ class WorkerSection:
     kv_load_timeout_s: float = bounded(60.0, min=0.01)
     abort_grace_s: float = bounded(35.0, min=0.0)
     max_layers_in_flight: int = bounded(4, min=1, max=1024)
+    tensor_parallel_size: Optional[int] = bounded(None, min=1, max=64,
+                                                  doc="this instance's ranks (null: model.tensor_parallel_size)")
     compute_cpus: list[int] = bounded([], doc="CPU ids the compute thread runs on (empty: the process's)")
     copy_cpus: list[int] = bounded([], doc="CPU ids the KV copy thread runs on (empty: the process's)")
     profile_s: float = bounded(5.0, min=0.0, max=600.0)
@@ -299,6 +301,11 @@ class Config:
             raise ConfigError([ConfigIssue("cluster.instances", f"{what} {role} instances match; "
                                            "pass --instance NAME to choose one")])
         return matches[0]
+
+    def tensor_parallel_size_of(self, instance: InstanceConfig) -> int:
+        """The ranks a prefill or decode instance runs: its own setting, else model.tensor_parallel_size."""
+        override = instance.settings.get("tensor_parallel_size")  # validated with the other settings
+        return override if isinstance(override, int) and override >= 1 else self.model.tensor_parallel_size
 
     def role_section(self, instance: InstanceConfig) -> Any:
         """The instance's role section with its `settings` applied (validated at load time)."""

@@ -47,17 +47,29 @@ def validate(config: Config) -> list[ConfigIssue]:
 
 
 def _validate_tensor_parallel(config: Config) -> list[ConfigIssue]:
-    """Tensor parallelism runs model-level (engine.tp_runner, `bench model --tp`); instances do not run it yet."""
-    num_ranks = config.model.tensor_parallel_size
-    if num_ranks == 1:
-        return []
+    """Prefill and decode instances run N ranks on CPU (roles/worker/tp_worker.py; an instance's
+    `settings: {tensor_parallel_size: N}` overrides the model's); on CUDA only model-level tensor parallelism
+    runs so far (engine.tp_runner, `bench model --tp`)."""
     where = "model.tensor_parallel_size"
+    if config.model.tensor_parallel_size > 1 and config.model.cuda_graphs:
+        return [ConfigIssue(where, f"{config.model.tensor_parallel_size} ranks cannot replay CUDA graphs; "
+                            "set model.cuda_graphs: false")]
+    parallel = [i for i in config.cluster.instances
+                if i.role in ("prefill", "decode") and config.tensor_parallel_size_of(i) > 1]
+    if not parallel:
+        return []
+    names = ", ".join(i.name for i in parallel[:3])
     if config.model.cuda_graphs:
-        return [ConfigIssue(where, f"{num_ranks} ranks cannot replay CUDA graphs; set model.cuda_graphs: false")]
-    workers = [i.name for i in config.cluster.instances if i.role in ("prefill", "decode")]
-    if workers:
-        return [ConfigIssue(where, f"{num_ranks}: prefill and decode instances ({', '.join(workers[:3])}) do not run "
-                            "tensor parallelism yet (README: Tensor parallelism); set it to 1")]
+        return [ConfigIssue(where, f"instances with ranks ({names}) cannot replay CUDA graphs; "
+                            "set model.cuda_graphs: false")]
+    if not config.model.device.startswith("cpu"):
+        return [ConfigIssue(where, f"{config.tensor_parallel_size_of(parallel[0])}: prefill and decode instances "
+                            f"({names}) run tensor parallelism on CPU only so far, not on "
+                            f"{config.model.device!r} (README: Tensor parallelism); set it to 1")]
+    grouped = [i.name for i in parallel if config.prefill_group_of(i.name) is not None]
+    if grouped:
+        return [ConfigIssue(where, f"prefill group members ({', '.join(grouped[:3])}) run pipeline stages, "
+                            "which do not combine with tensor parallelism; set it to 1 for them")]
     return []
 
 

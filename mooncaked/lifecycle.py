@@ -6,6 +6,8 @@
    `await role.stop()`, which stops accepting, drains in-flight work up to its deadline, cancels the rest and
    releases resources, in that order.
 4. The heartbeat task is cancelled and awaited; the exit code is 0 after a clean stop.
+5. A role with a `failed` event (prefill, decode: a tensor-parallel rank exited) that gets set is stopped the
+   same way, and the exit code is EXIT_FAILED, so a supervisor restarts it.
 
 A role that cannot be built or started exits at once: with EXIT_FATAL (2) and sd_notify STATUS= naming the
 error when it is a configuration or load error (`is_fatal_start_error`), which a restart cannot fix; with
@@ -63,8 +65,9 @@ async def serve(role: Role, notifier: Notifier, watchdog_interval_s: float | Non
     notifier.ready()
     logger.info("%s ready", role.name)
     heartbeat = _start_heartbeat(notifier, watchdog_interval_s)
-    await stop.wait()
-    logger.info("%s stopping", role.name)
+    failed = getattr(role, "failed", None)
+    is_failed = await _wait_stop_or_failure(stop, failed if isinstance(failed, asyncio.Event) else None)
+    logger.info("%s stopping%s", role.name, " after a failure" if is_failed else "")
     notifier.stopping()
     try:
         await role.stop()
@@ -76,7 +79,22 @@ async def serve(role: Role, notifier: Notifier, watchdog_interval_s: float | Non
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
     logger.info("%s stopped", role.name)
-    return 0
+    return EXIT_FAILED if is_failed else 0
+
+
+async def _wait_stop_or_failure(stop: asyncio.Event, failed: asyncio.Event | None) -> bool:
+    """Wait until `stop` or `failed` is set; True when the role failed."""
+    if failed is None:
+        await stop.wait()
+        return False
+    waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(failed.wait())]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in waits:
+            task.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+    return failed.is_set()
 
 
 def is_fatal_start_error(exc: BaseException) -> bool:

@@ -5,6 +5,8 @@
    `mooncaked bench memory`), the weights it keeps, split into private bytes and pages of the host's shared
    weight file (model.weight_file), its KV pages (sized by engine.kv_budget, exactly as the worker will), an
    activation workspace, and the store's DRAM pool. A budget too small for one request raises KVBudgetTooSmall.
+   A worker instance with N tensor-parallel ranks is N processes: N runtimes and workspaces, every rank's
+   weight slices (private: ranks map no weight file), and the instance's KV pages (spread over the ranks).
 2. `render(plans)` prints them as YAML comments (check-config's output stays valid YAML), with per-host totals
    that count the shared weight file once.
 
@@ -86,6 +88,10 @@ def _plan_worker(config: Config, args: ModelArgs, instance: InstanceConfig, runt
     workspace = activation_bytes(args, section.max_batch_tokens, section.max_batch_size, dtype)
     is_packable = model.cpu_packed_gemm and dtype == torch.float32
     packing = worker_packing(role, section.switchable) if is_packable else "plain"
+    num_ranks = config.tensor_parallel_size_of(instance)
+    if num_ranks > 1:  # N processes, each a runtime, its weight slices (none shared) and a workspace
+        weights = num_ranks * weight_bytes(args, dtype, packing, num_ranks=num_ranks)
+        return ProcessMemory(name, role, host, num_ranks * runtime, weights, (), kv, num_ranks * workspace)
     projections = projection_bytes(args, dtype)
     held = weight_bytes(args, dtype)  # every plain weight and the RoPE tables
     rope = 2 * args.max_position_embeddings * args.head_dim * dtype.itemsize

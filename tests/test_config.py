@@ -198,8 +198,18 @@ def test_tensor_parallel_size_is_checked(tmp_path: Path) -> None:
     message = errors_of(tmp_path, {"model": {"tensor_parallel_size": 2, "cuda_graphs": True, "device": "cuda"}})
     assert "model.tensor_parallel_size: 2 ranks cannot replay CUDA graphs" in message
     workers = {"cluster": {"instances": [{"name": "p0", "role": "prefill", "host": "127.0.0.1", "port": 9001}]}}
-    message = errors_of(tmp_path, {**workers, "model": {"tensor_parallel_size": 2}})
-    assert "tensor_parallel_size: 2: prefill and decode instances (p0) do not run tensor parallelism" in message
+    config = load_config(write(tmp_path, {**workers, "model": {"tensor_parallel_size": 2}}))
+    assert config.model.tensor_parallel_size == 2  # worker instances run N ranks on CPU
+    message = errors_of(tmp_path, {**workers, "model": {"tensor_parallel_size": 2, "device": "cuda"}})
+    assert "tensor_parallel_size: 2: prefill and decode instances (p0) run tensor parallelism on CPU only" in message
+    grouped = _grouped([{"name": "pg", "members": ["p0", "p1"], "layer_splits": [10]}])
+    message = errors_of(tmp_path, {**grouped, "model": {"tensor_parallel_size": 2}})
+    assert "model.tensor_parallel_size: prefill group members (p0, p1) run pipeline stages" in message
+    per_instance = {"cluster": {"instances": [
+        {"name": "p0", "role": "prefill", "host": "127.0.0.1", "port": 9001, "settings": {"tensor_parallel_size": 2}},
+        {"name": "d0", "role": "decode", "host": "127.0.0.1", "port": 9002}]}}
+    config = load_config(write(tmp_path, per_instance))
+    assert [config.tensor_parallel_size_of(i) for i in config.cluster.instances] == [2, 1]
     assert load_config(write(tmp_path, {"model": {"tensor_parallel_size": 4}})).model.tensor_parallel_size == 4
 
 

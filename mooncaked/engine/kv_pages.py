@@ -8,6 +8,11 @@
    token t of a sequence lives in page block_table[t // block_size] at offset t % block_size.
 3. When a request ends (or fails) its owner frees its pages (`free` / `free_owner`); the page contents are left
    as they are and simply overwritten by the next owner.
+
+A store object has the pages' layout, [model layers, 2, block_size, model kv_heads, head_dim] (DESIGN section 5):
+it always holds every KV head of the model, so it is the same bytes whatever the tensor-parallel degree of the
+instance that wrote it; a rank's KV heads of one layer's K (or V) are the strided slice [:, heads] of it
+(engine/tp_pages.py copies them). Staging rows are whole objects' layers: [layers, 2, block_size, kv_heads, head_dim].
 """
 
 from __future__ import annotations
@@ -87,13 +92,20 @@ class PageAllocator:
 class KVPages:
     """Owns the per-layer KV page tensors and their allocator. A pipeline stage holds pages for its own layers
     only: page layer i is model layer `first_layer + i`, and a store object still holds every model layer
-    (`object_nbytes`)."""
+    (`object_nbytes`). A tensor-parallel rank holds KV heads [kv_head_offset, kv_head_offset + num_kv_heads) of
+    the model's `num_model_kv_heads`."""
 
     def __init__(self, *, num_layers: int, num_pages: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, first_layer: int = 0,
-                 num_model_layers: int | None = None) -> None:
+                 num_model_layers: int | None = None, kv_head_offset: int = 0,
+                 num_model_kv_heads: int | None = None, buffer: torch.Tensor | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        self.kv_head_offset = kv_head_offset
+        self.num_model_kv_heads = num_kv_heads if num_model_kv_heads is None else num_model_kv_heads
+        if not 0 <= kv_head_offset <= self.num_model_kv_heads - num_kv_heads:
+            raise ValueError(f"KV heads [{kv_head_offset}, {kv_head_offset + num_kv_heads}) are not within the "
+                             f"model's {self.num_model_kv_heads}")
         self.num_layers = num_layers
         self.first_layer = first_layer
         self.num_model_layers = num_layers if num_model_layers is None else num_model_layers
@@ -107,7 +119,10 @@ class KVPages:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (num_layers, 2, num_pages, block_size, num_kv_heads, head_dim)
-        self.buffer = torch.zeros(shape, dtype=dtype, device=device)
+        if buffer is None:
+            self.buffer = torch.zeros(shape, dtype=dtype, device=device)
+        else:  # memory shared with another process (a tensor-parallel rank's pages, engine/tp_pages.py)
+            self.buffer = buffer.view(dtype).view(shape)
         self.k_pages = [self.buffer[layer, 0] for layer in range(num_layers)]
         self.v_pages = [self.buffer[layer, 1] for layer in range(num_layers)]
         self.allocator = PageAllocator(num_pages)
@@ -115,13 +130,26 @@ class KVPages:
     @classmethod
     def for_model(cls, args: ModelArgs, *, num_pages: int, block_size: int, dtype: torch.dtype,
                   device: torch.device | str, layers: LayerRange | None = None,
-                  shard: ShardShape | None = None) -> KVPages:
-        """Pages of `layers` (default all), for the KV heads of `shard` (a tensor-parallel rank; default all)."""
+                  shard: ShardShape | None = None, buffer: torch.Tensor | None = None) -> KVPages:
+        """Pages of `layers` (default all), for the KV heads of `shard` (a tensor-parallel rank; default all),
+        in `buffer` (flat uint8 of `nbytes_for(...)`) when given."""
         layers = layers or LayerRange.whole(args)
-        num_kv_heads = args.num_kv_heads if shard is None else shard.num_kv_heads
+        shard = shard or ShardShape.whole(args)
         return cls(num_layers=layers.size, num_pages=num_pages, block_size=block_size,
-                   num_kv_heads=num_kv_heads, head_dim=args.head_dim, dtype=dtype, device=device,
-                   first_layer=layers.start, num_model_layers=args.num_layers)
+                   num_kv_heads=shard.num_kv_heads, head_dim=args.head_dim, dtype=dtype, device=device,
+                   first_layer=layers.start, num_model_layers=args.num_layers, kv_head_offset=shard.kv_head_offset,
+                   num_model_kv_heads=args.num_kv_heads, buffer=buffer)
+
+    @staticmethod
+    def nbytes_for(args: ModelArgs, shard: ShardShape, num_pages: int, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes of the pages of every layer for `shard`'s KV heads."""
+        return args.num_layers * 2 * num_pages * block_size * shard.num_kv_heads * args.head_dim * dtype.itemsize
+
+    def copy_parts(self) -> list[tuple[KVPages, int, bool]]:
+        """(pages, their first KV head in an object, whether stores read them): the pages an object's bytes are
+        copied to and from. One instance's own pages; every rank's for a tensor-parallel instance
+        (engine/tp_pages.py)."""
+        return [(self, 0, True)]
 
     @property
     def page_shape(self) -> tuple[int, int, int]:
@@ -139,8 +167,9 @@ class KVPages:
 
     @property
     def layer_block_nbytes(self) -> int:
-        """Bytes of one layer's K and V for one block (one contiguous range of a store object)."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """Bytes of one layer's K and V for one block, every model KV head (one contiguous range of a store
+        object, and a staging row's layer slice)."""
+        return 2 * self.block_size * self.num_model_kv_heads * self.head_dim * self.dtype.itemsize
 
     @property
     def block_nbytes(self) -> int:

@@ -6,10 +6,14 @@
    all-reduces (model.tensor_parallel's installed Reducer) go through NCCL on CUDA, and on CPU through a
    shared-memory segment of the host (engine.tp_shm; gloo for what does not fit it, or with it switched off).
 3. `build_rank(spec, rank, num_ranks)` loads the rank's shard (only its heads and MLP columns) and allocates
-   pages for its KV heads.
+   pages for its KV heads (with `spec.is_pages_shared`, in the memory rank 0 passed: engine/tp_pages.py).
 4. `rank_main` (the entry of ranks 1..N-1, spawned by engine.tp_runner): join, build, report ready, then run
    every forward rank 0 sends, in order, until `stop`, until rank 0's process exits, or until a forward fails
    (the rank reports the error on its channel and exits: rank 0's collectives then fail, never hang).
+5. A prefill rank 0 runs with layer callbacks (a worker instance's loads and stores) is gated: before each layer
+   and after the last one the rank waits for rank 0's "go" (its callback passed: layer i's KV is in the rank's
+   pages) or "abort" (the callback raised: the forward stops there on every rank, at the same layer boundary,
+   so no collective is left half-joined, and the rank serves the next command).
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ from mooncaked.engine.batch import DecodeBatch, PrefillBatch
 from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.engine.tp_channel import ChannelClosed, RankChannel
+from mooncaked.engine.tp_pages import SharedPages
 from mooncaked.model import tensor_parallel
-from mooncaked.model.loader import LoadedModel, load_model, model_args
+from mooncaked.model.loader import LoadedModel, load_model, model_args, resolve_dtype
 from mooncaked.model.packed_gemm import Packing
 from mooncaked.model.tensor_parallel import TensorParallelError, shard_shape
 
@@ -57,6 +62,7 @@ class RankSpec:
     num_threads: int = 1  # torch intra-op threads per rank
     timeout_s: float = 60.0  # deadline of the rendezvous, every collective and every command send
     allreduce_slot_bytes: int = 8 << 20  # CPU: all-reduces up to this size go through shared memory; 0: gloo only
+    is_pages_shared: bool = False  # CPU: ranks' pages live in memory rank 0 maps too (a worker instance's moves)
 
 
 @dataclass(frozen=True)
@@ -138,13 +144,13 @@ def _has_exited(sentinel: int | None) -> bool:
     return sentinel is not None and bool(select.select([sentinel], [], [], 0)[0])
 
 
-def build_rank(spec: RankSpec, rank: int, num_ranks: int) -> RankShard:
+def build_rank(spec: RankSpec, rank: int, num_ranks: int, pages_buffer: torch.Tensor | None = None) -> RankShard:
     shard = shard_shape(model_args(spec.source), rank, num_ranks)
     device = rank_device(spec.device, rank)
     loaded = load_model(spec.source, dtype=spec.dtype, device=device, seed=spec.seed, packing=spec.packing,
                         shard=shard)
     kv_pages = KVPages.for_model(loaded.args, num_pages=spec.num_pages, block_size=spec.block_size,
-                                 dtype=loaded.dtype, device=device, shard=shard)
+                                 dtype=loaded.dtype, device=device, shard=shard, buffer=pages_buffer)
     return RankShard(loaded, kv_pages, ModelRunner(loaded.model, kv_pages, backend=spec.backend))
 
 
@@ -155,7 +161,8 @@ def rank_main(spec: RankSpec, rank: int, num_ranks: int, port: int, sock: socket
     try:
         store = dist.TCPStore(LOOPBACK, port, num_ranks, is_master=False, timeout=timedelta(seconds=spec.timeout_s))
         tensor_parallel.install_group(_join_reducer(spec, rank, num_ranks, store, channel))
-        shard = build_rank(spec, rank, num_ranks)
+        pages = _attach_pages(spec, rank, num_ranks, channel) if spec.is_pages_shared else None
+        shard = build_rank(spec, rank, num_ranks, None if pages is None else pages.tensor)
         channel.send(("ready",))
         _serve(channel, shard.runner)
     except Exception as exc:  # report, then exit at once: tearing down a broken group could block
@@ -166,6 +173,18 @@ def rank_main(spec: RankSpec, rank: int, num_ranks: int, port: int, sock: socket
             pass
         os._exit(1)
     tensor_parallel.remove_group()
+
+
+def pages_nbytes(spec: RankSpec, rank: int, num_ranks: int) -> int:
+    args = model_args(spec.source)
+    dtype = resolve_dtype(spec.dtype, spec.device)
+    return KVPages.nbytes_for(args, shard_shape(args, rank, num_ranks), spec.num_pages, spec.block_size, dtype)
+
+
+def _attach_pages(spec: RankSpec, rank: int, num_ranks: int, channel: RankChannel) -> SharedPages:
+    """Map the pages rank 0 created for this rank (their fd follows the all-reduce segment's on the channel)."""
+    (fd,) = channel.recv_fds(1)
+    return SharedPages.attach(fd, pages_nbytes(spec, rank, num_ranks))
 
 
 def batch_to_wire(batch: PrefillBatch | DecodeBatch) -> dict[str, Any]:
@@ -184,6 +203,36 @@ def _to_numpy(value: Any) -> Any:
     return value.cpu().numpy() if isinstance(value, torch.Tensor) else value
 
 
+class ForwardAborted(Exception):
+    """Rank 0 stopped this forward at a layer boundary (its layer callback raised)."""
+
+
+class _LayerGate:
+    """A gated prefill's callbacks on a rank other than 0: wait for rank 0's go at each layer boundary."""
+
+    def __init__(self, channel: RankChannel, sentinel: int | None, num_layers: int) -> None:
+        self.channel = channel
+        self.sentinel = sentinel
+        self.last_layer = num_layers - 1
+
+    def before_layer(self, layer: int) -> None:
+        self._wait()
+
+    def after_layer(self, layer: int) -> None:
+        if layer == self.last_layer:
+            self._wait()
+
+    def _wait(self) -> None:
+        # no deadline of its own: rank 0 bounds its callbacks by theirs, and its exit ends the wait
+        if not self.channel.wait_readable(None, self.sentinel):
+            raise ForwardAborted("rank 0's process exited")
+        message = self.channel.recv()
+        if message[0] == "abort":
+            raise ForwardAborted("rank 0 stopped the forward")
+        if message[0] != "go":
+            raise ValueError(f"expected go or abort at a layer boundary, got {message[0]!r}")
+
+
 def _serve(channel: RankChannel, runner: ModelRunner) -> None:
     device = runner.kv_pages.device
     # A replicated output head comes after every collective: ranks > 0 skip it (only rank 0 returns logits),
@@ -191,13 +240,20 @@ def _serve(channel: RankChannel, runner: ModelRunner) -> None:
     is_head_replicated = runner.model.shape.vocab_size is None
     parent = multiprocessing.parent_process()
     sentinel = None if parent is None else parent.sentinel
+    gate = _LayerGate(channel, sentinel, runner.kv_pages.num_layers)
     while channel.wait_readable(None, sentinel):  # idle until a command comes or rank 0's process exits
         message = channel.recv()
         if message[0] == "stop":
             return
         if message[0] == "prefill":
-            runner.prefill(batch_from_wire(PrefillBatch, message[1], device), return_all_logits=message[2],
-                           return_hidden=is_head_replicated)
+            batch = batch_from_wire(PrefillBatch, message[1], device)
+            is_gated = message[3]
+            try:
+                runner.prefill(batch, return_all_logits=message[2], return_hidden=is_head_replicated,
+                               before_layer=gate.before_layer if is_gated else None,
+                               after_layer=gate.after_layer if is_gated else None)
+            except ForwardAborted:
+                continue
         elif message[0] == "decode":
             runner.decode(batch_from_wire(DecodeBatch, message[1], device), return_hidden=is_head_replicated)
         else:

@@ -8,7 +8,10 @@ Lifecycle:
    children) until every rank reports ready; any failure stops every rank and raises.
 2. `prefill(batch)` / `decode(batch)` send the batch to every rank, then run rank 0's forward: each rank
    computes its heads and MLP columns on its own KV pages, the all-reduces inside the layers join them, and
-   rank 0 returns the logits (the output head is replicated). Layer callbacks are not supported.
+   rank 0 returns the logits (the output head is replicated). A prefill's layer callbacks run on rank 0 and
+   gate the other ranks (engine.tp_rank stage 5): a callback that raises stops the forward on every rank at
+   that layer boundary and propagates, leaving the group usable. With `spec.is_pages_shared` (CPU) every
+   rank's pages are mapped here too (`rank_pages`, engine/tp_pages.py), so rank 0 moves all the KV.
 3. A rank that dies or stalls makes the step fail with RankFailed within the deadline (its channel breaks or
    the collective times out); the group is then down: every later step raises, and the owner stops the runner
    (a worker instance goes down whole; its supervisor restarts it).
@@ -29,14 +32,17 @@ import torch
 import torch.distributed as dist
 
 from mooncaked.engine.batch import DecodeBatch, PrefillBatch
+from mooncaked.engine.kv_pages import KVPages
+from mooncaked.engine.runner import LayerCallback
 from mooncaked.engine.tp_channel import ChannelClosed, RankChannel
+from mooncaked.engine.tp_pages import SharedPages
 from mooncaked.engine.tp_rank import (LOOPBACK, BackendReducer, RankShard, RankSpec, batch_to_wire, build_rank,
-                                      check_devices, join_group, rank_main, uses_shared_memory)
+                                      check_devices, join_group, pages_nbytes, rank_main, uses_shared_memory)
 from mooncaked.engine.tp_shm import SharedMemoryReducer
 from mooncaked.model.llama import LlamaForCausalLM
 from mooncaked.model.loader import model_args
 from mooncaked.model import tensor_parallel
-from mooncaked.model.tensor_parallel import check_shardable
+from mooncaked.model.tensor_parallel import check_shardable, shard_shape
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +62,8 @@ class TensorParallelRunner:
         self.shard: RankShard | None = None
         self.reducer: SharedMemoryReducer | None = None
         self.failure: str | None = None
+        self.shared_pages: list[SharedPages] = []  # rank r + 1's pages, mapped here (spec.is_pages_shared)
+        self.rank_pages: list[KVPages] = []  # every rank's pages, rank 0's first (spec.is_pages_shared)
 
     @classmethod
     def start(cls, spec: RankSpec, num_ranks: int) -> TensorParallelRunner:
@@ -69,7 +77,10 @@ class TensorParallelRunner:
         try:
             runner._spawn(store.port)
             tensor_parallel.install_group(runner._join_reducer(store))
+            if spec.is_pages_shared:
+                runner._share_pages()
             runner.shard = build_rank(spec, 0, num_ranks)
+            runner.rank_pages = [runner.shard.kv_pages, *runner._mapped_rank_pages()]
             runner._wait_ready(time.monotonic() + spec.timeout_s)
         except BaseException:
             runner.stop()
@@ -86,6 +97,22 @@ class TensorParallelRunner:
         for channel in self.channels:
             channel.send_fds(self.reducer.fds)
         return self.reducer
+
+    def _share_pages(self) -> None:
+        """Create every other rank's pages here and pass each its fd (after the all-reduce segment's)."""
+        for rank, channel in enumerate(self.channels, start=1):
+            pages = SharedPages.create(pages_nbytes(self.spec, rank, self.num_ranks), f"kv-pages-rank{rank}")
+            self.shared_pages.append(pages)
+            channel.send_fds([pages.fd])
+            pages.forget_fd()
+
+    def _mapped_rank_pages(self) -> list[KVPages]:
+        assert self.shard is not None
+        args, dtype = self.shard.loaded.args, self.shard.loaded.dtype
+        return [KVPages.for_model(args, num_pages=self.spec.num_pages, block_size=self.spec.block_size, dtype=dtype,
+                                  device=self.spec.device, shard=shard_shape(args, rank, self.num_ranks),
+                                  buffer=pages.tensor)
+                for rank, pages in enumerate(self.shared_pages, start=1)]
 
     def _spawn(self, port: int) -> None:
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked threads or CUDA state
@@ -104,18 +131,66 @@ class TensorParallelRunner:
         assert self.shard is not None
         return self.shard.loaded.model
 
-    def prefill(self, batch: PrefillBatch, *, return_all_logits: bool = False) -> torch.Tensor:
-        """Logits fp32 [S, vocab] (last new token per sequence), or [T, vocab] with return_all_logits."""
+    @property
+    def kv_pages(self) -> KVPages:
+        """Rank 0's pages."""
         assert self.shard is not None
-        runner = self.shard.runner
-        return self._step(("prefill", batch_to_wire(batch), return_all_logits),
-                          lambda: runner.prefill(batch, return_all_logits=return_all_logits))
+        return self.shard.kv_pages
 
-    def decode(self, batch: DecodeBatch) -> torch.Tensor:
+    def prefill(self, batch: PrefillBatch, *, before_layer: LayerCallback | None = None,
+                after_layer: LayerCallback | None = None, return_all_logits: bool = False,
+                hidden_in: torch.Tensor | None = None, return_hidden: bool = False) -> torch.Tensor:
+        """Logits fp32 [S, vocab] (last new token per sequence), or [T, vocab] with return_all_logits. The
+        callbacks run on rank 0 and gate the other ranks (stage 2); pipeline-stage inputs are not supported."""
+        assert self.shard is not None
+        if hidden_in is not None or return_hidden:
+            raise ValueError("a tensor-parallel instance runs the whole model, not a pipeline stage")
+        runner = self.shard.runner
+        is_gated = before_layer is not None or after_layer is not None
+        raised: list[BaseException] = []
+        gated_before, gated_after = self._gates(before_layer, after_layer, raised)
+        return self._step(("prefill", batch_to_wire(batch), return_all_logits, is_gated),
+                          lambda: runner.prefill(batch, return_all_logits=return_all_logits,
+                                                 before_layer=gated_before if is_gated else None,
+                                                 after_layer=gated_after if is_gated else None), raised)
+
+    def decode(self, batch: DecodeBatch, *, return_hidden: bool = False) -> torch.Tensor:
         """Logits fp32 [S, vocab]."""
         assert self.shard is not None
+        if return_hidden:
+            raise ValueError("a tensor-parallel decode returns logits")
         runner = self.shard.runner
-        return self._step(("decode", batch_to_wire(batch)), lambda: runner.decode(batch))
+        return self._step(("decode", batch_to_wire(batch)), lambda: runner.decode(batch), [])
+
+    def _gates(self, before_layer: LayerCallback | None, after_layer: LayerCallback | None,
+               raised: list[BaseException]) -> tuple[LayerCallback, LayerCallback]:
+        """Rank 0's callbacks: run the caller's, then let the other ranks pass the boundary (go), or stop them
+        there (abort) and re-raise, noting the exception in `raised` (the group stays usable)."""
+        last_layer = self.kv_pages.num_layers - 1
+
+        def run(callback: LayerCallback | None, layer: int) -> None:
+            try:
+                if callback is not None:
+                    callback(layer)
+            except BaseException as exc:
+                raised.append(exc)
+                self._send_all(("abort",))
+                raise
+
+        def before(layer: int) -> None:
+            run(before_layer, layer)
+            self._send_all(("go",))
+
+        def after(layer: int) -> None:
+            run(after_layer, layer)
+            if layer == last_layer:
+                self._send_all(("go",))
+
+        return before, after
+
+    def _send_all(self, message: tuple[Any, ...]) -> None:
+        for channel in self.channels:
+            channel.send(message)
 
     def dead_ranks(self) -> list[str]:
         """'rank r (exit code c)' for each rank process that has exited."""
@@ -141,18 +216,23 @@ class TensorParallelRunner:
         if self.reducer is not None:
             self.reducer.close()
             self.reducer = None
+        self.rank_pages = []
+        for pages in self.shared_pages:
+            pages.close()
+        self.shared_pages = []
 
-    def _step(self, command: tuple[Any, ...], forward: Any) -> torch.Tensor:
+    def _step(self, command: tuple[Any, ...], forward: Any, raised: list[BaseException]) -> torch.Tensor:
         if self.failure is not None:
             raise RankFailed(f"the tensor-parallel group is down ({self.failure}); restart the instance")
         try:
             if self.dead_ranks():
                 raise ChannelClosed("a rank process exited")
-            for channel in self.channels:
-                channel.send(command)
+            self._send_all(command)
             logits: torch.Tensor = forward()
             return logits
         except Exception as exc:  # a broken channel, or the collective failed or timed out
+            if any(exc is callback_exc for callback_exc in raised):
+                raise  # the caller's callback stopped the forward on every rank: the group is fine
             self.failure = self._describe_failure(exc)
             raise RankFailed(f"tensor-parallel step failed: {self.failure}") from exc
 

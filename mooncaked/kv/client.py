@@ -14,14 +14,15 @@
    move with an earlier run's offsets raises StaleOffsets and touches no byte, so a worker keeps working across
    a store restart and never reads or writes another run's blocks.
 
-A block is `[layer][k|v][token][kv_head][head_dim]`; one layer's slice is `layer_bytes` long at
-`layer_index * layer_bytes` inside the block (DESIGN section 5).
+A block is `[layer][k|v][token][kv_head][head_dim]`; one layer's
+slice is `layer_bytes` long at `layer_index * layer_bytes` inside the block (DESIGN section 5).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import os
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -59,6 +60,13 @@ class Staging:
 
     name: str
     array: np.ndarray  # [num_bytes] uint8 view of the caller's buffer
+
+
+class LocalEnd(Protocol):
+    """The local end of same-host moves that is no byte buffer (a tensor-parallel instance's rank pages:
+    engine/tp_copy.py)."""
+
+    def copy_spans(self, pool: np.ndarray, op: TransferOp, spans: Sequence[Span]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -208,24 +216,29 @@ class StoreClient:
                  for i, loc in enumerate(locations)]
         await self.move(TransferOp.READ, staging, spans, incarnation=incarnation_of(locations))
 
-    async def move(self, op: TransferOp, staging: Staging, spans: Sequence[Span],
+    async def move(self, op: TransferOp, staging: Staging | LocalEnd, spans: Sequence[Span],
                    executor: concurrent.futures.Executor | None = None, incarnation: int = 0) -> None:
         """READ: pool -> staging; WRITE: staging -> pool. Raises TransferError or ValueError on failure, and
         StaleOffsets when `incarnation` (the store run the offsets came from; 0: unchecked) is not the store's
         current one. A same-host copy runs on `executor` when given (a worker's copy thread), else off the event
-        loop once it is large."""
+        loop once it is large. A LocalEnd (rank pages, engine/tp_copy.py) is an end of same-host moves only."""
         if not spans:
             return
         pool, segment = await self._current(incarnation)
         if pool is not None:
-            if executor is not None:
-                loop = asyncio.get_running_loop()
-                await loop.run_in_executor(executor, _copy_spans, pool.array, staging.array, op, spans)
-            elif sum(span.num_bytes for span in spans) >= _THREAD_COPY_BYTES:
-                await asyncio.to_thread(_copy_spans, pool.array, staging.array, op, spans)
+            if isinstance(staging, Staging):
+                copy = functools.partial(_copy_spans, pool.array, staging.array, op, spans)
             else:
-                _copy_spans(pool.array, staging.array, op, spans)
+                copy = functools.partial(staging.copy_spans, pool.array, op, spans)
+            if executor is not None:
+                await asyncio.get_running_loop().run_in_executor(executor, copy)
+            elif sum(span.num_bytes for span in spans) >= _THREAD_COPY_BYTES:
+                await asyncio.to_thread(copy)
+            else:
+                copy()
             return
+        if not isinstance(staging, Staging):
+            raise ValueError("rank pages are copied to and from the store on this host only; use staging")
         assert self.engine is not None
         requests = [TransferRequest(op, staging.name, span.staging_offset, segment, span.pool_offset,
                                     span.num_bytes) for span in spans]

@@ -78,7 +78,7 @@ class StageJob:
         """Compute thread, after layer `layer` of the last chunk (prefill_forward.ForwardPlan)."""
         writes = [write for write in self.writes if write.indices]
         if writes and not self.is_cancelled:
-            self.kv.store_layer(layer, self.request.num_prefix_blocks, writes)
+            self.kv.store_layer(layer, writes)
 
     def fail(self, error: Exception) -> None:
         if self.error is None:

@@ -63,7 +63,8 @@ class DecodeRole:
                                                 self._refresh_metrics)
         self.loop = DecodeLoop(self.worker, on_step=self._observe_step)
         self.reservations = ReservationBook(self.worker)
-        self.endpoint = RoleEndpoint(config, instance, extra_info=self._info)
+        self.endpoint = RoleEndpoint(config, instance, extra_info=self._info,
+                                     is_healthy=lambda: not self.worker.failed.is_set())
         self.endpoint.add_method(RESERVE, self._reserve)
         self.endpoint.add_method(UNRESERVE, self._unreserve)
         self.endpoint.add_method(DECODE, self._decode)
@@ -71,6 +72,12 @@ class DecodeRole:
         self._num_prefilling = 0
         self._waiting: dict[str, tuple[int, int, float]] = {}  # RESERVE calls waiting for room: their queue rank
         self.inline_overhead = RecentMean()
+
+    @property
+    def failed(self) -> asyncio.Event:
+        """Set when the instance cannot serve any more (a tensor-parallel rank exited): serve() stops it and
+        exits non-zero, so the supervisor restarts it."""
+        return self.worker.failed
 
     async def start(self) -> None:
         await self.worker.start()

@@ -65,7 +65,7 @@ class KvPlan:
         """Compute thread, after layer `layer`: queue its new KV for every destination (copy, then writes)."""
         writes = [write for write in self.layer_writes() if write.indices]
         if writes and not self.is_cancelled:
-            self.kv.store_layer(layer, self.num_prefix_blocks, writes)
+            self.kv.store_layer(layer, writes)
 
     async def close_store(self, commit: bool) -> None:
         """Commit (or abort) the new blocks and end the read leases; idempotent, never raises."""
@@ -87,6 +87,9 @@ class KvPlan:
     async def close(self, commit: bool) -> None:
         await self.kv.settle_writes(self.kv.worker.config.transfer.timeout_s)
         await self.kv.release()  # stops the loader first: no read may use a lease ended below
+        if not self.kv.is_settled:  # a copy may still touch pool regions: leave them to their leases' expiry
+            logger.error("%s: store handles and leases are left to expire", self.kv.request_id)
+            return
         await self.close_store(commit)
 
 

@@ -1,20 +1,18 @@
 """Layer-wise loading of one request's blocks from stores into its pages (a reused prefix, a prefilled prompt).
 
-1. `LayerLoader(kv, sources, num_blocks)`; `start()` (event loop) starts its task.
+1. `LayerLoader(kv, sources)`; `start()` (event loop) starts its task.
 2. The task walks the layers in order with at most `worker.max_layers_in_flight` of them in flight: for layer i
-   it reads layer i's slice of every source block from its store (one transfer batch per store; same-host
-   stores are a memcpy on the worker's copy thread, others the transfer engine) straight into host pages, or
-   into staging and then, on the copy thread, into GPU pages; layer i is then ready. Layer i+1's read is
-   already under way while layer i computes.
+   it has the request load layer i's slice of every source block (`load_layer`: one move per store, straight
+   into host pages, or through staging and then a copy into the pages); layer i is then ready. Layer i+1's load is already under
+   way while layer i computes.
 3. The compute thread calls `wait_layer(i)` before layer i (it returns False once the loading failed: the caller
    stops using this request); an event-loop caller awaits `wait_all()`.
-4. `close()` cancels what is left and waits until no copy into the pages or staging is still running.
+4. `close()` cancels what is left; the request waits for copies still running (request_memory.CopyTracker).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import threading
 from collections.abc import Sequence
@@ -41,12 +39,8 @@ class LoadTarget(Protocol):
 
     request_id: str
     worker: Worker
-    is_direct: bool  # reads land in the pages themselves; else in staging, then `copy_layer_in`
 
-    async def read_layer(self, store_name: str, indices: Sequence[int], offsets: Sequence[int],
-                         layer: int, incarnation: int = 0) -> None: ...
-
-    def copy_layer_in(self, layer: int, num_blocks: int) -> None: ...
+    async def load_layer(self, layer: int, sources: Sequence[BlockSource]) -> None: ...
 
 
 class LoadFailed(Exception):
@@ -56,16 +50,14 @@ class LoadFailed(Exception):
 class LayerLoader:
     """Owns the loading task of one request, its per-layer readiness and the copies it queued."""
 
-    def __init__(self, kv: LoadTarget, sources: Sequence[BlockSource], num_blocks: int) -> None:
+    def __init__(self, kv: LoadTarget, sources: Sequence[BlockSource]) -> None:
         self.kv = kv
         self.sources = [s for s in sources if s.indices]
-        self.num_blocks = num_blocks  # staging rows [0, num_blocks) are loaded
         worker = kv.worker
         assert worker.kv_pages is not None
         self.num_layers = worker.kv_pages.num_layers
         self._ready = [threading.Event() for _ in range(self.num_layers)]
         self.error: LoadFailed | None = None
-        self._copies: list[concurrent.futures.Future[None]] = []
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -91,17 +83,12 @@ class LayerLoader:
         if self.error is not None:
             raise self.error
 
-    async def close(self, timeout_s: float) -> bool:
-        """Cancel the task and wait for its queued copies; False when one is still running past `timeout_s`.
-        Awaits nothing when nothing runs (a caller being cancelled then still gets its pages back at once)."""
+    async def close(self) -> None:
+        """Cancel the task (the request's CopyTracker then waits for copies still running). Awaits nothing when
+        the task is done (a caller being cancelled then still gets its pages back at once)."""
         if self._task is not None and not self._task.done():
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        pending = [asyncio.wrap_future(c) for c in self._copies if not c.done()]
-        if not pending:
-            return True
-        _, still_running = await asyncio.wait(pending, timeout=timeout_s)
-        return not still_running
 
     def _fail(self, message: str) -> None:
         if self.error is None:
@@ -130,11 +117,7 @@ class LayerLoader:
         try:
             if timeline is not None:
                 timeline.record("load", kv.request_id, layer, "start")
-            await asyncio.gather(*(kv.read_layer(s.store_name, s.indices, s.offsets, layer, s.incarnation) for s in self.sources))
-            if not kv.is_direct:  # the read filled staging: copy it into the pages
-                copy = kv.worker.copy_thread.submit(kv.copy_layer_in, layer, self.num_blocks)
-                self._copies.append(copy)
-                await asyncio.wrap_future(copy)
+            await kv.load_layer(layer, self.sources)
             if timeline is not None:
                 timeline.record("load", kv.request_id, layer, "end")
             self._ready[layer].set()

@@ -87,7 +87,8 @@ class PrefillRole:
         self.config = config
         self.instance = instance
         self.worker = worker or Worker(config, instance, membership)
-        self.endpoint = RoleEndpoint(config, instance, extra_info=self._info)
+        self.endpoint = RoleEndpoint(config, instance, extra_info=self._info,
+                                     is_healthy=lambda: not self.worker.failed.is_set())
         self.endpoint.add_method(PREFILL, self._prefill)
         self.endpoint.add_method(LOAD, self._load, is_eager=True)
         self._queue: list[PrefillJob] = []
@@ -101,6 +102,12 @@ class PrefillRole:
         self.pipeline: PipelineHead | None = None
         self.group_monitor: GroupMonitor | None = None
         self.stage_service: StageService | None = None
+
+    @property
+    def failed(self) -> asyncio.Event:
+        """Set when the instance cannot serve any more (a tensor-parallel rank exited): serve() stops it and
+        exits non-zero, so the supervisor restarts it."""
+        return self.worker.failed
 
     async def start(self) -> None:
         await self.worker.start()

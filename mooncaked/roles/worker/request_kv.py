@@ -1,23 +1,29 @@
-"""One request's KV on a worker: its pages, its host staging buffer, and the byte moves to and from stores.
+"""One request's KV on a worker: its pages, the staging it holds while moves need it, and its byte moves.
 
 1. `RequestKv(worker, request_id, num_tokens)` allocates pages for every block of the prompt (the partial tail
-   included) plus `num_extra_tokens`. Pages in host memory (CPU) are a transfer-engine segment: every move goes
-   straight between them and the stores (`is_direct`). GPU pages take a staging buffer [num_blocks, layers, 2,
-   block_size, kv_heads, head_dim] in the store's object layout (DESIGN 5) from the worker's staging pool.
-2. Loading: `start_loading(sources, num_blocks)` (event loop) starts a LayerLoader: layer by layer from the
-   stores into the pages (through staging and a copy on the copy thread, for GPU pages). The forward waits per
-   layer (`wait_layer_loaded`, compute thread); a caller that needs all of it awaits `wait_loaded`.
-3. Storing: `store_layer(i, start, writes)` (compute thread, after layer i) queues layer i's writes to every
-   store (event loop; GPU pages: after the copy of layer i of blocks `start..` into staging on the copy
-   thread) and returns: layer i is sent while layer i+1 computes. With GPU pages registered for RDMA
-   (GPUDirect), another host's store gets layer i straight from the pages. At most
-   `worker.max_layers_in_flight` layers are in flight; beyond, the compute thread waits for the oldest.
-   `wait_writes()` awaits them all (and reports a failed load). Same-host copies run on the copy thread,
-   others on the transfer engine's threads: none on the compute thread.
-4. `release()` stops the loader, waits for queued copies, frees the pages and gives the staging back; the
-   caller owns store handles and leases and ends them (commit, abort, release) before it. Memory a move was
-   abandoned in (cancelled, failed mid-flight) may still take late bytes: staging is dropped, not reused, and
-   pages are freed only after transfer.io_timeout_s.
+   included) plus `num_extra_tokens`. Store objects have the pages' layout (DESIGN 5). Pages in host memory (CPU,
+   one process) are a transfer-engine segment: every move goes straight between them and the stores
+   (`is_direct`). A tensor-parallel instance (CPU; worker.tp) moves between its ranks' pages and this host's
+   mapped store pool in strided copies on the copy thread (engine/tp_copy.py). Other moves (GPU pages; a
+   tensor-parallel instance with another host's store) go through a staging buffer [num_blocks, layers, 2,
+   block_size, kv_heads, head_dim] in the object layout, which the request holds only while such a move is in
+   flight (request_memory.StagingHold).
+2. Loading: `start_loading(sources, num_blocks)` (event loop) starts a LayerLoader, which loads layer by layer
+   (`load_layer`: straight into the pages, or into staging and then into the pages on the copy thread). The
+   forward waits per layer (`wait_layer_loaded`, compute thread); a caller that needs all of it awaits
+   `wait_loaded`.
+3. Storing: `store_layer(i, writes)` (compute thread, after layer i) queues layer i's writes to every store
+   (event loop; staged ones after the copy of layer i of their blocks from the pages into staging on the copy
+   thread; GPU pages registered for RDMA (GPUDirect) go to another host's store straight from the pages) and
+   returns: layer i is sent while layer i+1 computes. At most `worker.max_layers_in_flight` layers are in
+   flight; beyond, the compute thread waits for the oldest. `wait_writes()` awaits them all (and reports a
+   failed load). Same-host copies run on the copy thread, others on the transfer engine's threads: none on the
+   compute thread.
+4. `release()` stops the loader, refuses new copies, waits for running ones (request_memory.CopyTracker), frees
+   the pages and gives staging back; the caller owns store handles and leases and ends them (commit, abort,
+   release) after it, so no same-host copy touches a pool region once its handle or lease ended. Memory a
+   transfer-engine move was abandoned in (cancelled, failed mid-flight) may still take late bytes: staging is
+   dropped, not reused, and pages that were a move's end are freed only after transfer.io_timeout_s.
 """
 
 from __future__ import annotations
@@ -25,15 +31,19 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from mooncaked.kv.client import Span, Staging
+from mooncaked.engine.staging_pool import StagingBuffer
+from mooncaked.engine.tp_copy import RankPagesEnd
+from mooncaked.kv.client import LocalEnd, Span, Staging, StoreClient
 from mooncaked.rdma import TransferOp
 from mooncaked.roles.worker.layer_loader import BlockSource, LayerLoader, LoadFailed
+from mooncaked.roles.worker.request_memory import CopyTracker, StagingHold, index_runs
 from mooncaked.roles.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -56,7 +66,8 @@ class LayerWrite:
 
 
 class RequestKv:
-    """Owns one request's pages, staging buffer (GPU pages), loader, queued copies and in-flight writes."""
+    """Owns one request's pages, its copies (CopyTracker), its staging while moves need it (StagingHold), its
+    loader and its in-flight writes."""
 
     def __init__(self, worker: Worker, request_id: str, num_tokens: int, num_extra_tokens: int = 0) -> None:
         assert worker.pages is not None and worker.kv_pages is not None and worker.staging_pool is not None
@@ -67,33 +78,40 @@ class RequestKv:
         self.num_full_blocks = num_tokens // worker.block_size
         num_pages = num_blocks_for(num_tokens + num_extra_tokens, worker.block_size)
         self.page_ids: list[int] = worker.pages.allocate(num_pages, owner=request_id)
-        self.is_direct = worker.host_pages is not None
-        self._buffer = None if self.is_direct else worker.staging_pool.acquire(self.num_blocks)
-        self.staging = None if self._buffer is None else worker.staging_pool.view(self._buffer, self.num_blocks)
+        self.is_direct = worker.host_pages is not None  # every move straight between the pages and the stores
+        self.ranks_end = RankPagesEnd(worker.kv_pages, self.page_ids) if worker.tp is not None else None
+        self.staging = StagingHold(worker.staging_pool, self.num_blocks)
+        self.copies = CopyTracker(worker.copy_thread, request_id)
         self.num_loaded = 0
         self.loader: LayerLoader | None = None
         self.store_error: Exception | None = None
-        self._copies: list[concurrent.futures.Future[None]] = []
         self._writes: list[concurrent.futures.Future[None]] = []
-        self._is_moves_clean = True  # no move into or out of this request's memory was abandoned mid-flight
+        self._is_moves_clean = True  # no move straight into or out of the pages was abandoned mid-flight
         self._is_released = False
+        self.is_settled = True  # see release
 
     # ---- moves between stores and this request's memory (event loop) ------------------------------------
-    def _memory(self) -> Staging:
-        """The local end of this request's moves: the pages (direct) or its staging buffer."""
+    def _is_staged(self, client: StoreClient) -> bool:
+        """Whether moves with `client`'s store go through staging (GPU pages; ranks' pages, another host's)."""
+        return not self.is_direct and not (self.ranks_end is not None and client.is_local)
+
+    def _memory(self, client: StoreClient) -> Staging | LocalEnd:
+        """The local end of moves with `client`'s store: the pages, the ranks' pages, or the held staging."""
         if self.worker.host_pages is not None:
             return self.worker.host_pages
-        assert self._buffer is not None
-        return Staging(self._buffer.name, self._buffer.array)
+        if self.ranks_end is not None and client.is_local:
+            return self.ranks_end
+        assert self.staging.buffer is not None, "a move through staging runs while the request holds it"
+        return Staging(self.staging.buffer.name, self.staging.buffer.array)
 
-    async def _move(self, op: TransferOp, store_name: str, spans: Sequence[Span], memory: Staging,
+    async def _move(self, op: TransferOp, client: StoreClient, spans: Sequence[Span], memory: Staging | LocalEnd,
                     incarnation: int) -> None:
-        client = await self.worker.store_client(store_name)
-        executor = self.worker.copy_thread if client.is_local else None
         try:
-            await client.move(op, memory, spans, executor=executor, incarnation=incarnation)
+            await client.move(op, memory, spans, executor=self.copies if client.is_local else None,
+                              incarnation=incarnation)
         except BaseException:
-            self._is_moves_clean = False
+            if self.is_direct:  # the transfer engine may still write the pages late
+                self._is_moves_clean = False
             raise
 
     def layer_spans(self, indices: Sequence[int], offsets: Sequence[int], layer: int) -> list[Span]:
@@ -116,30 +134,68 @@ class RequestKv:
                      kv_pages.page_byte_offset(layer, kind, self.page_ids[index]), page_bytes)
                 for index, offset in zip(indices, offsets) for kind in (0, 1)]
 
-    async def read_layer(self, store_name: str, indices: Sequence[int], offsets: Sequence[int], layer: int,
-                         incarnation: int = 0) -> None:
-        spans = self.layer_spans(indices, offsets, layer)
-        await self._move(TransferOp.READ, store_name, spans, self._memory(), incarnation)
+    async def _read(self, source: BlockSource, layer: int) -> None:
+        client = await self.worker.store_client(source.store_name)
+        spans = self.layer_spans(source.indices, source.offsets, layer)
+        await self._move(TransferOp.READ, client, spans, self._memory(client), source.incarnation)
 
-    async def write_layer(self, store_name: str, indices: Sequence[int], offsets: Sequence[int], layer: int,
-                          incarnation: int = 0) -> None:
-        spans = self.layer_spans(indices, offsets, layer)
-        await self._move(TransferOp.WRITE, store_name, spans, self._memory(), incarnation)
+    async def _write(self, write: LayerWrite, layer: int) -> None:
+        """Another host's store reads GPU pages straight over RDMA when they are registered (GPUDirect)."""
+        client = await self.worker.store_client(write.store_name)
+        segment = self.worker.kv_pages_segment
+        if segment is not None and not self.is_direct and not client.is_local:
+            spans = self.page_spans(write.indices, write.offsets, layer)
+            await self._move(TransferOp.WRITE, client, spans, Staging(segment, _NO_BYTES), write.incarnation)
+            return
+        spans = self.layer_spans(write.indices, write.offsets, layer)
+        await self._move(TransferOp.WRITE, client, spans, self._memory(client), write.incarnation)
+
+    async def _on_copy_thread(self, fn: Callable[..., None], *args: Any) -> None:
+        await asyncio.wrap_future(self.copies.submit(fn, *args))
+
+    async def _staged(self, store_names: Sequence[str], is_write: bool = False) -> list[str]:
+        """Which of these stores' moves go through staging (writes from GPU pages registered for GPUDirect to
+        another host's store do not)."""
+        if self.is_direct:
+            return []
+        clients = [await self.worker.store_client(name) for name in store_names]
+        is_gpudirect = is_write and self.worker.kv_pages_segment is not None
+        return [name for name, client in zip(store_names, clients)
+                if self._is_staged(client) and not (is_gpudirect and not client.is_local)]
 
     # ---- loading ---------------------------------------------------------------------------------------
     def start_loading(self, sources: Sequence[BlockSource], num_blocks: int) -> None:
         """Event loop: load blocks [0, num_blocks) of every layer from `sources` into the pages."""
         self.num_loaded = num_blocks
         if num_blocks:
-            self.loader = LayerLoader(self, sources, num_blocks)
+            self.loader = LayerLoader(self, sources)
             self.loader.start()
 
-    def copy_layer_in(self, layer: int, num_blocks: int) -> None:
-        """Copy thread: staging[:num_blocks, layer] -> pages, complete when this returns."""
+    async def load_layer(self, layer: int, sources: Sequence[BlockSource]) -> None:
+        """Event loop: layer `layer` of every source's blocks into the pages, complete when this returns."""
+        staged = set(await self._staged([s.store_name for s in sources]))
+        if not staged:
+            await asyncio.gather(*(self._read(s, layer) for s in sources))
+            return
+        async with self.staging as (buffer, view):
+            await asyncio.gather(*(self._read(s, layer) for s in sources))
+            indices = sorted(i for s in sources if s.store_name in staged for i in s.indices)
+            await self._on_copy_thread(self._copy_staging, TransferOp.READ, layer, index_runs(indices), buffer, view)
+
+    def _copy_staging(self, op: TransferOp, layer: int, runs: Sequence[tuple[int, int]], buffer: StagingBuffer,
+                      view: torch.Tensor, compute_done: torch.cuda.Event | None = None) -> None:
+        """Copy thread. READ: staging rows of each run [start, stop) of `layer` -> their pages; WRITE: the
+        reverse, once `compute_done` (CUDA) passed."""
         worker = self.worker
-        assert worker.copier is not None and worker.kv_pages is not None and self.staging is not None
-        worker.copier.load_layer(worker.kv_pages, layer, self.staging[:num_blocks],
-                                 self.page_ids[:num_blocks]).synchronize()
+        assert worker.copier is not None and worker.kv_pages is not None
+        if self.ranks_end is not None:  # every rank's heads of each row, strided
+            self.ranks_end.copy_rows(buffer.array, op, layer, [r for start, stop in runs for r in range(start, stop)])
+            return
+        for start, stop in runs:
+            rows, ids = view[start:stop], self.page_ids[start:stop]
+            handle = (worker.copier.load_layer(worker.kv_pages, layer, rows, ids) if op is TransferOp.READ
+                      else worker.copier.store_layer(worker.kv_pages, layer, rows, ids, compute_done))
+            handle.synchronize()
 
     def wait_layer_loaded(self, layer: int) -> bool:
         """Compute thread, before layer `layer`: True once it is in the pages, False if this request's loading
@@ -163,18 +219,14 @@ class RequestKv:
             raise self.store_error
 
     # ---- storing ---------------------------------------------------------------------------------------
-    def store_layer(self, layer: int, start: int, writes: Sequence[LayerWrite]) -> None:
+    def store_layer(self, layer: int, writes: Sequence[LayerWrite]) -> None:
         """Compute thread, right after layer `layer` was computed (queued, on CUDA): see stage 3."""
         if self.is_failed or not self._wait_store_window():
             return
         worker = self.worker
-        copy = None
-        if not self.is_direct:
-            assert worker.copier is not None
-            compute_done = worker.copier.mark_compute()  # layer `layer`'s end: the copy waits for nothing later
-            copy = worker.copy_thread.submit(self._copy_layer_out, layer, start, compute_done)
-            self._copies.append(copy)
-        self._writes.append(worker.post(self._write_layer_all(copy, layer, writes)))
+        assert worker.copier is not None
+        compute_done = worker.copier.mark_compute()  # layer `layer`'s end: a copy waits for nothing later
+        self._writes.append(worker.post(self._store_layer_all(layer, writes, compute_done)))
 
     def _wait_store_window(self) -> bool:
         limit = self.worker.section.max_layers_in_flight
@@ -189,40 +241,27 @@ class RequestKv:
             return False
         return True
 
-    def _copy_layer_out(self, layer: int, start: int, compute_done: torch.cuda.Event | None) -> None:
-        """Copy thread: pages -> staging[start:, layer], once `compute_done` (CUDA) passed."""
-        worker = self.worker
-        assert worker.copier is not None and worker.kv_pages is not None and self.staging is not None
-        if worker.timeline is not None:
-            worker.timeline.record("store", self.request_id, layer, "start")
-        if start < self.num_blocks:
-            worker.copier.store_layer(worker.kv_pages, layer, self.staging[start:],
-                                      self.page_ids[start: self.num_blocks], compute_done).synchronize()
-
-    async def _write_layer_all(self, copy: concurrent.futures.Future[None] | None, layer: int,
-                               writes: Sequence[LayerWrite]) -> None:
+    async def _store_layer_all(self, layer: int, writes: Sequence[LayerWrite],
+                               compute_done: torch.cuda.Event | None) -> None:
+        """Event loop: layer `layer` to every store; staged writes after the copy of their blocks (computed ones,
+        and loaded ones another store lacks) from the pages into staging, which holds nothing between moves."""
         timeline = self.worker.timeline
-        if copy is not None:
-            await asyncio.wrap_future(copy)  # on CUDA the copy waited for layer `layer`'s compute
-        elif timeline is not None:
+        if timeline is not None:
             timeline.record("store", self.request_id, layer, "start")
-        await asyncio.gather(*(self._write_layer_to(w, layer) for w in writes if w.indices))
+        writes = [w for w in writes if w.indices]
+        staged = set(await self._staged([w.store_name for w in writes], is_write=True))
+        if not staged:
+            if compute_done is not None and writes:  # GPUDirect writes only: the NIC reads the pages after it
+                await self._on_copy_thread(compute_done.synchronize)
+            await asyncio.gather(*(self._write(w, layer) for w in writes))
+        else:
+            async with self.staging as (buffer, view):
+                indices = sorted({i for w in writes if w.store_name in staged for i in w.indices})
+                await self._on_copy_thread(self._copy_staging, TransferOp.WRITE, layer, index_runs(indices), buffer,
+                                           view, compute_done)
+                await asyncio.gather(*(self._write(w, layer) for w in writes))
         if timeline is not None:
             timeline.record("store", self.request_id, layer, "end")
-
-    async def _write_layer_to(self, write: LayerWrite, layer: int) -> None:
-        """Another host's store reads GPU pages straight over RDMA when they are registered (GPUDirect)."""
-        pages_segment = self.worker.kv_pages_segment
-        if self.is_direct or pages_segment is None:
-            await self.write_layer(write.store_name, write.indices, write.offsets, layer, write.incarnation)
-            return
-        client = await self.worker.store_client(write.store_name)
-        if client.is_local:
-            await self.write_layer(write.store_name, write.indices, write.offsets, layer, write.incarnation)
-            return
-        spans = self.page_spans(write.indices, write.offsets, layer)
-        await self._move(TransferOp.WRITE, write.store_name, spans, Staging(pages_segment, _NO_BYTES),
-                         write.incarnation)
 
     async def wait_writes(self, timeout_s: float) -> None:
         """Await every queued layer write; raises the first failure (a failed load included)."""
@@ -240,46 +279,45 @@ class RequestKv:
     # ---- end -------------------------------------------------------------------------------------------
     async def release(self) -> None:
         """Free pages and staging; idempotent, and safe to cancel (what then still runs ends by its deadline
-        before the pages are freed). In-flight writes are cancelled, queued copies awaited."""
+        before the pages are freed). In-flight writes are cancelled, running copies awaited; no copy starts
+        after this began. `is_settled` is then False only when a copy still ran past transfer.timeout_s: the
+        pool regions it touches must then not be freed (the caller leaves them to their leases)."""
         if self._is_released:
             return
         self._is_released = True
+        self.copies.close()
+        self.staging.close()
         for write in self._writes:
             if write.cancel():
-                self._is_moves_clean = False
+                self.staging.is_clean = False
+                if self.is_direct:  # its transfer may still write the pages
+                    self._is_moves_clean = False
         self._writes = []
         timeout_s = self.worker.config.transfer.timeout_s
         try:
-            is_quiet = await self._settle_copies(timeout_s)
             if self.loader is not None:
-                is_quiet = await self.loader.close(timeout_s) and is_quiet
+                await self.loader.close()
+            self.is_settled = await self.copies.settle(timeout_s)
         except asyncio.CancelledError:
             self._give_back(delay_s=timeout_s, is_reusable=False)
             raise
-        if not is_quiet:  # a copy still runs: its pages and staging stay taken rather than reused under it
+        if not self.is_settled:  # a copy still runs: its pages and staging stay taken rather than reused under it
             logger.error("%s: KV copies still running after %gs; its pages and staging are not reused",
                          self.request_id, timeout_s)
             return
-        is_late_write_possible = self.is_direct and not self._is_moves_clean
+        # moves through staging and copies on the copy thread (settled above) never write the pages late
+        is_late_write_possible = not self._is_moves_clean
         self._give_back(delay_s=self.worker.config.transfer.io_timeout_s if is_late_write_possible else 0.0,
-                        is_reusable=self._is_moves_clean)
+                        is_reusable=True)
 
     def _give_back(self, delay_s: float, is_reusable: bool) -> None:
         worker = self.worker
-        assert worker.pages is not None and worker.staging_pool is not None
-        if self._buffer is not None:
-            worker.staging_pool.release(self._buffer, is_reusable=is_reusable)
+        assert worker.pages is not None
+        self.staging.give_back(is_reusable and self.staging.num_users == 0)
         if delay_s > 0:
             worker.free_pages_later(self.request_id, delay_s)
         else:
             worker.pages.free_owner(self.request_id)
-
-    async def _settle_copies(self, timeout_s: float) -> bool:
-        pending = [c for c in self._copies if not c.cancel() and not c.done()]
-        if pending:
-            _, still_running = await asyncio.wait([asyncio.wrap_future(c) for c in pending], timeout=timeout_s)
-            return not still_running
-        return True
 
 
 __all__ = ["BlockSource", "LayerWrite", "LoadFailed", "RequestKv", "num_blocks_for"]

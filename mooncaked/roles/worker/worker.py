@@ -5,8 +5,11 @@
    file; prefill keeps plain projections, decode packed ones in their place, a switchable worker both:
    memory_plan.worker_packing), size the KV pages from the memory budget (engine.kv_budget; a budget too small
    for one max-length request fails here), allocate them (for its layers), build the runner, copier, staging
-   pool (pinned on the GPU's NUMA node) and sampler, register GPU pages as "cuda:N" where RDMA can map them,
-   connect to this host's store (mapping its pool).
+   pool (pinned on the GPU's NUMA node) and sampler, register the pages as a transfer-engine segment (host
+   pages, which every move then reaches straight; GPU pages as "cuda:N" where RDMA can map them), connect to
+   this host's store (mapping its pool). With N > 1 tensor-parallel ranks (tp_worker.py) the model is rank 0's
+   shard, the runner drives the ranks, and the KV pages are every rank's (mapped here, moved by strided copies:
+   roles/worker/request_kv.py), so the rest of the worker is the same at any degree.
 2. `await compute(fn, *args)` runs model work on the single compute thread, keeping the event loop free for RPC,
    transfers and heartbeats. KV copies between pages and staging run on the single copy thread
    (`copy_thread`), so a layer's store or load never runs on the compute thread; each thread may be pinned to
@@ -43,6 +46,7 @@ from mooncaked.engine.kv_pages import KVPages, PageAllocator
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.engine.staging_pool import StagingPool
 from mooncaked.engine.timeline import LayerTimeline
+from mooncaked.engine.tp_runner import TensorParallelRunner
 from mooncaked.kv.client import Staging, StoreClient
 from mooncaked.kv.keys import model_namespace
 from mooncaked.membership import Membership, StaticMembership, store_on_host
@@ -54,6 +58,7 @@ from mooncaked.model.sampler import Sampler
 from mooncaked.numa import allowed_memory_nodes
 from mooncaked.roles.worker.cpp_group import GroupStage, group_stage
 from mooncaked.roles.worker.kv_placement import register_kv_pages, staging_placement
+from mooncaked.roles.worker.tp_worker import RankWatch, start_ranks
 from mooncaked.roles.base import PeerClients, make_transfer_engine
 from mooncaked.rpc import InvalidArgument, Unavailable
 from mooncaked.sched.perf_model import PerformanceModel
@@ -80,7 +85,7 @@ class Worker:
         self.staging_pool: StagingPool | None = None
         self.timeline: LayerTimeline | None = None
         self.kv_pages_segment: str | None = None  # the pages' segment: host pages, or GPU pages RDMA maps
-        self.host_pages: Staging | None = None  # host pages as the local end of store moves (CPU)
+        self.host_pages: Staging | None = None  # host pages as the local end of store moves (CPU, one process)
         self._deferred_frees: dict[str, asyncio.TimerHandle] = {}
         self._stores: dict[str, StoreClient] = {}
         self._store_locks: dict[str, asyncio.Lock] = {}
@@ -89,7 +94,11 @@ class Worker:
         self.kv_sizing: KVSizing | None = None
         self.kv_pages: KVPages | None = None
         self.pages: PageAllocator | None = None
-        self.runner: ModelRunner | None = None
+        self.runner: ModelRunner | TensorParallelRunner | None = None
+        self.tp: TensorParallelRunner | None = None  # model.tensor_parallel_size > 1: the ranks (tp_worker.py)
+        self.rank_watch: RankWatch | None = None
+        self.failure: str | None = None  # why the instance cannot serve any more (a rank exited)
+        self.failed = asyncio.Event()  # set with `failure`: the role stops and exits non-zero
         self.copier: KVCopier | None = None
         self.sampler: Sampler | None = None
         self.namespace = b""
@@ -101,6 +110,42 @@ class Worker:
         self.loop = asyncio.get_running_loop()
         await self.engine.start()
         model = self.config.model
+        if self.config.tensor_parallel_size_of(self.instance) > 1:
+            await self._start_ranks()
+        else:
+            await self._load_replica()
+        assert self.loaded is not None and self.kv_pages is not None and self.kv_sizing is not None
+        block_size = self.config.kv.block_size
+        self.copier = KVCopier(self.loaded.device, backend=model.kernel_backend)
+        placement = staging_placement(self.loaded.device, self.config.transfer.sysfs_root, allowed_memory_nodes())
+        self.staging_pool = StagingPool(
+            self.kv_pages, self.instance.name, lambda name, data: self.engine.register(name, data, placement.location),
+            self.engine.unregister, numa_node=placement.numa_node)
+        self._register_pages(placement.location)
+        self.sampler = Sampler(seed=model.seed, device=self.loaded.device)
+        self.namespace = model_namespace(self.loaded.model_id, model.dtype, block_size)
+        self.local_store_name = await self._find_local_store()
+        await self.store_client(self.local_store_name)
+        logger.info("%s loaded %s%s; %s", self.instance.name, self.loaded.model_id,
+                    f" as {self.stage.describe()}" if self.stage else "", self.kv_sizing.describe())
+
+    def _register_pages(self, location: str) -> None:
+        """Host pages are a segment every move reaches straight; GPU pages one where RDMA maps them (GPUDirect).
+        A tensor-parallel instance's pages are every rank's buffer: its moves copy (request_kv.py)."""
+        assert self.kv_pages is not None and self.loaded is not None
+        pages_segment = f"{self.instance.name}/kv-pages"
+        if self.tp is not None:
+            return
+        if self.loaded.device.type == "cpu":  # host pages: moves go straight to and from them, no staging
+            self.engine.register(pages_segment, self.kv_pages.buffer, location)
+            self.kv_pages_segment = pages_segment
+            self.host_pages = Staging(pages_segment, self.kv_pages.buffer.view(-1).view(torch.uint8).numpy())
+        elif register_kv_pages(self.engine, pages_segment, self.kv_pages.buffer, self.loaded.device):
+            self.kv_pages_segment = pages_segment
+
+    async def _load_replica(self) -> None:
+        """One process: load the model (or this stage's layers), size and allocate the pages, build the runner."""
+        model = self.config.model
         free_before_load = await self.compute(_cuda_free_bytes, model.device)
         layers = await self._find_stage()
         self.loaded = await self.compute(
@@ -108,32 +153,28 @@ class Worker:
             cpu_packed_gemm=model.cpu_packed_gemm, packing=worker_packing(self.instance.role, self.section.switchable),
             weight_cache_dir=model.weight_cache_dir if model.share_weights else None, layers=layers)
         self.kv_sizing = await self.compute(self._size_kv, free_before_load, layers)
-        block_size = self.config.kv.block_size
         self.kv_pages = KVPages.for_model(self.loaded.args, num_pages=self.kv_sizing.num_pages,
-                                          block_size=block_size, dtype=self.loaded.dtype, device=self.loaded.device,
-                                          layers=layers)
+                                          block_size=self.config.kv.block_size, dtype=self.loaded.dtype,
+                                          device=self.loaded.device, layers=layers)
         self.pages = PageAllocator(self.kv_sizing.num_pages)
         self.runner = ModelRunner(self.loaded.model, self.kv_pages, backend=model.kernel_backend,
                                   cuda_graphs=model.cuda_graphs, max_batch_size=self.section.max_batch_size,
                                   max_seq_len=model.max_model_len)
-        self.copier = KVCopier(self.loaded.device, backend=model.kernel_backend)
-        placement = staging_placement(self.loaded.device, self.config.transfer.sysfs_root, allowed_memory_nodes())
-        self.staging_pool = StagingPool(
-            self.kv_pages, self.instance.name, lambda name, data: self.engine.register(name, data, placement.location),
-            self.engine.unregister, numa_node=placement.numa_node)
-        pages_segment = f"{self.instance.name}/kv-pages"
-        if self.loaded.device.type == "cpu":  # host pages: moves go straight to and from them, no staging
-            self.engine.register(pages_segment, self.kv_pages.buffer, placement.location)
-            self.kv_pages_segment = pages_segment
-            self.host_pages = Staging(pages_segment, self.kv_pages.buffer.view(-1).view(torch.uint8).numpy())
-        elif register_kv_pages(self.engine, pages_segment, self.kv_pages.buffer, self.loaded.device):
-            self.kv_pages_segment = pages_segment
-        self.sampler = Sampler(seed=model.seed, device=self.loaded.device)
-        self.namespace = model_namespace(self.loaded.model_id, model.dtype, block_size)
-        self.local_store_name = await self._find_local_store()
-        await self.store_client(self.local_store_name)
-        logger.info("%s loaded %s%s; %s", self.instance.name, self.loaded.model_id,
-                    f" as {self.stage.describe()}" if self.stage else "", self.kv_sizing.describe())
+
+    async def _start_ranks(self) -> None:
+        """model.tensor_parallel_size ranks (tp_worker.py): rank 0 here, its runner, every rank's pages."""
+        tp, sizing, self.kv_pages = await self.compute(start_ranks, self)
+        assert tp.shard is not None
+        self.tp, self.runner, self.loaded, self.kv_sizing = tp, tp, tp.shard.loaded, sizing
+        self.pages = PageAllocator(sizing.num_pages)
+        self.rank_watch = RankWatch(tp, self._fail)
+
+    def _fail(self, reason: str) -> None:
+        """The instance cannot serve any more (a rank exited): its role stops and exits non-zero."""
+        if self.failure is None:
+            self.failure = reason
+            logger.error("%s failed: %s; the instance stops", self.instance.name, reason)
+            self.failed.set()
 
     async def _find_stage(self) -> LayerRange | None:
         """This instance's stage of a prefill group (its layers), from the model's layer count; None: whole."""
@@ -198,6 +239,10 @@ class Worker:
         # off the event loop: a forward still running may need the loop (its writes) to reach its end
         await asyncio.to_thread(self._executor.shutdown, True, cancel_futures=True)
         await asyncio.to_thread(self.copy_thread.shutdown, True, cancel_futures=True)
+        if self.rank_watch is not None:  # ranks stopping now is no failure
+            self.rank_watch.close()
+        if self.tp is not None:
+            await asyncio.to_thread(self.tp.stop)
 
     async def compute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()

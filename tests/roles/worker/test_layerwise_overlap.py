@@ -307,7 +307,7 @@ async def test_pages_go_straight_into_another_hosts_store(tmp_path: Path, monkey
         plan = await plan_prompt_kv(worker, "g", tokens, keys, timeout_s=30, decode_store="s_remote",
                                     destinations=[Destination(i, h) for i, h in enumerate(reply.handles)])
         try:
-            assert plan.kv.is_direct and plan.kv.staging is None
+            assert plan.kv.is_direct and plan.kv.staging.buffer is None
             await prefill(worker, [plan])
             await plan.kv.wait_writes(30)
             await plan.close_store(commit=True)

@@ -11,7 +11,8 @@ import torch
 
 from mooncaked.config import Config
 from mooncaked.engine.kv_budget import MIB, KVBudgetTooSmall, page_nbytes
-from mooncaked.memory_plan import worker_packing
+from mooncaked.memory_plan import RUNTIME_BYTES, plan_memory, worker_packing
+from mooncaked.model.memory_fit import weight_bytes
 from mooncaked.model import packed_gemm
 from mooncaked.model.config import random_preset
 from mooncaked.model.llama import Linear
@@ -81,3 +82,17 @@ async def test_a_decode_worker_holds_packed_projections_only(tmp_path: Path) -> 
         decode_linears = [m for m in decode.worker.loaded.model.modules() if isinstance(m, Linear)]
         assert all(m.packed is None and m.weight_t is not None for m in prefill_linears)
         assert all(m.packed is not None and m.weight_t is None for m in decode_linears)
+
+
+def test_the_memory_plan_counts_every_rank_of_a_tensor_parallel_instance(tmp_path: Path) -> None:
+    instances = [instance("s0", "store"), instance("p0", "prefill", settings={"tensor_parallel_size": 2}),
+                 instance("d0", "decode")]
+    config = cluster_config(tmp_path, instances, model={"share_weights": False, "cpu_packed_gemm": False},
+                            worker={"num_kv_pages": None, "kv_memory_bytes": 4 * MIB})
+    args = random_preset("tiny")
+    plans = {p.instance: p for p in plan_memory(config, args)}
+    prefill, decode = plans["p0"], plans["d0"]
+    assert prefill.runtime == 2 * RUNTIME_BYTES["prefill"] and prefill.workspace == 2 * decode.workspace
+    assert prefill.private_weights == 2 * weight_bytes(args, torch.float32, num_ranks=2)
+    assert weight_bytes(args, torch.float32) < prefill.private_weights  # the embedding is on every rank
+    assert prefill.kv is not None and decode.kv is not None and prefill.kv.nbytes == decode.kv.nbytes
