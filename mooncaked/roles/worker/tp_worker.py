@@ -1,7 +1,7 @@
 """A worker instance with N > 1 ranks (its `tensor_parallel_size` setting, else the model's): N rank processes,
 one set of store moves.
 
-1. `start_ranks(worker)` (compute thread) sizes the KV pages from the budget (every rank holds the same page
+1. `start_ranks(config, instance, section)` (compute thread) sizes the KV pages from the budget (every rank holds the same page
    count, for its KV heads), then starts a TensorParallelRunner whose ranks 1..N-1 keep their pages in memory
    this process maps too (engine/tp_pages.py). The worker then holds rank 0's shard as its model, the runner as
    its runner, and `ShardedPages` over every rank's pages as its KV pages for store moves.
@@ -22,8 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
-
+from mooncaked.config import Config, InstanceConfig, WorkerSection
 from mooncaked.engine.kv_budget import KVBudget, KVSizing, size_kv
 from mooncaked.engine.tp_pages import ShardedPages
 from mooncaked.engine.tp_rank import RankSpec
@@ -31,20 +30,18 @@ from mooncaked.engine.tp_runner import TensorParallelRunner
 from mooncaked.memory_plan import worker_packing
 from mooncaked.model.loader import model_args, resolve_dtype
 
-if TYPE_CHECKING:
-    from mooncaked.roles.worker.worker import Worker
-
 logger = logging.getLogger(__name__)
 
 
-def start_ranks(worker: Worker) -> tuple[TensorParallelRunner, KVSizing, ShardedPages]:
-    """Compute thread: start the ranks (rank 0 here); the runner, the page count and every rank's pages."""
-    config, section = worker.config, worker.section
+def start_ranks(config: Config, instance: InstanceConfig,
+                section: WorkerSection) -> tuple[TensorParallelRunner, KVSizing, ShardedPages]:
+    """Compute thread: start `instance`'s ranks (rank 0 here); the runner, the page count and every rank's
+    pages."""
     model = config.model
     args = model_args(model.source)
     dtype = resolve_dtype(model.dtype, model.device)
     budget = KVBudget(section.num_kv_pages, section.kv_memory_bytes, section.memory_fraction)
-    packing = worker_packing(worker.instance.role, section.switchable) if model.cpu_packed_gemm else "plain"
+    packing = worker_packing(instance.role, section.switchable) if model.cpu_packed_gemm else "plain"
     sizing = size_kv(budget, args=args, block_size=config.kv.block_size, dtype=dtype, device_type="cpu",
                      max_model_len=model.max_model_len, device_memory=None, num_layers=None)
     spec = RankSpec(source=model.source, num_pages=sizing.num_pages, block_size=config.kv.block_size,
@@ -52,7 +49,7 @@ def start_ranks(worker: Worker) -> tuple[TensorParallelRunner, KVSizing, Sharded
                     packing=packing, backend=model.kernel_backend,
                     num_threads=config.runtime.num_threads, timeout_s=config.transfer.timeout_s,
                     is_pages_shared=True)
-    runner = TensorParallelRunner.start(spec, config.tensor_parallel_size_of(worker.instance))
+    runner = TensorParallelRunner.start(spec, config.tensor_parallel_size_of(instance))
     return runner, sizing, ShardedPages(runner.rank_pages, args)
 
 

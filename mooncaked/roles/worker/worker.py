@@ -163,7 +163,7 @@ class Worker:
 
     async def _start_ranks(self) -> None:
         """model.tensor_parallel_size ranks (tp_worker.py): rank 0 here, its runner, every rank's pages."""
-        tp, sizing, self.kv_pages = await self.compute(start_ranks, self)
+        tp, sizing, self.kv_pages = await self.compute(start_ranks, self.config, self.instance, self.section)
         assert tp.shard is not None
         self.tp, self.runner, self.loaded, self.kv_sizing = tp, tp, tp.shard.loaded, sizing
         self.pages = PageAllocator(sizing.num_pages)
