@@ -59,6 +59,23 @@ async def generate(config: Config, clients: PeerClients, request_id: str, tokens
     return out, num_cached
 
 
+async def _two_requests(config: Config, tokens: list[int], first: str, second: str,
+                        second_inline: bool = False) -> list[tuple[list[int], int]]:
+    """The same prompt through prefill instance `first` then `second` (or inline on d0), both decoded on d0."""
+    names = [i.name for i in config.cluster.instances]
+    async with running_roles(config, names) as roles:
+        workers = {name: roles[name].worker for name in names if name != "s0"}  # type: ignore[attr-defined]
+        has_ranks = {name: worker.tp is not None for name, worker in workers.items()}
+        clients = PeerClients(config, config.instance_named(first))
+        try:
+            results = [await generate(config, clients, "r1", tokens, first),
+                       await generate(config, clients, "r2", tokens, second, inline=second_inline)]
+        finally:
+            await clients.close()
+    assert has_ranks == {name: config.tensor_parallel_size_of(config.instance_named(name)) > 1 for name in workers}
+    return results
+
+
 async def test_prefill_at_tp2_then_decode_at_tp1_equals_one_instance(tmp_path: Path) -> None:
     """p0 (two ranks) writes whole store objects that d0 (one) decodes from; p0 then reuses its own prefix,
     loading each rank's KV heads of it."""
@@ -66,14 +83,7 @@ async def test_prefill_at_tp2_then_decode_at_tp1_equals_one_instance(tmp_path: P
                                        instance("d0", "decode")])
     tokens = prompt(1, 53)
     expected = greedy_tokens(load_model("random:tiny"), tokens, NUM_NEW)
-    async with running_roles(config, ["s0", "p0", "d0"]) as roles:
-        assert roles["p0"].worker.tp is not None and roles["d0"].worker.tp is None  # type: ignore[attr-defined]
-        clients = PeerClients(config, config.instance_named("p0"))
-        try:
-            assert await generate(config, clients, "r1", tokens, "p0") == (expected, 0)
-            assert await generate(config, clients, "r2", tokens, "p0") == (expected, 48)
-        finally:
-            await clients.close()
+    assert await _two_requests(config, tokens, "p0", "p0") == [(expected, 0), (expected, 48)]
 
 
 async def test_prefill_at_tp1_then_decode_at_tp2_and_inline_prefill_at_tp2(tmp_path: Path) -> None:
@@ -83,13 +93,7 @@ async def test_prefill_at_tp1_then_decode_at_tp2_and_inline_prefill_at_tp2(tmp_p
                                        instance("d0", "decode", **TP2)])
     tokens = prompt(2, 40)
     expected = greedy_tokens(load_model("random:tiny"), tokens, NUM_NEW)
-    async with running_roles(config, ["s0", "p0", "d0"]):
-        clients = PeerClients(config, config.instance_named("p0"))
-        try:
-            assert await generate(config, clients, "r1", tokens, "p0") == (expected, 0)
-            assert await generate(config, clients, "r2", tokens, "p0", inline=True) == (expected, 32)
-        finally:
-            await clients.close()
+    assert await _two_requests(config, tokens, "p0", "p0", second_inline=True) == [(expected, 0), (expected, 32)]
 
 
 async def test_a_prefix_stored_at_tp1_is_reused_by_a_tp2_prefill(tmp_path: Path) -> None:
@@ -97,13 +101,7 @@ async def test_a_prefix_stored_at_tp1_is_reused_by_a_tp2_prefill(tmp_path: Path)
                                        instance("p2", "prefill", **TP2), instance("d0", "decode")])
     tokens = prompt(3, 70)
     expected = greedy_tokens(load_model("random:tiny"), tokens, NUM_NEW)
-    async with running_roles(config, ["s0", "p1", "p2", "d0"]):
-        clients = PeerClients(config, config.instance_named("p1"))
-        try:
-            assert await generate(config, clients, "r1", tokens, "p1") == (expected, 0)
-            assert await generate(config, clients, "r2", tokens, "p2") == (expected, 64)
-        finally:
-            await clients.close()
+    assert await _two_requests(config, tokens, "p1", "p2") == [(expected, 0), (expected, 64)]
 
 
 async def test_a_tp2_instance_moves_whole_objects_with_another_hosts_store_through_staging(tmp_path: Path) -> None:
