@@ -51,17 +51,15 @@ def _validate_tensor_parallel(config: Config) -> list[ConfigIssue]:
     `settings: {tensor_parallel_size: N}` overrides the model's); on CUDA only model-level tensor parallelism
     runs so far (engine.tp_runner, `bench model --tp`)."""
     where = "model.tensor_parallel_size"
-    if config.model.tensor_parallel_size > 1 and config.model.cuda_graphs:
-        return [ConfigIssue(where, f"{config.model.tensor_parallel_size} ranks cannot replay CUDA graphs; "
-                            "set model.cuda_graphs: false")]
     parallel = [i for i in config.cluster.instances
                 if i.role in ("prefill", "decode") and config.tensor_parallel_size_of(i) > 1]
+    names = ", ".join(i.name for i in parallel[:3])
+    if config.model.cuda_graphs and (config.model.tensor_parallel_size > 1 or parallel):
+        ranks = (f"{config.model.tensor_parallel_size} ranks" if config.model.tensor_parallel_size > 1
+                 else f"instances with ranks ({names})")
+        return [ConfigIssue(where, f"{ranks} cannot replay CUDA graphs; set model.cuda_graphs: false")]
     if not parallel:
         return []
-    names = ", ".join(i.name for i in parallel[:3])
-    if config.model.cuda_graphs:
-        return [ConfigIssue(where, f"instances with ranks ({names}) cannot replay CUDA graphs; "
-                            "set model.cuda_graphs: false")]
     if not config.model.device.startswith("cpu"):
         return [ConfigIssue(where, f"{config.tensor_parallel_size_of(parallel[0])}: prefill and decode instances "
                             f"({names}) run tensor parallelism on CPU only so far, not on "

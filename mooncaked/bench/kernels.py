@@ -230,8 +230,9 @@ def _print_tables(device: str, peak: float, prefill: list[dict[str, Any]], decod
     print(f"{'tiles':>12} {'tokens':>7} {'cached':>7} {'ours ms':>9} {'sdpa ms':>9} {'ratio':>6} {'TFLOP/s':>8} "
           f"{'max err':>8}")
     for row in prefill:
-        print(f"{row['tiles']:>12} {row['tokens']:>7} {row['num_cached']:>7} {row['ours_ms']:>9.3f} {row['sdpa_ms']:>9.3f} "
-              f"{row['ratio']:>6.2f} {row['ours_tflops']:>8.1f} {row['max_abs_err_vs_sdpa']:>8.4f}")
+        print(f"{row['tiles']:>12} {row['tokens']:>7} {row['num_cached']:>7} {row['ours_ms']:>9.3f} "
+              f"{row['sdpa_ms']:>9.3f} {row['ratio']:>6.2f} {row['ours_tflops']:>8.1f} "
+              f"{row['max_abs_err_vs_sdpa']:>8.4f}")
     print(f"\ndecode attention bandwidth (target >= {DECODE_TARGET:.0%} of peak), replayed from a CUDA graph")
     print(f"{'batch':>6} {'context':>8} {'ms':>8} {'eager ms':>9} {'GB/s':>8} {'of peak':>8} {'max err':>8}")
     for row in decode:

@@ -14,8 +14,8 @@
    move with an earlier run's offsets raises StaleOffsets and touches no byte, so a worker keeps working across
    a store restart and never reads or writes another run's blocks.
 
-A block is `[layer][k|v][token][kv_head][head_dim]`; one layer's
-slice is `layer_bytes` long at `layer_index * layer_bytes` inside the block (DESIGN section 5).
+A block is `[layer][k|v][token][kv_head][head_dim]`; one layer's slice is `layer_bytes` long at
+`layer_index * layer_bytes` inside the block (DESIGN section 5).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 1. `LayerLoader(kv, sources)`; `start()` (event loop) starts its task.
 2. The task walks the layers in order with at most `worker.max_layers_in_flight` of them in flight: for layer i
    it has the request load layer i's slice of every source block (`load_layer`: one move per store, straight
-   into host pages, or through staging and then a copy into the pages); layer i is then ready. Layer i+1's load is already under
-   way while layer i computes.
+   into host pages, or through staging and then a copy into the pages); layer i is then ready. Layer i+1's load
+   is already under way while layer i computes.
 3. The compute thread calls `wait_layer(i)` before layer i (it returns False once the loading failed: the caller
    stops using this request); an event-loop caller awaits `wait_all()`.
 4. `close()` cancels what is left; the request waits for copies still running (request_memory.CopyTracker).

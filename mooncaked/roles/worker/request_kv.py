@@ -95,6 +95,10 @@ class RequestKv:
         """Whether moves with `client`'s store go through staging (GPU pages; ranks' pages, another host's)."""
         return not self.is_direct and not (self.ranks_end is not None and client.is_local)
 
+    def _is_gpudirect(self, client: StoreClient) -> bool:
+        """Whether writes to `client`'s store go straight from GPU pages registered for RDMA (another host's)."""
+        return self.worker.kv_pages_segment is not None and not self.is_direct and not client.is_local
+
     def _memory(self, client: StoreClient) -> Staging | LocalEnd:
         """The local end of moves with `client`'s store: the pages, the ranks' pages, or the held staging."""
         if self.worker.host_pages is not None:
@@ -142,10 +146,11 @@ class RequestKv:
     async def _write(self, write: LayerWrite, layer: int) -> None:
         """Another host's store reads GPU pages straight over RDMA when they are registered (GPUDirect)."""
         client = await self.worker.store_client(write.store_name)
-        segment = self.worker.kv_pages_segment
-        if segment is not None and not self.is_direct and not client.is_local:
+        if self._is_gpudirect(client):
+            assert self.worker.kv_pages_segment is not None
             spans = self.page_spans(write.indices, write.offsets, layer)
-            await self._move(TransferOp.WRITE, client, spans, Staging(segment, _NO_BYTES), write.incarnation)
+            await self._move(TransferOp.WRITE, client, spans, Staging(self.worker.kv_pages_segment, _NO_BYTES),
+                             write.incarnation)
             return
         spans = self.layer_spans(write.indices, write.offsets, layer)
         await self._move(TransferOp.WRITE, client, spans, self._memory(client), write.incarnation)
@@ -159,9 +164,8 @@ class RequestKv:
         if self.is_direct:
             return []
         clients = [await self.worker.store_client(name) for name in store_names]
-        is_gpudirect = is_write and self.worker.kv_pages_segment is not None
         return [name for name, client in zip(store_names, clients)
-                if self._is_staged(client) and not (is_gpudirect and not client.is_local)]
+                if self._is_staged(client) and not (is_write and self._is_gpudirect(client))]
 
     # ---- loading ---------------------------------------------------------------------------------------
     def start_loading(self, sources: Sequence[BlockSource], num_blocks: int) -> None:

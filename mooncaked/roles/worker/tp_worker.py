@@ -1,17 +1,17 @@
 """A worker instance with N > 1 ranks (its `tensor_parallel_size` setting, else the model's): N rank processes,
 one set of store moves.
 
-1. `start_ranks(config, instance, section)` (compute thread) sizes the KV pages from the budget (every rank holds the same page
-   count, for its KV heads), then starts a TensorParallelRunner whose ranks 1..N-1 keep their pages in memory
-   this process maps too (engine/tp_pages.py). The worker then holds rank 0's shard as its model, the runner as
-   its runner, and `ShardedPages` over every rank's pages as its KV pages for store moves.
-2. Store moves are rank 0's: objects are whole (every KV head; the same bytes at every degree), and rank 0
-   copies between their bytes (this host's mapped store pool, or staging for another host's store) and each
-   rank's pages with strided copies (engine/tp_copy.py): loads fill every rank's pages, stores read each KV
-   head from the first rank holding it. A prefill forward's layer callbacks run on rank 0 and gate the other ranks, so a rank computes
-   layer i only once layer i of the prefix is in its pages, and rank 0 queues layer i's store only after every
-   rank wrote layer i (the layer's all-reduces come after its KV writes). The blocks are committed, as at N = 1,
-   after every layer write is done.
+1. `start_ranks(config, instance, section)` (compute thread) sizes the KV pages from the budget (every rank holds
+   the same page count, for its KV heads), then starts a TensorParallelRunner whose ranks 1..N-1 keep their pages in
+   memory this process maps too (engine/tp_pages.py). The worker then holds rank 0's shard as its model, the runner
+   as its runner, and `ShardedPages` over every rank's pages as its KV pages for store moves.
+2. Store moves are rank 0's: objects are whole (every KV head; the same bytes at every degree), and rank 0 copies
+   between their bytes (this host's mapped store pool, or staging for another host's store) and each rank's pages
+   with strided copies (engine/tp_copy.py): loads fill every rank's pages, stores read each KV head from the first
+   rank holding it. A prefill forward's layer callbacks run on rank 0 and gate the other ranks, so a rank computes
+   layer i only once layer i of the prefix is in its pages, and rank 0 queues layer i's store only after every rank
+   wrote layer i (the layer's all-reduces come after its KV writes). The blocks are committed, as at N = 1, after
+   every layer write is done.
 3. `RankWatch` (event loop) watches the rank processes: one that exits fails the instance (`on_failure`; the
    role stops and exits non-zero, so the supervisor restarts the whole instance). Steps already in flight fail
    with RankFailed within the group's deadline (transfer.timeout_s).
