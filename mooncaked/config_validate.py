@@ -47,9 +47,8 @@ def validate(config: Config) -> list[ConfigIssue]:
 
 
 def _validate_tensor_parallel(config: Config) -> list[ConfigIssue]:
-    """Prefill and decode instances run N ranks on CPU (roles/worker/tp_worker.py; an instance's
-    `settings: {tensor_parallel_size: N}` overrides the model's); on CUDA only model-level tensor parallelism
-    runs so far (engine.tp_runner, `bench model --tp`)."""
+    """Prefill and decode instances run N ranks (roles/worker/tp_worker.py; an instance's
+    `settings: {tensor_parallel_size: N}` overrides the model's): N processes on CPU, one GPU each on CUDA."""
     where = "model.tensor_parallel_size"
     parallel = [i for i in config.cluster.instances
                 if i.role in ("prefill", "decode") and config.tensor_parallel_size_of(i) > 1]
@@ -60,10 +59,6 @@ def _validate_tensor_parallel(config: Config) -> list[ConfigIssue]:
         return [ConfigIssue(where, f"{ranks} cannot replay CUDA graphs; set model.cuda_graphs: false")]
     if not parallel:
         return []
-    if not config.model.device.startswith("cpu"):
-        return [ConfigIssue(where, f"{config.tensor_parallel_size_of(parallel[0])}: prefill and decode instances "
-                            f"({names}) run tensor parallelism on CPU only so far, not on "
-                            f"{config.model.device!r} (README: Tensor parallelism); set it to 1")]
     grouped = [i.name for i in parallel if config.prefill_group_of(i.name) is not None]
     if grouped:
         return [ConfigIssue(where, f"prefill group members ({', '.join(grouped[:3])}) run pipeline stages, "

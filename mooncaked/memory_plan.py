@@ -26,6 +26,7 @@ from mooncaked.engine.kv_budget import DEFAULT_MEMORY_FRACTION, GIB, KVBudget, K
 from mooncaked.model.config import ModelArgs
 from mooncaked.model.memory_fit import activation_bytes, projection_bytes, weight_bytes
 from mooncaked.model.packed_gemm import Packing
+from mooncaked.model.tensor_parallel import rank_kv_args
 
 # Resident bytes of a role's process besides its weights, KV pages and pool: the interpreter, torch's and the
 # other libraries' pages, the tokenizer, buffers. Measured with `mooncaked bench memory` (torch 2.13 CPU, the
@@ -82,7 +83,9 @@ def _plan_worker(config: Config, args: ModelArgs, instance: InstanceConfig, runt
     budget = KVBudget(section.num_kv_pages, section.kv_memory_bytes, section.memory_fraction)
     name, role, host = instance.name, instance.role, instance.host
     if device.type == "cuda":
-        return ProcessMemory(name, role, host, runtime, device_note=_gpu_note(config, args, budget, dtype))
+        num_gpus = config.tensor_parallel_size_of(instance)
+        return ProcessMemory(name, role, host, num_gpus * runtime,
+                             device_note=_gpu_note(config, args, budget, dtype, num_gpus))
     kv = size_kv(budget, args=args, block_size=config.kv.block_size, dtype=dtype, device_type=device.type,
                  max_model_len=model.max_model_len)
     workspace = activation_bytes(args, section.max_batch_tokens, section.max_batch_size, dtype)
@@ -104,12 +107,14 @@ def _plan_worker(config: Config, args: ModelArgs, instance: InstanceConfig, runt
     return ProcessMemory(name, role, host, runtime, private, tuple(shared), kv, workspace)
 
 
-def _gpu_note(config: Config, args: ModelArgs, budget: KVBudget, dtype: torch.dtype) -> str:
-    weights = f"on the GPU: {weight_bytes(args, dtype) / GIB:.2f} GiB of weights"
+def _gpu_note(config: Config, args: ModelArgs, budget: KVBudget, dtype: torch.dtype, num_ranks: int) -> str:
+    """On CUDA, per GPU: with N ranks each GPU holds a rank's weights and the pages of its KV heads."""
+    where = "on the GPU" if num_ranks == 1 else f"on each of {num_ranks} GPUs"
+    weights = f"{where}: {weight_bytes(args, dtype, num_ranks=num_ranks) / GIB:.2f} GiB of weights"
     if budget.num_kv_pages is None and budget.kv_memory_bytes is None:
         fraction = DEFAULT_MEMORY_FRACTION if budget.memory_fraction is None else budget.memory_fraction
         return f"{weights}; KV pages: {fraction:g} of the GPU memory free at start, less weights and workspace"
-    kv = size_kv(budget, args=args, block_size=config.kv.block_size, dtype=dtype, device_type="cuda",
+    kv = size_kv(budget, args=rank_kv_args(args, num_ranks), block_size=config.kv.block_size, dtype=dtype, device_type="cuda",
                  max_model_len=config.model.max_model_len)
     return f"{weights}; {kv.describe()}"
 

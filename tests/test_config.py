@@ -199,9 +199,9 @@ def test_tensor_parallel_size_is_checked(tmp_path: Path) -> None:
     assert "model.tensor_parallel_size: 2 ranks cannot replay CUDA graphs" in message
     workers = {"cluster": {"instances": [{"name": "p0", "role": "prefill", "host": "127.0.0.1", "port": 9001}]}}
     config = load_config(write(tmp_path, {**workers, "model": {"tensor_parallel_size": 2}}))
-    assert config.model.tensor_parallel_size == 2  # worker instances run N ranks on CPU
-    message = errors_of(tmp_path, {**workers, "model": {"tensor_parallel_size": 2, "device": "cuda"}})
-    assert "tensor_parallel_size: 2: prefill and decode instances (p0) run tensor parallelism on CPU only" in message
+    assert config.model.tensor_parallel_size == 2  # worker instances run N ranks
+    config = load_config(write(tmp_path, {**workers, "model": {"tensor_parallel_size": 2, "device": "cuda"}}))
+    assert config.tensor_parallel_size_of(config.cluster.instances[0]) == 2  # one GPU per rank
     grouped = _grouped([{"name": "pg", "members": ["p0", "p1"], "layer_splits": [10]}])
     message = errors_of(tmp_path, {**grouped, "model": {"tensor_parallel_size": 2}})
     assert "model.tensor_parallel_size: prefill group members (p0, p1) run pipeline stages" in message

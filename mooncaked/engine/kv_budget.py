@@ -128,3 +128,13 @@ def _size(num_bytes: int) -> str:
     if abs(num_bytes) >= MIB:
         return f"{num_bytes // MIB} MiB" if num_bytes % MIB == 0 else f"{num_bytes / MIB:.2f} MiB"
     return f"{num_bytes} bytes"
+
+
+def cuda_free_bytes(device: str) -> int | None:
+    """Free bytes on a CUDA `device` (None on CPU), after releasing what torch cached."""
+    torch_device = torch.device(device)
+    if torch_device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    free, _total = torch.cuda.mem_get_info(torch_device)
+    return int(free)

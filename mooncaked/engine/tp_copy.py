@@ -8,8 +8,7 @@
    head_dim], to and from each rank's page [2, block_size, rank's heads, head_dim]: the object's slice
    [:, :, heads] (`KVPages.copy_parts`). A READ fills every rank holding a head (replicas too), a WRITE reads
    each head from the first rank holding it. Objects and pages are token-major alike: no transpose.
-3. `copy_rows(staging, op, layer, rows)` is the same copy between the pages and host staging rows (moves with
-   another host's store go through staging).
+Moves through staging (another host's store; CUDA ranks) copy each rank's heads of the rows (engine/kv_copy.py).
 Copies are numpy over same-size integers (bfloat16 too): a fraction of torch's per-call cost per page.
 """
 
@@ -45,13 +44,6 @@ class RankPagesEnd:
             region = pool[span.pool_offset: span.pool_offset + span.num_bytes].view(self.arrays[0].dtype)
             row, in_row = divmod(span.staging_offset, self.kv_pages.block_nbytes)
             self._copy_layer(region, op, in_row // self.kv_pages.layer_block_nbytes, self.page_ids[row])
-
-    def copy_rows(self, staging: np.ndarray, op: TransferOp, layer: int, rows: Sequence[int]) -> None:
-        """READ: staging rows' `layer` -> their pages; WRITE: the reverse. `staging` is the flat uint8 buffer
-        [rows, layers, 2, block_size, kv_heads, head_dim]."""
-        row_nbytes, size = self.kv_pages.block_nbytes, self.kv_pages.layer_block_nbytes
-        self.copy_spans(staging, op, [Span(row * row_nbytes + layer * size, row * row_nbytes + layer * size, size)
-                                      for row in rows])
 
     def _check(self, span: Span, pool_nbytes: int) -> None:
         pages = self.kv_pages

@@ -1,13 +1,16 @@
-"""KV pages of a tensor-parallel worker instance: each rank's pages in shared memory, and all of them as one.
+"""KV pages of a tensor-parallel worker instance: each rank's pages mapped in rank 0, and all of them as one.
 
-1. Rank 0 (the worker's process) creates one memfd per other rank, `SharedPages.create(nbytes)`, sized by
+1. CPU: rank 0 (the worker's process) creates one memfd per other rank, `SharedPages.create(nbytes)`, sized by
    `KVPages.nbytes_for` for that rank's KV heads, and passes its fd over the rank's channel (engine.tp_runner);
-   the rank maps it (`SharedPages.attach(fd, nbytes)`) and allocates its `KVPages` in it, so rank 0 sees every
-   rank's pages (CPU only: a rank's GPU pages are on its own device).
+   the rank maps it (`SharedPages.attach(fd, nbytes)`) and allocates its `KVPages` in it.
+   CUDA: a rank allocates its pages on its own device and sends a CUDA IPC handle of them with its "ready"
+   (`export_device_pages`); rank 0 opens it (`import_device_pages`) in a context of its own on that device.
+   Either way rank 0 sees every rank's pages.
 2. `ShardedPages(ranks, args)` is the instance's side of store moves: objects (and staging rows) hold every KV
-   head of the model, and engine/tp_copy.py copies each rank's heads between them and that rank's pages
-   (`copy_parts`): loads fill every rank's pages, a replicated KV head included; stores read the first rank of
-   each replica set only. Rank 0 moves all the instance's bytes; the ranks never talk to a store.
+   head of the model, and each rank's heads are copied between them and that rank's pages (`copy_parts`;
+   engine/tp_copy.py for host pages and a mapped pool, engine/kv_copy.py for staging rows): loads fill every
+   rank's pages, a replicated KV head included; stores read the first rank of each replica set only. Rank 0
+   moves all the instance's bytes; the ranks never talk to a store.
 3. `close()` unmaps; a rank's pages live as long as its process and rank 0's mapping.
 """
 
@@ -15,8 +18,10 @@ from __future__ import annotations
 
 import mmap
 import os
+from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import reduce_tensor
 
 from mooncaked.engine.kv_pages import KVPages, PageAllocator
 from mooncaked.model.config import ModelArgs
@@ -63,6 +68,19 @@ class SharedPages:
         """The fd was closed elsewhere (attach) or passed on and is no longer needed here."""
         os.close(self.fd)
         self.fd = -1
+
+
+def export_device_pages(buffer: torch.Tensor) -> tuple[Any, ...]:
+    """A rank's CUDA pages as a picklable IPC handle (flat uint8); the rank keeps them alive while it runs."""
+    assert buffer.device.type == "cuda", "host pages are shared through memfds (SharedPages)"
+    return reduce_tensor(buffer.view(-1).view(torch.uint8))
+
+
+def import_device_pages(handle: tuple[Any, ...]) -> torch.Tensor:
+    """Rank 0: open a rank's exported CUDA pages (flat uint8 on the rank's device)."""
+    rebuild, args = handle
+    tensor: torch.Tensor = rebuild(*args)
+    return tensor
 
 
 class ShardedPages(KVPages):

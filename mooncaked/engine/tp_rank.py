@@ -6,7 +6,8 @@
    all-reduces (model.tensor_parallel's installed Reducer) go through NCCL on CUDA, and on CPU through a
    shared-memory segment of the host (engine.tp_shm; gloo for what does not fit it, or with it switched off).
 3. `build_rank(spec, rank, num_ranks)` loads the rank's shard (only its heads and MLP columns) and allocates
-   pages for its KV heads (with `spec.is_pages_shared`, in the memory rank 0 passed: engine/tp_pages.py).
+   pages for its KV heads (with `spec.is_pages_shared`, on CPU in the memory rank 0 passed, on CUDA exported to
+   rank 0 with the rank's "ready": engine/tp_pages.py).
 4. `rank_main` (the entry of ranks 1..N-1, spawned by engine.tp_runner): join, build, report ready, then run
    every forward rank 0 sends, in order, until `stop`, until rank 0's process exits, or until a forward fails
    (the rank reports the error on its channel and exits: rank 0's collectives then fail, never hang).
@@ -37,7 +38,7 @@ from mooncaked.engine.batch import DecodeBatch, PrefillBatch
 from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.engine.tp_channel import ChannelClosed, RankChannel
-from mooncaked.engine.tp_pages import SharedPages
+from mooncaked.engine.tp_pages import SharedPages, export_device_pages
 from mooncaked.model import tensor_parallel
 from mooncaked.model.loader import LoadedModel, load_model, model_args, resolve_dtype
 from mooncaked.model.packed_gemm import Packing
@@ -62,7 +63,7 @@ class RankSpec:
     num_threads: int = 1  # torch intra-op threads per rank
     timeout_s: float = 60.0  # deadline of the rendezvous, every collective and every command send
     allreduce_slot_bytes: int = 8 << 20  # CPU: all-reduces up to this size go through shared memory; 0: gloo only
-    is_pages_shared: bool = False  # CPU: ranks' pages live in memory rank 0 maps too (a worker instance's moves)
+    is_pages_shared: bool = False  # ranks' pages are mapped in rank 0 too (a worker instance's moves)
 
 
 @dataclass(frozen=True)
@@ -161,9 +162,10 @@ def rank_main(spec: RankSpec, rank: int, num_ranks: int, port: int, sock: socket
     try:
         store = dist.TCPStore(LOOPBACK, port, num_ranks, is_master=False, timeout=timedelta(seconds=spec.timeout_s))
         tensor_parallel.install_group(_join_reducer(spec, rank, num_ranks, store, channel))
-        pages = _attach_pages(spec, rank, num_ranks, channel) if spec.is_pages_shared else None
+        pages = _attach_pages(spec, rank, num_ranks, channel) if spec.is_pages_shared and not is_cuda(spec) else None
         shard = build_rank(spec, rank, num_ranks, None if pages is None else pages.tensor)
-        channel.send(("ready",))
+        is_exported = spec.is_pages_shared and is_cuda(spec)
+        channel.send(("ready", export_device_pages(shard.kv_pages.buffer) if is_exported else None))
         _serve(channel, shard.runner)
     except Exception as exc:  # report, then exit at once: tearing down a broken group could block
         logger.exception("tensor-parallel rank %d failed", rank)

@@ -10,8 +10,9 @@ Lifecycle:
    computes its heads and MLP columns on its own KV pages, the all-reduces inside the layers join them, and
    rank 0 returns the logits (the output head is replicated). A prefill's layer callbacks run on rank 0 and
    gate the other ranks (engine.tp_rank stage 5): a callback that raises stops the forward on every rank at
-   that layer boundary and propagates, leaving the group usable. With `spec.is_pages_shared` (CPU) every
-   rank's pages are mapped here too (`rank_pages`, engine/tp_pages.py), so rank 0 moves all the KV.
+   that layer boundary and propagates, leaving the group usable. With `spec.is_pages_shared` every rank's pages
+   are mapped here too (`rank_pages`: memfds on CPU, CUDA IPC on GPUs; engine/tp_pages.py), so rank 0 moves
+   all the KV.
 3. A rank that dies or stalls makes the step fail with RankFailed within the deadline (its channel breaks or
    the collective times out); the group is then down: every later step raises, and the owner stops the runner
    (a worker instance goes down whole; its supervisor restarts it).
@@ -35,9 +36,10 @@ from mooncaked.engine.batch import DecodeBatch, PrefillBatch
 from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.runner import LayerCallback
 from mooncaked.engine.tp_channel import ChannelClosed, RankChannel
-from mooncaked.engine.tp_pages import SharedPages
+from mooncaked.engine.tp_pages import SharedPages, import_device_pages
 from mooncaked.engine.tp_rank import (LOOPBACK, BackendReducer, RankShard, RankSpec, batch_to_wire, build_rank,
-                                      check_devices, join_group, pages_nbytes, rank_main, uses_shared_memory)
+                                      check_devices, is_cuda, join_group, pages_nbytes, rank_main,
+                                      uses_shared_memory)
 from mooncaked.engine.tp_shm import SharedMemoryReducer
 from mooncaked.model.llama import LlamaForCausalLM
 from mooncaked.model.loader import model_args
@@ -77,11 +79,12 @@ class TensorParallelRunner:
         try:
             runner._spawn(store.port)
             tensor_parallel.install_group(runner._join_reducer(store))
-            if spec.is_pages_shared:
+            if spec.is_pages_shared and not is_cuda(spec):
                 runner._share_pages()
             runner.shard = build_rank(spec, 0, num_ranks)
-            runner.rank_pages = [runner.shard.kv_pages, *runner._mapped_rank_pages()]
-            runner._wait_ready(time.monotonic() + spec.timeout_s)
+            exported = runner._wait_ready(time.monotonic() + spec.timeout_s)
+            if spec.is_pages_shared:
+                runner.rank_pages = [runner.shard.kv_pages, *runner._mapped_rank_pages(exported)]
         except BaseException:
             runner.stop()
             raise
@@ -106,13 +109,15 @@ class TensorParallelRunner:
             channel.send_fds([pages.fd])
             pages.forget_fd()
 
-    def _mapped_rank_pages(self) -> list[KVPages]:
+    def _mapped_rank_pages(self, exported: list[Any]) -> list[KVPages]:
+        """Ranks 1..N-1's pages: in the memfds created here (CPU), or opened from their CUDA IPC handles."""
         assert self.shard is not None
         args, dtype = self.shard.loaded.args, self.shard.loaded.dtype
+        buffers = ([import_device_pages(handle) for handle in exported] if is_cuda(self.spec)
+                   else [pages.tensor for pages in self.shared_pages])
         return [KVPages.for_model(args, num_pages=self.spec.num_pages, block_size=self.spec.block_size, dtype=dtype,
-                                  device=self.spec.device, shard=shard_shape(args, rank, self.num_ranks),
-                                  buffer=pages.tensor)
-                for rank, pages in enumerate(self.shared_pages, start=1)]
+                                  device=buffer.device, shard=shard_shape(args, rank, self.num_ranks), buffer=buffer)
+                for rank, buffer in enumerate(buffers, start=1)]
 
     def _spawn(self, port: int) -> None:
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked threads or CUDA state
@@ -198,6 +203,7 @@ class TensorParallelRunner:
 
     def stop(self) -> None:
         deadline = time.monotonic() + self.spec.timeout_s
+        self.rank_pages = []  # CUDA IPC mappings close before their ranks free the memory
         for channel, process in zip(self.channels, self.processes):
             if process.is_alive():
                 try:
@@ -216,7 +222,6 @@ class TensorParallelRunner:
         if self.reducer is not None:
             self.reducer.close()
             self.reducer = None
-        self.rank_pages = []
         for pages in self.shared_pages:
             pages.close()
         self.shared_pages = []
@@ -243,7 +248,9 @@ class TensorParallelRunner:
         dead = self.dead_ranks()
         return "; ".join(reports + dead) or f"{type(exc).__name__}: {exc}"
 
-    def _wait_ready(self, deadline: float) -> None:
+    def _wait_ready(self, deadline: float) -> list[Any]:
+        """Each rank's "ready" payload (its exported CUDA pages, or None), in rank order."""
+        exported = []
         for rank, (channel, process) in enumerate(zip(self.channels, self.processes), start=1):
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not channel.wait_readable(remaining, process.sentinel):
@@ -253,6 +260,8 @@ class TensorParallelRunner:
             message = channel.recv()
             if message[0] != "ready":
                 raise RankFailed(f"tensor-parallel {message[1] if message[0] == 'error' else message}")
+            exported.append(message[1])
+        return exported
 
 
 def _pending_errors(channel: RankChannel) -> list[str]:

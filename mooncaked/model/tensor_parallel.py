@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
 import torch
@@ -65,6 +66,11 @@ def shard_shape(args: ModelArgs, rank: int, num_ranks: int) -> ShardShape:
                       intermediate_size=inter, head_offset=rank * num_heads, kv_head_offset=kv_head_offset,
                       intermediate_offset=rank * inter, rank=rank, num_ranks=num_ranks, vocab_size=vocab,
                       vocab_offset=0 if vocab is None else rank * vocab)
+
+
+def rank_kv_args(args: ModelArgs, num_ranks: int) -> ModelArgs:
+    """`args` with one rank's KV head count: what sizing a rank's KV pages counts per page."""
+    return dataclasses.replace(args, num_kv_heads=shard_shape(args, 0, num_ranks).num_kv_heads)
 
 
 def sliced_shape(shape: tuple[int, ...], piece: Slice | None) -> tuple[int, ...]:

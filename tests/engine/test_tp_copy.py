@@ -1,6 +1,7 @@
 """Store objects are the same bytes at every tensor-parallel degree: a tensor-parallel instance's strided copies
-(RankPagesEnd) put exactly the objects one instance holding every KV head stages (token-major, the pages'
-layout), into a mapped pool or into staging rows, and reading them back fills every rank (replicas too)."""
+(RankPagesEnd, into a mapped pool) and its copier's (KVCopier, into staging rows) put exactly the objects one
+instance holding every KV head stages (token-major, the pages' layout), and reading them back fills every rank
+(replicas too)."""
 
 from __future__ import annotations
 
@@ -75,28 +76,43 @@ def test_store_objects_are_the_same_bytes_at_every_degree(num_kv_heads: int, num
 
 @settings(max_examples=20, deadline=None)
 @given(num_kv_heads=st.sampled_from([1, 2, 4]), num_ranks=st.sampled_from([2, 4]), seed=st.integers(0, 2**16),
+       by_layer=st.booleans(),
        page_ids=st.lists(st.integers(0, NUM_PAGES - 1), min_size=1, max_size=4, unique=True))
-def test_staging_rows_copied_for_the_ranks_equal_the_copiers(num_kv_heads: int, num_ranks: int, seed: int,
-                                                             page_ids: list[int]) -> None:
-    """The ranks' pages <-> staging rows (moves with another host's store), as KVCopier stages TP=1's pages."""
+def test_the_copier_stages_the_ranks_pages_as_tp1s(num_kv_heads: int, num_ranks: int, seed: int, by_layer: bool,
+                                                   page_ids: list[int]) -> None:
+    """The ranks' pages <-> staging rows (moves with another host's store, and every move of CUDA ranks): each
+    rank's heads of every row, as KVCopier stages TP=1's pages; loads fill replicas, stores read the first."""
     args = random_preset("tiny", num_heads=4, num_kv_heads=num_kv_heads, head_dim=4)
     whole = KVPages.for_model(args, num_pages=NUM_PAGES, block_size=3, dtype=torch.bfloat16, device="cpu")
     whole.buffer.copy_(torch.randn(whole.buffer.shape, generator=torch.Generator().manual_seed(seed)))
     sharded, ranks = ranks_of(whole, num_ranks, num_kv_heads)
+    copier = KVCopier("cpu", backend="torch")
     expected, ours = new_staging(whole, len(page_ids)), new_staging(sharded, len(page_ids))
-    KVCopier("cpu", backend="torch").store_all_layers(whole, expected, page_ids).synchronize()
-    end, rows = RankPagesEnd(sharded, page_ids), range(len(page_ids))
-    flat = ours.view(-1).view(torch.uint8).numpy()
-    for layer in range(whole.num_layers):
-        end.copy_rows(flat, TransferOp.WRITE, layer, rows)
+    copier.store_all_layers(whole, expected, page_ids).synchronize()
+    for pages in ranks[1:]:  # a replica of a KV head is never what a store reads
+        if pages.kv_head_offset in [p.kv_head_offset for p in ranks[:ranks.index(pages)]]:
+            pages.buffer.zero_()
+    copy_layers(copier, TransferOp.WRITE, sharded, ours, page_ids, by_layer)
     assert torch.equal(ours, expected)
-    before = [pages.buffer.clone() for pages in ranks]
     for pages in ranks:
         pages.buffer.zero_()
-    for layer in range(whole.num_layers):
-        end.copy_rows(flat, TransferOp.READ, layer, rows)
-    for pages, saved in zip(ranks, before):
-        assert torch.equal(pages.buffer[:, :, page_ids], saved[:, :, page_ids])
+    copy_layers(copier, TransferOp.READ, sharded, ours, page_ids, by_layer)
+    for pages in ranks:
+        heads = slice(pages.kv_head_offset, pages.kv_head_offset + pages.num_kv_heads)
+        assert torch.equal(pages.buffer[:, :, page_ids], whole.buffer[:, :, page_ids][:, :, :, :, heads])
+
+
+def copy_layers(copier: KVCopier, op: TransferOp, pages: KVPages, staging: torch.Tensor, page_ids: list[int],
+                by_layer: bool) -> None:
+    if not by_layer:
+        handle = (copier.load_all_layers(pages, staging, page_ids) if op is TransferOp.READ
+                  else copier.store_all_layers(pages, staging, page_ids))
+        handle.synchronize()
+        return
+    for layer in range(pages.num_layers):
+        handle = (copier.load_layer(pages, layer, staging, page_ids) if op is TransferOp.READ
+                  else copier.store_layer(pages, layer, staging, page_ids))
+        handle.synchronize()
 
 
 def test_spans_that_are_not_one_layer_of_one_block_or_outside_the_pool_are_refused() -> None:

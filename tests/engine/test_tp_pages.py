@@ -1,6 +1,6 @@
 """A tensor-parallel worker's KV side on CPU: every rank's pages mapped in rank 0 (each holds TP=1's KV of its
-heads), strided copies between whole objects' bytes and all of them (engine/tp_copy.py: the objects TP=1
-stages), and gated prefills whose rank 0 callback raises stop every rank at that layer and leave the group
+heads), the copier's copies between staging rows of whole objects and all of them (the objects TP=1 stages),
+and gated prefills whose rank 0 callback raises stop every rank at that layer and leave the group
 usable."""
 
 from __future__ import annotations
@@ -14,14 +14,12 @@ from mooncaked.engine.batch import PrefillBatch, PrefillSeq, build_prefill_batch
 from mooncaked.engine.kv_copy import KVCopier, new_staging
 from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.runner import ModelRunner
-from mooncaked.engine.tp_copy import RankPagesEnd
 from mooncaked.engine.tp_pages import ShardedPages
 from mooncaked.engine.tp_rank import RankSpec
 from mooncaked.engine.tp_runner import TensorParallelRunner
 from mooncaked.model.config import random_preset
 from mooncaked.model.loader import load_model
 from mooncaked.model.tensor_parallel import shard_shape
-from mooncaked.rdma import TransferOp
 
 BLOCK = 8
 NUM_PAGES = 8
@@ -61,13 +59,6 @@ def test_each_ranks_mapped_pages_hold_its_heads_of_tp1s_kv(tp: TensorParallelRun
                                        atol=1e-5, rtol=0)
 
 
-def copy_all_layers(end: RankPagesEnd, staging: torch.Tensor, op: TransferOp) -> None:
-    """Every layer of staging rows [0, len(end.page_ids)) <-> the ranks' pages, as the copy thread does."""
-    rows, flat = range(len(end.page_ids)), staging.view(-1).view(torch.uint8).numpy()
-    for layer in range(end.kv_pages.num_layers):
-        end.copy_rows(flat, op, layer, rows)
-
-
 def test_the_ranks_pages_stage_the_whole_objects_tp1_stages(tp: TensorParallelRunner) -> None:
     single, kv = _single()
     single.prefill(_batch())
@@ -75,12 +66,13 @@ def test_the_ranks_pages_stage_the_whole_objects_tp1_stages(tp: TensorParallelRu
     sharded = ShardedPages(tp.rank_pages, random_preset("tiny"))
     assert sharded.object_nbytes == kv.object_nbytes and sharded.block_nbytes == kv.block_nbytes
     ours, theirs = new_staging(sharded, 3), new_staging(kv, 3)
-    KVCopier("cpu", backend="torch").store_all_layers(kv, theirs, PAGE_IDS).synchronize()
-    copy_all_layers(RankPagesEnd(sharded, PAGE_IDS), ours, TransferOp.WRITE)
+    copier = KVCopier("cpu", backend="torch")
+    copier.store_all_layers(kv, theirs, PAGE_IDS).synchronize()
+    copier.store_all_layers(sharded, ours, PAGE_IDS).synchronize()
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
     for pages in tp.rank_pages:
         pages.buffer.zero_()
-    copy_all_layers(RankPagesEnd(sharded, [1, 2, 4]), theirs, TransferOp.READ)
+    copier.load_all_layers(sharded, theirs, [1, 2, 4]).synchronize()
     for rank, pages in enumerate(tp.rank_pages):
         assert torch.equal(pages.k_pages[0][[1, 2, 4]], kv.k_pages[0][PAGE_IDS][:, :, rank:rank + 1])
 
@@ -92,11 +84,12 @@ def test_replicated_kv_heads_load_into_every_replica_and_store_from_the_first() 
     sharded = ShardedPages(ranks, args)
     assert [writer for _, _, writer in sharded.copy_parts()] == [True, False]
     staging = torch.randn(new_staging(sharded, 1).shape)
-    copy_all_layers(RankPagesEnd(sharded, [2]), staging, TransferOp.READ)
+    copier = KVCopier("cpu", backend="torch")
+    copier.load_all_layers(sharded, staging, [2]).synchronize()
     assert torch.equal(ranks[0].buffer, ranks[1].buffer) and ranks[1].k_pages[1][2].abs().sum() > 0
     ranks[1].buffer.zero_()  # a replica's pages are never read by a store copy
     out = new_staging(sharded, 1)
-    copy_all_layers(RankPagesEnd(sharded, [2]), out, TransferOp.WRITE)
+    copier.store_all_layers(sharded, out, [2]).synchronize()
     assert torch.equal(out, staging)
 
 

@@ -67,8 +67,7 @@ def test_layer_i_store_copy_overlaps_layer_i_plus_1_compute() -> None:
     kv, copier = pages(), KVCopier("cuda")
     staging = new_staging(kv, 4)
     warm_up(kv, copier, staging)
-    compute = torch.cuda.current_stream()
-    assert copier.stream is not None
+    compute, copy_stream = torch.cuda.current_stream(), copier.stream_for(kv.device)
     marks: dict[tuple[str, int], torch.cuda.Event] = {}
 
     def mark(name: str, layer: int, stream: torch.cuda.Stream) -> None:
@@ -85,8 +84,8 @@ def test_layer_i_store_copy_overlaps_layer_i_plus_1_compute() -> None:
         kv.k_pages[layer][:4] = float(layer + 1)
         mark("compute_end", layer, compute)
         handles.append(copier.store_layer(kv, layer, staging, [0, 1, 2, 3]))
-        with torch.cuda.stream(copier.stream):
-            mark("store_end", layer, copier.stream)
+        with torch.cuda.stream(copy_stream):
+            mark("store_end", layer, copy_stream)
     for handle in handles:
         handle.synchronize()
     torch.cuda.synchronize()

@@ -79,7 +79,8 @@ class RequestKv:
         num_pages = num_blocks_for(num_tokens + num_extra_tokens, worker.block_size)
         self.page_ids: list[int] = worker.pages.allocate(num_pages, owner=request_id)
         self.is_direct = worker.host_pages is not None  # every move straight between the pages and the stores
-        self.ranks_end = RankPagesEnd(worker.kv_pages, self.page_ids) if worker.tp is not None else None
+        is_ranks_mapped = worker.tp is not None and worker.kv_pages.device.type == "cpu"
+        self.ranks_end = RankPagesEnd(worker.kv_pages, self.page_ids) if is_ranks_mapped else None
         self.staging = StagingHold(worker.staging_pool, self.num_blocks)
         self.copies = CopyTracker(worker.copy_thread, request_id)
         self.num_loaded = 0
@@ -192,9 +193,6 @@ class RequestKv:
         reverse, once `compute_done` (CUDA) passed."""
         worker = self.worker
         assert worker.copier is not None and worker.kv_pages is not None
-        if self.ranks_end is not None:  # every rank's heads of each row, strided
-            self.ranks_end.copy_rows(buffer.array, op, layer, [r for start, stop in runs for r in range(start, stop)])
-            return
         for start, stop in runs:
             rows, ids = view[start:stop], self.page_ids[start:stop]
             handle = (worker.copier.load_layer(worker.kv_pages, layer, rows, ids) if op is TransferOp.READ

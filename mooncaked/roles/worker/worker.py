@@ -40,7 +40,7 @@ import torch
 
 from mooncaked.config import Config, InstanceConfig, WorkerSection
 from mooncaked.cpu_affinity import pinned_executor
-from mooncaked.engine.kv_budget import DeviceMemory, KVBudget, KVSizing, size_kv
+from mooncaked.engine.kv_budget import DeviceMemory, KVBudget, KVSizing, cuda_free_bytes, size_kv
 from mooncaked.engine.kv_copy import KVCopier
 from mooncaked.engine.kv_pages import KVPages, PageAllocator
 from mooncaked.engine.runner import ModelRunner
@@ -146,7 +146,7 @@ class Worker:
     async def _load_replica(self) -> None:
         """One process: load the model (or this stage's layers), size and allocate the pages, build the runner."""
         model = self.config.model
-        free_before_load = await self.compute(_cuda_free_bytes, model.device)
+        free_before_load = await self.compute(cuda_free_bytes, model.device)
         layers = await self._find_stage()
         self.loaded = await self.compute(
             load_model, model.source, dtype=model.dtype, device=model.device, seed=model.seed,
@@ -192,7 +192,7 @@ class Worker:
         if free_before_load is not None:
             workspace = activation_bytes(self.loaded.args, section.max_batch_tokens, section.max_batch_size,
                                          self.loaded.dtype)
-            device_memory = DeviceMemory(free_before_load, _cuda_free_bytes(model.device) or 0, workspace)
+            device_memory = DeviceMemory(free_before_load, cuda_free_bytes(model.device) or 0, workspace)
         budget = KVBudget(section.num_kv_pages, section.kv_memory_bytes, section.memory_fraction)
         return size_kv(budget, args=self.loaded.args, block_size=self.config.kv.block_size, dtype=self.loaded.dtype,
                        device_type=self.loaded.device.type, max_model_len=model.max_model_len,
@@ -308,13 +308,3 @@ class Worker:
     def layer_nbytes(self) -> int:
         assert self.kv_pages is not None
         return self.kv_pages.layer_block_nbytes
-
-
-def _cuda_free_bytes(device: str) -> int | None:
-    """Free bytes on a CUDA `device` (None on CPU), after releasing what torch cached."""
-    torch_device = torch.device(device)
-    if torch_device.type != "cuda":
-        return None
-    torch.cuda.empty_cache()
-    free, _total = torch.cuda.mem_get_info(torch_device)
-    return int(free)

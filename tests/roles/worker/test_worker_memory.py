@@ -96,3 +96,17 @@ def test_the_memory_plan_counts_every_rank_of_a_tensor_parallel_instance(tmp_pat
     assert prefill.private_weights == 2 * weight_bytes(args, torch.float32, num_ranks=2)
     assert weight_bytes(args, torch.float32) < prefill.private_weights  # the embedding is on every rank
     assert prefill.kv is not None and decode.kv is not None and prefill.kv.nbytes == decode.kv.nbytes
+
+
+def test_the_memory_plan_gives_each_gpu_of_a_tensor_parallel_instance_its_ranks_share(tmp_path: Path) -> None:
+    """On CUDA the KV budget is each rank's GPU's, over pages of the rank's KV heads (tiny: 1 of 2)."""
+    instances = [instance("s0", "store"), instance("p0", "prefill", settings={"tensor_parallel_size": 2}),
+                 instance("d0", "decode")]
+    config = cluster_config(tmp_path, instances, model={"device": "cuda", "cuda_graphs": False},
+                            worker={"num_kv_pages": None, "kv_memory_bytes": 4 * MIB})
+    plans = {p.instance: p for p in plan_memory(config, random_preset("tiny"))}
+    assert plans["p0"].device_note.startswith("on each of 2 GPUs: ")
+    assert plans["d0"].device_note.startswith("on the GPU: ")
+    assert f"{4 * MIB // (TINY_PAGE // 2)} pages" in plans["p0"].device_note
+    assert f"{4 * MIB // TINY_PAGE} pages" in plans["d0"].device_note
+    assert plans["p0"].runtime == 2 * plans["d0"].runtime
