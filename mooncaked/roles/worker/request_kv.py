@@ -3,11 +3,11 @@
 1. `RequestKv(worker, request_id, num_tokens)` allocates pages for every block of the prompt (the partial tail
    included) plus `num_extra_tokens`. Store objects have the pages' layout (DESIGN 5). Pages in host memory (CPU,
    one process) are a transfer-engine segment: every move goes straight between them and the stores
-   (`is_direct`). A tensor-parallel instance (CPU; worker.tp) moves between its ranks' pages and this host's
-   mapped store pool in strided copies on the copy thread (engine/tp_copy.py). Other moves (GPU pages; a
-   tensor-parallel instance with another host's store) go through a staging buffer [num_blocks, layers, 2,
-   block_size, kv_heads, head_dim] in the object layout, which the request holds only while such a move is in
-   flight (request_memory.StagingHold).
+   (`is_direct`). A tensor-parallel instance on CPU (worker.tp) moves between its ranks' pages and this host's
+   mapped store pool in strided copies on the copy thread (engine/tp_copy.py). Other moves (GPU pages, one
+   rank's or many; a tensor-parallel instance with another host's store) go through a staging buffer
+   [num_blocks, layers, 2, block_size, kv_heads, head_dim] in the object layout, which the request holds only
+   while such a move is in flight (request_memory.StagingHold); the copier copies every rank's heads of it.
 2. Loading: `start_loading(sources, num_blocks)` (event loop) starts a LayerLoader, which loads layer by layer
    (`load_layer`: straight into the pages, or into staging and then into the pages on the copy thread). The
    forward waits per layer (`wait_layer_loaded`, compute thread); a caller that needs all of it awaits
