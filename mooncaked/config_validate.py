@@ -57,12 +57,6 @@ def _validate_tensor_parallel(config: Config) -> list[ConfigIssue]:
         ranks = (f"{config.model.tensor_parallel_size} ranks" if config.model.tensor_parallel_size > 1
                  else f"instances with ranks ({names})")
         return [ConfigIssue(where, f"{ranks} cannot replay CUDA graphs; set model.cuda_graphs: false")]
-    if not parallel:
-        return []
-    grouped = [i.name for i in parallel if config.prefill_group_of(i.name) is not None]
-    if grouped:
-        return [ConfigIssue(where, f"prefill group members ({', '.join(grouped[:3])}) run pipeline stages, "
-                            "which do not combine with tensor parallelism; set it to 1 for them")]
     return []
 
 

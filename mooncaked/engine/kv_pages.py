@@ -141,9 +141,11 @@ class KVPages:
                    num_model_kv_heads=args.num_kv_heads, buffer=buffer)
 
     @staticmethod
-    def nbytes_for(args: ModelArgs, shard: ShardShape, num_pages: int, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes of the pages of every layer for `shard`'s KV heads."""
-        return args.num_layers * 2 * num_pages * block_size * shard.num_kv_heads * args.head_dim * dtype.itemsize
+    def nbytes_for(args: ModelArgs, shard: ShardShape, num_pages: int, block_size: int, dtype: torch.dtype,
+                   layers: LayerRange | None = None) -> int:
+        """Bytes of the pages of `layers` (default all) for `shard`'s KV heads."""
+        num_layers = args.num_layers if layers is None else layers.size
+        return num_layers * 2 * num_pages * block_size * shard.num_kv_heads * args.head_dim * dtype.itemsize
 
     def copy_parts(self) -> list[tuple[KVPages, int, bool]]:
         """(pages, their first KV head in an object, whether stores read them): the pages an object's bytes are

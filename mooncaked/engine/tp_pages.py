@@ -90,7 +90,8 @@ class ShardedPages(KVPages):
     def __init__(self, ranks: list[KVPages], args: ModelArgs) -> None:  # noqa: super().__init__ would allocate
         first = ranks[0]
         self.ranks = ranks
-        self.num_layers, self.first_layer, self.num_model_layers = first.num_layers, 0, args.num_layers
+        self.num_layers, self.first_layer, self.num_model_layers = (first.num_layers, first.first_layer,
+                                                                    first.num_model_layers)
         self.num_pages, self.block_size, self.head_dim = first.num_pages, first.block_size, first.head_dim
         self.num_kv_heads = self.num_model_kv_heads = args.num_kv_heads
         self.kv_head_offset = 0

@@ -40,6 +40,7 @@ from mooncaked.engine.runner import ModelRunner
 from mooncaked.engine.tp_channel import ChannelClosed, RankChannel
 from mooncaked.engine.tp_pages import SharedPages, export_device_pages
 from mooncaked.model import tensor_parallel
+from mooncaked.model.config import LayerRange
 from mooncaked.model.loader import LoadedModel, load_model, model_args, resolve_dtype
 from mooncaked.model.packed_gemm import Packing
 from mooncaked.model.tensor_parallel import TensorParallelError, shard_shape
@@ -64,6 +65,7 @@ class RankSpec:
     timeout_s: float = 60.0  # deadline of the rendezvous, every collective and every command send
     allreduce_slot_bytes: int = 8 << 20  # CPU: all-reduces up to this size go through shared memory; 0: gloo only
     is_pages_shared: bool = False  # ranks' pages are mapped in rank 0 too (a worker instance's moves)
+    layers: LayerRange | None = None  # a pipeline stage's layers (a prefill group member); None: every layer
 
 
 @dataclass(frozen=True)
@@ -149,9 +151,10 @@ def build_rank(spec: RankSpec, rank: int, num_ranks: int, pages_buffer: torch.Te
     shard = shard_shape(model_args(spec.source), rank, num_ranks)
     device = rank_device(spec.device, rank)
     loaded = load_model(spec.source, dtype=spec.dtype, device=device, seed=spec.seed, packing=spec.packing,
-                        shard=shard)
+                        layers=spec.layers, shard=shard)
     kv_pages = KVPages.for_model(loaded.args, num_pages=spec.num_pages, block_size=spec.block_size,
-                                 dtype=loaded.dtype, device=device, shard=shard, buffer=pages_buffer)
+                                 dtype=loaded.dtype, device=device, layers=spec.layers, shard=shard,
+                                 buffer=pages_buffer)
     return RankShard(loaded, kv_pages, ModelRunner(loaded.model, kv_pages, backend=spec.backend))
 
 
@@ -180,7 +183,8 @@ def rank_main(spec: RankSpec, rank: int, num_ranks: int, port: int, sock: socket
 def pages_nbytes(spec: RankSpec, rank: int, num_ranks: int) -> int:
     args = model_args(spec.source)
     dtype = resolve_dtype(spec.dtype, spec.device)
-    return KVPages.nbytes_for(args, shard_shape(args, rank, num_ranks), spec.num_pages, spec.block_size, dtype)
+    return KVPages.nbytes_for(args, shard_shape(args, rank, num_ranks), spec.num_pages, spec.block_size, dtype,
+                              spec.layers)
 
 
 def _attach_pages(spec: RankSpec, rank: int, num_ranks: int, channel: RankChannel) -> SharedPages:
@@ -248,10 +252,11 @@ def _serve(channel: RankChannel, runner: ModelRunner) -> None:
         if message[0] == "stop":
             return
         if message[0] == "prefill":
-            batch = batch_from_wire(PrefillBatch, message[1], device)
-            is_gated = message[3]
+            _, wire, return_all_logits, is_gated, hidden_in, return_hidden = message
             try:
-                runner.prefill(batch, return_all_logits=message[2], return_hidden=is_head_replicated,
+                runner.prefill(batch_from_wire(PrefillBatch, wire, device), return_all_logits=return_all_logits,
+                               hidden_in=None if hidden_in is None else hidden_in.to(device),
+                               return_hidden=return_hidden or is_head_replicated,
                                before_layer=gate.before_layer if is_gated else None,
                                after_layer=gate.after_layer if is_gated else None)
             except ForwardAborted:

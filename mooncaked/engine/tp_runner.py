@@ -116,7 +116,8 @@ class TensorParallelRunner:
         buffers = ([import_device_pages(handle) for handle in exported] if is_cuda(self.spec)
                    else [pages.tensor for pages in self.shared_pages])
         return [KVPages.for_model(args, num_pages=self.spec.num_pages, block_size=self.spec.block_size, dtype=dtype,
-                                  device=buffer.device, shard=shard_shape(args, rank, self.num_ranks), buffer=buffer)
+                                  device=buffer.device, layers=self.spec.layers,
+                                  shard=shard_shape(args, rank, self.num_ranks), buffer=buffer)
                 for rank, buffer in enumerate(buffers, start=1)]
 
     def _spawn(self, port: int) -> None:
@@ -145,17 +146,19 @@ class TensorParallelRunner:
     def prefill(self, batch: PrefillBatch, *, before_layer: LayerCallback | None = None,
                 after_layer: LayerCallback | None = None, return_all_logits: bool = False,
                 hidden_in: torch.Tensor | None = None, return_hidden: bool = False) -> torch.Tensor:
-        """Logits fp32 [S, vocab] (last new token per sequence), or [T, vocab] with return_all_logits. The
-        callbacks run on rank 0 and gate the other ranks (stage 2); pipeline-stage inputs are not supported."""
+        """Logits fp32 [S, vocab] (last new token per sequence), or [T, vocab] with return_all_logits; on a
+        pipeline stage (spec.layers) `hidden_in` [T, hidden] replaces the embedding and `return_hidden` returns
+        hidden [T, hidden] after the stage's layers (every rank holds all of it after the last all-reduce; the
+        ranks get `hidden_in` with the batch). The callbacks run on rank 0 and gate the other ranks (stage 2)."""
         assert self.shard is not None
-        if hidden_in is not None or return_hidden:
-            raise ValueError("a tensor-parallel instance runs the whole model, not a pipeline stage")
         runner = self.shard.runner
         is_gated = before_layer is not None or after_layer is not None
         raised: list[BaseException] = []
         gated_before, gated_after = self._gates(before_layer, after_layer, raised)
-        return self._step(("prefill", batch_to_wire(batch), return_all_logits, is_gated),
-                          lambda: runner.prefill(batch, return_all_logits=return_all_logits,
+        hidden_wire = None if hidden_in is None else hidden_in.cpu()
+        return self._step(("prefill", batch_to_wire(batch), return_all_logits, is_gated, hidden_wire, return_hidden),
+                          lambda: runner.prefill(batch, return_all_logits=return_all_logits, hidden_in=hidden_in,
+                                                 return_hidden=return_hidden,
                                                  before_layer=gated_before if is_gated else None,
                                                  after_layer=gated_after if is_gated else None), raised)
 

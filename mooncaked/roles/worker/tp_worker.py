@@ -33,7 +33,7 @@ from mooncaked.engine.tp_pages import ShardedPages
 from mooncaked.engine.tp_rank import RankSpec
 from mooncaked.engine.tp_runner import TensorParallelRunner
 from mooncaked.memory_plan import worker_packing
-from mooncaked.model.config import ModelArgs
+from mooncaked.model.config import LayerRange, ModelArgs
 from mooncaked.model.loader import model_args, resolve_dtype
 from mooncaked.model.memory_fit import activation_bytes, weight_bytes
 from mooncaked.model.packed_gemm import Packing
@@ -42,26 +42,26 @@ from mooncaked.model.tensor_parallel import rank_kv_args
 logger = logging.getLogger(__name__)
 
 
-def start_ranks(config: Config, instance: InstanceConfig,
-                section: WorkerSection) -> tuple[TensorParallelRunner, KVSizing, ShardedPages]:
-    """Compute thread: start `instance`'s ranks (rank 0 here); the runner, the page count and every rank's
-    pages."""
+def start_ranks(config: Config, instance: InstanceConfig, section: WorkerSection,
+                layers: LayerRange | None) -> tuple[TensorParallelRunner, KVSizing, ShardedPages]:
+    """Compute thread: start `instance`'s ranks (rank 0 here), each holding `layers` (a prefill group stage's;
+    None: every layer); the runner, the page count and every rank's pages."""
     model = config.model
     args = model_args(model.source)
     num_ranks = config.tensor_parallel_size_of(instance)
     packing = worker_packing(instance.role, section.switchable) if model.cpu_packed_gemm else "plain"
-    sizing = _size_kv_per_rank(config, section, args, num_ranks, packing)
+    sizing = _size_kv_per_rank(config, section, args, num_ranks, packing, layers)
     spec = RankSpec(source=model.source, num_pages=sizing.num_pages, block_size=config.kv.block_size,
                     dtype=model.dtype, device=model.device, seed=model.seed,
                     packing=packing, backend=model.kernel_backend,
                     num_threads=config.runtime.num_threads, timeout_s=config.transfer.timeout_s,
-                    is_pages_shared=True)
+                    is_pages_shared=True, layers=layers)
     runner = TensorParallelRunner.start(spec, num_ranks)
     return runner, sizing, ShardedPages(runner.rank_pages, args)
 
 
 def _size_kv_per_rank(config: Config, section: WorkerSection, args: ModelArgs, num_ranks: int,
-                      packing: Packing) -> KVSizing:
+                      packing: Packing, layers: LayerRange | None) -> KVSizing:
     """The page count every rank holds. CPU: the budget is the instance's, over whole pages (every KV head),
     as at N = 1. CUDA: the budget is each rank's device's (worker.memory_fraction of its free memory, less the
     rank's weights and workspace; or worker.kv_memory_bytes), over the pages of a rank's KV heads."""
@@ -69,14 +69,15 @@ def _size_kv_per_rank(config: Config, section: WorkerSection, args: ModelArgs, n
     dtype = resolve_dtype(model.dtype, model.device)
     budget = KVBudget(section.num_kv_pages, section.kv_memory_bytes, section.memory_fraction)
     free_before_load = cuda_free_bytes(model.device)
+    num_layers = None if layers is None else layers.size
     if free_before_load is None:
         return size_kv(budget, args=args, block_size=config.kv.block_size, dtype=dtype, device_type="cpu",
-                       max_model_len=model.max_model_len)
-    weights = weight_bytes(args, dtype, packing, num_ranks=num_ranks)
+                       max_model_len=model.max_model_len, num_layers=num_layers)
+    weights = weight_bytes(args, dtype, packing, layers, num_ranks=num_ranks)
     workspace = activation_bytes(args, section.max_batch_tokens, section.max_batch_size, dtype)
     device_memory = DeviceMemory(free_before_load, free_before_load - weights, workspace)
     return size_kv(budget, args=rank_kv_args(args, num_ranks), block_size=config.kv.block_size, dtype=dtype, device_type="cuda",
-                   max_model_len=model.max_model_len, device_memory=device_memory)
+                   max_model_len=model.max_model_len, device_memory=device_memory, num_layers=num_layers)
 
 
 class RankWatch:

@@ -110,10 +110,11 @@ class Worker:
         self.loop = asyncio.get_running_loop()
         await self.engine.start()
         model = self.config.model
+        layers = await self._find_stage()
         if self.config.tensor_parallel_size_of(self.instance) > 1:
-            await self._start_ranks()
+            await self._start_ranks(layers)
         else:
-            await self._load_replica()
+            await self._load_replica(layers)
         assert self.loaded is not None and self.kv_pages is not None and self.kv_sizing is not None
         block_size = self.config.kv.block_size
         self.copier = KVCopier(self.loaded.device, backend=model.kernel_backend)
@@ -143,11 +144,10 @@ class Worker:
         elif register_kv_pages(self.engine, pages_segment, self.kv_pages.buffer, self.loaded.device):
             self.kv_pages_segment = pages_segment
 
-    async def _load_replica(self) -> None:
+    async def _load_replica(self, layers: LayerRange | None) -> None:
         """One process: load the model (or this stage's layers), size and allocate the pages, build the runner."""
         model = self.config.model
         free_before_load = await self.compute(cuda_free_bytes, model.device)
-        layers = await self._find_stage()
         self.loaded = await self.compute(
             load_model, model.source, dtype=model.dtype, device=model.device, seed=model.seed,
             cpu_packed_gemm=model.cpu_packed_gemm, packing=worker_packing(self.instance.role, self.section.switchable),
@@ -161,9 +161,11 @@ class Worker:
                                   cuda_graphs=model.cuda_graphs, max_batch_size=self.section.max_batch_size,
                                   max_seq_len=model.max_model_len)
 
-    async def _start_ranks(self) -> None:
-        """model.tensor_parallel_size ranks (tp_worker.py): rank 0 here, its runner, every rank's pages."""
-        tp, sizing, self.kv_pages = await self.compute(start_ranks, self.config, self.instance, self.section)
+    async def _start_ranks(self, layers: LayerRange | None) -> None:
+        """model.tensor_parallel_size ranks (tp_worker.py), each holding `layers` (None: all): rank 0 here, its
+        runner, every rank's pages."""
+        tp, sizing, self.kv_pages = await self.compute(start_ranks, self.config, self.instance, self.section,
+                                                       layers)
         assert tp.shard is not None
         self.tp, self.runner, self.loaded, self.kv_sizing = tp, tp, tp.shard.loaded, sizing
         self.pages = PageAllocator(sizing.num_pages)
