@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 from mooncaked.rpc.calls import ServerHost
-from mooncaked.rpc.errors import InvalidArgument, RpcError, Unauthenticated
+from mooncaked.rpc.errors import InvalidArgument, Unauthenticated
 from mooncaked.rpc.frames import NONCE_BYTES, handshake_proof
 from mooncaked.rpc.protocol import PROTOCOL_VERSION, Auth, Challenge, Hello, ProtocolError, Welcome, decode_frame
 
