@@ -18,7 +18,8 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / "mooncaked"
 # Packages that `roles/` composes: none of them imports a role (DESIGN section 4).
 BELOW_ROLES = ("api", "engine", "kernels", "kv", "model", "rdma", "sched", "sim")
 # The pure policy of kv/ (DESIGN: nothing heavier than the standard library, so the simulator runs it).
-KV_POLICY = ("allocator", "eviction", "events", "keys", "replica_eviction", "store_core", "store_types")
+KV_POLICY = ("allocator", "block_cache", "dram_eviction", "eviction", "events", "keys", "replica_eviction",
+             "store_core", "store_types")
 HEAVY_OR_IO = ("asyncio", "torch", "numpy", "triton", "mooncaked.rpc", "mooncaked.roles")
 
 

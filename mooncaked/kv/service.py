@@ -6,7 +6,7 @@
    offsets of an earlier run of a restarted store, whose pool is gone.
 2. Handlers (`add_methods(server)`) call the pure `StoreCore` with `now`, then at once, before any await or new
    pool write, copy the bytes of blocks evicted to SSD out of the pool (`_flush_evictions`); a read lease on
-   blocks that are only on SSD promotes them back into DRAM before the reply.
+   blocks that are only on SSD promotes them back into DRAM before the reply (both in tier_moves.py).
 3. The maintenance task (owned here) reclaims expired leases and pins and evicts from the high watermark down
    to the low one, every `maintenance_interval_s`.
 4. `stop()`: stop the maintenance task, end event streams, unregister the segment; with an SSD tier, queue every
@@ -30,6 +30,7 @@ from mooncaked.kv.shm_pool import ShmPool
 from mooncaked.kv.ssd import SsdConfig, SsdTier
 from mooncaked.kv.store_core import TIER_DRAM, Grant, Location, StoreConfig, StoreCore, StoreFull, UnknownHandle
 from mooncaked.kv.tenant_quota import TenantShare
+from mooncaked.kv.tier_moves import TierMoves
 from mooncaked.rdma import TransferEngine
 from mooncaked.rpc import InvalidArgument, Method, NotFound, ResourceExhausted, RpcError
 
@@ -87,6 +88,7 @@ class StoreService:
             assert config.ssd_dir is not None
             self.ssd = SsdTier(SsdConfig(config.ssd_dir, config.ssd_bytes, config.eviction_policy),
                                self.core.is_ssd_evictable, self._on_ssd_dropped)
+        self.moves = TierMoves(self.core, self.ssd, clock)
         self.pool: ShmPool | None = None
         self._maintenance: asyncio.Task[None] | None = None
         self._new_events = asyncio.Event()
@@ -117,31 +119,10 @@ class StoreService:
         if self.engine is not None and self.pool is not None:
             self.engine.unregister(self.segment_name)
         if self.ssd is not None:
-            persisted = self._persist_dram() if self.pool is not None else []
-            started = time.monotonic()
-            await asyncio.to_thread(self.ssd.stop, self.config.stop_timeout_s)
-            if persisted:
-                num_lost = self.ssd.num_unwritten(persisted)
-                logger.info("store: %d of %d DRAM blocks written to the ssd tier for the next start in %.2f s",
-                            len(persisted) - num_lost, len(persisted), time.monotonic() - started)
+            await self.moves.stop_ssd(self.pool, self.config.stop_timeout_s)
         if self.pool is not None:
             self.pool.close()
             self.pool = None
-
-    def _persist_dram(self) -> list[bytes]:
-        """Queue the DRAM blocks for SSD, most recently used first, writing from the pool (mapped until stop)."""
-        assert self.ssd is not None and self.pool is not None
-        self._flush_evictions()
-        locations = self.core.dram_blocks_by_recency()
-        pool_view = self.pool.view
-        blocks = [(loc.key, pool_view[loc.offset : loc.offset + loc.num_bytes]) for loc in locations]
-        queued = self.ssd.persist(blocks, self.clock())
-        if locations:
-            num_bytes = sum(loc.num_bytes for loc in locations[: len(queued)])
-            logger.info("store: writing %d of its %d DRAM blocks (%.1f MiB) to the ssd tier within %.1f s, most "
-                        "recently used first", len(queued), len(locations), num_bytes / (1 << 20),
-                        self.config.stop_timeout_s)
-        return queued
 
     def add_methods(self, server: MethodRegistry) -> None:
         handlers: dict[Method, Callable[..., Any]] = {
@@ -163,7 +144,7 @@ class StoreService:
             lambda: self.core.allocate(request.keys, request.num_bytes, request.lease_ms, now,
                                        request.first_position, request.tenant, _share(request)))
         if any(location.tier != TIER_DRAM for location in present):
-            present = await self._promote(present)
+            present = await self.moves.promote(present, self._place)
             try:
                 grants += self._grant_dropped(request, present)
             except RpcError:
@@ -206,7 +187,7 @@ class StoreService:
             self._check_lease(request.lease_ms)
         locations, lease_id = self._call(lambda: self.core.lookup(request.keys, self.clock(), request.lease_ms))
         if lease_id and any(location.tier != TIER_DRAM for location in locations):
-            promoted = await self._promote(locations)
+            promoted = await self.moves.promote(locations, self._place)
             locations = promoted[: next((i for i, loc in enumerate(promoted) if loc.tier != TIER_DRAM),
                                         len(promoted))]
         return msg.LookupReply([self._location_message(loc) for loc in locations], lease_id)
@@ -285,33 +266,7 @@ class StoreService:
             raise InvalidArgument(f"lease_ms must be in 1..{self.config.max_lease_ms}, got {lease_ms}")
 
     def _flush_evictions(self) -> None:
-        evictions = self.core.drain_evictions()
-        if not evictions:
-            return
-        assert self.pool is not None
-        now = self.clock()
-        for eviction in evictions:
-            if not eviction.is_to_ssd:
-                continue
-            assert self.ssd is not None
-            data = self.pool.read(eviction.offset, eviction.num_bytes)
-            if not self.ssd.put(eviction.key, data, now):
-                logger.warning("store: ssd tier cannot take %s (budget or backlog full); dropped",
-                               eviction.key.hex())
-                self.core.ssd_dropped(eviction.key)
-
-    async def _promote(self, locations: Sequence[Location]) -> list[Location]:
-        """Bring SSD-only blocks back into DRAM; the result keeps the order (a block that failed stays SSD)."""
-        result: list[Location] = []
-        for location in locations:
-            if location.tier != TIER_DRAM and self.ssd is not None:
-                data = await self.ssd.get(location.key, self.clock())
-                current = self.core.location(location.key)
-                if data is not None and current is not None and current.tier != TIER_DRAM:
-                    self._place(location.key, data)
-            current = self.core.location(location.key)
-            result.append(current if current is not None else location)
-        return result
+        self.moves.flush_evictions(self.pool)
 
     def _place(self, key: bytes, data: bytes) -> None:
         offset = self._call(lambda: self.core.place_promoted(key, self.clock()))

@@ -6,10 +6,11 @@
    A key another writer committed first keeps the first object; the duplicate's space is freed.
 3. `abort(handle_ids)` frees reserved space; `release(lease_ids)` ends read leases; `expire(now)` reclaims both
    when their lease runs out (a writer or reader that died), and unpins expired pins.
-4. Eviction (`evict_to_watermark`, and on allocation pressure) follows the policy of `kv/eviction.py`, spare
-   copies first (`mark_spare`: the conductor says another store keeps the block; `kv/replica_eviction.py`), and
-   never touches a leased or uncommitted block; a pinned block only moves to SSD. Each eviction is queued for the
-   service (`drain_evictions`), which copies the bytes out to SSD before the space can be handed out again.
+4. Eviction (`evict_to_watermark`, and on allocation pressure; kv/dram_eviction.py) follows the policy of
+   `kv/eviction.py`, spare copies first (`mark_spare`: the conductor says another store keeps the block;
+   `kv/replica_eviction.py`), and never touches a leased or uncommitted block; a pinned block only moves to SSD.
+   Each eviction is queued for the service (`drain_evictions`), which copies the bytes out to SSD before the
+   space can be handed out again.
 5. `lookup`, `pin`/`unpin`, `dump`, `stats`; the SSD tier reports what it dropped with `ssd_dropped`.
 6. `dram_blocks_by_recency()`: what a store stopping for a warm restart writes to SSD, most recently used first.
 """
@@ -18,11 +19,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
-from mooncaked.kv.allocator import ExtentAllocator, OutOfSpace
+from mooncaked.kv.allocator import ExtentAllocator
 from mooncaked.kv.block_table import BlockTable
-from mooncaked.kv.eviction import blocks_to_free
+from mooncaked.kv.dram_eviction import DramEvictor
 from mooncaked.kv.replica_eviction import make_spare_first_policy
 from mooncaked.kv.events import BLOCK_REMOVED, BLOCK_STORED, EventLog, StoreEvent
 from mooncaked.kv.store_types import (
@@ -47,28 +48,22 @@ __all__ = ["TIER_DRAM", "TIER_SSD", "Eviction", "Grant", "Location", "StoreConfi
            "UnknownHandle", "check_keys"]
 
 
-def _anyone(owner: str) -> bool:
-    return True
-
-
 class StoreCore:
-    """All metadata of one store. Owner: the `StoreService`; the allocator, policy, event log and the bytes per
-    tenant are its own."""
+    """All metadata of one store. Owner: the `StoreService`; the allocator, policy, event log, the bytes per
+    tenant and the DRAM evictor (dram_eviction.py) are its own."""
 
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
         self.allocator = ExtentAllocator(config.capacity_bytes, config.alignment)
         self.policy = make_spare_first_policy(config.eviction_policy)  # the base order until a copy is marked spare
-        blocks_to_free(0, 1, config.high_watermark, config.low_watermark)  # validates the watermarks
         self.events = EventLog(config.max_events)
         self.blocks = BlockTable()
         self._pending: dict[int, PendingWrite] = {}
-        self._evictions: list[Eviction] = []
         self.tenants = TenantUsage()
+        self.dram = DramEvictor(config, self.allocator, self.blocks, self.policy, self.tenants, self._remove_block)
         self._ids = itertools.count(config.first_id)
         self.num_hits = 0
         self.num_misses = 0
-        self.num_evicted = 0
         self.num_duplicates = 0
         self.num_expired = 0
 
@@ -141,7 +136,7 @@ class StoreCore:
         if block is None or block.dram_offset is not None:
             return None
         try:
-            offset = self._make_room_and_allocate(block.num_bytes, {key}, now)
+            offset = self.dram.allocate(block.num_bytes, {key}, now)
         except StoreFull:
             return None
         block.dram_offset = offset
@@ -201,7 +196,7 @@ class StoreCore:
         num_marked = sum(1 for key in spare_keys if self.policy.mark_spare(key, True))
         return num_marked + sum(1 for key in kept_keys if self.policy.mark_spare(key, False))
 
-    # ---- expiry and eviction ------------------------------------------------------------------------------
+    # ---- expiry, eviction and the SSD tier ------------------------------------------------------------------------------
     def expire(self, now: float) -> int:
         """Reclaim handles and read leases past their deadline; clear expired pins. Returns handles reclaimed."""
         dead_handles = [handle_id for handle_id, p in self._pending.items() if p.deadline <= now]
@@ -215,20 +210,10 @@ class StoreCore:
 
     def evict_to_watermark(self, now: float) -> int:
         """Evict from the high watermark down to the low one; returns bytes freed."""
-        allocator = self.allocator
-        num_to_free = blocks_to_free(allocator.num_used_bytes, allocator.capacity_bytes,
-                                     self.config.high_watermark, self.config.low_watermark)
-        num_freed = 0
-        while num_freed < num_to_free:
-            freed = self._evict_one(set(), now)
-            if not freed:
-                break
-            num_freed += freed
-        return num_freed
+        return self.dram.evict_to_watermark(now)
 
     def drain_evictions(self) -> list[Eviction]:
-        evictions, self._evictions = self._evictions, []
-        return evictions
+        return self.dram.drain()
 
     def ssd_dropped(self, key: bytes) -> None:
         """The SSD tier no longer holds `key` (its own eviction, a failed write or a corrupt file)."""
@@ -276,7 +261,7 @@ class StoreCore:
             "num_pinned": sum(1 for b in self.blocks.records() if b.pinned_until),
             "num_hits": self.num_hits,
             "num_misses": self.num_misses,
-            "num_evicted": self.num_evicted,
+            "num_evicted": self.dram.num_evicted,
             "num_duplicates": self.num_duplicates,
             "num_spare_blocks": self.policy.num_spare,
             "num_expired": self.num_expired,
@@ -289,7 +274,7 @@ class StoreCore:
         grants: list[Grant] = []
         try:
             for position, key in absent:
-                offset = self._make_room_and_allocate(num_bytes, protected, now, tenant)
+                offset = self.dram.allocate(num_bytes, protected, now, tenant)
                 self.tenants.add(tenant, TIER_DRAM, num_bytes)  # counted from the grant: writes in flight too
                 grant = Grant(next(self._ids), key, offset, num_bytes)
                 self._pending[grant.handle_id] = PendingWrite(grant, deadline, position, tenant)
@@ -298,57 +283,6 @@ class StoreCore:
             self.abort([grant.handle_id for grant in grants])
             raise
         return grants
-
-    def _make_room_and_allocate(self, num_bytes: int, protected: set[bytes], now: float, tenant: str = "") -> int:
-        capacity = self.allocator.capacity_bytes
-        while self.tenants.is_over_share(tenant, num_bytes, capacity):  # its own blocks go first, room or not
-            if not self._evict_one(protected, now, self.tenants.may_evict(tenant, num_bytes, capacity)):
-                raise StoreFull(f"tenant {tenant} is at its pool_share of this store and holds nothing evictable")
-        while True:
-            try:
-                return self.allocator.allocate(num_bytes)
-            except OutOfSpace:
-                if not self._evict_one(protected, now, self.tenants.may_evict(tenant, num_bytes, capacity)):
-                    raise StoreFull(
-                        f"store full: {num_bytes} bytes do not fit ({self.allocator.num_used_bytes} of "
-                        f"{capacity} used, nothing evictable left)"
-                    ) from None
-
-    def _evict_one(self, protected: set[bytes], now: float, may_evict: Callable[[str], bool] = _anyone) -> int:
-        """Evict one DRAM block (unpinned first; pinned ones only when they can go to SSD); bytes freed.
-        `may_evict`: whose blocks this allocation may take (tenant shares)."""
-        def is_evictable(key: Hashable) -> bool:
-            block = self.blocks[key]  # type: ignore[index]
-            return (block.num_readers == 0 and key not in protected and block.pinned_until <= now
-                    and may_evict(block.tenant))
-
-        victim = next(iter(self.policy.victims(is_evictable)), None)
-        if victim is None and self.config.has_ssd:
-            def is_movable(key: Hashable) -> bool:
-                block = self.blocks[key]  # type: ignore[index]
-                return block.num_readers == 0 and key not in protected and may_evict(block.tenant)
-            victim = next(iter(self.policy.victims(is_movable)), None)
-        if victim is None:
-            return 0
-        return self._evict(victim)  # type: ignore[arg-type]
-
-    def _evict(self, key: bytes) -> int:
-        block = self.blocks[key]
-        assert block.dram_offset is not None and block.num_readers == 0
-        self.policy.on_remove(key)
-        is_to_ssd = self.config.has_ssd and not block.is_on_ssd
-        self._evictions.append(Eviction(key, block.dram_offset, block.num_bytes, is_to_ssd))
-        self.allocator.free(block.dram_offset, block.num_bytes)
-        block.dram_offset = None
-        self.num_evicted += 1
-        self.tenants.add(block.tenant, TIER_DRAM, -block.num_bytes)
-        if self.config.has_ssd:
-            if not block.is_on_ssd:
-                self.tenants.add(block.tenant, TIER_SSD, block.num_bytes)
-            block.is_on_ssd = True  # optimistic: the service writes it behind; failures come back as ssd_dropped
-        else:
-            self._remove_block(key)
-        return self.allocator.extent_bytes(block.num_bytes)
 
     def _remove_block(self, key: bytes) -> None:
         self.blocks.remove(key)

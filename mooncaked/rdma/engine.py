@@ -7,17 +7,13 @@
    `register_device(name, address, num_bytes, "cuda:N")` does so for GPU memory when RDMA is active and every
    NIC can map it (GPUDirect), else raises: the caller then stages through pinned host memory.
 3. `submit(requests)` validates every request (bounds of local and same-host segments, known segments, endpoint
-   syntax), then routes each one: `local` (memcpy) when the remote segment is on this host, else `tcp` (or
-   `rdma` when enabled and available), cut into slices spread over the peer's paths. It returns a batch id.
+   syntax), then routes each one (routing.py): `local` (memcpy) when the remote segment is on this host, else
+   `tcp` (or `rdma` when enabled and available), cut into slices spread over the peer's paths. It returns a batch
+   id.
 4. `status(batch_id)` reports progress; `await wait(batch_id, timeout_s)` returns when every byte moved, raises
    TransferError on failure or deadline, and forgets the batch.
 5. `stop` refuses new batches, drains pending ones for up to `drain_timeout_s`, fails the rest, then stops the
    peer links, the listener and the copy threads within `stop_timeout_s` each.
-
-Same-host rule: a remote segment is local when its endpoint is this engine's endpoint, or when the endpoint's
-host equals this engine's host and a segment of that name is registered here (same-host roles map the store's
-shared-memory file and register it under the store's segment name). Segment names are therefore unique per host,
-except for such mappings of the same memory.
 """
 
 from __future__ import annotations
@@ -26,7 +22,6 @@ import asyncio
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from mooncaked.rdma.batch import BatchTable
@@ -35,31 +30,16 @@ from mooncaked.rdma.dispatch import Piece, run_bytes_for
 from mooncaked.rdma.handshake import DataCredentials
 from mooncaked.rdma.local import LocalTransport
 from mooncaked.rdma.options import TransferOptions
-from mooncaked.rdma.segments import DEFAULT_LOCATION, Segment, SegmentTable
 from mooncaked.rdma.rdma_transport import RdmaTransport
+from mooncaked.rdma.routing import RouteContext, is_device, route_request
+from mooncaked.rdma.segments import DEFAULT_LOCATION, Segment, SegmentTable
 from mooncaked.rdma.tcp_client import TcpPeerLink
 from mooncaked.rdma.tcp_server import DataServer
 from mooncaked.rdma.topology import Topology
-from mooncaked.rdma.types import (
-    BatchState,
-    BatchStatus,
-    SegmentRef,
-    TransferError,
-    TransferOp,
-    TransferRequest,
-    split_endpoint,
-)
+from mooncaked.rdma.types import BatchState, BatchStatus, SegmentRef, TransferError, TransferOp, TransferRequest
 from mooncaked.rdma.verbs import RdmaUnavailable, VerbsProvider
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _Route:
-    request_index: int
-    request: TransferRequest
-    local_view: memoryview
-    same_host_view: memoryview | None  # the remote segment's bytes when it is on this host
 
 
 class TransferEngine:
@@ -233,7 +213,9 @@ class TransferEngine:
         """Validate and start a batch; ValueError naming the request index and the problem."""
         if self._loop is None or self._is_stopping:
             raise RuntimeError("the engine is not running: call `await engine.start()` first (and not after stop())")
-        routes = [self._route(index, request) for index, request in enumerate(requests)]
+        context = RouteContext(self._segments, self.endpoint, self.host, self.transports, self._rdma is not None,
+                               self.rdma_unavailable_reason)
+        routes = [route_request(context, index, request) for index, request in enumerate(requests)]
         record = self._batches.create(sum(route.request.length for route in routes), self._loop)
         pieces_by_peer: dict[str, list[Piece]] = {}
         for route in routes:
@@ -283,51 +265,9 @@ class TransferEngine:
         if record.state is BatchState.FAILED:
             raise TransferError(record.error)
 
-    def _route(self, index: int, request: TransferRequest) -> _Route:
-        if not isinstance(request, TransferRequest):
-            raise ValueError(f"request {index}: expected a TransferRequest, got {type(request).__name__}")
-        if not isinstance(request.op, TransferOp):
-            raise ValueError(f"request {index}: op must be TransferOp.READ or TransferOp.WRITE, got {request.op!r}")
-        if request.length < 1 or request.local_offset < 0 or request.remote_offset < 0:
-            raise ValueError(
-                f"request {index}: length must be >= 1 and offsets >= 0, got length={request.length} "
-                f"local_offset={request.local_offset} remote_offset={request.remote_offset}"
-            )
-        try:
-            split_endpoint(request.remote.endpoint)
-            is_device = self._is_device(request.local_segment)
-            if is_device and (self._rdma is None or self._is_same_host(request.remote)):
-                raise ValueError(f"segment {request.local_segment!r} is GPU memory: only RDMA to another host "
-                                 "moves it")
-            local_view = self._segments.view(request.local_segment, request.local_offset, request.length,
-                                             allow_device=is_device)
-            same_host_view = None
-            if self._is_same_host(request.remote):
-                same_host_view = self._segments.view(request.remote.name, request.remote_offset, request.length)
-        except ValueError as exc:
-            raise ValueError(f"request {index}: {exc}") from None
-        if same_host_view is None and "tcp" not in self.transports and self._rdma is None:
-            raise ValueError(
-                f"request {index}: {request.remote.endpoint} is another host and no network transport is active "
-                f"(tcp is not in transports; rdma: {self.rdma_unavailable_reason or 'not active'})"
-            )
-        return _Route(index, request, local_view, same_host_view)
-
-    def _is_same_host(self, remote: SegmentRef) -> bool:
-        if "local" not in self.transports:
-            return False
-        if remote.endpoint == self.endpoint:
-            return True
-        host, _ = split_endpoint(remote.endpoint)
-        return host == self.host and self._segments.get(remote.name) is not None
-
-    def _is_device(self, segment_name: str) -> bool:
-        segment = self._segments.get(segment_name)
-        return segment is not None and segment.is_device
-
     def _tcp_fallback(self, endpoint: str, pieces: list[Piece]) -> None:
         """A peer without RDMA: its pieces go over tcp (called from the rdma intake thread); GPU memory cannot."""
-        device = [piece for piece in pieces if self._is_device(piece.local_segment)]
+        device = [piece for piece in pieces if is_device(self._segments, piece.local_segment)]
         for piece in device:
             piece.batch.fail(f"request {piece.request_index}: {endpoint} has no RDMA, and segment "
                              f"{piece.local_segment!r} is GPU memory (stage it through host memory)")

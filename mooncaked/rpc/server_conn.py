@@ -1,10 +1,10 @@
 """One accepted RPC connection on the server side.
 
 Lifecycle:
-  1. Handshake, with frames of at most HANDSHAKE_MAX_FRAME_BYTES and a deadline: Hello (protocol version,
-     role, instance, cluster id, client nonce) -> Challenge (server nonce, and the server's HMAC proof when a
-     secret is configured) -> Auth (the client's proof) -> Welcome. A failure sends an error frame (id 0)
-     and closes the connection.
+  1. Handshake (server_handshake.py), with frames of at most HANDSHAKE_MAX_FRAME_BYTES and a deadline: Hello
+     (protocol version, role, instance, cluster id, client nonce) -> Challenge (server nonce, and the server's
+     HMAC proof when a secret is configured) -> Auth (the client's proof) -> Welcome. A failure sends an error
+     frame (id 0) and closes the connection.
   2. Calls: each call frame is checked, its request decoded, and its handler run: eager handlers inline until
      their first suspension (a reply queued at once when they finish there), the others (and streams) in one
      Task per call with a deadline and an entry in `tasks` so a cancel frame, the deadline or the server's
@@ -16,19 +16,17 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
 import logging
-import os
 import time
 from typing import Any, AsyncGenerator, Coroutine
 
-from mooncaked.rpc.protocol import (PROTOCOL_VERSION, Auth, CallFrame, CancelFrame, Challenge, EndFrame, ErrorFrame,
-                                    Hello, ItemFrame, ProtocolError, ResultFrame, Welcome, decode_frame, encode_frame)
+from mooncaked.rpc.protocol import (CallFrame, CancelFrame, Challenge, EndFrame, ErrorFrame, ItemFrame, ResultFrame,
+                                    encode_frame)
 from mooncaked.rpc.calls import CallContext, MethodEntry, ServerHost, cancel_unresumed, resume
 from mooncaked.rpc.errors import (Cancelled, DeadlineExceeded, Internal, InvalidArgument, NotFound, ResourceExhausted,
-                                  RpcError, Unauthenticated, Unavailable)
-from mooncaked.rpc.frames import (HANDSHAKE_MAX_FRAME_BYTES, HEADER, MAX_TIMEOUT_S, NONCE_BYTES, DeadlineWheel,
-                                  FramedProtocol, handshake_proof)
+                                  RpcError, Unavailable)
+from mooncaked.rpc.frames import HANDSHAKE_MAX_FRAME_BYTES, HEADER, MAX_TIMEOUT_S, DeadlineWheel, FramedProtocol
+from mooncaked.rpc.server_handshake import ServerHandshake
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +37,7 @@ _CALL, _RESULT, _ERROR, _ITEM, _END, _CANCEL = (CallFrame.TAG, ResultFrame.TAG, 
 
 
 class ServerConnection(FramedProtocol):
-    """Owns one accepted connection: its handshake state, its running call tasks and their deadlines."""
+    """Owns one accepted connection: its handshake (ServerHandshake), its running call tasks and their deadlines."""
 
     def __init__(self, server: ServerHost) -> None:
         super().__init__(HANDSHAKE_MAX_FRAME_BYTES)
@@ -50,9 +48,7 @@ class ServerConnection(FramedProtocol):
         self.tasks: dict[int, asyncio.Task[None]] = {}
         self._last_call_id = 0  # call ids increase on a connection, so the DeadlineWheel never sees one twice
         self._expired_ids: set[int] = set()
-        self._client_nonce = b""
-        self._server_nonce = b""
-        self._is_hello_done = False
+        self._handshake = ServerHandshake(server)
         self._deadlines: DeadlineWheel | None = None
         self._handshake_timer: asyncio.TimerHandle | None = None
         self._received_at = 0.0
@@ -89,61 +85,21 @@ class ServerConnection(FramedProtocol):
 
     def _on_handshake_frame(self, frame: Any) -> None:
         try:
-            message = decode_frame(frame)
-        except ProtocolError as exc:
-            self._refuse(InvalidArgument(f"bad handshake frame: {exc}"))
+            reply = self._handshake.step(frame)
+        except RpcError as error:
+            self.send_frame(encode_frame(ErrorFrame(0, error.code, error.message)))
+            self.close_with_reason(f"handshake refused: {error}")
             return
-        if not self._is_hello_done and type(message) is Hello:
-            self._on_hello(message)
-        elif self._is_hello_done and type(message) is Auth:
-            self._on_auth(message)
-        else:
-            self._refuse(InvalidArgument(f"unexpected {message.TYPE!r} frame during the handshake"))
-
-    def _refuse(self, error: RpcError) -> None:
-        self.send_frame(encode_frame(ErrorFrame(0, error.code, error.message)))
-        self.close_with_reason(f"handshake refused: {error}")
-
-    def _on_hello(self, hello: Hello) -> None:
-        server = self.server
-        if hello.protocol_version != PROTOCOL_VERSION:
-            self._refuse(InvalidArgument(f"protocol version {hello.protocol_version} is not {PROTOCOL_VERSION}; "
-                                         "run the same mooncaked version on both ends"))
+        if type(reply) is Challenge:
+            self.peer_role, self.peer_instance = self._handshake.peer_role, self._handshake.peer_instance
+            self.send_frame(encode_frame(reply))
             return
-        if hello.cluster_id != server.cluster_id:
-            self._refuse(Unauthenticated(f"cluster id {hello.cluster_id!r} is not this server's "
-                                         f"{server.cluster_id!r}"))
-            return
-        if len(hello.client_nonce) != NONCE_BYTES:
-            self._refuse(InvalidArgument(f"client nonce must be {NONCE_BYTES} bytes"))
-            return
-        self.peer_role, self.peer_instance = hello.role, hello.instance
-        self._client_nonce, self._server_nonce = hello.client_nonce, os.urandom(NONCE_BYTES)
-        proof = b""
-        if server.secret is not None:
-            proof = handshake_proof(server.secret, b"server", server.cluster_id, self._client_nonce,
-                                    self._server_nonce)
-        self.send_frame(encode_frame(Challenge(PROTOCOL_VERSION, server.role, server.instance,
-                                               self._server_nonce, proof)))
-        self._is_hello_done = True
-
-    def _on_auth(self, auth: Auth) -> None:
-        server = self.server
-        if server.secret is not None:
-            expected = handshake_proof(server.secret, b"client", server.cluster_id, self._client_nonce,
-                                       self._server_nonce)
-            if not auth.proof:
-                self._refuse(Unauthenticated("this server requires the cluster secret; configure it on the client"))
-                return
-            if not hmac.compare_digest(auth.proof, expected):
-                self._refuse(Unauthenticated("wrong cluster secret"))
-                return
         if self._handshake_timer is not None:
             self._handshake_timer.cancel()
         self.is_ready = True
-        self.max_frame_bytes = server.max_frame_bytes
-        self.send_frame(encode_frame(Welcome(server.max_frame_bytes, server.max_inflight_calls)))
-        logger.debug("rpc: %s accepted %s %s from %s", server.instance, self.peer_role, self.peer_instance,
+        self.max_frame_bytes = self.server.max_frame_bytes
+        self.send_frame(encode_frame(reply))
+        logger.debug("rpc: %s accepted %s %s from %s", self.server.instance, self.peer_role, self.peer_instance,
                      self.peer)
 
     # --- calls --------------------------------------------------------------------------------

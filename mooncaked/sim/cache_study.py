@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from mooncaked.kv.eviction import BlockCache, make_eviction_policy
+from mooncaked.kv.block_cache import BlockCache
+from mooncaked.kv.eviction import make_eviction_policy
 from mooncaked.sim.trace import TraceRequest
 
 DEFAULT_CAPACITIES: tuple[int | None, ...] = (1000, 10000, 30000, 50000, 100000, None)

@@ -13,7 +13,8 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mooncaked.kv.eviction import BlockCache, make_eviction_policy
+from mooncaked.kv.block_cache import BlockCache
+from mooncaked.kv.eviction import make_eviction_policy
 from mooncaked.kv.replica_eviction import make_spare_first_policy
 from mooncaked.sched.pipeline import even_pipeline
 from mooncaked.sched.replicas import StoreMarks

@@ -6,7 +6,7 @@ A request's life in the simulator:
    source and destination NICs for bytes / bandwidth), queues the prefill job and announces the request to its
    decode instance as incoming.
 2. FETCH_DONE: the fetched blocks are in the job's pages; they are committed to the prefill host's store where
-   they find room (hot-spot replication).
+   they find room (hot-spot replication; prefix_fetch.py).
 3. Prefill: jobs run one at a time per instance, FIFO; a job starts when the instance is free and its fetch is
    done, and takes the cost model's time for (prompt, reused prefix). A prefill group
    (`cluster.num_prefill_groups`) is one instance whose time follows its pipeline (sched/pipeline.py: fill,
@@ -16,7 +16,8 @@ A request's life in the simulator:
 4. Decode: under admission `baseline` the least loaded decode instance may refuse the request now (wasted
    prefill). Otherwise DECODE_READY (after the part of the KV stream not hidden behind prefill and the load into
    HBM) queues it at its decode instance, which runs continuous-batching steps; each step's duration is the
-   cost model's and gives every running request one token gap. TBT = mean of the longest 10% of the gaps.
+   cost model's and gives every running request one token gap (decode_batch.py). TBT = mean of the longest 10%
+   of the gaps.
 5. SAMPLE events record the prefill and decode pool loads and the pool's duplicate blocks (copies beyond the
    first) every `run.sample_interval_s`; each store counts its evictions and its sole-copy evictions.
 6. The pool-wide policies (replica tracker, store recency: pool.py) hear of every placement, and after every
@@ -32,7 +33,7 @@ from __future__ import annotations
 import heapq
 import random
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any
 
 from mooncaked.sched.admission import admit_at_decode, select_decode
@@ -43,8 +44,10 @@ from mooncaked.sim.cluster import (DecodeInstance, DecodeSeq, HostStore, Prefill
                                    build_instances)
 from mooncaked.sim.config import SimConfig
 from mooncaked.sim.costs import CostModel, build_cost_model
-from mooncaked.sim.pool import PoolPolicies
+from mooncaked.sim.decode_batch import admit_waiting, advance_one_token, kv_ready_at
 from mooncaked.sim.output_forecast import OutputForecast
+from mooncaked.sim.pool import PoolPolicies
+from mooncaked.sim.prefix_fetch import finish_fetch, reusable_blocks_at_start, start_fetch
 from mooncaked.sim.results import LoadSample, RequestRecord, SimResult, tbt_of
 from mooncaked.sim.trace import TraceRequest
 
@@ -173,23 +176,12 @@ class Simulator:
     def _start_fetch(self, now: float, destination: HostStore, placement: Placement) -> float:
         source = self.store_by_id[placement.fetch_from_store or ""]
         keys = self.requests[int(placement.request_id)].hash_ids
-        source.cache.lock(keys[placement.num_local_prefix_blocks : placement.num_prefix_blocks])
-        start = max(now, source.nic_free_at, destination.nic_free_at)
-        done = start + self.costs.predictors.transfer.predict(placement.num_fetch_blocks)
-        source.nic_free_at = destination.nic_free_at = done
-        return done
+        return start_fetch(now, source, destination, placement, keys, self.costs.predictors.transfer)
 
     def _on_fetch_done(self, now: float, job: PrefillJob) -> None:
         placement = job.placement
         instance = self.prefill_by_id[placement.prefill_instance]
-        source = self.store_by_id[placement.fetch_from_store or ""]
-        fetched = job.keys[placement.num_local_prefix_blocks : placement.num_prefix_blocks]
-        instance.store.put(job.keys[: placement.num_prefix_blocks], now)
-        resident = [key for key in fetched if key in instance.store.cache]
-        instance.store.cache.lock(resident)
-        job.locked_keys.extend(resident)
-        source.cache.unlock(fetched)
-        job.is_fetch_pending = False
+        finish_fetch(now, job, instance.store, self.store_by_id[placement.fetch_from_store or ""])
 
     def _try_start_prefill(self, now: float, instance: PrefillInstance) -> None:
         if instance.current is not None or not instance.queue:
@@ -197,7 +189,8 @@ class Simulator:
         job = instance.queue.popleft()
         instance.queued_prefill_s = max(0.0, instance.queued_prefill_s - job.placement.predicted_prefill_s)
         job.started_at = now
-        num_prefix_blocks = self._reusable_blocks_at_start(instance, job)
+        num_prefix_blocks = reusable_blocks_at_start(instance.store, job)
+        self.records[job.request_index].prefix_blocks = num_prefix_blocks
         prefix_tokens = min(num_prefix_blocks * self.config.scheduler.block_size, job.num_prompt_tokens - 1)
         model = prefill_model(instance.view(), self.policy)  # a group's follows its pipeline
         compute_s = model.predict(job.num_prompt_tokens, max(prefix_tokens, 0))
@@ -208,25 +201,6 @@ class Simulator:
         instance.current = job
         instance.busy_until = max(now, job.fetch_done_at) + compute_s
         self._push(instance.busy_until, PREFILL_DONE, instance)
-
-    def _reusable_blocks_at_start(self, instance: PrefillInstance, job: PrefillJob) -> int:
-        """The planned prefix, and the blocks after it that earlier prefills on this host committed meanwhile (a
-        store lookup at execution). The planned local part is locked since placement; the fetched part is in the
-        job's pages once its fetch is done, whether or not it found room in this store: the instance reads it from
-        the source into the request's pages and only caches it where there is room (roles/worker/kv_plan.py,
-        "reuse, but do not cache"), so a full store costs the replica, not the reuse."""
-        num_prefix = job.placement.num_prefix_blocks
-        if job.is_fetch_pending:
-            return num_prefix
-        cache, keys = instance.store.cache, job.keys
-        extra: list[Hashable] = []
-        while num_prefix < len(keys) and keys[num_prefix] in cache:
-            extra.append(keys[num_prefix])
-            num_prefix += 1
-        cache.lock(extra)
-        job.locked_keys.extend(extra)
-        self.records[job.request_index].prefix_blocks = num_prefix
-        return num_prefix
 
     def _on_prefill_done(self, now: float, instance: PrefillInstance) -> None:
         job = instance.current
@@ -255,9 +229,7 @@ class Simulator:
             decode = checked
         if self.config.cluster.decode_hosts_in_pool:
             decode.store.put(job.keys, now)
-        kv_bytes = job.num_prompt_tokens * self.costs.kv_bytes_per_token
-        stream_s = max(0.0, kv_bytes / self.costs.link_bandwidth - job.compute_s)
-        ready = now + stream_s + kv_bytes / self.costs.h2d_bandwidth
+        ready = kv_ready_at(now, job.num_prompt_tokens, job.compute_s, self.costs)
         seq = DecodeSeq(job.request_index, job.num_prompt_tokens + 1, record.output_length - 1, now)
         decode.incoming[job.request_index] = (ready, seq.context_tokens)
         self._push(ready, DECODE_READY, (decode, seq))
@@ -282,12 +254,7 @@ class Simulator:
             self._start_step(now, decode)
 
     def _start_step(self, now: float, decode: DecodeInstance) -> None:
-        while decode.waiting and decode.has_room_for(decode.waiting[0]):
-            seq = decode.waiting.popleft()
-            decode.incoming.pop(seq.request_index, None)
-            seq.started_at = now
-            decode.running[seq.request_index] = seq
-            decode.num_context_tokens += seq.context_tokens
+        admit_waiting(decode, now)
         if not decode.running:
             decode.is_stepping = False
             decode.step_time_s = 0.0
@@ -297,21 +264,7 @@ class Simulator:
         self._push(now + decode.step_time_s, DECODE_STEP, decode)
 
     def _on_decode_step(self, now: float, decode: DecodeInstance) -> None:
-        finished: list[DecodeSeq] = []
-        counts_handoff = self.config.run.tbt_counts_handoff
-        for seq in decode.running.values():
-            if counts_handoff or seq.is_past_handoff:
-                seq.gaps.append(now - seq.last_token_at)
-            seq.is_past_handoff = True
-            seq.last_token_at = now
-            seq.num_tokens_left -= 1
-            seq.context_tokens += 1
-            if seq.num_tokens_left <= 0:
-                finished.append(seq)
-        decode.num_context_tokens += len(decode.running)
-        for seq in finished:
-            del decode.running[seq.request_index]
-            decode.num_context_tokens -= seq.context_tokens
+        for seq in advance_one_token(decode, now, self.config.run.tbt_counts_handoff):
             self._finish(self.records[seq.request_index], now, tbt_of(seq.gaps))
         self._start_step(now, decode)
 

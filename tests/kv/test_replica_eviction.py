@@ -4,7 +4,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from mooncaked.kv.eviction import BlockCache, make_eviction_policy
+from mooncaked.kv.block_cache import BlockCache
+from mooncaked.kv.eviction import make_eviction_policy
 from mooncaked.kv.replica_eviction import make_spare_first_policy
 
 POLICIES = ["lru", "lfu", "length_aware"]
