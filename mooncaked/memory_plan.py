@@ -114,8 +114,8 @@ def _gpu_note(config: Config, args: ModelArgs, budget: KVBudget, dtype: torch.dt
     if budget.num_kv_pages is None and budget.kv_memory_bytes is None:
         fraction = DEFAULT_MEMORY_FRACTION if budget.memory_fraction is None else budget.memory_fraction
         return f"{weights}; KV pages: {fraction:g} of the GPU memory free at start, less weights and workspace"
-    kv = size_kv(budget, args=rank_kv_args(args, num_ranks), block_size=config.kv.block_size, dtype=dtype, device_type="cuda",
-                 max_model_len=config.model.max_model_len)
+    kv = size_kv(budget, args=rank_kv_args(args, num_ranks), block_size=config.kv.block_size, dtype=dtype,
+                 device_type="cuda", max_model_len=config.model.max_model_len)
     return f"{weights}; {kv.describe()}"
 
 

@@ -76,8 +76,9 @@ def _size_kv_per_rank(config: Config, section: WorkerSection, args: ModelArgs, n
     weights = weight_bytes(args, dtype, packing, layers, num_ranks=num_ranks)
     workspace = activation_bytes(args, section.max_batch_tokens, section.max_batch_size, dtype)
     device_memory = DeviceMemory(free_before_load, free_before_load - weights, workspace)
-    return size_kv(budget, args=rank_kv_args(args, num_ranks), block_size=config.kv.block_size, dtype=dtype, device_type="cuda",
-                   max_model_len=model.max_model_len, device_memory=device_memory, num_layers=num_layers)
+    return size_kv(budget, args=rank_kv_args(args, num_ranks), block_size=config.kv.block_size, dtype=dtype,
+                   device_type="cuda", max_model_len=model.max_model_len, device_memory=device_memory,
+                   num_layers=num_layers)
 
 
 class RankWatch:
