@@ -22,7 +22,8 @@ Sources:
    the model holds no per-request state, so every runner in the process can share it. A pipeline stage
    (`layers`) allocates and keeps only its layers' weights (the embedding on the first stage, the final norm
    and head on the last); its weight file holds those only. A tensor-parallel rank (`shard`) holds its heads
-   and MLP columns only, read as slices from safetensors; a degree that does not divide the model's heads is
+   and MLP columns only, read as slices from safetensors and GGUF (only its rows or quantization blocks are
+   dequantized); a degree that does not divide the model's heads is
    refused (model.tensor_parallel.TensorParallelError) before anything is read.
 
 Every failure of `load_model` or `load_frontend` is a StartupError (errors.py: a restart cannot fix it): the
@@ -286,7 +287,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str, packing: Packing, ca
     source = gguf_file.metadata.get("tokenizer.chat_template") or CHATML_TEMPLATE
     template = ChatTemplate(str(source), bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
     logger.info("loading GGUF %s (%s, %d layers) as %s on %s", path, args.family, args.num_layers, dtype, device)
-    weights = WeightSource(str(path), model_id, gguf_file.iter_hf_tensors, (path,))
+    weights = WeightSource(str(path), model_id, gguf_file.iter_hf_tensors, (path,), gguf_file.iter_hf_tensors)
     model = _build(args, weights, dtype, device, cache_dir, placement, packing)
     return _loaded(model, tokenizer, template, args.eos_token_ids, model_id)
 

@@ -4,17 +4,21 @@
    and the tensor directory, then memory-maps the data (nothing is dequantized yet). The header is parsed here
    rather than by `gguf.GGUFReader`, which builds a numpy view per vocabulary string and takes ~10 s on it.
 2. `model_args()` maps `<arch>.*` metadata to ModelArgs (model.gguf_args); other architectures are refused.
-3. `iter_hf_tensors()` dequantizes one tensor at a time to fp32 (`gguf.quants.dequantize` handles
+3. `iter_hf_tensors(slices)` dequantizes one tensor at a time to fp32 (`gguf.quants.dequantize` handles
    F32/F16/Q4_x/Q8_0/K-quants) under its Hugging Face name, undoing the Q/K row permutation llama.cpp applies
-   to `llama` files only (its qwen2/qwen3 graphs rotate the Hugging Face "rotate half" layout directly).
-   A `rope_freqs` tensor is not a weight: it becomes ModelArgs.rope_freq_factors.
+   to `llama` files only (its qwen2/qwen3 graphs rotate the Hugging Face "rotate half" layout directly; the
+   permutation stays within each head, so a slice of whole heads unpermutes alone). A tensor `slices` names (a
+   tensor-parallel rank's part) is read and dequantized for that part only: its rows, or for a column slice
+   the quantization blocks holding its columns (every row stores its blocks in column order); a column slice
+   not on block boundaries is cut from the dequantized rows. A `rope_freqs` tensor is not a weight: it becomes
+   ModelArgs.rope_freq_factors.
 """
 
 from __future__ import annotations
 
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -26,6 +30,7 @@ from gguf.quants import dequantize
 
 from mooncaked.model.config import ModelArgs
 from mooncaked.model.gguf_args import ROPE_FREQS, args_from_gguf
+from mooncaked.model.tensor_parallel import Slice
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -135,6 +140,13 @@ def _read_tensor_info(reader: _HeaderReader) -> GGUFTensorInfo:
     return GGUFTensorInfo(name=name, shape=tuple(reversed(dims)), qtype=qtype, offset=offset)
 
 
+def _cut(weight: np.ndarray, piece: Slice) -> np.ndarray:
+    dim, start, length = piece
+    index = [slice(None)] * weight.ndim
+    index[dim] = slice(start, start + length)
+    return weight[tuple(index)]
+
+
 def _raw_rows(data: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
     """The tensor's bytes as uint8 [..., bytes per row], the layout gguf.quants.dequantize takes."""
     block_size, type_size = GGML_QUANT_SIZES[info.qtype]
@@ -167,19 +179,19 @@ class GGUFModelFile:
     def model_args(self) -> ModelArgs:
         return args_from_gguf(self.metadata, {t.name: t.shape for t in self.tensors}, self._rope_freq_factors())
 
-    def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every weight dequantized to fp32 under its Hugging Face name, one at a time."""
-        args = self.model_args()
+    def iter_hf_tensors(self, slices: Mapping[str, Slice] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every weight dequantized to fp32 under its Hugging Face name, one at a time; one `slices` names as that
+        (dim, start, length) slice, dequantizing only its part (stage 3)."""
+        head_dim = self.model_args().head_dim
         is_permuted = self.metadata.get("general.architecture") == "llama"
+        slices = slices or {}
         for info in self.tensors:
             if info.name == ROPE_FREQS:
                 continue
             name = hf_tensor_name(info.name)
-            weight = self._dequantize(info)
-            if is_permuted and name.endswith("q_proj.weight"):
-                weight = unpermute_rope_rows(weight, args.num_heads)
-            elif is_permuted and name.endswith("k_proj.weight"):
-                weight = unpermute_rope_rows(weight, args.num_kv_heads)
+            weight = self._dequantize(info, slices.get(name))
+            if is_permuted and name.endswith(("q_proj.weight", "k_proj.weight")):  # whole heads, sliced or not
+                weight = unpermute_rope_rows(weight, weight.shape[0] // head_dim)
             if not weight.flags.writeable:  # F32 tensors are read-only views of the memmap
                 weight = weight.copy()
             yield name, torch.from_numpy(np.ascontiguousarray(weight))
@@ -193,8 +205,21 @@ class GGUFModelFile:
         """Bytes of the tensors in the file (quantized as stored)."""
         return int(self.data.shape[0])
 
-    def _dequantize(self, info: GGUFTensorInfo) -> np.ndarray:
-        return np.asarray(dequantize(_raw_rows(self.data, info), info.qtype), dtype=np.float32)
+    def _dequantize(self, info: GGUFTensorInfo, piece: Slice | None = None) -> np.ndarray:
+        """The tensor, or its (dim, start, length) `piece`, as fp32 [*shape]."""
+        raw = _raw_rows(self.data, info)  # [..., bytes per row]: a view of the memmap, nothing read yet
+        if piece is None or len(info.shape) == 1:
+            whole = np.asarray(dequantize(raw, info.qtype), dtype=np.float32)
+            return whole if piece is None else _cut(whole, piece)
+        dim, start, length = piece
+        if dim == 0:
+            return np.asarray(dequantize(np.ascontiguousarray(raw[start: start + length]), info.qtype),
+                              dtype=np.float32)
+        block_size, type_size = GGML_QUANT_SIZES[info.qtype]
+        if dim != len(info.shape) - 1 or start % block_size or length % block_size:
+            return _cut(np.asarray(dequantize(raw, info.qtype), dtype=np.float32), piece)
+        columns = raw[..., start // block_size * type_size: (start + length) // block_size * type_size]
+        return np.asarray(dequantize(np.ascontiguousarray(columns), info.qtype), dtype=np.float32)
 
     def _rope_freq_factors(self) -> tuple[float, ...] | None:
         for info in self.tensors:

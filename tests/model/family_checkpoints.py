@@ -167,9 +167,10 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def write_gguf(model: Any, path: Path, arch: str, rope_freqs: np.ndarray | None = None,
                chat_template: str | None = None,
-               sentencepiece: tuple[list[str], list[float], list[int]] | None = None) -> None:
-    """A GGUF file of a transformers model, laid out as llama.cpp's converter does for `arch` (fp32 tensors), with
-    the byte-level test vocabulary or a SentencePiece one (tokens, scores, token types)."""
+               sentencepiece: tuple[list[str], list[float], list[int]] | None = None, is_q8_0: bool = False) -> None:
+    """A GGUF file of a transformers model, laid out as llama.cpp's converter does for `arch` (fp32 tensors; with
+    `is_q8_0` every matrix whose rows are whole Q8_0 blocks quantized), with the byte-level test vocabulary or a
+    SentencePiece one (tokens, scores, token types)."""
     import gguf
 
     config = model.config
@@ -205,7 +206,11 @@ def write_gguf(model: Any, path: Path, arch: str, rope_freqs: np.ndarray | None 
             data = llama_cpp_permute(data, config.num_key_value_heads)
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
-        writer.add_tensor(gguf_name, np.ascontiguousarray(data))
+        q8_0 = gguf.GGMLQuantizationType.Q8_0
+        if is_q8_0 and data.ndim == 2 and data.shape[1] % gguf.GGML_QUANT_SIZES[q8_0][0] == 0:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(data, q8_0), raw_dtype=q8_0)
+        else:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(data))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
