@@ -52,7 +52,8 @@ from mooncaked.kv.keys import model_namespace
 from mooncaked.membership import Membership, StaticMembership, store_on_host
 from mooncaked.memory_plan import worker_packing
 from mooncaked.model.config import LayerRange
-from mooncaked.model.loader import LoadedModel, load_frontend, load_model
+from mooncaked.model.frontend import load_frontend
+from mooncaked.model.loader import LoadedModel, load_model
 from mooncaked.model.memory_fit import activation_bytes
 from mooncaked.model.sampler import Sampler
 from mooncaked.numa import allowed_memory_nodes
