@@ -32,12 +32,13 @@ from mooncaked.roles.worker.decode_admission import (WAITING_POLICIES, DecodeLoa
                                                      reserve_refusal)
 from mooncaked.roles.worker.decode_loop import DecodeLoop, RunningSeq, finish_reason_for
 from mooncaked.roles.worker.kv_plan import KvPlan, check_block_keys, plan_prompt_kv
+from mooncaked.roles.worker.kv_spans import num_blocks_for
 from mooncaked.roles.worker.messages import (DECODE, LOAD, RESERVE, UNRESERVE, DecodeItem, DecodeRequest, LoadReply,
                                              LoadRequest, ReserveReply, ReserveRequest, SamplingSpec, TokenSample,
                                              UnreserveReply, UnreserveRequest)
 from mooncaked.roles.worker.prefill_forward import run_prefill_forward
 from mooncaked.roles.worker.profiler import profile
-from mooncaked.roles.worker.request_kv import BlockSource, RequestKv, num_blocks_for
+from mooncaked.roles.worker.request_kv import BlockSource, RequestKv
 from mooncaked.roles.worker.reservations import Reservation, ReservationBook
 from mooncaked.roles.worker.sampling import to_params
 from mooncaked.roles.worker.worker import Worker
