@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mooncaked.engine.kv_pages import KVPages
-from mooncaked.kv.client import Span
+from mooncaked.kv.move_ends import Span
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:

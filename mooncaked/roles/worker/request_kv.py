@@ -40,7 +40,8 @@ import torch
 
 from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.tp_copy import RankPagesEnd
-from mooncaked.kv.client import LocalEnd, Span, Staging, StoreClient
+from mooncaked.kv.client import StoreClient
+from mooncaked.kv.move_ends import LocalEnd, Span, Staging
 from mooncaked.rdma import TransferOp
 from mooncaked.roles.worker.kv_spans import num_blocks_for, page_spans, staging_spans
 from mooncaked.roles.worker.layer_loader import BlockSource, LayerLoader, LoadFailed

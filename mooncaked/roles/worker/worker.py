@@ -47,8 +47,9 @@ from mooncaked.engine.runner import ModelRunner
 from mooncaked.engine.staging_pool import StagingPool
 from mooncaked.engine.timeline import LayerTimeline
 from mooncaked.engine.tp_runner import TensorParallelRunner
-from mooncaked.kv.client import Staging, StoreClient
+from mooncaked.kv.client import StoreClient
 from mooncaked.kv.keys import model_namespace
+from mooncaked.kv.move_ends import Staging
 from mooncaked.membership import Membership, StaticMembership, store_on_host
 from mooncaked.memory_plan import worker_packing
 from mooncaked.model.config import LayerRange
