@@ -1,8 +1,8 @@
 """The one frozen configuration of a process.
 
 1. `load_config(path, overrides)` reads YAML, applies `--set key.path=value` overrides to the raw data, then
-   builds the frozen sections (config_sections.py) and checks them across fields (config_validate.py),
-   collecting every error (`ConfigError` lists them all).
+   builds the frozen sections (config_sections.py, config_cluster.py) and checks them across fields
+   (config_validate.py), collecting every error (`ConfigError` lists them all).
 2. `Config` (config_sections.py) finds this process's entry (`instance_for`) and its role's section with the
    instance's own overrides applied (`role_section`).
 
@@ -18,15 +18,16 @@ from typing import Any
 
 import yaml
 
+from mooncaked.config_cluster import ROLES, ClusterSection, EtcdSection, InstanceConfig, PrefillGroupConfig, Role
 from mooncaked.config_schema import ConfigIssue, build
 from mooncaked.config_sections import (
-    ROLE_SECTION, ROLES, ClusterSection, ConductorSection, Config, ConfigError, EtcdSection, InstanceConfig,
-    KvSection, ModelSection, PdControllerSection, PrefillGroupConfig, Role, RpcSection, RuntimeSection,
-    SchedulerSection, StoreSection, TransferSection, WorkerSection,
+    ROLE_SECTION, ConductorSection, Config, ConfigError, KvSection, ModelSection, PdControllerSection, RpcSection,
+    RuntimeSection, SchedulerSection, StoreSection, TransferSection, WorkerSection,
 )
 from mooncaked.config_validate import validate
 
-# the sections are defined in config_sections.py; importers keep `from mooncaked.config import ...`
+# the sections are defined in config_sections.py and config_cluster.py; importers keep
+# `from mooncaked.config import ...`
 __all__ = [
     "ROLES", "Role", "ROLE_SECTION", "ModelSection", "RuntimeSection", "RpcSection", "KvSection",
     "TransferSection", "StoreSection", "SchedulerSection", "ConductorSection", "WorkerSection",

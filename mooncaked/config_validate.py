@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from mooncaked.config_cluster import InstanceConfig, PrefillGroupConfig
 from mooncaked.config_schema import ConfigIssue, build, suggest
-from mooncaked.config_sections import ROLE_SECTION, Config, InstanceConfig, PrefillGroupConfig, WorkerSection
+from mooncaked.config_sections import ROLE_SECTION, Config, WorkerSection
 
 
 def validate(config: Config) -> list[ConfigIssue]:

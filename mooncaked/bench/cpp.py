@@ -32,7 +32,7 @@ from mooncaked.bench.store_processes import instance_processes
 from mooncaked.config import Config, InstanceConfig, load_config
 from mooncaked.cpu_affinity import check_usable, usable_cpus
 from mooncaked.kv.keys import block_keys, model_namespace
-from mooncaked.model.loader import load_frontend
+from mooncaked.model.frontend import load_frontend
 from mooncaked.numa import parse_id_list
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.worker.messages import PREFILL, PrefillReply, PrefillRequest, SamplingSpec

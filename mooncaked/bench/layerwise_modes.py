@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mooncaked.kv.client import Staging
+from mooncaked.kv.move_ends import Staging
 from mooncaked.engine.timeline import LayerTimeline
 from mooncaked.kv.keys import block_keys
 from mooncaked.roles.worker.kv_plan import KvPlan, plan_prompt_kv

@@ -33,8 +33,9 @@ from mooncaked.bench import model_tp
 from mooncaked.engine.batch import DecodeSeq, PrefillSeq, build_decode_batch, build_prefill_batch
 from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.runner import ModelRunner
+from mooncaked.model.frontend import EMBEDDED_SMOLLM2
 from mooncaked.model.llama import LlamaDecoderLayer, LlamaForCausalLM, Linear
-from mooncaked.model.loader import EMBEDDED_SMOLLM2, LoadedModel, load_model
+from mooncaked.model.loader import LoadedModel, load_model
 from mooncaked.model.packed_gemm import PACKINGS
 
 QUESTIONS = [

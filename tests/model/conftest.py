@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from mooncaked.model.loader import EMBEDDED_SMOLLM2, LoadedModel, embedded_smollm2_path, load_model
+from mooncaked.model.frontend import EMBEDDED_SMOLLM2, embedded_smollm2_path
+from mooncaked.model.loader import LoadedModel, load_model
 
 
 @pytest.fixture(scope="session")

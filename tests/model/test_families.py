@@ -16,7 +16,8 @@ from mooncaked.engine.batch import DecodeSeq, PrefillSeq, build_decode_batch, bu
 from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.model.chat_template import ChatTemplateError
-from mooncaked.model.loader import LoadedModel, load_frontend, load_model
+from mooncaked.model.frontend import load_frontend
+from mooncaked.model.loader import LoadedModel, load_model
 from tests.model.family_checkpoints import CASE_IDS, CASES, FamilyCase, hf_config, write_checkpoint
 
 transformers = pytest.importorskip("transformers")

@@ -15,7 +15,8 @@ from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.model.config import RopeScaling
 from mooncaked.model.families import UnsupportedModel
-from mooncaked.model.loader import LoadedModel, load_frontend, load_model
+from mooncaked.model.frontend import load_frontend
+from mooncaked.model.loader import LoadedModel, load_model
 from mooncaked.model.rope import inverse_frequencies
 from tests.model.family_checkpoints import CASES, CHATML_TOOLS_TEMPLATE, random_hf_model, write_gguf
 

@@ -15,7 +15,8 @@ from mooncaked.errors import StartupError
 from mooncaked.model.chat_template import CHATML_TEMPLATE
 from mooncaked.model.config import random_preset
 from mooncaked.model.weight_names import random_hf_state_dict
-from mooncaked.model.loader import LoadedModel, ModelLoadError, load_frontend, load_model
+from mooncaked.model.frontend import ModelLoadError, load_frontend
+from mooncaked.model.loader import LoadedModel, load_model
 from mooncaked.model.tokenizer import byte_level_test_tokenizer
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mooncaked.model.loader import embedded_smollm2_path
+from mooncaked.model.frontend import embedded_smollm2_path
 from mooncaked.model.weights_gguf import GGUFModelFile, hf_tensor_name, unpermute_rope_rows
 
 

@@ -35,7 +35,7 @@ async def test_waiting_reservations_take_room_by_class_then_priority(tmp_path: P
                                              ("later", False, 5)]:
                 waiting[name] = asyncio.ensure_future(reserve(name, is_batch, priority))
                 deadline = time.monotonic() + 10
-                while len(decode._waiting) < len(waiting):  # each arrives before the next (arrival order)
+                while len(decode.admission.waiting) < len(waiting):  # each arrives before the next (arrival order)
                     assert time.monotonic() < deadline
                     await asyncio.sleep(0.01)
             order = []

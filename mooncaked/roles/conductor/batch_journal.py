@@ -8,7 +8,7 @@
 3. `Journal` holds every answered line: one JSON line `{"line": n, "ok": bool, "record": {...}}` appended with a
    single write and fsync'd before the line counts as answered. `Journal.open` reads it back first, cutting a
    torn last line (a conductor killed mid-write): what it lists was answered, and is never run again.
-Owned by the batch's `BatchRun` (batches.py), one writer per batch.
+Owned by the batch's `BatchRun` (batch_run.py), one writer per batch.
 """
 
 from __future__ import annotations

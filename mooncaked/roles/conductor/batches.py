@@ -11,7 +11,7 @@ A batch's life (statuses as OpenAI's):
 3. When every line is answered: `finalizing` (output and error files written from the journal, in line order),
    then `completed`. Cancel: `cancelling` (running lines cancelled, waiting ones dropped), files of what was
    answered, `cancelled`. Past `expires_at`: the lines left are answered `batch_expired` in the error file,
-   `expired`.
+   `expired`. (batch_run.py runs steps 2 and 3.)
 4. A conductor that stops cancels its running lines (not answered: not journaled); the next one to start on
    the same `conductor.batch_dir` resumes every unfinished batch from its journal, so no answered line runs
    twice and every line is answered once.
@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import fcntl
-import json
 import logging
 import os
 import time
@@ -40,13 +39,12 @@ from mooncaked.api.tenants import Tenant
 from mooncaked.config import Config
 from mooncaked.roles.conductor import batch_journal as bj
 from mooncaked.roles.conductor.backend import ConductorBackend
-from mooncaked.roles.conductor.batch_journal import BatchRecord, Journal
-from mooncaked.roles.conductor.batch_lines import BatchLine, LineError, error_line, failed_line, output_line
-from mooncaked.roles.conductor.batch_lines import parse_input
+from mooncaked.roles.conductor.batch_journal import BatchRecord
+from mooncaked.roles.conductor.batch_lines import failed_line, output_line
 from mooncaked.roles.conductor.batch_queue import BatchQueue, QueuedLine
+from mooncaked.roles.conductor.batch_run import BatchRun
 from mooncaked.roles.conductor.cluster_view import ClusterView
 from mooncaked.roles.conductor.completion import complete_prepared
-from mooncaked.roles.conductor.frontend import ConductorRequest
 from mooncaked.sched.priority import BatchGate
 
 logger = logging.getLogger(__name__)
@@ -173,156 +171,3 @@ class BatchManager:
             failure = internal_error("The line failed inside the conductor.")
             return await run.answer(queued.line.number, False, failed_line(queued.line, failure))
         return await run.answer(queued.line.number, True, output_line(queued.line, body))
-
-
-class BatchRun:
-    """One batch being run by this conductor: owns its journal; borrows its record from the manager."""
-
-    def __init__(self, manager: BatchManager, record: BatchRecord, sequence: int) -> None:
-        self.manager = manager
-        self.record = record
-        self.sequence = sequence  # batches created earlier go first among lines of equal priority
-        self.journal: Journal | None = None
-        self._changed = asyncio.Event()
-
-    def set_status(self, status: str) -> None:
-        self.record.status = status
-        self.record.times[status] = int(time.time())
-        bj.save_record(self.manager.root, self.record)
-        self._changed.set()
-
-    async def answer(self, number: int, is_ok: bool, line: dict[str, Any]) -> bool:
-        assert self.journal is not None
-        if await self.journal.append(number, is_ok, line):
-            self._count()
-            self._changed.set()
-        return True
-
-    async def run(self) -> None:
-        record = self.record
-        try:
-            self.journal = Journal.open(bj.batch_path(self.manager.root, record.batch_id) / "journal.jsonl")
-            if record.status == bj.FINALIZING:
-                await self._finish(bj.COMPLETED)
-                return
-            lines = await self._validate()
-            if lines is None:
-                return
-            await self._run_lines(lines)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            logger.exception("batch %s failed", record.batch_id)
-            record.errors = [{"code": "internal_error", "message": f"the batch failed: {exc}", "param": None,
-                              "line": None}]
-            self.set_status(bj.FAILED)
-
-    async def _validate(self) -> list[QueuedLine] | None:
-        """Parse and prepare every line; answer the bad ones. None when the batch failed as a whole."""
-        record, manager = self.record, self.manager
-        data = await asyncio.to_thread(bj.input_path(manager.root, record.batch_id).read_bytes)
-        tenant = manager.tenant_of(record.tenant_id) if record.tenant_id else None
-        parsed = parse_input(data, batch_id=record.batch_id, endpoint=record.endpoint,
-                             model_ids=manager.backend.model_ids(), client_id=record.owner, tenant=tenant)
-        problem = _file_problem(parsed, manager.config.conductor.max_batch_lines)
-        if problem:
-            record.errors = [{"code": problem[0], "message": problem[1], "param": "input_file_id", "line": None}]
-            self.set_status(bj.FAILED)
-            return None
-        record.total = len(parsed)
-        queued: list[QueuedLine] = []
-        for line in parsed:
-            item = await self._prepare(line)
-            if item is not None:
-                queued.append(item)
-            await asyncio.sleep(0)  # tokenizing a large file must not starve interactive requests
-        self._count()
-        if record.status == bj.VALIDATING:
-            self.set_status(bj.IN_PROGRESS)
-        return queued
-
-    async def _prepare(self, line: BatchLine | LineError) -> QueuedLine | None:
-        assert self.journal is not None
-        if line.number in self.journal.answered:
-            return None
-        if isinstance(line, LineError):
-            await self.journal.append(line.number, False, error_line(line))
-            return None
-        try:
-            prepared = await self.manager.backend.prepare(line.request)
-        except ApiError as error:
-            await self.journal.append(line.number, False, failed_line(line, error))
-            return None
-        assert isinstance(prepared, ConductorRequest)
-        rank = (line.request.priority, self.sequence, line.number)
-        return QueuedLine(rank, self.record.batch_id, line, prepared)
-
-    async def _run_lines(self, queued: list[QueuedLine]) -> None:
-        record, queue = self.record, self.manager.queue
-        if record.status == bj.IN_PROGRESS:
-            queue.submit(queued)
-        while record.status == bj.IN_PROGRESS and record.completed + record.failed < record.total:
-            self._changed.clear()
-            left_s = record.expires_at - time.time()
-            if left_s <= 0:
-                await queue.withdraw(record.batch_id)
-                await self._expire(queued)
-                return
-            try:
-                async with asyncio.timeout(left_s):
-                    await self._changed.wait()
-            except TimeoutError:
-                pass
-        await queue.withdraw(record.batch_id)
-        if record.status == bj.CANCELLING:
-            await self._finish(bj.CANCELLED)
-        elif record.status == bj.IN_PROGRESS:
-            self.set_status(bj.FINALIZING)
-            await self._finish(bj.COMPLETED)
-
-    async def _expire(self, queued: list[QueuedLine]) -> None:
-        for item in queued:
-            error = LineError(item.line.number, item.line.custom_id, "batch_expired",
-                              "This line was not run before the batch expired (completion_window).")
-            await self.answer(item.line.number, False, error_line(error))
-        await self._finish(bj.EXPIRED)
-
-    async def _finish(self, status: str) -> None:
-        """Write the output and error files from the journal (line order), then enter `status`."""
-        record, files = self.record, self.manager.files
-        assert self.journal is not None
-        entries = sorted(self.journal.entries, key=lambda e: e.number)
-        self._count()
-        for is_ok, kind in ((True, "output"), (False, "errors")):
-            lines = [_json_line(e.record) for e in entries if e.is_ok == is_ok]
-            if not lines:
-                continue
-            file_id = f"file-{record.batch_id.removeprefix('batch_')}-{kind}"
-            await asyncio.to_thread(files.add_bytes, b"".join(lines), f"{record.batch_id}_{kind}.jsonl",
-                                    "batch_output", record.owner, file_id)
-            if is_ok:
-                record.output_file_id = file_id
-            else:
-                record.error_file_id = file_id
-        self.set_status(status)
-        logger.info("batch %s %s: %d completed, %d failed of %d", record.batch_id, status, record.completed,
-                    record.failed, record.total)
-
-    def _count(self) -> None:
-        assert self.journal is not None
-        self.record.completed = sum(1 for e in self.journal.entries if e.is_ok)
-        self.record.failed = len(self.journal.entries) - self.record.completed
-
-
-def _file_problem(parsed: list[BatchLine | LineError], max_lines: int) -> tuple[str, str] | None:
-    if not parsed:
-        return "empty_file", "The input file has no request line; each line is one JSON request."
-    if len(parsed) > max_lines:
-        return "too_many_lines", f"The input file has {len(parsed)} lines; at most {max_lines} " \
-                                 "(conductor.max_batch_lines)."
-    return None
-
-
-def _json_line(record: dict[str, Any]) -> bytes:
-    return json.dumps(record).encode() + b"\n"
-

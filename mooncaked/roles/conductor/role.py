@@ -37,7 +37,8 @@ from mooncaked.config_schema import ConfigIssue
 from mooncaked.etcd_membership import EtcdMembership
 from mooncaked.membership import Membership, StaticMembership
 from mooncaked.metrics import Metrics
-from mooncaked.model.loader import ModelFrontendInfo, load_frontend, num_parameters, resolve_dtype
+from mooncaked.model.frontend import ModelFrontendInfo, load_frontend
+from mooncaked.model.loader import num_parameters, resolve_dtype
 from mooncaked.roles.base import PeerClients, RoleEndpoint
 from mooncaked.roles.conductor.cluster_view import ClusterView, ClusterViewSettings
 from mooncaked.roles.conductor.backend import ConductorBackend

@@ -1,8 +1,9 @@
 """A later stage of a prefill group: its layers of every prompt the group's first stage sends it.
 
-1. CPP_STAGE opens a prompt here: the request is checked against this stage (group, layers, chunk size, length),
-   pages for its tokens are allocated (for this stage's layers), and the reused prefix starts loading layer by
-   layer from the stores that hold it. The first stream item says the stage is ready for chunks.
+1. CPP_STAGE opens a prompt here (cpp_stage_job.py): the request is checked against this stage (group, layers,
+   chunk size, length), pages for its tokens are allocated (for this stage's layers), and the reused prefix
+   starts loading layer by layer from the stores that hold it. The first stream item says the stage is ready
+   for chunks.
 2. CPP_CHUNK: chunks are taken in one order (prompts as they were opened, chunks in index order), so a chunk
    never holds a receive slot another one needs first: a call waits for its turn, reads the previous stage's
    hidden states into a free slot through the transfer engine, queues the chunk and replies (the sender's slot
@@ -25,9 +26,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
-from mooncaked.engine.batch import PrefillSeq, split_prefill_chunks
 from mooncaked.logs import request_id_var
 from mooncaked.rdma import SegmentRef, TransferOp, TransferRequest
 from mooncaked.roles.base import RoleEndpoint
@@ -35,56 +34,16 @@ from mooncaked.roles.worker.cpp_forward import ChunkSender, run_chunk
 from mooncaked.roles.worker.cpp_group import NUM_HIDDEN_SLOTS, GroupStage
 from mooncaked.roles.worker.cpp_messages import (CPP_ABORT, CPP_CHUNK, CPP_STAGE, ChunkReply, ChunkRequest, StageAbort,
                                                  StageAbortReply, StageItem, StageRequest)
+from mooncaked.roles.worker.cpp_stage_job import StageFailed, StageJob, check_request, num_prefix_tokens, open_job
 from mooncaked.roles.worker.hidden_slots import HiddenSlots
-from mooncaked.roles.worker.messages import TokenSample
 from mooncaked.roles.worker.prefill_forward import PrefillCancelled
-from mooncaked.roles.worker.request_kv import BlockSource, LayerWrite, RequestKv
+from mooncaked.roles.worker.request_kv import BlockSource
 from mooncaked.roles.worker.sampling import generator_at, sample_rows, to_params
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.sched.perf_model import RecentMean
-from mooncaked.rpc import CallContext, Cancelled, Internal, InvalidArgument, ResourceExhausted, RpcError, Unavailable
+from mooncaked.rpc import CallContext, Cancelled, InvalidArgument, RpcError, Unavailable
 
 logger = logging.getLogger(__name__)
-
-
-class StageFailed(Internal):
-    """The prompt failed on this stage; the message (sent to the first stage) says why."""
-
-
-@dataclass
-class StageJob:
-    """One prompt on this stage; owned by the StageService while its CPP_STAGE call runs."""
-
-    request: StageRequest
-    kv: RequestKv
-    writes: list[LayerWrite]
-    chunks: list[PrefillSeq]
-    deadline: float  # time.monotonic()
-    sender: ChunkSender | None = None
-    is_cancelled: bool = False  # set on the event loop; the compute thread then sends and stores nothing more
-    error: Exception | None = None
-    num_received: int = 0
-    num_computed: int = 0
-    first_token: TokenSample | None = None
-    compute_s: float = 0.0
-    computed: asyncio.Event = field(default_factory=asyncio.Event)  # the last chunk ran, or the job failed
-    idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while the compute thread is not in it
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    def store_layer(self, layer: int) -> None:
-        """Compute thread, after layer `layer` of the last chunk (prefill_forward.ForwardPlan)."""
-        writes = [write for write in self.writes if write.indices]
-        if writes and not self.is_cancelled:
-            self.kv.store_layer(layer, writes)
-
-    def fail(self, error: Exception) -> None:
-        if self.error is None:
-            self.error = error
-        self.is_cancelled = True
-        self.computed.set()
 
 
 class StageService:
@@ -151,62 +110,24 @@ class StageService:
             if job.sender is not None:
                 await job.sender.wait_sent()
             await job.kv.wait_writes(max(job.deadline - time.monotonic(), 0.001))
-            self.worker.perf.add_prefill(request.num_tokens, self._num_prefix_tokens(request), job.compute_s)
+            self.worker.perf.add_prefill(request.num_tokens, num_prefix_tokens(self.worker, request), job.compute_s)
             yield StageItem(is_done=True, first_token=job.first_token, compute_s=job.compute_s)
         finally:
             await self._close(job)
 
     def _open(self, request: StageRequest, deadline: float) -> StageJob:
-        self._check(request)
-        try:
-            kv = RequestKv(self.worker, request.request_id, request.num_tokens)
-        except RuntimeError as exc:
-            raise ResourceExhausted(f"not enough KV pages for {request.num_tokens} tokens: {exc}") from None
-        num_prefix_tokens = self._num_prefix_tokens(request)
-        seq = PrefillSeq([0] * (request.num_tokens - num_prefix_tokens), num_prefix_tokens, kv.page_ids)
-        writes = [LayerWrite(span.store_name, list(span.block_indices), list(span.offsets)) for span in request.writes]
-        job = StageJob(request, kv, writes, split_prefill_chunks(seq, request.chunk_tokens), deadline)
-        job.idle.set()
+        check_request(self.worker, self.stage, request, self.jobs)
+        job = open_job(self.worker, request, deadline)
         if self.send_slots is not None:
             client = self.worker.peers.for_instance(self.worker.member_instance(self.stage.next_member))
             job.sender = ChunkSender(self.worker, self.send_slots, client, request.request_id, deadline,
                                      lambda exc: job.fail(_failure(self.stage.next_member, exc)),
                                      lambda: job.is_cancelled)
         sources = [BlockSource(s.store_name, list(s.block_indices), list(s.offsets)) for s in request.sources]
-        kv.start_loading(sources, request.num_prefix_blocks)
+        job.kv.start_loading(sources, request.num_prefix_blocks)
         self.jobs[request.request_id] = job
         self._receiving.append(job)
         return job
-
-    def _num_prefix_tokens(self, request: StageRequest) -> int:
-        return request.num_prefix_blocks * self.worker.block_size
-
-    def _check(self, request: StageRequest) -> None:
-        stage, worker = self.stage, self.worker
-        layers = stage.layers
-        if (request.group, request.stage) != (stage.group.name, stage.index) or \
-                (request.first_layer, request.end_layer) != (layers.start, layers.end):
-            raise InvalidArgument(f"{worker.instance.name} is {stage.describe()}, not stage {request.stage} of "
-                                  f"{request.group!r} with layers {request.first_layer}..{request.end_layer - 1}; "
-                                  "the members' cluster.prefill_groups must agree")
-        if not 1 <= request.chunk_tokens <= worker.section.cpp_chunk_tokens:
-            raise InvalidArgument(f"chunk_tokens {request.chunk_tokens} is not within 1..{worker.section.cpp_chunk_tokens}"
-                                  " (worker.cpp_chunk_tokens must agree across the group)")
-        if not 1 <= request.num_tokens <= worker.config.model.max_model_len:
-            raise InvalidArgument(f"num_tokens {request.num_tokens} is not within 1..model.max_model_len")
-        if not 0 <= request.num_prefix_blocks * worker.block_size < request.num_tokens:
-            raise InvalidArgument("num_prefix_blocks must leave at least one token to compute")
-        if request.request_id in self.jobs:
-            raise InvalidArgument(f"prompt {request.request_id!r} is already open on this stage")
-        num_blocks = -(-request.num_tokens // worker.block_size)
-        for span in (*request.sources, *request.writes):
-            if len(span.block_indices) != len(span.offsets) or any(not 0 <= i < num_blocks
-                                                                    for i in span.block_indices):
-                raise InvalidArgument(f"blocks of store {span.store_name!r} do not match the prompt's {num_blocks}")
-            worker.store_instance(span.store_name)
-        if any(i >= request.num_prefix_blocks for s in request.sources for i in s.block_indices):
-            raise InvalidArgument("sources name blocks beyond the reused prefix")
-        to_params(request.sampling)
 
     async def _until_computed(self, job: StageJob) -> None:
         try:

@@ -1,10 +1,10 @@
 """The decode role (DESIGN 3, steps 2 and 5): reserve, load the prefilled KV, decode in a continuous batch.
 
-1. RESERVE: check the batch's room (and, by admission policy, the TBT SLO with this instance's own fitted model:
-   decode_admission.py; under `none` and `baseline` a request waits for room instead, the waiting ones taking it
-   interactive first, then by priority and arrival), set pages aside, and allocate store space on this host for
-   the prompt blocks it lacks (plus a private block for the partial tail); the reply names them. A reservation
-   lives until DECODE claims it or its lease runs out.
+1. RESERVE (decode_reserve.py): check the batch's room (and, by admission policy, the TBT SLO with this
+   instance's own fitted model: decode_admission.py; under `none` and `baseline` a request waits for room
+   instead, the waiting ones taking it interactive first, then by priority and arrival), set pages aside, and
+   allocate store space on this host for the prompt blocks it lacks (plus a private block for the partial tail);
+   the reply names them. A reservation lives until DECODE claims it or its lease runs out.
 2. DECODE with a first token: load the prompt's blocks from this host's store (the prefill instance wrote them)
    into pages layer by layer, layer i+1's read under way while layer i is copied into the pages, off the
    compute thread (running sequences keep decoding meanwhile); commit the full blocks (they become cache
@@ -28,28 +28,28 @@ from mooncaked.model.sampler import make_generator
 from mooncaked.metrics import Metrics
 from mooncaked.roles.base import RoleEndpoint
 from mooncaked.roles.metrics_http import MetricsEndpoint
-from mooncaked.roles.worker.decode_admission import (WAITING_POLICIES, DecodeLoadNow, StepLimit, refusal_after_prefill,
-                                                     reserve_refusal)
+from mooncaked.roles.worker.decode_admission import WAITING_POLICIES, refusal_after_prefill
 from mooncaked.roles.worker.decode_loop import DecodeLoop, RunningSeq, finish_reason_for
+from mooncaked.roles.worker.decode_reserve import ReserveAdmission
 from mooncaked.roles.worker.kv_plan import KvPlan, check_block_keys, plan_prompt_kv
+from mooncaked.roles.worker.kv_spans import num_blocks_for
 from mooncaked.roles.worker.messages import (DECODE, LOAD, RESERVE, UNRESERVE, DecodeItem, DecodeRequest, LoadReply,
                                              LoadRequest, ReserveReply, ReserveRequest, SamplingSpec, TokenSample,
                                              UnreserveReply, UnreserveRequest)
 from mooncaked.roles.worker.prefill_forward import run_prefill_forward
 from mooncaked.roles.worker.profiler import profile
-from mooncaked.roles.worker.request_kv import BlockSource, RequestKv, num_blocks_for
+from mooncaked.roles.worker.request_kv import BlockSource, RequestKv
 from mooncaked.roles.worker.reservations import Reservation, ReservationBook
 from mooncaked.roles.worker.sampling import to_params
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import CallContext, InvalidArgument, NotFound, ResourceExhausted
 from mooncaked.sched.perf_model import RecentMean
-from mooncaked.sched.priority import queue_rank
 
 logger = logging.getLogger(__name__)
 
 
 class DecodeRole:
-    """Owns the worker, the reservation book and the decode loop."""
+    """Owns the worker, the reservation book, the decode loop and the RESERVE admission (with its waiting calls)."""
 
     name = "decode"
 
@@ -69,8 +69,8 @@ class DecodeRole:
         self.endpoint.add_method(UNRESERVE, self._unreserve)
         self.endpoint.add_method(DECODE, self._decode)
         self.endpoint.add_method(LOAD, self._load, is_eager=True)
+        self.admission = ReserveAdmission(config, self.worker, self.loop, self.reservations)
         self._num_prefilling = 0
-        self._waiting: dict[str, tuple[int, int, float]] = {}  # RESERVE calls waiting for room: their queue rank
         self.inline_overhead = RecentMean()
 
     @property
@@ -129,41 +129,6 @@ class DecodeRole:
                          overhead_s=self.inline_overhead.value, kv_cache_bytes=self.worker.kv_cache_bytes)
 
     # ---- 1. reserve ------------------------------------------------------------------------------------
-    def _step_limit(self) -> StepLimit:
-        return StepLimit(self.worker.perf.decode, self.loop.mean_step_s, self.config.scheduler.tbt_slo_ms / 1000)
-
-    def _refusal(self, request: ReserveRequest, num_pages: int) -> str:
-        pages = self.worker.pages
-        assert pages is not None
-        book = self.reservations
-        load = DecodeLoadNow(pages.num_free - book.num_pages(), len(self.loop.running) + len(book),
-                             self.loop.num_context_tokens + book.num_prompt_tokens())
-        return reserve_refusal(self.config.scheduler.admission, load, num_pages, request.num_prompt_tokens,
-                               self.worker.section.max_batch_size, self._step_limit())
-
-    async def _wait_for_room(self, request: ReserveRequest, num_pages: int, ctx: CallContext) -> str:
-        """`none` and `baseline`: wait for room up to the call's deadline, expiring stale reservations meanwhile.
-        Waiting calls take room in queue order (interactive first, then priority, then arrival)."""
-        rank = queue_rank(request.is_batch, request.priority, time.monotonic())
-        self._waiting[request.request_id] = rank
-        reason = "cancelled"
-        try:
-            while True:
-                await self.reservations.expire()
-                timeout_s = min(ctx.deadline, self.reservations.next_expiry(ctx.deadline)) - time.monotonic()
-                reason = await self.reservations.room.wait_until(
-                    lambda: self._refusal(request, num_pages) or self._behind(rank), max(timeout_s, 0.0))
-                if not reason or ctx.time_left_s() <= 0:
-                    return reason
-        finally:
-            del self._waiting[request.request_id]
-            if reason:  # given up: the calls behind it look again (a granted one wakes them once it reserved)
-                await self.reservations.room.freed()
-
-    def _behind(self, rank: tuple[int, int, float]) -> str:
-        num_ahead = sum(1 for other in self._waiting.values() if other < rank)
-        return f"queued: {num_ahead} waiting requests go first" if num_ahead else ""
-
     async def _reserve(self, request: ReserveRequest, ctx: CallContext) -> ReserveReply:
         request_id_var.set(request.request_id)
         if request.request_id in self.reservations:
@@ -176,13 +141,13 @@ class DecodeRole:
         if num_pages > self.worker.num_pages:
             return ReserveReply(is_accepted=False, reason=f"memory: needs {num_pages} KV pages, the instance has "
                                 f"{self.worker.num_pages}")
-        reason = self._refusal(request, num_pages)
-        if (reason or self._waiting) and self.config.scheduler.admission in WAITING_POLICIES:
-            reason = await self._wait_for_room(request, num_pages, ctx)
+        reason = self.admission.refusal(request, num_pages)
+        if (reason or self.admission.waiting) and self.config.scheduler.admission in WAITING_POLICIES:
+            reason = await self.admission.wait_for_room(request, num_pages, ctx)
         if reason:
             return ReserveReply(is_accepted=False, reason=reason)
         reservation = self.reservations.add(request, num_pages, ctx.peer_instance)
-        if self._waiting:
+        if self.admission.waiting:
             await self.reservations.room.freed()  # the next in line may fit beside it
         if request.is_inline_prefill:
             return ReserveReply(is_accepted=True, store_instance=self.worker.local_store_name)
@@ -265,7 +230,8 @@ class DecodeRole:
         num_cached_tokens = 0
         try:
             refusal = refusal_after_prefill(self.config.scheduler.admission, len(self.loop.running),
-                                            self.loop.num_context_tokens, len(request.token_ids), self._step_limit())
+                                            self.loop.num_context_tokens, len(request.token_ids),
+                                            self.admission.step_limit())
             if refusal and request.first_token is not None:
                 raise ResourceExhausted(refusal)
             if request.first_token is None:

@@ -2,10 +2,10 @@
 
 1. PREFILL arrives: check the block keys, fetch a remote prefix into this host's store when told to (this is
    also hot-block replication), allocate store space for the new blocks, read the cached prefix into staging.
-2. The job joins the queue; the batch loop takes as many queued jobs as fit `max_batch_tokens` (a prompt longer
-   than `prefill_chunk` runs alone, in chunks), interactive before batch, then by priority and arrival
-   (sched/priority.py), never a batch line in the forward of an interactive prompt, and runs one forward on the
-   compute thread.
+2. The job joins the queue (prefill_queue.py); the batch loop takes as many queued jobs as fit
+   `max_batch_tokens` (a prompt longer than `prefill_chunk` runs alone, in chunks), interactive before batch,
+   then by priority and arrival (sched/priority.py), never a batch line in the forward of an interactive prompt,
+   and runs one forward on the compute thread.
 3. Layer by layer: before layer i, the prefix KV of layer i goes into pages; after layer i, layer i's new KV is
    copied to staging and written into this host's store and into the decode host's reserved blocks.
 4. After the last layer: wait for every write, commit the new blocks (they become cache), sample the first
@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
 
 from mooncaked.config import Config, InstanceConfig
 from mooncaked.logs import request_id_var
@@ -34,46 +33,18 @@ from mooncaked.roles.metrics_http import MetricsEndpoint
 from mooncaked.roles.worker.cpp_head import PipelineHead
 from mooncaked.roles.worker.cpp_monitor import GroupMonitor
 from mooncaked.roles.worker.cpp_stage import StageService
-from mooncaked.roles.worker.kv_plan import KvPlan, plan_prompt_kv
+from mooncaked.roles.worker.kv_plan import plan_prompt_kv
 from mooncaked.roles.worker.messages import LOAD, PREFILL, LoadReply, LoadRequest, PrefillReply, PrefillRequest
 from mooncaked.roles.worker.messages import TokenSample
 from mooncaked.roles.worker.prefill_forward import PrefillCancelled, run_prefill_forward
 from mooncaked.roles.worker.prefill_load import PrefillLoad
+from mooncaked.roles.worker.prefill_queue import PrefillJob, take_batch
 from mooncaked.roles.worker.profiler import profile
 from mooncaked.roles.worker.sampling import to_params
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import CallContext, InvalidArgument, RpcError, Unavailable
-from mooncaked.sched.priority import queue_rank
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class PrefillJob:
-    """One queued or running prefill; owned by the PrefillRole while it is queued or running."""
-
-    request: PrefillRequest
-    plan: KvPlan
-    arrived_at: float  # the PREFILL call's arrival (before planning its KV)
-    enqueued_at: float
-    future: asyncio.Future[PrefillReply]
-    deadline: float = 0.0  # the PREFILL call's (time.monotonic())
-    is_running: bool = False
-    started_at: float = 0.0
-    idle: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def num_prefix_tokens(self) -> int:
-        return self.plan.num_prefix_blocks * self.plan.kv.worker.block_size
-
-    @property
-    def num_new_tokens(self) -> int:
-        return self.plan.kv.num_tokens - self.num_prefix_tokens
-
-    @property
-    def prompt(self) -> tuple[int, int]:
-        """(prompt tokens, reused prefix tokens): what the performance model is keyed by."""
-        return self.plan.kv.num_tokens, self.num_prefix_tokens
 
 
 class PrefillRole:
@@ -238,22 +209,7 @@ class PrefillRole:
                              and job.future.exception() is None)
 
     def _take_batch(self) -> list[PrefillJob]:
-        section = self.worker.section
-        batch: list[PrefillJob] = []
-        num_tokens = 0
-        for job in sorted(self._queue, key=_queue_rank):
-            if batch and self.pipeline is not None:
-                break  # a group runs one prompt at a time: its stages pipeline the chunks, and the prompts
-            if batch and (job.num_new_tokens > section.prefill_chunk
-                          or num_tokens + job.num_new_tokens > section.max_batch_tokens
-                          or job.request.sampling.is_batch > batch[0].request.sampling.is_batch):
-                break  # a batch line never lengthens an interactive prompt's forward
-            batch.append(job)
-            self._queue.remove(job)
-            num_tokens += job.num_new_tokens
-            if job.num_new_tokens > section.prefill_chunk:
-                break
-        return batch
+        return take_batch(self._queue, self.worker.section, is_one_at_a_time=self.pipeline is not None)
 
     async def _batch_loop(self) -> None:
         while True:
@@ -309,9 +265,9 @@ class PrefillRole:
 
     async def _compute(self, batch: list[PrefillJob]) -> tuple[list[TokenSample], float | None]:
         """The forward on the compute thread (a group's first stage: through the pipeline, with the seconds of
-        this stage's part of it; None elsewhere: the batch's whole time is its sample). Cancelled (the role is stopping), it marks every plan cancelled and still waits
-        for the thread to leave the batch (at its next layer boundary): until then the batch's pages and staging
-        are in use."""
+        this stage's part of it; None elsewhere: the batch's whole time is its sample). Cancelled (the role is
+        stopping), it marks every plan cancelled and still waits for the thread to leave the batch (at its next
+        layer boundary): until then the batch's pages and staging are in use."""
         if self.pipeline is not None:
             job = batch[0]
             first_token, compute_s = await self.pipeline.run(job.request, job.plan, job.deadline)
@@ -328,6 +284,3 @@ class PrefillRole:
     def _forward(self, batch: list[PrefillJob]) -> list[TokenSample]:
         return run_prefill_forward(self.worker, [job.plan for job in batch], [job.request.sampling for job in batch])
 
-
-def _queue_rank(job: PrefillJob) -> tuple[int, int, float]:
-    return queue_rank(job.request.sampling.is_batch, job.request.sampling.priority, job.enqueued_at)

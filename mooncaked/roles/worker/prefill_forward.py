@@ -26,7 +26,7 @@ from mooncaked.roles.worker.worker import Worker
 
 
 class ForwardPlan(Protocol):
-    """What the layer callbacks use of a prompt's plan (kv_plan.KvPlan; a pipeline stage's cpp_stage.StageJob)."""
+    """What the layer callbacks use of a prompt's plan (kv_plan.KvPlan; a pipeline stage's cpp_stage_job.StageJob)."""
 
     kv: RequestKv
     is_cancelled: bool

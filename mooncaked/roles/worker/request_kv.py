@@ -38,21 +38,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from mooncaked.engine.staging_pool import StagingBuffer
+from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.tp_copy import RankPagesEnd
-from mooncaked.kv.client import LocalEnd, Span, Staging, StoreClient
+from mooncaked.kv.client import StoreClient
+from mooncaked.kv.move_ends import LocalEnd, Span, Staging
 from mooncaked.rdma import TransferOp
+from mooncaked.roles.worker.kv_spans import num_blocks_for, page_spans, staging_spans
 from mooncaked.roles.worker.layer_loader import BlockSource, LayerLoader, LoadFailed
-from mooncaked.roles.worker.request_memory import CopyTracker, StagingHold, index_runs
+from mooncaked.roles.worker.request_memory import CopyTracker, StagingHold, copy_staging, index_runs
 from mooncaked.roles.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
 _NO_BYTES = np.empty(0, dtype=np.uint8)  # moves from the pages' segment never touch host bytes
-
-
-def num_blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 @dataclass(frozen=True)
@@ -72,6 +70,7 @@ class RequestKv:
     def __init__(self, worker: Worker, request_id: str, num_tokens: int, num_extra_tokens: int = 0) -> None:
         assert worker.pages is not None and worker.kv_pages is not None and worker.staging_pool is not None
         self.worker = worker
+        self.kv_pages: KVPages = worker.kv_pages  # the worker's
         self.request_id = request_id
         self.num_tokens = num_tokens
         self.num_blocks = num_blocks_for(num_tokens, worker.block_size)
@@ -123,21 +122,8 @@ class RequestKv:
         """Layer `layer` of blocks `indices` in this request's memory <-> pool `offsets` (`layer` counts this
         worker's layers: a pipeline stage's layer i is model layer first_layer + i of the store object)."""
         if self.is_direct:
-            return self.page_spans(indices, offsets, layer)
-        kv_pages = self.worker.kv_pages
-        assert kv_pages is not None
-        # staging rows hold this worker's layers only; the store object every layer of the model
-        row, size, in_object = kv_pages.block_nbytes, kv_pages.layer_block_nbytes, kv_pages.object_layer_offset(layer)
-        return [Span(offset + in_object, index * row + layer * size, size) for index, offset in zip(indices, offsets)]
-
-    def page_spans(self, indices: Sequence[int], offsets: Sequence[int], layer: int) -> list[Span]:
-        """Layer `layer` of blocks `indices` as K and V page ranges of the pages' buffer <-> pool `offsets`."""
-        kv_pages = self.worker.kv_pages
-        assert kv_pages is not None
-        layer_offset, page_bytes = kv_pages.object_layer_offset(layer), kv_pages.page_nbytes
-        return [Span(offset + layer_offset + kind * page_bytes,
-                     kv_pages.page_byte_offset(layer, kind, self.page_ids[index]), page_bytes)
-                for index, offset in zip(indices, offsets) for kind in (0, 1)]
+            return page_spans(self.kv_pages, self.page_ids, indices, offsets, layer)
+        return staging_spans(self.kv_pages, indices, offsets, layer)
 
     async def _read(self, source: BlockSource, layer: int) -> None:
         client = await self.worker.store_client(source.store_name)
@@ -149,7 +135,7 @@ class RequestKv:
         client = await self.worker.store_client(write.store_name)
         if self._is_gpudirect(client):
             assert self.worker.kv_pages_segment is not None
-            spans = self.page_spans(write.indices, write.offsets, layer)
+            spans = page_spans(self.kv_pages, self.page_ids, write.indices, write.offsets, layer)
             await self._move(TransferOp.WRITE, client, spans, Staging(self.worker.kv_pages_segment, _NO_BYTES),
                              write.incarnation)
             return
@@ -182,22 +168,17 @@ class RequestKv:
         if not staged:
             await asyncio.gather(*(self._read(s, layer) for s in sources))
             return
-        async with self.staging as (buffer, view):
+        async with self.staging as (_, view):
             await asyncio.gather(*(self._read(s, layer) for s in sources))
             indices = sorted(i for s in sources if s.store_name in staged for i in s.indices)
-            await self._on_copy_thread(self._copy_staging, TransferOp.READ, layer, index_runs(indices), buffer, view)
+            await self._copy_staging(TransferOp.READ, layer, indices, view)
 
-    def _copy_staging(self, op: TransferOp, layer: int, runs: Sequence[tuple[int, int]], buffer: StagingBuffer,
-                      view: torch.Tensor, compute_done: torch.cuda.Event | None = None) -> None:
-        """Copy thread. READ: staging rows of each run [start, stop) of `layer` -> their pages; WRITE: the
-        reverse, once `compute_done` (CUDA) passed."""
-        worker = self.worker
-        assert worker.copier is not None and worker.kv_pages is not None
-        for start, stop in runs:
-            rows, ids = view[start:stop], self.page_ids[start:stop]
-            handle = (worker.copier.load_layer(worker.kv_pages, layer, rows, ids) if op is TransferOp.READ
-                      else worker.copier.store_layer(worker.kv_pages, layer, rows, ids, compute_done))
-            handle.synchronize()
+    async def _copy_staging(self, op: TransferOp, layer: int, indices: Sequence[int], view: torch.Tensor,
+                            compute_done: torch.cuda.Event | None = None) -> None:
+        """Staging rows of sorted blocks `indices` <-> their pages, on the copy thread (see copy_staging)."""
+        assert self.worker.copier is not None
+        await self._on_copy_thread(copy_staging, self.worker.copier, self.kv_pages, self.page_ids, op, layer,
+                                   index_runs(indices), view, compute_done)
 
     def wait_layer_loaded(self, layer: int) -> bool:
         """Compute thread, before layer `layer`: True once it is in the pages, False if this request's loading
@@ -257,10 +238,9 @@ class RequestKv:
                 await self._on_copy_thread(compute_done.synchronize)
             await asyncio.gather(*(self._write(w, layer) for w in writes))
         else:
-            async with self.staging as (buffer, view):
+            async with self.staging as (_, view):
                 indices = sorted({i for w in writes if w.store_name in staged for i in w.indices})
-                await self._on_copy_thread(self._copy_staging, TransferOp.WRITE, layer, index_runs(indices), buffer,
-                                           view, compute_done)
+                await self._copy_staging(TransferOp.WRITE, layer, indices, view, compute_done)
                 await asyncio.gather(*(self._write(w, layer) for w in writes))
         if timeline is not None:
             timeline.record("store", self.request_id, layer, "end")
@@ -322,4 +302,4 @@ class RequestKv:
             worker.pages.free_owner(self.request_id)
 
 
-__all__ = ["BlockSource", "LayerWrite", "LoadFailed", "RequestKv", "num_blocks_for"]
+__all__ = ["BlockSource", "LayerWrite", "LoadFailed", "RequestKv"]

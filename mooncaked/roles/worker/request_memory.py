@@ -8,7 +8,8 @@
    flight: `async with hold:` around each such move (a layer's load from, or store to, another host's store)
    acquires the buffer on first use and gives it back when the last one ends; a move that ended in an error or a
    cancellation marks the buffer dirty, so it is dropped, not reused (a late byte could still land in it).
-   Used from the event loop only. `index_runs` turns the block indices a move stages into runs of rows.
+   Used from the event loop only. `index_runs` turns the block indices a move stages into runs of rows, which
+   `copy_staging` copies between staging and the pages on the copy thread.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ from typing import Any
 
 import torch
 
+from mooncaked.engine.kv_copy import KVCopier
+from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.staging_pool import StagingBuffer, StagingPool
+from mooncaked.rdma import TransferOp
 
 
 class CopyTracker(concurrent.futures.Executor):
@@ -108,4 +112,15 @@ def index_runs(indices: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
-__all__ = ["CopyTracker", "StagingHold", "index_runs"]
+def copy_staging(copier: KVCopier, kv_pages: KVPages, page_ids: Sequence[int], op: TransferOp, layer: int,
+                 runs: Sequence[tuple[int, int]], view: torch.Tensor, compute_done: torch.cuda.Event | None) -> None:
+    """Copy thread. READ: staging rows of each run [start, stop) of `layer` -> their pages; WRITE: the reverse,
+    once `compute_done` (CUDA) passed."""
+    for start, stop in runs:
+        rows, ids = view[start:stop], page_ids[start:stop]
+        handle = (copier.load_layer(kv_pages, layer, rows, ids) if op is TransferOp.READ
+                  else copier.store_layer(kv_pages, layer, rows, ids, compute_done))
+        handle.synchronize()
+
+
+__all__ = ["CopyTracker", "StagingHold", "copy_staging", "index_runs"]

@@ -1,14 +1,14 @@
 """The runtime a prefill or decode instance is built on: one model replica, its KV pages, one compute thread.
 
 1. `Worker(config, instance)`; `await start()`: start the transfer engine, load the model on the compute thread
-   (a prefill group member: only its stage's layers, cpp_group.py; on CPU mapped from the host's shared weight
-   file; prefill keeps plain projections, decode packed ones in their place, a switchable worker both:
-   memory_plan.worker_packing), size the KV pages from the memory budget (engine.kv_budget; a budget too small
-   for one max-length request fails here), allocate them (for its layers), build the runner, copier, staging
-   pool (pinned on the GPU's NUMA node) and sampler, register the pages as a transfer-engine segment (host
-   pages, which every move then reaches straight; GPU pages as "cuda:N" where RDMA can map them), connect to
-   this host's store (mapping its pool). With N > 1 tensor-parallel ranks (tp_worker.py) the model is rank 0's
-   shard, the runner drives the ranks, and the KV pages are every rank's (mapped here, moved by strided copies:
+   (local_replica.py; a prefill group member: only its stage's layers, cpp_group.py; on CPU mapped from the host's
+   shared weight file; prefill keeps plain projections, decode packed ones in their place, a switchable worker both:
+   memory_plan.worker_packing), size the KV pages from the memory budget (engine.kv_budget; a budget too small for
+   one max-length request fails here), allocate them (for its layers), build the runner, copier, staging pool
+   (pinned on the GPU's NUMA node) and sampler, register the pages as a transfer-engine segment (host pages, which
+   every move then reaches straight; GPU pages as "cuda:N" where RDMA can map them), connect to this host's store
+   (mapping its pool). With N > 1 tensor-parallel ranks (tp_worker.py) the model is rank 0's shard, the runner
+   drives the ranks, and the KV pages are every rank's (mapped here, moved by strided copies:
    roles/worker/request_kv.py), so the rest of the worker is the same at any degree.
 2. `await compute(fn, *args)` runs model work on the single compute thread, keeping the event loop free for RPC,
    transfers and heartbeats. KV copies between pages and staging run on the single copy thread
@@ -40,24 +40,25 @@ import torch
 
 from mooncaked.config import Config, InstanceConfig, WorkerSection
 from mooncaked.cpu_affinity import pinned_executor
-from mooncaked.engine.kv_budget import DeviceMemory, KVBudget, KVSizing, cuda_free_bytes, size_kv
+from mooncaked.engine.kv_budget import KVSizing
 from mooncaked.engine.kv_copy import KVCopier
 from mooncaked.engine.kv_pages import KVPages, PageAllocator
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.engine.staging_pool import StagingPool
 from mooncaked.engine.timeline import LayerTimeline
 from mooncaked.engine.tp_runner import TensorParallelRunner
-from mooncaked.kv.client import Staging, StoreClient
+from mooncaked.kv.client import StoreClient
 from mooncaked.kv.keys import model_namespace
+from mooncaked.kv.move_ends import Staging
 from mooncaked.membership import Membership, StaticMembership, store_on_host
-from mooncaked.memory_plan import worker_packing
 from mooncaked.model.config import LayerRange
-from mooncaked.model.loader import LoadedModel, load_frontend, load_model
-from mooncaked.model.memory_fit import activation_bytes
+from mooncaked.model.frontend import load_frontend
+from mooncaked.model.loader import LoadedModel
 from mooncaked.model.sampler import Sampler
 from mooncaked.numa import allowed_memory_nodes
 from mooncaked.roles.worker.cpp_group import GroupStage, group_stage
 from mooncaked.roles.worker.kv_placement import register_kv_pages, staging_placement
+from mooncaked.roles.worker.local_replica import load_replica
 from mooncaked.roles.worker.tp_worker import RankWatch, start_ranks
 from mooncaked.roles.base import PeerClients, make_transfer_engine
 from mooncaked.rpc import InvalidArgument, Unavailable
@@ -146,20 +147,9 @@ class Worker:
 
     async def _load_replica(self, layers: LayerRange | None) -> None:
         """One process: load the model (or this stage's layers), size and allocate the pages, build the runner."""
-        model = self.config.model
-        free_before_load = await self.compute(cuda_free_bytes, model.device)
-        self.loaded = await self.compute(
-            load_model, model.source, dtype=model.dtype, device=model.device, seed=model.seed,
-            cpu_packed_gemm=model.cpu_packed_gemm, packing=worker_packing(self.instance.role, self.section.switchable),
-            weight_cache_dir=model.weight_cache_dir if model.share_weights else None, layers=layers)
-        self.kv_sizing = await self.compute(self._size_kv, free_before_load, layers)
-        self.kv_pages = KVPages.for_model(self.loaded.args, num_pages=self.kv_sizing.num_pages,
-                                          block_size=self.config.kv.block_size, dtype=self.loaded.dtype,
-                                          device=self.loaded.device, layers=layers)
+        self.loaded, self.kv_sizing, self.kv_pages, self.runner = await load_replica(
+            self.config, self.instance, self.section, layers, self.compute)
         self.pages = PageAllocator(self.kv_sizing.num_pages)
-        self.runner = ModelRunner(self.loaded.model, self.kv_pages, backend=model.kernel_backend,
-                                  cuda_graphs=model.cuda_graphs, max_batch_size=self.section.max_batch_size,
-                                  max_seq_len=model.max_model_len)
 
     async def _start_ranks(self, layers: LayerRange | None) -> None:
         """model.tensor_parallel_size ranks (tp_worker.py), each holding `layers` (None: all): rank 0 here, its
@@ -185,20 +175,6 @@ class Worker:
         frontend = await self.compute(load_frontend, self.config.model.source)
         self.stage = group_stage(self.config, self.instance, frontend.args.num_layers)
         return None if self.stage is None else self.stage.layers
-
-    def _size_kv(self, free_before_load: int | None, layers: LayerRange | None) -> KVSizing:
-        """Compute thread: the page count from the budget, once the weights are in (KVBudgetTooSmall if short)."""
-        assert self.loaded is not None
-        section, model = self.section, self.config.model
-        device_memory = None
-        if free_before_load is not None:
-            workspace = activation_bytes(self.loaded.args, section.max_batch_tokens, section.max_batch_size,
-                                         self.loaded.dtype)
-            device_memory = DeviceMemory(free_before_load, cuda_free_bytes(model.device) or 0, workspace)
-        budget = KVBudget(section.num_kv_pages, section.kv_memory_bytes, section.memory_fraction)
-        return size_kv(budget, args=self.loaded.args, block_size=self.config.kv.block_size, dtype=self.loaded.dtype,
-                       device_type=self.loaded.device.type, max_model_len=model.max_model_len,
-                       device_memory=device_memory, num_layers=None if layers is None else layers.size)
 
     def free_pages_later(self, owner: str, delay_s: float) -> None:
         """Free `owner`'s pages after `delay_s`: a move abandoned mid-flight may write into them until then."""

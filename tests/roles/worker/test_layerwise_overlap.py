@@ -26,8 +26,9 @@ import torch
 from mooncaked.config import Config
 from mooncaked.engine.timeline import LayerTimeline
 from mooncaked.kv import client as client_module
-from mooncaked.kv.client import Span, Staging, StoreClient
+from mooncaked.kv.client import StoreClient
 from mooncaked.kv.keys import block_keys
+from mooncaked.kv.move_ends import Span, Staging
 from mooncaked.model.loader import load_model
 from mooncaked.rdma import TransferError, TransferOp
 from mooncaked.roles.store import StoreRole

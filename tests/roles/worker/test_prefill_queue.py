@@ -9,7 +9,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from mooncaked.roles.worker.messages import PrefillRequest, SamplingSpec
-from mooncaked.roles.worker.prefill import PrefillJob, PrefillRole
+from mooncaked.roles.worker.prefill import PrefillRole
+from mooncaked.roles.worker.prefill_queue import PrefillJob
 from tests.roles.cluster_fixtures import cluster_config, instance
 
 

@@ -17,7 +17,7 @@ import torch
 
 from mooncaked.kv import client as client_module
 from mooncaked.engine.staging_pool import StagingBuffer, StagingPool
-from mooncaked.kv.client import Span, Staging
+from mooncaked.kv.move_ends import Span, Staging
 from mooncaked.rdma import TransferOp
 from mooncaked.roles.worker.kv_plan import plan_prompt_kv
 from mooncaked.roles.worker.layer_loader import BlockSource
