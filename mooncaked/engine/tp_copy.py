@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from mooncaked.engine.kv_pages import KVPages
-from mooncaked.kv.client import Span
+from mooncaked.kv.move_ends import Span
 from mooncaked.rdma import TransferOp
 
 _SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

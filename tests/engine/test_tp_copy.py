@@ -15,7 +15,8 @@ from mooncaked.engine.kv_copy import KVCopier, new_staging
 from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.tp_copy import RankPagesEnd
 from mooncaked.engine.tp_pages import ShardedPages
-from mooncaked.kv.client import Span, _copy_spans
+from mooncaked.kv.client import _copy_spans
+from mooncaked.kv.move_ends import Span
 from mooncaked.model.config import random_preset
 from mooncaked.model.tensor_parallel import shard_shape
 from mooncaked.rdma import TransferOp
