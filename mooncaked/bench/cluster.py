@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import signal
 import socket
 import sys
@@ -28,19 +29,39 @@ import yaml
 
 
 _handed_out: set[int] = set()  # ports free_port returned in this process (the kernel may offer one again)
+_port_choice = random.Random(os.getpid() ^ time.monotonic_ns())  # processes picking at once pick apart
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on `host` now and not returned before by this process: a config built from several calls never
-    names one port twice."""
+    """A port free on `host` now, below the kernel's ephemeral range, and not returned before by this process: a
+    config built from several calls never names one port twice, and no outgoing connection's local port or
+    port-0 bind (a tensor-parallel rendezvous, gloo) takes it before its instance binds it, as one picked from
+    the ephemeral range can be."""
+    first, last = ephemeral_range()
+    low, high = (max(1024, first - 16384), first) if first > 2048 else (last + 1, 65536)  # [low, high)
     for _ in range(1000):
+        port = _port_choice.randrange(low, high)
+        if port in _handed_out:
+            continue
         with socket.socket() as sock:
-            sock.bind((host, 0))
-            port = int(sock.getsockname()[1])
-        if port not in _handed_out:
-            _handed_out.add(port)
-            return port
-    raise RuntimeError(f"no free port on {host} that this process has not handed out already")
+            try:
+                sock.bind((host, port))
+            except OSError:  # in use, or lingering after a close
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port on {host} below the ephemeral range that this process has not handed out "
+                       "already")
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ephemeral ports (Linux's default where it cannot be read)."""
+    try:
+        low, high = EPHEMERAL_RANGE_FILE.read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def instance(name: str, role: str, host: str = "127.0.0.1", **extra: Any) -> dict[str, Any]:

@@ -26,6 +26,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from mooncaked.bench.cluster import free_port
 from mooncaked.bench.store_clients import PHASE_TIMEOUT_S, ClientSpec, client_main, with_index
 
 SIZES = (64 * 1024, 1024 * 1024)
@@ -165,9 +166,7 @@ def _print_table(results: dict[int, dict[str, dict[str, Any]]], summary: dict[st
 
 # ---- redis-server ---------------------------------------------------------------------------------------------
 def _start_redis(executable: str) -> tuple[int, subprocess.Popen[bytes]]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port("127.0.0.1")
     process = subprocess.Popen([executable, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                 "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 10
