@@ -6,7 +6,8 @@
    weight file (model.weight_file), its KV pages (sized by engine.kv_budget, exactly as the worker will), an
    activation workspace, and the store's DRAM pool. A budget too small for one request raises KVBudgetTooSmall.
    A worker instance with N tensor-parallel ranks is N processes: N runtimes and workspaces, every rank's
-   weight slices (private: ranks map no weight file), and the instance's KV pages (spread over the ranks).
+   weight slices (private: ranks map no weight file), and the instance's KV pages (spread over the ranks). A
+   prefill group member counts its stage's layers only (weights and KV pages), as its worker loads them.
 2. `render(plans)` prints them as YAML comments (check-config's output stays valid YAML), with per-host totals
    that count the shared weight file once.
 
@@ -23,10 +24,11 @@ import torch
 
 from mooncaked.config import Config, InstanceConfig
 from mooncaked.engine.kv_budget import DEFAULT_MEMORY_FRACTION, GIB, KVBudget, KVSizing, size_kv
-from mooncaked.model.config import ModelArgs
+from mooncaked.model.config import LayerRange, ModelArgs
 from mooncaked.model.memory_fit import activation_bytes, projection_bytes, weight_bytes
 from mooncaked.model.packed_gemm import Packing
 from mooncaked.model.tensor_parallel import rank_kv_args
+from mooncaked.roles.worker.cpp_group import group_stage
 
 # Resident bytes of a role's process besides its weights, KV pages and pool: the interpreter, torch's and the
 # other libraries' pages, the tokenizer, buffers. Measured with `mooncaked bench memory` (torch 2.13 CPU, the
@@ -82,21 +84,22 @@ def _plan_worker(config: Config, args: ModelArgs, instance: InstanceConfig, runt
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[model.dtype]
     budget = KVBudget(section.num_kv_pages, section.kv_memory_bytes, section.memory_fraction)
     name, role, host = instance.name, instance.role, instance.host
+    layers = stage_layers(config, instance, args)
     if device.type == "cuda":
         num_gpus = config.tensor_parallel_size_of(instance)
         return ProcessMemory(name, role, host, num_gpus * runtime,
-                             device_note=_gpu_note(config, args, budget, dtype, num_gpus))
+                             device_note=_gpu_note(config, args, budget, dtype, num_gpus, layers))
     kv = size_kv(budget, args=args, block_size=config.kv.block_size, dtype=dtype, device_type=device.type,
-                 max_model_len=model.max_model_len)
+                 max_model_len=model.max_model_len, num_layers=None if layers is None else layers.size)
     workspace = activation_bytes(args, section.max_batch_tokens, section.max_batch_size, dtype)
     is_packable = model.cpu_packed_gemm and dtype == torch.float32
     packing = worker_packing(role, section.switchable) if is_packable else "plain"
     num_ranks = config.tensor_parallel_size_of(instance)
     if num_ranks > 1:  # N processes, each a runtime, its weight slices (none shared) and a workspace
-        weights = num_ranks * weight_bytes(args, dtype, packing, num_ranks=num_ranks)
+        weights = num_ranks * weight_bytes(args, dtype, packing, layers, num_ranks=num_ranks)
         return ProcessMemory(name, role, host, num_ranks * runtime, weights, (), kv, num_ranks * workspace)
-    projections = projection_bytes(args, dtype)
-    held = weight_bytes(args, dtype)  # every plain weight and the RoPE tables
+    projections = projection_bytes(args, dtype, layers)
+    held = weight_bytes(args, dtype, layers=layers)  # every plain weight (of the stage) and the RoPE tables
     rope = 2 * args.max_position_embeddings * args.head_dim * dtype.itemsize
     resident = held - rope - projections
     if not model.share_weights:
@@ -107,15 +110,24 @@ def _plan_worker(config: Config, args: ModelArgs, instance: InstanceConfig, runt
     return ProcessMemory(name, role, host, runtime, private, tuple(shared), kv, workspace)
 
 
-def _gpu_note(config: Config, args: ModelArgs, budget: KVBudget, dtype: torch.dtype, num_ranks: int) -> str:
-    """On CUDA, per GPU: with N ranks each GPU holds a rank's weights and the pages of its KV heads."""
+def stage_layers(config: Config, instance: InstanceConfig, args: ModelArgs) -> LayerRange | None:
+    """The layers a prefill group member holds (its stage of the group's split), None for any other instance."""
+    stage = group_stage(config, instance, args.num_layers)
+    return None if stage is None else stage.layers
+
+
+def _gpu_note(config: Config, args: ModelArgs, budget: KVBudget, dtype: torch.dtype, num_ranks: int,
+              layers: LayerRange | None) -> str:
+    """On CUDA, per GPU: with N ranks each GPU holds a rank's weights (of the stage's layers in a prefill group)
+    and the pages of its KV heads."""
     where = "on the GPU" if num_ranks == 1 else f"on each of {num_ranks} GPUs"
-    weights = f"{where}: {weight_bytes(args, dtype, num_ranks=num_ranks) / GIB:.2f} GiB of weights"
+    weights = f"{where}: {weight_bytes(args, dtype, layers=layers, num_ranks=num_ranks) / GIB:.2f} GiB of weights"
     if budget.num_kv_pages is None and budget.kv_memory_bytes is None:
         fraction = DEFAULT_MEMORY_FRACTION if budget.memory_fraction is None else budget.memory_fraction
         return f"{weights}; KV pages: {fraction:g} of the GPU memory free at start, less weights and workspace"
     kv = size_kv(budget, args=rank_kv_args(args, num_ranks), block_size=config.kv.block_size, dtype=dtype,
-                 device_type="cuda", max_model_len=config.model.max_model_len)
+                 device_type="cuda", max_model_len=config.model.max_model_len,
+                 num_layers=None if layers is None else layers.size)
     return f"{weights}; {kv.describe()}"
 
 

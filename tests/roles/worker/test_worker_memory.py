@@ -14,7 +14,7 @@ from mooncaked.engine.kv_budget import MIB, KVBudgetTooSmall, page_nbytes
 from mooncaked.memory_plan import RUNTIME_BYTES, plan_memory, worker_packing
 from mooncaked.model.memory_fit import weight_bytes
 from mooncaked.model import packed_gemm
-from mooncaked.model.config import random_preset
+from mooncaked.model.config import LayerRange, random_preset
 from mooncaked.model.llama import Linear
 from mooncaked.roles import make_role
 from mooncaked.roles.base import PeerClients
@@ -110,3 +110,19 @@ def test_the_memory_plan_gives_each_gpu_of_a_tensor_parallel_instance_its_ranks_
     assert f"{4 * MIB // (TINY_PAGE // 2)} pages" in plans["p0"].device_note
     assert f"{4 * MIB // TINY_PAGE} pages" in plans["d0"].device_note
     assert plans["p0"].runtime == 2 * plans["d0"].runtime
+
+
+def test_the_memory_plan_counts_a_prefill_group_stage_s_layers_only(tmp_path: Path) -> None:
+    """A stage holds its layers' weights and KV pages of its layers (tiny: one layer of two per stage)."""
+    instances = [instance("s0", "store"), instance("g0", "prefill"), instance("g1", "prefill"),
+                 instance("p0", "prefill"), instance("d0", "decode")]
+    config = cluster_config(tmp_path, instances, model={"share_weights": False, "cpu_packed_gemm": False},
+                            cluster={"prefill_groups": [{"name": "pg", "members": ["g0", "g1"]}]},
+                            worker={"num_kv_pages": None, "kv_memory_bytes": 4 * MIB})
+    args = random_preset("tiny")
+    plans = {p.instance: p for p in plan_memory(config, args)}
+    first, second, whole = plans["g0"], plans["g1"], plans["p0"]
+    assert first.kv is not None and whole.kv is not None and first.kv.num_pages == 2 * whole.kv.num_pages
+    assert first.private_weights == weight_bytes(args, torch.float32, layers=LayerRange(0, 1, 2))
+    assert second.private_weights == weight_bytes(args, torch.float32, layers=LayerRange(1, 2, 2))
+    assert first.private_weights + second.private_weights > whole.private_weights > first.private_weights
