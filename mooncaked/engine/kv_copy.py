@@ -164,8 +164,9 @@ class KVCopier:
 
     def _queue(self, work: _Work, pages: KVPages, page_ids: Sequence[int],
                compute_done: torch.cuda.Event | None) -> torch.cuda.Event:
-        """Queue `work` on the copy stream of `pages`' device, after `compute_done` (an event of this device's
-        compute stream: a rank's layer i is written once rank 0's layer i, whose all-reduces join it, is done)."""
+        """Queue `work` on the copy stream of `pages`' device, after `compute_done` (an event of the compute
+        stream of rank 0's device: another rank's layer i is written once rank 0's layer i, whose all-reduces join
+        it, is done)."""
         stream = self.stream_for(pages.device)
         with torch.cuda.stream(stream):
             if compute_done is not None:
@@ -212,7 +213,7 @@ def _run_parts(work: _Work, parts: Sequence[KVPages], ids: torch.Tensor) -> None
 
 def _heads(pages: KVPages, staging: torch.Tensor) -> slice:
     """The KV heads of `pages` among staging's (every KV head of the model): all, or a tensor-parallel rank's."""
-    if pages.num_kv_heads == staging.shape[4]:
+    if pages.num_kv_heads == pages.num_model_kv_heads:
         return slice(None)
     return slice(pages.kv_head_offset, pages.kv_head_offset + pages.num_kv_heads)
 

@@ -12,7 +12,8 @@
 A store object has the pages' layout, [model layers, 2, block_size, model kv_heads, head_dim] (DESIGN section 5):
 it always holds every KV head of the model, so it is the same bytes whatever the tensor-parallel degree of the
 instance that wrote it; a rank's KV heads of one layer's K (or V) are the strided slice [:, heads] of it
-(engine/tp_pages.py copies them). Staging rows are whole objects' layers: [layers, 2, block_size, kv_heads, head_dim].
+(engine/tp_copy.py and engine/kv_copy.py copy them). Staging rows are whole objects' layers: [layers, 2,
+block_size, kv_heads, head_dim].
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ class RankPagesEnd:
         self.arrays = [part.buffer.view(int_dtype).numpy() for part, _, _ in self.parts]  # [L, 2, P, B, Hl, D]
 
     def copy_spans(self, pool: np.ndarray, op: TransferOp, spans: Sequence[Span]) -> None:
-        """READ: pool -> pages; WRITE: pages -> pool. `pool` is flat uint8 (a mapped store pool, or staging)."""
+        """READ: pool -> pages; WRITE: pages -> pool. `pool` is this host's store pool, mapped (flat uint8)."""
         for span in spans:
             self._check(span, pool.nbytes)
             region = pool[span.pool_offset: span.pool_offset + span.num_bytes].view(self.arrays[0].dtype)

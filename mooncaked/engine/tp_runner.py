@@ -206,7 +206,7 @@ class TensorParallelRunner:
 
     def stop(self) -> None:
         deadline = time.monotonic() + self.spec.timeout_s
-        self.rank_pages = []  # CUDA IPC mappings close before their ranks free the memory
+        self.rank_pages = []  # the worker's ShardedPages may still hold them; nothing copies after stop
         for channel, process in zip(self.channels, self.processes):
             if process.is_alive():
                 try:

@@ -78,8 +78,8 @@ class RequestKv:
         num_pages = num_blocks_for(num_tokens + num_extra_tokens, worker.block_size)
         self.page_ids: list[int] = worker.pages.allocate(num_pages, owner=request_id)
         self.is_direct = worker.host_pages is not None  # every move straight between the pages and the stores
-        is_ranks_mapped = worker.tp is not None and worker.kv_pages.device.type == "cpu"
-        self.ranks_end = RankPagesEnd(worker.kv_pages, self.page_ids) if is_ranks_mapped else None
+        is_ranks_mapped = worker.tp is not None and self.kv_pages.device.type == "cpu"
+        self.ranks_end = RankPagesEnd(self.kv_pages, self.page_ids) if is_ranks_mapped else None
         self.staging = StagingHold(worker.staging_pool, self.num_blocks)
         self.copies = CopyTracker(worker.copy_thread, request_id)
         self.num_loaded = 0

@@ -8,7 +8,7 @@
    (pinned on the GPU's NUMA node) and sampler, register the pages as a transfer-engine segment (host pages, which
    every move then reaches straight; GPU pages as "cuda:N" where RDMA can map them), connect to this host's store
    (mapping its pool). With N > 1 tensor-parallel ranks (tp_worker.py) the model is rank 0's shard, the runner
-   drives the ranks, and the KV pages are every rank's (mapped here, moved by strided copies:
+   drives the ranks, and the KV pages are every rank's (mapped here; moves copy each rank's heads:
    roles/worker/request_kv.py), so the rest of the worker is the same at any degree.
 2. `await compute(fn, *args)` runs model work on the single compute thread, keeping the event loop free for RPC,
    transfers and heartbeats. KV copies between pages and staging run on the single copy thread
@@ -135,9 +135,9 @@ class Worker:
         """Host pages are a segment every move reaches straight; GPU pages one where RDMA maps them (GPUDirect).
         A tensor-parallel instance's pages are every rank's buffer: its moves copy (request_kv.py)."""
         assert self.kv_pages is not None and self.loaded is not None
-        pages_segment = f"{self.instance.name}/kv-pages"
         if self.tp is not None:
             return
+        pages_segment = f"{self.instance.name}/kv-pages"
         if self.loaded.device.type == "cpu":  # host pages: moves go straight to and from them, no staging
             self.engine.register(pages_segment, self.kv_pages.buffer, location)
             self.kv_pages_segment = pages_segment

@@ -98,6 +98,19 @@ async def seed_remote_prefix(worker: Worker, tokens: list[int]) -> None:
         await plan.close(commit=False)
 
 
+async def load_first_two_blocks(worker: Worker, keys: list[bytes], num_tokens: int, expected: torch.Tensor) -> None:
+    """A new request's pages get the first two blocks of `keys` from this host's store; they equal `expected`."""
+    found = await worker.local_store.lookup(keys, lease_ms=30_000)
+    kv = RequestKv(worker, "decode", num_tokens, 4)
+    try:
+        kv.start_loading([BlockSource("s_local", [0, 1], [loc.offset for loc in found.locations])], 2)
+        await kv.wait_loaded()
+        assert torch.equal(worker.kv_pages.buffer[:, :, kv.page_ids[:2]], expected)  # type: ignore[union-attr]
+    finally:
+        await kv.release()
+        await worker.local_store.release([found.read_lease_id])
+
+
 def staging_layer(worker: Worker, spans: Sequence[Span]) -> int:
     """The layer a layer-wise move is about, from where its first span lies in the pages or in staging."""
     kv_pages = worker.kv_pages
@@ -213,7 +226,6 @@ async def test_decode_side_loading_is_pipelined(tmp_path: Path, monkeypatch: pyt
         pages = plan.kv.page_ids
         expected = worker.kv_pages.buffer[:, :, pages[:2]].clone()  # type: ignore[union-attr]
         await plan.kv.release()
-        found = await worker.local_store.lookup(keys, lease_ms=30_000)
         timeline = LayerTimeline()
         worker.timeline = timeline
 
@@ -222,14 +234,7 @@ async def test_decode_side_loading_is_pipelined(tmp_path: Path, monkeypatch: pyt
                 await until(lambda: recorded(timeline, "load", layer + 1, "start"))
 
         slow_down(worker.local_store, delay, worker, monkeypatch)
-        kv = RequestKv(worker, "d", len(tokens), 4)
-        try:
-            kv.start_loading([BlockSource("s_local", [0, 1], [loc.offset for loc in found.locations])], 2)
-            await kv.wait_loaded()
-            assert torch.equal(worker.kv_pages.buffer[:, :, kv.page_ids[:2]], expected)  # type: ignore[union-attr]
-        finally:
-            await kv.release()
-            await worker.local_store.release([found.read_lease_id])
+        await load_first_two_blocks(worker, keys, len(tokens), expected)
     for i in range(NUM_LAYERS - 1):
         assert timeline.time_of("load", i + 1, "start") < timeline.time_of("load", i, "end")
 

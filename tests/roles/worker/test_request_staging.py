@@ -24,8 +24,8 @@ from mooncaked.roles.worker.layer_loader import BlockSource
 from mooncaked.roles.worker.messages import Destination
 from mooncaked.roles.worker.request_kv import RequestKv
 from mooncaked.roles.worker.worker import Worker
-from tests.roles.worker.test_layerwise_overlap import (BLOCK, keys_of, make_config, prefill, running_worker,
-                                                       seed_remote_prefix, staging_layer)
+from tests.roles.worker.test_layerwise_overlap import (BLOCK, keys_of, load_first_two_blocks, make_config, prefill,
+                                                       running_worker, seed_remote_prefix, staging_layer)
 
 
 def count_acquires(pool: StagingPool, monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -67,15 +67,7 @@ async def test_moves_with_this_hosts_store_take_no_staging(tmp_path: Path, monke
             assert await prefill(worker, [again]) == expected
         finally:
             await again.close(commit=False)
-        found = await worker.local_store.lookup(keys, lease_ms=30_000)
-        kv = RequestKv(worker, "decode", len(tokens), 4)
-        try:
-            kv.start_loading([BlockSource("s_local", [0, 1], [loc.offset for loc in found.locations])], 2)
-            await kv.wait_loaded()
-            assert torch.equal(worker.kv_pages.buffer[:, :, kv.page_ids[:2]], kv_before)  # type: ignore[union-attr]
-        finally:
-            await kv.release()
-            await worker.local_store.release([found.read_lease_id])
+        await load_first_two_blocks(worker, keys, len(tokens), kv_before)
         assert acquired == [] and worker.staging_pool.num_buffers == 0
 
 

@@ -5,10 +5,13 @@ rank that exits fails its instance (unhealthy; serve() then exits non-zero) and 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -131,63 +134,66 @@ async def test_a_tp2_instance_moves_whole_objects_with_another_hosts_store_throu
             await clients.close()
 
 
+def tp2_decode_config(tmp_path: Path) -> Config:
+    """A store and a decode instance d0 with two ranks, whose steps fail within 5 s of a rank's death."""
+    return cluster_config(tmp_path, [instance("s0", "store"), instance("d0", "decode", **TP2)],
+                          transfer={"timeout_s": 5.0})
+
+
+@contextlib.asynccontextmanager
+async def tp2_decode(tmp_path: Path) -> AsyncIterator[tuple[Config, Any, PeerClients]]:
+    """tp2_decode_config's instances running: the config, d0's worker and clients."""
+    config = tp2_decode_config(tmp_path)
+    async with running_roles(config, ["s0", "d0"]) as roles:
+        clients = PeerClients(config, config.instance_named("d0"))
+        try:
+            yield config, roles["d0"].worker, clients  # type: ignore[attr-defined]
+        finally:
+            await clients.close()
+
+
 async def test_a_killed_rank_fails_the_instance_and_its_requests(tmp_path: Path) -> None:
     """Within the deadline the instance reports itself failed and unhealthy, and a request fails (RankFailed)
     rather than hangs."""
-    config = cluster_config(tmp_path, [instance("s0", "store"), instance("d0", "decode", **TP2)],
-                            transfer={"timeout_s": 5.0})
-    async with running_roles(config, ["s0", "d0"]) as roles:
-        worker = roles["d0"].worker  # type: ignore[attr-defined]
-        clients = PeerClients(config, config.instance_named("d0"))
-        try:
-            tokens = prompt(4, 30)
-            expected = greedy_tokens(load_model("random:tiny"), tokens, NUM_NEW)
-            assert await generate(config, clients, "r1", tokens, "", inline=True) == (expected, 0)
-            os.kill(worker.tp.processes[0].pid, signal.SIGKILL)
-            await asyncio.wait_for(worker.failed.wait(), DEADLINE_S)
-            assert worker.failure.startswith("tensor-parallel rank 1 exited")
-            health = await clients.for_instance(config.instance_named("d0")).call(HEALTH, HealthRequest(),
-                                                                                  timeout_s=DEADLINE_S)
-            assert not health.is_healthy
-            with pytest.raises(Internal, match="RankFailed"):
-                await generate(config, clients, "r2", tokens, "", inline=True)
-        finally:
-            await clients.close()
+    async with tp2_decode(tmp_path) as (config, worker, clients):
+        tokens = prompt(4, 30)
+        expected = greedy_tokens(load_model("random:tiny"), tokens, NUM_NEW)
+        assert await generate(config, clients, "r1", tokens, "", inline=True) == (expected, 0)
+        os.kill(worker.tp.processes[0].pid, signal.SIGKILL)
+        await asyncio.wait_for(worker.failed.wait(), DEADLINE_S)
+        assert worker.failure.startswith("tensor-parallel rank 1 exited")
+        health = await clients.for_instance(config.instance_named("d0")).call(HEALTH, HealthRequest(),
+                                                                              timeout_s=DEADLINE_S)
+        assert not health.is_healthy
+        with pytest.raises(Internal, match="RankFailed"):
+            await generate(config, clients, "r2", tokens, "", inline=True)
 
 
 async def test_a_rank_killed_mid_decode_ends_the_stream_with_an_error(tmp_path: Path) -> None:
     """The rank dies while the request's tokens stream: the stream ends with RankFailed within the deadline."""
-    config = cluster_config(tmp_path, [instance("s0", "store"), instance("d0", "decode", **TP2)],
-                            transfer={"timeout_s": 5.0})
-    async with running_roles(config, ["s0", "d0"]) as roles:
-        worker = roles["d0"].worker  # type: ignore[attr-defined]
-        clients = PeerClients(config, config.instance_named("d0"))
-        try:
-            decode = clients.for_instance(config.instance_named("d0"))
-            tokens = prompt(5, 20)
-            keys = keys_for(config, tokens)
-            spec = SamplingSpec(max_tokens=900, temperature=0.0, ignore_eos=True)
-            reserve = await decode.call(RESERVE, ReserveRequest("long", keys, len(tokens), 900, 10_000,
-                                                                is_inline_prefill=True), timeout_s=DEADLINE_S)
-            assert reserve.is_accepted, reserve.reason
-            num_items = 0
-            with pytest.raises(Internal, match="RankFailed"):
-                async with asyncio.timeout(DEADLINE_S):
-                    async for _ in decode.stream(DECODE, DecodeRequest("long", tokens, keys, spec, None),
-                                                 timeout_s=DEADLINE_S):
-                        num_items += 1
-                        if num_items == 1:  # tokens are streaming: the request is mid-decode
-                            os.kill(worker.tp.processes[0].pid, signal.SIGKILL)
-            assert num_items >= 1
-            await asyncio.wait_for(worker.failed.wait(), DEADLINE_S)
-        finally:
-            await clients.close()
+    async with tp2_decode(tmp_path) as (config, worker, clients):
+        decode = clients.for_instance(config.instance_named("d0"))
+        tokens = prompt(5, 20)
+        keys = keys_for(config, tokens)
+        spec = SamplingSpec(max_tokens=900, temperature=0.0, ignore_eos=True)
+        reserve = await decode.call(RESERVE, ReserveRequest("long", keys, len(tokens), 900, 10_000,
+                                                            is_inline_prefill=True), timeout_s=DEADLINE_S)
+        assert reserve.is_accepted, reserve.reason
+        num_items = 0
+        with pytest.raises(Internal, match="RankFailed"):
+            async with asyncio.timeout(DEADLINE_S):
+                async for _ in decode.stream(DECODE, DecodeRequest("long", tokens, keys, spec, None),
+                                             timeout_s=DEADLINE_S):
+                    num_items += 1
+                    if num_items == 1:  # tokens are streaming: the request is mid-decode
+                        os.kill(worker.tp.processes[0].pid, signal.SIGKILL)
+        assert num_items >= 1
+        await asyncio.wait_for(worker.failed.wait(), DEADLINE_S)
 
 
 async def test_serve_exits_non_zero_when_a_rank_exits(tmp_path: Path) -> None:
     """serve() stops the failed instance and returns EXIT_FAILED, so the supervisor restarts it whole."""
-    config = cluster_config(tmp_path, [instance("s0", "store"), instance("d0", "decode", **TP2)],
-                            transfer={"timeout_s": 5.0})
+    config = tp2_decode_config(tmp_path)
     async with running_roles(config, ["s0"]):
         role = make_role(config, config.instance_named("d0"))
         assert isinstance(role, DecodeRole)
