@@ -142,6 +142,19 @@ def slow_down(client: StoreClient, delay: Callable[[TransferOp, int], Any], work
     monkeypatch.setattr(client, "move", delayed_move)
 
 
+def record_move_ends(client: StoreClient, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The segment name of the local end of each of `client`'s moves from now on."""
+    names: list[str] = []
+    move = client.move
+
+    async def recorded_move(op: TransferOp, staging: Staging, spans: Sequence[Span], **kwargs: Any) -> None:
+        names.append(staging.name)
+        await move(op, staging, spans, **kwargs)
+
+    monkeypatch.setattr(client, "move", recorded_move)
+    return names
+
+
 def gate_compute_ends(worker: Worker, timeline: LayerTimeline) -> list[Any]:
     """Layer i+1's compute ends only once layer i's store has started (or the deadline passed)."""
     assert worker.loaded is not None
@@ -301,14 +314,7 @@ async def test_pages_go_straight_into_another_hosts_store(tmp_path: Path, monkey
         assert worker.kv_pages_segment == "p0/kv-pages" and worker.host_pages is not None
         keys = keys_of(worker, tokens)
         remote = await worker.store_client("s_remote")
-        sources: list[str] = []
-        move = remote.move
-
-        async def recorded_move(op: TransferOp, staging: Staging, spans: Sequence[Span], **kwargs: Any) -> None:
-            sources.append(staging.name)
-            await move(op, staging, spans, **kwargs)
-
-        monkeypatch.setattr(remote, "move", recorded_move)
+        sources = record_move_ends(remote, monkeypatch)
         reply = await remote.allocate(keys, worker.block_nbytes, 60_000)
         plan = await plan_prompt_kv(worker, "g", tokens, keys, timeout_s=30, decode_store="s_remote",
                                     destinations=[Destination(i, h) for i, h in enumerate(reply.handles)])

@@ -9,7 +9,6 @@ import random
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ import torch
 
 from mooncaked.kv import client as client_module
 from mooncaked.engine.staging_pool import StagingBuffer, StagingPool
-from mooncaked.kv.move_ends import Span, Staging
+from mooncaked.kv.move_ends import Span
 from mooncaked.rdma import TransferOp
 from mooncaked.roles.worker.kv_plan import plan_prompt_kv
 from mooncaked.roles.worker.layer_loader import BlockSource
@@ -25,7 +24,8 @@ from mooncaked.roles.worker.messages import Destination
 from mooncaked.roles.worker.request_kv import RequestKv
 from mooncaked.roles.worker.worker import Worker
 from tests.roles.worker.test_layerwise_overlap import (BLOCK, keys_of, load_first_two_blocks, make_config, prefill,
-                                                       running_worker, seed_remote_prefix, staging_layer)
+                                                       record_move_ends, running_worker, seed_remote_prefix,
+                                                       staging_layer)
 
 
 def count_acquires(pool: StagingPool, monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -82,14 +82,7 @@ async def test_a_load_from_another_host_goes_straight_into_the_pages(
         remote = await worker.store_client("s_remote")
         found = await remote.lookup(keys_of(worker, tokens), lease_ms=30_000)
         acquired = count_acquires(worker.staging_pool, monkeypatch)
-        segments: list[str] = []
-        move = remote.move
-
-        async def observed_move(op: TransferOp, staging: Staging, spans: Sequence[Span], **kwargs: Any) -> None:
-            segments.append(staging.name)
-            await move(op, staging, spans, **kwargs)
-
-        monkeypatch.setattr(remote, "move", observed_move)
+        segments = record_move_ends(remote, monkeypatch)
         kv = RequestKv(worker, "decode", len(tokens), 8)
         try:
             kv.start_loading([BlockSource("s_remote", [0, 1], [loc.offset for loc in found.locations],
