@@ -155,6 +155,35 @@ def record_move_ends(client: StoreClient, monkeypatch: pytest.MonkeyPatch) -> li
     return names
 
 
+async def prefill_to_remote(worker: Worker, request_id: str, tokens: list[int], keys: list[bytes],
+                            check: Callable[[KvPlan], None]) -> None:
+    """Prefill `tokens` here with every block sent to the store of 127.0.0.2 too, committed in both; `check`
+    looks at the plan before the forward."""
+    remote = await worker.store_client("s_remote")
+    reply = await remote.allocate(keys, worker.block_nbytes, 60_000)
+    plan = await plan_prompt_kv(worker, request_id, tokens, keys, timeout_s=30, decode_store="s_remote",
+                                destinations=[Destination(i, h) for i, h in enumerate(reply.handles)])
+    try:
+        check(plan)
+        await prefill(worker, [plan])
+        await plan.kv.wait_writes(30)
+        await plan.close_store(commit=True)
+        await remote.commit([h.handle_id for h in reply.handles])
+    finally:
+        await plan.close(commit=False)
+
+
+async def assert_same_objects_here_and_there(worker: Worker, keys: list[bytes]) -> None:
+    """This host's store and 127.0.0.2's hold every block of `keys`, the same bytes (not all zeros)."""
+    remote = await worker.store_client("s_remote")
+    here, there = await worker.local_store.lookup(keys, 30_000), await remote.lookup(keys, 30_000)
+    assert len(here.locations) == len(there.locations) == len(keys)
+    buffers = [np.zeros(len(keys) * worker.block_nbytes, np.uint8) for _ in range(2)]
+    await worker.local_store.read_blocks(worker.local_store.register_staging("here", buffers[0]), here.locations)
+    await remote.read_blocks(remote.register_staging("there", buffers[1]), there.locations)
+    assert buffers[0][: worker.block_nbytes].any() and np.array_equal(buffers[0], buffers[1])
+
+
 def gate_compute_ends(worker: Worker, timeline: LayerTimeline) -> list[Any]:
     """Layer i+1's compute ends only once layer i's store has started (or the deadline passed)."""
     assert worker.loaded is not None
@@ -313,26 +342,14 @@ async def test_pages_go_straight_into_another_hosts_store(tmp_path: Path, monkey
     async with running_worker(config) as worker:
         assert worker.kv_pages_segment == "p0/kv-pages" and worker.host_pages is not None
         keys = keys_of(worker, tokens)
-        remote = await worker.store_client("s_remote")
-        sources = record_move_ends(remote, monkeypatch)
-        reply = await remote.allocate(keys, worker.block_nbytes, 60_000)
-        plan = await plan_prompt_kv(worker, "g", tokens, keys, timeout_s=30, decode_store="s_remote",
-                                    destinations=[Destination(i, h) for i, h in enumerate(reply.handles)])
-        try:
+        sources = record_move_ends(await worker.store_client("s_remote"), monkeypatch)
+
+        def check(plan: KvPlan) -> None:
             assert plan.kv.is_direct and plan.kv.staging.buffer is None
-            await prefill(worker, [plan])
-            await plan.kv.wait_writes(30)
-            await plan.close_store(commit=True)
-            await remote.commit([h.handle_id for h in reply.handles])
-        finally:
-            await plan.close(commit=False)
+
+        await prefill_to_remote(worker, "g", tokens, keys, check)
         assert sources == ["p0/kv-pages"] * NUM_LAYERS, "every layer went from the pages"
-        here, there = (await worker.local_store.lookup(keys, 30_000), await remote.lookup(keys, 30_000))
-        assert len(here.locations) == len(there.locations) == 2
-        buffers = [np.zeros(2 * worker.block_nbytes, np.uint8) for _ in range(2)]
-        await worker.local_store.read_blocks(worker.local_store.register_staging("here", buffers[0]), here.locations)
-        await remote.read_blocks(remote.register_staging("there", buffers[1]), there.locations)
-        assert np.array_equal(buffers[0], buffers[1]) and buffers[0].any()
+        await assert_same_objects_here_and_there(worker, keys)
 
 
 async def test_a_cancelled_release_still_gives_the_pages_back_at_once(tmp_path: Path) -> None:

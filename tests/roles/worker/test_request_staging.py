@@ -18,12 +18,12 @@ from mooncaked.kv import client as client_module
 from mooncaked.engine.staging_pool import StagingBuffer, StagingPool
 from mooncaked.kv.move_ends import Span
 from mooncaked.rdma import TransferOp
-from mooncaked.roles.worker.kv_plan import plan_prompt_kv
+from mooncaked.roles.worker.kv_plan import KvPlan, plan_prompt_kv
 from mooncaked.roles.worker.layer_loader import BlockSource
-from mooncaked.roles.worker.messages import Destination
 from mooncaked.roles.worker.request_kv import RequestKv
 from mooncaked.roles.worker.worker import Worker
-from tests.roles.worker.test_layerwise_overlap import (BLOCK, keys_of, load_first_two_blocks, make_config, prefill,
+from tests.roles.worker.test_layerwise_overlap import (BLOCK, assert_same_objects_here_and_there, keys_of,
+                                                       load_first_two_blocks, make_config, prefill, prefill_to_remote,
                                                        record_move_ends, running_worker, seed_remote_prefix,
                                                        staging_layer)
 
@@ -152,21 +152,10 @@ async def test_reused_blocks_another_host_wants_go_there_from_the_pages(
             await seed.close_store(commit=True)
         finally:
             await seed.close(commit=False)
-        remote = await worker.store_client("s_remote")
-        reply = await remote.allocate(keys, worker.block_nbytes, 60_000)
-        plan = await plan_prompt_kv(worker, "r", tokens, keys, timeout_s=30, decode_store="s_remote",
-                                    destinations=[Destination(i, h) for i, h in enumerate(reply.handles)])
-        try:
+
+        def check(plan: KvPlan) -> None:
             assert plan.num_prefix_blocks == 2 and plan.kv.staging.buffer is None
-            await prefill(worker, [plan])
-            await plan.kv.wait_writes(30)
-            await plan.close_store(commit=True)
-            await remote.commit([h.handle_id for h in reply.handles])
-        finally:
-            await plan.close(commit=False)
-        here, there = await worker.local_store.lookup(keys, 30_000), await remote.lookup(keys, 30_000)
-        assert len(here.locations) == len(there.locations) == 3
-        buffers = [np.zeros(3 * worker.block_nbytes, np.uint8) for _ in range(2)]
-        await worker.local_store.read_blocks(worker.local_store.register_staging("here", buffers[0]), here.locations)
-        await remote.read_blocks(remote.register_staging("there", buffers[1]), there.locations)
-        assert buffers[0][: worker.block_nbytes].any() and np.array_equal(buffers[0], buffers[1])
+
+        await prefill_to_remote(worker, "r", tokens, keys, check)
+        assert len(keys) == 3
+        await assert_same_objects_here_and_there(worker, keys)
