@@ -121,7 +121,7 @@ def _check_config(path: str, overrides: list[str]) -> int:
     import yaml
 
     from mooncaked.engine.kv_budget import KVBudgetTooSmall
-    from mooncaked.memory_plan import plan_memory, render
+    from mooncaked.config.memory_plan import plan_memory, render
     from mooncaked.model.loader import model_args
 
     config = with_default_paths(load_config(path, overrides), os.environ)
@@ -135,9 +135,9 @@ def _check_config(path: str, overrides: list[str]) -> int:
 
 
 def _run_role(args: argparse.Namespace, config: Config) -> int:
-    from mooncaked.lifecycle import EXIT_FATAL, run_role, watchdog_interval
-    from mooncaked.logs import setup_logging
-    from mooncaked.sdnotify import Notifier
+    from mooncaked.runtime.lifecycle import EXIT_FATAL, run_role, watchdog_interval
+    from mooncaked.runtime.logs import setup_logging
+    from mooncaked.runtime.sdnotify import Notifier
 
     notifier = Notifier(os.environ.get("NOTIFY_SOCKET"))
     interval = watchdog_interval(os.environ.get("WATCHDOG_USEC"))
@@ -152,7 +152,7 @@ def _run_role(args: argparse.Namespace, config: Config) -> int:
     setup_logging(config.runtime.log_level, config.runtime.log_format, instance.name)
     warn_if_unauthenticated(config)
     if instance.cpus:
-        from mooncaked.cpu_affinity import CpuAffinityError, pin_to_cpus
+        from mooncaked.runtime.cpu_affinity import CpuAffinityError, pin_to_cpus
 
         try:
             pin_to_cpus(instance.cpus, instance.name)

@@ -1,4 +1,4 @@
-"""The package's import graph, read with `ast`: no circle, and every import follows DESIGN.md's layering.
+"""The package's import graph, read with `ast`: no circle, and every import follows docs/design.md's layering.
 
 Every import counts, wherever it is written (module level, inside a function, under TYPE_CHECKING): a circle
 broken by a deferred import is still a circle.
@@ -15,11 +15,22 @@ import pytest
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "mooncaked"
 
-# Packages that `roles/` composes: none of them imports a role (DESIGN section 4).
-BELOW_ROLES = ("api", "engine", "kernels", "kv", "model", "rdma", "sched", "sim")
-# The pure policy of kv/ (DESIGN: nothing heavier than the standard library, so the simulator runs it).
-KV_POLICY = ("allocator", "block_cache", "dram_eviction", "eviction", "events", "keys", "replica_eviction",
-             "store_core", "store_types")
+# Each part of the system (a folder of the package) and its layer: a module imports only from its own part and
+# from parts of a lower layer (docs/design.md section 4). Parts on one layer are independent of each other.
+LAYERS = {
+    "runtime": 0, "kv": 0, "sched": 0, "kernels": 0, "api": 0,
+    "rpc": 1, "transfer": 1, "model": 1, "sim": 1,
+    "store": 2,
+    "engine": 3,
+    "config": 4,
+    "cluster": 5,
+    "roles": 6,
+    "bench": 7,
+    "cli": 8, "__main__": 9,
+}
+TOP_LEVEL_FILES = ("__init__.py", "__main__.py", "cli.py")
+# Parts whose every module is pure policy: nothing heavier than the standard library, so the simulator runs it.
+PURE = ("kv", "sched", "sim")
 HEAVY_OR_IO = ("asyncio", "torch", "numpy", "triton", "mooncaked.rpc", "mooncaked.roles")
 
 
@@ -99,20 +110,28 @@ def find_circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return circles
 
 
+def part_of(name: str) -> str:
+    """The part a module belongs to: its folder under mooncaked/ (or the top-level module's own name)."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
 def violations(name: str, path: Path, modules: frozenset[str]) -> Iterator[str]:
     imports = set(imported_names(path, name))
-    top = name.split(".")[1] if name.count(".") >= 1 else ""
+    top = part_of(name)
 
     def reaches(prefix: str) -> bool:
         return any(i == prefix or i.startswith(prefix + ".") for i in imports)
 
-    if top in BELOW_ROLES and reaches("mooncaked.roles"):
-        yield f"{name} imports a role: mooncaked/{top}/ sits below roles/"
+    for target in sorted(i for i in imports if i in modules and i != "mooncaked"):
+        other = part_of(target)
+        if other != top and other in LAYERS and top in LAYERS and LAYERS[other] >= LAYERS[top]:
+            yield (f"{name} imports {target}: mooncaked/{top}/ (layer {LAYERS[top]}) may not import "
+                   f"mooncaked/{other}/ (layer {LAYERS[other]}), which is not below it")
     if top != "rpc":
         for target in sorted(i for i in imports if i.startswith("mooncaked.rpc.") and i in modules):
             yield f"{name} imports {target}: outside mooncaked/rpc/ import only what mooncaked.rpc exports"
-    is_kv_policy = top == "kv" and name.rpartition(".")[2] in KV_POLICY
-    if top in ("sched", "sim") or is_kv_policy:
+    if top in PURE:
         for banned in HEAVY_OR_IO:
             if reaches(banned):
                 yield f"{name} imports {banned}: policy is pure (no I/O, asyncio, torch or RPC)"
@@ -136,8 +155,14 @@ def test_every_import_follows_the_layering() -> None:
     assert not found, "\n".join(found)
 
 
-def test_no_rpc_module_is_left_at_the_top_level() -> None:
-    assert not sorted(PACKAGE_DIR.glob("rpc_*.py")) and not (PACKAGE_DIR / "protocol.py").exists()
+def test_only_the_entry_points_lie_at_the_top_level() -> None:
+    loose = sorted(path.name for path in PACKAGE_DIR.glob("*.py") if path.name not in TOP_LEVEL_FILES)
+    assert not loose, f"modules outside a part's folder: {loose}"
+
+
+def test_every_part_has_a_layer() -> None:
+    parts = {path.name for path in PACKAGE_DIR.iterdir() if (path / "__init__.py").exists()}
+    assert parts <= set(LAYERS), f"folders without a layer in LAYERS: {sorted(parts - set(LAYERS))}"
 
 
 def test_the_circle_finder_finds_circles() -> None:
@@ -150,9 +175,16 @@ def test_the_circle_finder_finds_circles() -> None:
     ("mooncaked.sched.x", "import yaml", "standard library only"),
     ("mooncaked.sched.x", "from mooncaked.kv import keys", "nothing else in the package"),
     ("mooncaked.kv.eviction", "from mooncaked.rpc import Method", "policy is pure"),
-    ("mooncaked.engine.x", "from mooncaked.roles.worker import worker", "sits below roles/"),
-    ("mooncaked.kv.client", "from mooncaked.rpc.frames import HEADER", "only what mooncaked.rpc exports"),
-    ("mooncaked.model.x", "def f():\n    import mooncaked.roles.base", "sits below roles/"),
+    ("mooncaked.kv.x", "import torch", "policy is pure"),
+    ("mooncaked.sim.x", "import asyncio", "policy is pure"),
+    ("mooncaked.engine.x", "from mooncaked.roles.worker import worker", "not below it"),
+    ("mooncaked.store.client", "from mooncaked.rpc.frames import HEADER", "only what mooncaked.rpc exports"),
+    ("mooncaked.model.x", "def f():\n    import mooncaked.roles.base", "not below it"),
+    ("mooncaked.config.memory_plan", "from mooncaked.roles.worker import worker", "not below it"),
+    ("mooncaked.runtime.x", "from mooncaked.config import Config", "not below it"),
+    ("mooncaked.store.x", "from mooncaked.engine import runner", "not below it"),
+    ("mooncaked.kv.x", "from mooncaked.sched import types", "not below it"),
+    ("mooncaked.transfer.x", "import mooncaked.rpc", "not below it"),
 ])
 def test_the_layering_check_catches(tmp_path: Path, name: str, source: str, expected: str) -> None:
     path = tmp_path / "x.py"

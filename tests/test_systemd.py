@@ -8,7 +8,7 @@ from pathlib import Path
 
 from mooncaked.cli import build_parser
 from mooncaked.config import ROLES
-from mooncaked.lifecycle import EXIT_FATAL
+from mooncaked.runtime.lifecycle import EXIT_FATAL
 
 UNIT = Path(__file__).resolve().parents[1] / "systemd" / "mooncaked@.service"
 

@@ -34,7 +34,7 @@ import aiohttp
 from mooncaked.bench.chaos_load import OUTCOMES, SteadyLoad
 from mooncaked.bench.cluster import ClusterProcess, free_port, instance, write_config
 from mooncaked.config import Config, load_config
-from mooncaked.kv import messages as kv_msg
+from mooncaked.store import messages as kv_msg
 from mooncaked.roles.worker.messages import LOAD, LoadRequest
 from mooncaked.rpc import INFO, InfoRequest, RpcClient, RpcError
 

@@ -27,7 +27,7 @@ import yaml
 from mooncaked.bench.cluster import free_port
 from mooncaked.bench.etcd_server import EtcdServer
 from mooncaked.config import load_config
-from mooncaked.etcd_membership import EtcdMembership
+from mooncaked.cluster.etcd_membership import EtcdMembership
 
 
 class Fleet:

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mooncaked.kv.move_ends import Staging
+from mooncaked.store.move_ends import Staging
 from mooncaked.engine.timeline import LayerTimeline
 from mooncaked.kv.keys import block_keys
-from mooncaked.roles.worker.kv_plan import KvPlan, plan_prompt_kv
+from mooncaked.roles.worker.kv.plan import KvPlan, plan_prompt_kv
 from mooncaked.roles.worker.messages import Destination, SamplingSpec
-from mooncaked.roles.worker.prefill_forward import run_prefill_forward
+from mooncaked.roles.worker.prefill.forward import run_prefill_forward
 from mooncaked.roles.worker.worker import Worker
 
 STORE_MODES = ("none", "layerwise", "serialized")

@@ -30,8 +30,8 @@ from mooncaked.engine.batch import (DecodeBatch, DecodeSeq, PrefillBatch, Prefil
                                     build_prefill_batch)
 from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.runner import ModelRunner
-from mooncaked.engine.tp_rank import RankSpec
-from mooncaked.engine.tp_runner import TensorParallelRunner
+from mooncaked.engine.tp.rank import RankSpec
+from mooncaked.engine.tp.runner import TensorParallelRunner
 from mooncaked.model.loader import load_model
 
 TP_MODEL = "random:smollm2-135m-8q4kv"

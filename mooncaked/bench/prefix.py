@@ -31,7 +31,7 @@ from mooncaked.config import Config, InstanceConfig, load_config
 from mooncaked.kv.keys import block_keys
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.worker.messages import PREFILL, PrefillReply, PrefillRequest, SamplingSpec
-from mooncaked.roles.worker.prefill import PrefillRole
+from mooncaked.roles.worker.prefill.role import PrefillRole
 from mooncaked.roles.store import StoreRole
 from mooncaked.rpc import RpcClient
 

@@ -62,8 +62,8 @@ def run(args: argparse.Namespace) -> int:
 
 async def _run_all(args: argparse.Namespace, sizes: list[int],
                    client_counts: list[int]) -> dict[int, dict[str, dict[str, Any]]]:
-    from mooncaked.kv.service import StoreService, StoreServiceConfig
-    from mooncaked.rdma import TransferEngine
+    from mooncaked.store.service import StoreService, StoreServiceConfig
+    from mooncaked.transfer import TransferEngine
     from mooncaked.rpc import RpcServer
 
     results: dict[int, dict[str, dict[str, Any]]] = {}

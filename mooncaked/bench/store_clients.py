@@ -71,8 +71,8 @@ def _batches(spec: ClientSpec) -> list[list[int]]:
 
 
 async def _store_client(spec: ClientSpec, barrier: Barrier) -> dict[str, Any]:
-    from mooncaked.kv.client import StoreClient
-    from mooncaked.rdma import TransferEngine
+    from mooncaked.store.client import StoreClient
+    from mooncaked.transfer import TransferEngine
     from mooncaked.rpc import RpcClient
 
     rpc = RpcClient(spec.store_address, role="bench", instance=f"c{spec.client_index}", cluster_id="bench",

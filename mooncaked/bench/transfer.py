@@ -130,7 +130,7 @@ async def _measure(plan: Plan, context: Any, num_handshakes: int) -> tuple[dict[
                                                                          dict[str, list[float]]]:
     """Wall seconds and CPU seconds (sender and receiver processes) per pass of every system, round by round;
     seconds per fresh connection and handshake, with and without the secret."""
-    from mooncaked.rdma import SegmentRef
+    from mooncaked.transfer import SegmentRef
 
     engine_pipe, engine_child = context.Pipe()
     raw_pipe, raw_child = context.Pipe()
@@ -218,7 +218,7 @@ def _engine_receiver(conn: Connection, plan: Plan) -> None:
 
 
 def _make_engine(host: str, plan: Plan, is_auth: bool) -> Any:
-    from mooncaked.rdma import TransferEngine
+    from mooncaked.transfer import TransferEngine
 
     return TransferEngine(host=host, num_connections_per_peer=plan.connections, cluster_id=_CLUSTER,
                           secret=_SECRET if is_auth else None)
@@ -236,7 +236,7 @@ async def _engine_pass(plan: Plan, is_auth: bool, ring: np.ndarray, ref: Any) ->
 
 
 async def _engine_writes(plan: Plan, engine: Any, ref: Any) -> float:
-    from mooncaked.rdma import TransferOp, TransferRequest
+    from mooncaked.transfer import TransferOp, TransferRequest
 
     started = time.perf_counter()
     pending: collections.deque[int] = collections.deque()
@@ -253,8 +253,8 @@ async def _engine_writes(plan: Plan, engine: Any, ref: Any) -> float:
 
 def _time_handshakes(endpoints: list[str], num_samples: int) -> dict[str, list[float]]:
     """Seconds per fresh connection plus handshake to each receiver engine, the two kinds alternating."""
-    from mooncaked.rdma.handshake import DataCredentials, client_handshake
-    from mooncaked.rdma.types import split_endpoint
+    from mooncaked.transfer.handshake import DataCredentials, client_handshake
+    from mooncaked.transfer.types import split_endpoint
 
     kinds = {"open": (endpoints[0], DataCredentials(_CLUSTER)),
              "secret": (endpoints[1], DataCredentials(_CLUSTER, _SECRET))}

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mooncaked.errors import StartupError
+from mooncaked.runtime.errors import StartupError
 from mooncaked.model.config import ModelArgs
 
 MIB = 1 << 20

@@ -24,7 +24,7 @@ import torch
 
 from mooncaked.engine.kv_copy import staging_view
 from mooncaked.engine.kv_pages import KVPages
-from mooncaked.numa import memory_bound_to
+from mooncaked.runtime.numa import memory_bound_to
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Block keys: the one definition of prefix-block identity (DESIGN section 5).
+"""Block keys: the one definition of prefix-block identity (docs/design.md section 5).
 
 1. A model namespace folds the model id, dtype and block size into 16 bytes, so two models never share a key.
 2. Requests that may share KV only with each other (one tenant's, or one `cache_salt`'s, as vLLM defines it)

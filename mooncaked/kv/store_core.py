@@ -1,4 +1,4 @@
-"""The store's metadata and semantics (DESIGN section 6): pure, synchronous, `now` in seconds passed in.
+"""The store's metadata and semantics (docs/design.md section 6): pure, synchronous, `now` in seconds passed in.
 
 1. `allocate(keys, num_bytes, lease_ms, now)`: absent keys get write handles (space reserved, invisible);
    present keys get one read lease. All-or-nothing: if the absent keys do not fit after eviction, StoreFull.

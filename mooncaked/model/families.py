@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from mooncaked.errors import StartupError
+from mooncaked.runtime.errors import StartupError
 from mooncaked.model.config import ModelArgs, RopeScaling
 
 # model_type -> the transformers class whose checkpoints we load

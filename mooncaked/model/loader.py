@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from mooncaked.errors import StartupError
+from mooncaked.runtime.errors import StartupError
 from mooncaked.model.chat_template import CHATML_TEMPLATE, ChatTemplate
 from mooncaked.model.config import LayerRange, ModelArgs, ShardShape, random_preset
 from mooncaked.model.build import WeightSource, build_model

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from mooncaked.errors import StartupError
+from mooncaked.runtime.errors import StartupError
 from mooncaked.model.config import LayerRange, ModelArgs
 from mooncaked.model.packed_gemm import Packing
 from mooncaked.model.weight_names import hf_tensor_shapes

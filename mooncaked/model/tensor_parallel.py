@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from mooncaked.errors import StartupError
+from mooncaked.runtime.errors import StartupError
 from mooncaked.model.config import ModelArgs, ShardShape
 
 # (dim, start, length) of a Hugging Face [out, in] tensor

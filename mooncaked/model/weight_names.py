@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from mooncaked.errors import StartupError
+from mooncaked.runtime.errors import StartupError
 from mooncaked.model.config import LayerRange, ModelArgs
 
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import importlib
 
 from mooncaked.config import Config, InstanceConfig
-from mooncaked.lifecycle import Role
+from mooncaked.runtime.lifecycle import Role
 from mooncaked.roles.member import MemberRole, make_membership
 
 ROLE_CLASSES = {
     "conductor": ("mooncaked.roles.conductor.role", "ConductorRole"),
-    "prefill": ("mooncaked.roles.worker.prefill", "PrefillRole"),
-    "decode": ("mooncaked.roles.worker.decode", "DecodeRole"),
+    "prefill": ("mooncaked.roles.worker.prefill.role", "PrefillRole"),
+    "decode": ("mooncaked.roles.worker.decode.role", "DecodeRole"),
     "store": ("mooncaked.roles.store", "StoreRole"),
 }
 

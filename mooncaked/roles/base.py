@@ -17,9 +17,9 @@ from typing import Any
 
 from mooncaked import __version__
 from mooncaked.config import Config, ConfigError, InstanceConfig
-from mooncaked.config_schema import ConfigIssue
-from mooncaked.rdma import TransferEngine
-from mooncaked.rdma.topology import Topology
+from mooncaked.config.schema import ConfigIssue
+from mooncaked.transfer import TransferEngine
+from mooncaked.transfer.topology import Topology
 from mooncaked.rpc import (HEALTH, INFO, CallContext, HealthReply, HealthRequest, InfoReply, InfoRequest, Method,
                            RpcClient, RpcServer)
 

@@ -15,9 +15,9 @@ import asyncio
 import logging
 
 from mooncaked.config import Config, InstanceConfig
-from mooncaked.etcd_membership import EtcdMembership
-from mooncaked.lifecycle import Role
-from mooncaked.membership import Membership, StaticMembership
+from mooncaked.cluster.etcd_membership import EtcdMembership
+from mooncaked.runtime.lifecycle import Role
+from mooncaked.cluster.membership import Membership, StaticMembership
 
 logger = logging.getLogger(__name__)
 

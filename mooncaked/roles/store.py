@@ -1,4 +1,4 @@
-"""StoreRole: one host's KVCache pool behind RPC (DESIGN section 6).
+"""StoreRole: one host's KVCache pool behind RPC (docs/design.md section 6).
 
 1. Build: the transfer engine (data endpoint on `instance.host:instance.data_port`), the StoreService (pool file
    `<shm_dir>/mooncaked-<cluster>-<instance>`, SSD directory `<ssd_dir>/<instance>` when configured), its named
@@ -16,14 +16,14 @@ import logging
 import os
 
 from mooncaked.config import Config, InstanceConfig, StoreSection
-from mooncaked.kv.cache_service import StoreCaches
-from mooncaked.kv.service import StoreService, StoreServiceConfig
-from mooncaked.kv.shm_pool import pool_path
-from mooncaked.metrics import Metrics
-from mooncaked.numa import allowed_memory_nodes
-from mooncaked.rdma.topology import nic_numa_node
+from mooncaked.store.cache_service import StoreCaches
+from mooncaked.store.service import StoreService, StoreServiceConfig
+from mooncaked.store.shm_pool import pool_path
+from mooncaked.runtime.metrics import Metrics
+from mooncaked.runtime.numa import allowed_memory_nodes
+from mooncaked.transfer.topology import nic_numa_node
 from mooncaked.roles.base import RoleEndpoint, make_transfer_engine
-from mooncaked.roles.metrics_http import MetricsEndpoint
+from mooncaked.runtime.metrics_http import MetricsEndpoint
 
 logger = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from mooncaked.config import Config, InstanceConfig
-from mooncaked.errors import StartupError
-from mooncaked.lifecycle import EXIT_FATAL
+from mooncaked.runtime.errors import StartupError
+from mooncaked.runtime.lifecycle import EXIT_FATAL
 
 logger = logging.getLogger(__name__)
 

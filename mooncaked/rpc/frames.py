@@ -24,7 +24,7 @@ from typing import Any, Callable, cast
 
 import msgpack
 
-from mooncaked import auth
+from mooncaked.runtime import auth
 from mooncaked.rpc.errors import ResourceExhausted
 
 logger = logging.getLogger(__name__)

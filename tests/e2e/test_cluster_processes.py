@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from mooncaked.config import Config, load_config
-from mooncaked.kv import messages as store_messages
+from mooncaked.store import messages as store_messages
 from mooncaked.rpc.protocol import INFO, InfoRequest
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.worker.messages import LOAD, LoadRequest

@@ -1,4 +1,4 @@
-"""Block copies between pages and staging in the store object layout (DESIGN section 5)."""
+"""Block copies between pages and staging in the store object layout (docs/design.md section 5)."""
 
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ from mooncaked.engine.batch import (DecodeBatch, DecodeSeq, PrefillBatch, Prefil
                                     build_prefill_batch)
 from mooncaked.engine.kv_pages import KVPages, PageAllocator
 from mooncaked.engine.runner import ModelRunner
-from mooncaked.engine.tp_rank import RankSpec
-from mooncaked.engine.tp_runner import RankFailed, TensorParallelRunner
+from mooncaked.engine.tp.rank import RankSpec
+from mooncaked.engine.tp.runner import RankFailed, TensorParallelRunner
 from mooncaked.model.loader import load_model
 from mooncaked.model import tensor_parallel
 from mooncaked.model.tensor_parallel import TensorParallelError

@@ -11,7 +11,7 @@ import torch
 from mooncaked.engine.batch import DecodeSeq, PrefillSeq, build_decode_batch, build_prefill_batch
 from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.runner import ModelRunner
-from mooncaked.errors import StartupError
+from mooncaked.runtime.errors import StartupError
 from mooncaked.model.chat_template import CHATML_TEMPLATE
 from mooncaked.model.config import random_preset
 from mooncaked.model.weight_names import random_hf_state_dict

@@ -9,7 +9,7 @@ from typing import Any
 
 from mooncaked.bench.cluster import free_port
 from mooncaked.config import Config, load_config
-from mooncaked.lifecycle import Role
+from mooncaked.runtime.lifecycle import Role
 from mooncaked.roles import make_role
 
 

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from mooncaked.config import Config
-from mooncaked.roles.conductor.batches import BatchManager
+from mooncaked.roles.conductor.batch.batches import BatchManager
 from mooncaked.roles.conductor.role import ConductorRole
 from tests.roles.cluster_fixtures import running_roles
 from tests.roles.test_conductor_flow import make_config, url

@@ -15,7 +15,7 @@ import pytest
 
 from mooncaked.config import Config
 from mooncaked.kv.keys import block_keys
-from mooncaked.lifecycle import Role
+from mooncaked.runtime.lifecycle import Role
 from mooncaked.roles.conductor.role import ConductorRole
 from mooncaked.roles.store import StoreRole
 from tests.roles.cluster_fixtures import cluster_config, instance, running_roles

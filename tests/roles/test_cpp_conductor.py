@@ -18,8 +18,8 @@ import pytest
 
 from mooncaked.config import Config
 from mooncaked.roles.conductor.role import ConductorRole
-from mooncaked.roles.worker import cpp_head
-from mooncaked.roles.worker.prefill import PrefillRole
+from mooncaked.roles.worker.group import head as cpp_head
+from mooncaked.roles.worker.prefill.role import PrefillRole
 from tests.roles.cluster_fixtures import cluster_config, instance, running_roles
 from tests.roles.test_conductor_flow import GREEDY, completion, eventually, expected_text, prompt, url
 from tests.roles.test_failover import metric

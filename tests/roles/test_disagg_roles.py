@@ -12,9 +12,9 @@ import pytest
 from mooncaked.config import Config
 from mooncaked.kv.keys import block_keys, model_namespace
 from mooncaked.model.loader import load_model
-from mooncaked.rdma import SegmentRef, TransferEngine, TransferError, TransferOp, TransferRequest
+from mooncaked.transfer import SegmentRef, TransferEngine, TransferError, TransferOp, TransferRequest
 from mooncaked.roles.base import PeerClients
-from mooncaked.roles.worker.decode import DecodeRole
+from mooncaked.roles.worker.decode.role import DecodeRole
 from mooncaked.roles.worker.messages import (DECODE, PREFILL, RESERVE, DecodeRequest, PrefillRequest, ReserveRequest,
                                              SamplingSpec)
 from mooncaked.rpc import RpcClient

@@ -11,9 +11,9 @@ import aiohttp
 import pytest
 
 from mooncaked.roles.conductor.role import ConductorRole
-from mooncaked.roles.worker import prefill_forward
-from mooncaked.roles.worker.decode import DecodeRole
-from mooncaked.roles.worker.prefill import PrefillRole
+from mooncaked.roles.worker.prefill import forward as prefill_forward
+from mooncaked.roles.worker.decode.role import DecodeRole
+from mooncaked.roles.worker.prefill.role import PrefillRole
 from mooncaked.sched.predictors import DecodeStepPredictor
 from tests.roles.cluster_fixtures import running_roles
 from tests.roles.test_conductor_flow import GREEDY, completion, eventually, make_config, prompt, url

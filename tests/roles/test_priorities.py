@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from mooncaked.roles.base import PeerClients
-from mooncaked.roles.worker.decode import DecodeRole
+from mooncaked.roles.worker.decode.role import DecodeRole
 from mooncaked.roles.worker.messages import RESERVE, UNRESERVE, ReserveReply, ReserveRequest, UnreserveRequest
 from tests.roles.cluster_fixtures import cluster_config, instance, running_roles
 

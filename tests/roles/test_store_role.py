@@ -4,9 +4,9 @@ from pathlib import Path
 import numpy as np
 
 from mooncaked.config import ClusterSection, Config, InstanceConfig, StoreSection
-from mooncaked.kv.client import StoreClient
+from mooncaked.store.client import StoreClient
 from mooncaked.rpc.protocol import HEALTH, INFO, HealthRequest, InfoRequest
-from mooncaked.rdma import TransferEngine
+from mooncaked.transfer import TransferEngine
 from mooncaked.roles.store import StoreRole
 from mooncaked.rpc import RpcClient
 

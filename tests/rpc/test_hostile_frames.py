@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mooncaked.kv import messages as store_messages
+from mooncaked.store import messages as store_messages
 from mooncaked.rpc import Internal, RpcServer
 from mooncaked.rpc.protocol import CallFrame, ErrorFrame, ItemFrame, ResultFrame, EndFrame, encode_array, encode_frame
 from tests.roles.cluster_fixtures import cluster_config, instance, running_roles

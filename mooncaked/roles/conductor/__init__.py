@@ -1,4 +1,4 @@
-"""The conductor: the cluster's front door and global scheduler (DESIGN sections 3, 7 and 9).
+"""The conductor: the cluster's front door and global scheduler (docs/design.md sections 3, 7 and 9).
 
 A request's path through this package, as numbered stages:
 1. `role.ConductorRole` starts the cluster view, the backend and the HTTP app (its lifecycle is in role.py).

@@ -1,4 +1,4 @@
-"""The conductor's `GenerationBackend`: requests in, generated chunks out (DESIGN section 3).
+"""The conductor's `GenerationBackend`: requests in, generated chunks out (docs/design.md section 3).
 
 1. `prepare`: chat template or prompt, tokenization, 413 when the prompt leaves no room in the context,
    max_tokens resolved against the context (vLLM's rules), block keys under the cluster's model namespace.
@@ -18,16 +18,16 @@ from mooncaked.api.errors import ApiError, context_too_long, invalid_field
 from mooncaked.api.requests import ChatRequest, CompletionRequest
 from mooncaked.config import Config
 from mooncaked.kv.keys import block_keys, isolated_namespace, model_namespace
-from mooncaked.logs import request_id_var
-from mooncaked.metrics import Metrics
+from mooncaked.runtime.logs import request_id_var
+from mooncaked.runtime.metrics import Metrics
 from mooncaked.model.chat_template import ChatTemplateError
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.class_metrics import ClassMetrics
-from mooncaked.roles.conductor.cluster_info import describe_cluster
-from mooncaked.roles.conductor.cluster_view import ClusterView
+from mooncaked.roles.conductor.view.cluster_info import describe_cluster
+from mooncaked.roles.conductor.view.cluster import ClusterView
 from mooncaked.roles.conductor.frontend import (ConductorRequest, ModelFrontend, generation_state, key_isolation,
                                                 sampling_spec)
-from mooncaked.roles.conductor.prediction_errors import PredictionErrors
+from mooncaked.roles.conductor.view.prediction_errors import PredictionErrors
 from mooncaked.roles.conductor.leader import PdController
 from mooncaked.roles.conductor.request_run import RequestRun
 from mooncaked.sched.types import REASON_NO_DECODE, REASON_NO_PREFILL

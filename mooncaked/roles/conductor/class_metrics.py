@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from mooncaked.metrics import E2E_BUCKETS_S, REQUEST_STATUSES, TPOT_BUCKETS_S, TTFT_BUCKETS_S, Metrics
+from mooncaked.runtime.metrics import E2E_BUCKETS_S, REQUEST_STATUSES, TPOT_BUCKETS_S, TTFT_BUCKETS_S, Metrics
 from mooncaked.sched.priority import BATCH, INTERACTIVE
 
 

@@ -23,9 +23,9 @@ from collections import deque
 from typing import Any
 
 from mooncaked.config import Config
-from mooncaked.etcd_membership import EtcdMembership
+from mooncaked.cluster.etcd_membership import EtcdMembership
 from mooncaked.roles.base import PeerClients
-from mooncaked.roles.conductor.cluster_view import ClusterView, WorkerState
+from mooncaked.roles.conductor.view.cluster import ClusterView, WorkerState
 from mooncaked.roles.worker.switch_messages import SWITCH, SwitchRequest
 from mooncaked.rpc import RpcError
 from mooncaked.sched.pd_ratio import PdRatioConfig

@@ -23,7 +23,7 @@ from typing import Any
 from mooncaked.api.errors import ApiError, deadline_exceeded, internal_error, overloaded, unavailable
 from mooncaked.config import Config
 from mooncaked.roles.base import PeerClients
-from mooncaked.roles.conductor.cluster_view import ClusterView
+from mooncaked.roles.conductor.view.cluster import ClusterView
 from mooncaked.roles.worker.messages import (DECODE, PREFILL, RESERVE, UNRESERVE, DecodeItem, DecodeRequest,
                                              PrefillReply, PrefillRequest, ReserveReply, ReserveRequest,
                                              SamplingSpec, StoreTenant, TokenSample, UnreserveRequest)

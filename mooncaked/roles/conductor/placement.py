@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from mooncaked.config import Config, PrefillGroupConfig
-from mooncaked.roles.conductor.in_flight import InFlightTable
-from mooncaked.roles.conductor.instance_views import (OutputForecast, WorkerState, decode_view, inline_wait_s,
+from mooncaked.roles.conductor.view.in_flight import InFlightTable
+from mooncaked.roles.conductor.view.instances import (OutputForecast, WorkerState, decode_view, inline_wait_s,
                                                       pipeline_spec, prefill_view)
-from mooncaked.roles.conductor.live_predictors import LivePredictors
+from mooncaked.roles.conductor.view.predictors import LivePredictors
 from mooncaked.sched.admission import rejects_at_arrival, select_decode
 from mooncaked.sched.algorithm import SchedulerPolicy, schedule
 from mooncaked.sched.pipeline import even_pipeline

@@ -1,4 +1,4 @@
-"""One request across the cluster, driven by `ConductorBackend.generate` (DESIGN section 3).
+"""One request across the cluster, driven by `ConductorBackend.generate` (docs/design.md section 3).
 
 1. An attempt (`Leg`, leg.py) places the request (a Rejection is a 429 with Retry-After, or a 503 when no
    instance of a needed role is up), RESERVEs on the decode instance (under admission `none` and `baseline` it
@@ -31,15 +31,15 @@ from mooncaked.api.backend import GenerationChunk, TokenLogprob
 from mooncaked.api.errors import ApiError
 from mooncaked.config import Config
 from mooncaked.kv.keys import block_keys, isolated_namespace
-from mooncaked.logs import request_id_var
-from mooncaked.metrics import Metrics
+from mooncaked.runtime.logs import request_id_var
+from mooncaked.runtime.metrics import Metrics
 from mooncaked.model.stopping import FINISH_LENGTH, FINISH_STOP, GenerationState
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.class_metrics import ClassMetrics
-from mooncaked.roles.conductor.cluster_view import ClusterView
+from mooncaked.roles.conductor.view.cluster import ClusterView
 from mooncaked.roles.conductor.frontend import ConductorRequest, ModelFrontend
 from mooncaked.roles.conductor.leg import Leg, LegFailed, LegWork, Rejected
-from mooncaked.roles.conductor.prediction_errors import PredictionErrors, PredictionRecord
+from mooncaked.roles.conductor.view.prediction_errors import PredictionErrors, PredictionRecord
 from mooncaked.roles.worker.messages import FINISH_EOS, PrefillReply, SamplingSpec, StoreTenant, TokenSample
 from mooncaked.sched.types import Placement
 

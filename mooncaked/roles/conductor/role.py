@@ -1,4 +1,4 @@
-"""The conductor role: the OpenAI-compatible HTTP API in front of the cluster (DESIGN sections 3, 7 and 9).
+"""The conductor role: the OpenAI-compatible HTTP API in front of the cluster (docs/design.md sections 3, 7 and 9).
 
 1. `start()`: load the tokenizer, chat template and model shape (no weights), build the scheduler's policy and
    default predictors, start the cluster view (index resync from every store's dump, first LOAD round), the
@@ -33,22 +33,22 @@ from mooncaked.api.cache_routes import add_cache_routes
 from mooncaked.api.client_guard import ClientGuard, GuardedSite
 from mooncaked.api.tenant_gate import TenantGate
 from mooncaked.config import Config, ConfigError, InstanceConfig
-from mooncaked.config_schema import ConfigIssue
-from mooncaked.etcd_membership import EtcdMembership
-from mooncaked.membership import Membership, StaticMembership
-from mooncaked.metrics import Metrics
+from mooncaked.config.schema import ConfigIssue
+from mooncaked.cluster.etcd_membership import EtcdMembership
+from mooncaked.cluster.membership import Membership, StaticMembership
+from mooncaked.runtime.metrics import Metrics
 from mooncaked.model.frontend import ModelFrontendInfo, load_frontend
 from mooncaked.model.loader import num_parameters, resolve_dtype
 from mooncaked.roles.base import PeerClients, RoleEndpoint
-from mooncaked.roles.conductor.cluster_view import ClusterView, ClusterViewSettings
+from mooncaked.roles.conductor.view.cluster import ClusterView, ClusterViewSettings
 from mooncaked.roles.conductor.backend import ConductorBackend
-from mooncaked.roles.conductor.batches import BatchManager
+from mooncaked.roles.conductor.batch.batches import BatchManager
 from mooncaked.roles.conductor.caches import CacheRegistry
 from mooncaked.roles.conductor.completion import complete
 from mooncaked.roles.conductor.frontend import ModelFrontend
 from mooncaked.roles.conductor.leader import PdController
-from mooncaked.roles.conductor.live_predictors import LivePredictors
-from mooncaked.roles.conductor.store_follower import FollowerSettings
+from mooncaked.roles.conductor.view.predictors import LivePredictors
+from mooncaked.roles.conductor.view.store_follower import FollowerSettings
 from mooncaked.roles.conductor.tenancy import make_gate
 from mooncaked.roles.conductor.tenancy import reload as reload_tenants
 from mooncaked.sched.predictors import DecodeStepPredictor, Predictors, PrefillTimePredictor, TransferTimePredictor

@@ -14,8 +14,8 @@ from pathlib import Path
 from mooncaked.api.tenant_gate import TenantGate
 from mooncaked.api.tenants import TenantDirectory, TenantsError, from_api_keys, load_tenants
 from mooncaked.config import Config, ConfigError
-from mooncaked.config_schema import ConfigIssue
-from mooncaked.metrics import Metrics
+from mooncaked.config.schema import ConfigIssue
+from mooncaked.runtime.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 

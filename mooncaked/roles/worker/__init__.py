@@ -1,4 +1,4 @@
-"""The workers: the model-holding runtime shared by the prefill and decode roles (DESIGN sections 3 and 11).
+"""The workers: the model-holding runtime shared by the prefill and decode roles (docs/design.md sections 3 and 11).
 
 1. `worker.Worker` owns one model replica, its KV pages and its compute thread; the role driving it does not
    change the runner.

@@ -1,4 +1,4 @@
-"""RPC messages between the conductor and the prefill and decode instances (DESIGN section 3).
+"""RPC messages between the conductor and the prefill and decode instances (docs/design.md section 3).
 
 1. RESERVE (conductor -> decode): the decode instance checks its TBT SLO and memory, sets pages aside, and
    allocates space in its host's store for every prompt block it does not hold; the reply names those
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from mooncaked.kv.messages import WriteHandle
+from mooncaked.store.messages import WriteHandle
 from mooncaked.rpc import Message, Method
 
 FINISH_EOS = "eos"  # an EOS or stop token id ended the sequence

@@ -22,15 +22,15 @@ import time
 from collections.abc import AsyncIterator
 
 from mooncaked.config import Config, InstanceConfig
-from mooncaked.membership import Membership, StaticMembership
-from mooncaked.metrics import Metrics
+from mooncaked.cluster.membership import Membership, StaticMembership
+from mooncaked.runtime.metrics import Metrics
 from mooncaked.roles.base import RoleEndpoint
-from mooncaked.roles.metrics_http import MetricsEndpoint
-from mooncaked.roles.worker.decode import DecodeRole
+from mooncaked.runtime.metrics_http import MetricsEndpoint
+from mooncaked.roles.worker.decode.role import DecodeRole
 from mooncaked.roles.worker.messages import (DECODE, LOAD, PREFILL, RESERVE, UNRESERVE, DecodeItem, DecodeRequest,
                                              LoadReply, LoadRequest, PrefillReply, PrefillRequest, ReserveReply,
                                              ReserveRequest, UnreserveReply, UnreserveRequest)
-from mooncaked.roles.worker.prefill import PrefillRole
+from mooncaked.roles.worker.prefill.role import PrefillRole
 from mooncaked.roles.worker.profiler import profile
 from mooncaked.roles.worker.switch_messages import SWITCH, SwitchReply, SwitchRequest
 from mooncaked.roles.worker.worker import Worker

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from mooncaked.kv.messages import WriteHandle
+from mooncaked.store.messages import WriteHandle
 from mooncaked.roles.worker import messages as m
 from mooncaked.rpc.protocol import Message, decode_array, decode_message, encode_array, encode_message
 
@@ -45,7 +45,7 @@ def test_an_older_sender_without_the_new_fields_decodes_to_their_defaults() -> N
 
 
 def test_prefill_group_messages_round_trip() -> None:
-    from mooncaked.roles.worker import cpp_messages as c
+    from mooncaked.roles.worker.group import messages as c
 
     span = c.BlockSpan("s0", [0, 2], [0, 1 << 33])
     samples: list[Message] = [

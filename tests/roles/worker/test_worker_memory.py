@@ -11,16 +11,16 @@ import torch
 
 from mooncaked.config import Config
 from mooncaked.engine.kv_budget import MIB, KVBudgetTooSmall, page_nbytes
-from mooncaked.memory_plan import RUNTIME_BYTES, plan_memory, worker_packing
+from mooncaked.config.memory_plan import RUNTIME_BYTES, plan_memory, worker_packing
 from mooncaked.model.memory_fit import weight_bytes
 from mooncaked.model import packed_gemm
 from mooncaked.model.config import LayerRange, random_preset
 from mooncaked.model.llama import Linear
 from mooncaked.roles import make_role
 from mooncaked.roles.base import PeerClients
-from mooncaked.roles.worker.decode import DecodeRole
+from mooncaked.roles.worker.decode.role import DecodeRole
 from mooncaked.roles.worker.messages import LOAD, LoadRequest
-from mooncaked.roles.worker.prefill import PrefillRole
+from mooncaked.roles.worker.prefill.role import PrefillRole
 from tests.roles.cluster_fixtures import cluster_config, instance, running_roles
 
 TINY_PAGE = page_nbytes(random_preset("tiny"), 16, torch.float32)

@@ -1,0 +1,1 @@
+"""Who is in the cluster: the membership interface, static lists and etcd."""

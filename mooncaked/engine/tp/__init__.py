@@ -1,0 +1,1 @@
+"""Tensor-parallel instances: rank processes, their channel, shared pages and all-reduce."""

@@ -1,0 +1,1 @@
+"""The Batch API on the conductor: batches, their lines, queue, runs and journals."""

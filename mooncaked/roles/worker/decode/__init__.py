@@ -1,0 +1,1 @@
+"""The decode role: admission and reservations, continuous batching."""

@@ -1,0 +1,284 @@
+"""The decode role (docs/design.md section 3, steps 2 and 5): reserve, load the prefilled KV, decode in a continuous batch.
+
+1. RESERVE (roles/worker/decode/reserve.py): check the batch's room (and, by admission policy, the TBT SLO with this
+   instance's own fitted model: roles/worker/decode/admission.py; under `none` and `baseline` a request waits for room
+   instead, the waiting ones taking it interactive first, then by priority and arrival), set pages aside, and
+   allocate store space on this host for the prompt blocks it lacks (plus a private block for the partial tail);
+   the reply names them. A reservation lives until DECODE claims it or its lease runs out.
+2. DECODE with a first token: load the prompt's blocks from this host's store (the prefill instance wrote them)
+   into pages layer by layer, layer i+1's read under way while layer i is copied into the pages, off the
+   compute thread (running sequences keep decoding meanwhile); commit the full blocks (they become cache
+   here), drop the tail block and join the batch. DECODE without one: prefill inline (the colocated path),
+   then join.
+3. Stream one item per step (several when the consumer lags) until EOS, a stop token or max_tokens; when the
+   stream ends for any reason, leave the batch and free the pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from mooncaked.config import Config, InstanceConfig
+from mooncaked.runtime.logs import request_id_var
+from mooncaked.cluster.membership import Membership
+from mooncaked.model.sampler import make_generator
+from mooncaked.runtime.metrics import Metrics
+from mooncaked.roles.base import RoleEndpoint
+from mooncaked.runtime.metrics_http import MetricsEndpoint
+from mooncaked.roles.worker.decode.admission import WAITING_POLICIES, refusal_after_prefill
+from mooncaked.roles.worker.decode.loop import DecodeLoop, RunningSeq, finish_reason_for
+from mooncaked.roles.worker.decode.reserve import ReserveAdmission
+from mooncaked.roles.worker.kv.plan import KvPlan, check_block_keys, plan_prompt_kv
+from mooncaked.roles.worker.kv.spans import num_blocks_for
+from mooncaked.roles.worker.messages import (DECODE, LOAD, RESERVE, UNRESERVE, DecodeItem, DecodeRequest, LoadReply,
+                                             LoadRequest, ReserveReply, ReserveRequest, SamplingSpec, TokenSample,
+                                             UnreserveReply, UnreserveRequest)
+from mooncaked.roles.worker.prefill.forward import run_prefill_forward
+from mooncaked.roles.worker.profiler import profile
+from mooncaked.roles.worker.kv.request_kv import BlockSource, RequestKv
+from mooncaked.roles.worker.decode.reservations import Reservation, ReservationBook
+from mooncaked.roles.worker.sampling import to_params
+from mooncaked.roles.worker.worker import Worker
+from mooncaked.rpc import CallContext, InvalidArgument, NotFound, ResourceExhausted
+from mooncaked.sched.perf_model import RecentMean
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeRole:
+    """Owns the worker, the reservation book, the decode loop and the RESERVE admission (with its waiting calls)."""
+
+    name = "decode"
+
+    def __init__(self, config: Config, instance: InstanceConfig, membership: Membership | None = None,
+                 worker: Worker | None = None) -> None:
+        self.config = config
+        self.instance = instance
+        self.worker = worker or Worker(config, instance, membership)
+        self.metrics = Metrics()
+        self.metrics_endpoint = MetricsEndpoint(instance.host, instance.metrics_port, self.metrics,
+                                                self._refresh_metrics)
+        self.loop = DecodeLoop(self.worker, on_step=self._observe_step)
+        self.reservations = ReservationBook(self.worker)
+        self.endpoint = RoleEndpoint(config, instance, extra_info=self._info,
+                                     is_healthy=lambda: not self.worker.failed.is_set())
+        self.endpoint.add_method(RESERVE, self._reserve)
+        self.endpoint.add_method(UNRESERVE, self._unreserve)
+        self.endpoint.add_method(DECODE, self._decode)
+        self.endpoint.add_method(LOAD, self._load, is_eager=True)
+        self.admission = ReserveAdmission(config, self.worker, self.loop, self.reservations)
+        self._num_prefilling = 0
+        self.inline_overhead = RecentMean()
+
+    @property
+    def failed(self) -> asyncio.Event:
+        """Set when the instance cannot serve any more (a tensor-parallel rank exited): serve() stops it and
+        exits non-zero, so the supervisor restarts it."""
+        return self.worker.failed
+
+    async def start(self) -> None:
+        await self.worker.start()
+        await profile(self.worker, with_decode=True)
+        self.activate()
+        await self.endpoint.start()
+        await self.metrics_endpoint.start()
+
+    async def stop(self) -> None:
+        await self.metrics_endpoint.stop()
+        await self.endpoint.stop()
+        await self.deactivate()
+        await self.reservations.close()
+        await self.worker.stop()
+
+    def activate(self) -> None:
+        """Start the decode loop on the (started) worker; a switchable instance calls this when it becomes decode."""
+        self.loop.start()
+
+    async def deactivate(self) -> None:
+        """Stop the loop (its sequences end with an error) and give back every reservation; the worker stays."""
+        await self.loop.stop()
+        for request_id in list(self.reservations.by_id):
+            await self.reservations.drop(request_id, is_prefill_done=False)
+
+    @property
+    def is_idle(self) -> bool:
+        return not self.loop.running and not self.reservations and not self._num_prefilling
+
+    def _refresh_metrics(self) -> None:
+        self.metrics.queues.set_length("decode", len(self.reservations))
+
+    def _observe_step(self, num_seqs: int, step_s: float) -> None:
+        self.metrics.engine.observe_step("decode", num_requests=num_seqs, num_tokens=num_seqs, step_s=step_s)
+
+    def _info(self) -> dict[str, str]:
+        return {"running": str(len(self.loop.running)), "reservations": str(len(self.reservations))}
+
+    async def _load(self, request: LoadRequest, ctx: CallContext) -> LoadReply:
+        pages = self.worker.pages
+        assert pages is not None
+        await self.reservations.drop_orphans(ctx.peer_instance, request.conductor_run)
+        coefficients = self.worker.perf.coefficients()
+        return LoadReply(role="decode", num_running=len(self.loop.running), num_waiting=len(self.reservations),
+                         num_queued_tokens=0, num_free_pages=pages.num_free - self.reservations.num_pages(),
+                         num_pages=pages.num_pages, step_time_s=self.loop.mean_step_s,
+                         num_context_tokens=self.loop.num_context_tokens,
+                         prefill_coefficients=list(coefficients.prefill), decode_coefficients=list(coefficients.decode),
+                         overhead_s=self.inline_overhead.value, kv_cache_bytes=self.worker.kv_cache_bytes)
+
+    # ---- 1. reserve ------------------------------------------------------------------------------------
+    async def _reserve(self, request: ReserveRequest, ctx: CallContext) -> ReserveReply:
+        request_id_var.set(request.request_id)
+        if request.request_id in self.reservations:
+            raise InvalidArgument(f"request {request.request_id} is already reserved")
+        if request.max_tokens < 1 or request.num_prompt_tokens < 1 or request.lease_ms < 1:
+            raise InvalidArgument("num_prompt_tokens, max_tokens and lease_ms must be >= 1")
+        await self.reservations.expire()
+        await self.reservations.drop_orphans(ctx.peer_instance, request.conductor_run)
+        num_pages = num_blocks_for(request.num_prompt_tokens + request.max_tokens, self.worker.block_size)
+        if num_pages > self.worker.num_pages:
+            return ReserveReply(is_accepted=False, reason=f"memory: needs {num_pages} KV pages, the instance has "
+                                f"{self.worker.num_pages}")
+        reason = self.admission.refusal(request, num_pages)
+        if (reason or self.admission.waiting) and self.config.scheduler.admission in WAITING_POLICIES:
+            reason = await self.admission.wait_for_room(request, num_pages, ctx)
+        if reason:
+            return ReserveReply(is_accepted=False, reason=reason)
+        reservation = self.reservations.add(request, num_pages, ctx.peer_instance)
+        if self.admission.waiting:
+            await self.reservations.room.freed()  # the next in line may fit beside it
+        if request.is_inline_prefill:
+            return ReserveReply(is_accepted=True, store_instance=self.worker.local_store_name)
+        try:
+            await self.reservations.allocate(reservation)
+        except ResourceExhausted as exc:
+            await self.reservations.drop(request.request_id)
+            return ReserveReply(is_accepted=False, reason=f"store: {exc.message}")
+        except BaseException:
+            await self.reservations.drop(request.request_id)
+            raise
+        return self.reservations.reply(reservation)
+
+    async def _unreserve(self, request: UnreserveRequest, ctx: CallContext) -> UnreserveReply:
+        was_reserved = request.request_id in self.reservations
+        await self.reservations.drop(request.request_id, is_prefill_done=False)
+        return UnreserveReply(was_reserved=was_reserved)
+
+    # ---- 2. claim: load prefilled KV, or prefill inline ------------------------------------------------
+    def _claim(self, request: DecodeRequest) -> Reservation:
+        reservation = self.reservations.get(request.request_id)
+        if reservation is None:
+            raise NotFound(f"no reservation for request {request.request_id}: reserve first (or it expired)")
+        if len(request.token_ids) != reservation.request.num_prompt_tokens:
+            raise InvalidArgument("token_ids do not match the reserved num_prompt_tokens")
+        check_block_keys(self.worker, request.token_ids, request.block_keys, request.key_isolation)
+        return reservation
+
+    async def _load_prefilled(self, request: DecodeRequest, reservation: Reservation) -> RequestKv:
+        worker, store = self.worker, self.worker.local_store
+        kv = RequestKv(worker, request.request_id, len(request.token_ids), reservation.request.max_tokens)
+        try:
+            index_of = {key: i for i, key in enumerate(request.block_keys)}
+            blocks = [(index_of[loc.key], loc.offset) for loc in reservation.present]
+            blocks += [(index_of[h.key], h.offset) for h in reservation.handles]
+            if reservation.tail is not None:
+                blocks.append((len(request.block_keys), reservation.tail.offset))
+            kv.start_loading([BlockSource(worker.local_store_name, [i for i, _ in blocks], [o for _, o in blocks],
+                                          reservation.incarnation)], kv.num_blocks)
+            await kv.wait_loaded()
+            if reservation.handles:
+                await store.commit([h.handle_id for h in reservation.handles])
+                reservation.handles = []
+        except BaseException:
+            await kv.release()
+            raise
+        return kv
+
+    async def _prefill_inline(self, request: DecodeRequest, ctx: CallContext) -> tuple[RequestKv, TokenSample, int]:
+        """Prefill on this instance. Its forward is a sample of the prefill model; the rest of its time but the wait
+        for the compute thread (planning, writes) is the inline overhead LOAD reports. The conductor predicts the
+        wait itself (the running decode step's remainder and the inline prefills queued ahead), so it is left out
+        rather than averaged over busy and idle moments."""
+        worker, started = self.worker, time.monotonic()
+        plan = await plan_prompt_kv(worker, request.request_id, list(request.token_ids), request.block_keys,
+                                    timeout_s=max(ctx.deadline - time.monotonic(), 0.001),
+                                    num_extra_tokens=request.sampling.max_tokens, key_isolation=request.key_isolation,
+                                    tenant=request.tenant)
+        self._num_prefilling += 1
+        try:
+            submitted = time.monotonic()
+            samples, forward_start, forward_s = await worker.compute(_timed_forward, worker, plan, request.sampling)
+            await plan.kv.wait_writes(self.config.transfer.timeout_s)
+            await plan.close_store(commit=True)
+        except BaseException:
+            await plan.close(commit=False)
+            raise
+        finally:
+            self._num_prefilling -= 1
+        num_prefix_tokens = plan.num_prefix_blocks * worker.block_size
+        worker.perf.add_prefill(len(request.token_ids), num_prefix_tokens, forward_s)
+        self.inline_overhead.add(time.monotonic() - started - forward_s - (forward_start - submitted))
+        return plan.kv, samples[0], num_prefix_tokens
+
+    # ---- 3. stream -------------------------------------------------------------------------------------
+    async def _decode(self, request: DecodeRequest, ctx: CallContext) -> AsyncIterator[DecodeItem]:
+        request_id_var.set(request.request_id)
+        params = to_params(request.sampling)
+        reservation = self._claim(request)
+        num_cached_tokens = 0
+        try:
+            refusal = refusal_after_prefill(self.config.scheduler.admission, len(self.loop.running),
+                                            self.loop.num_context_tokens, len(request.token_ids),
+                                            self.admission.step_limit())
+            if refusal and request.first_token is not None:
+                raise ResourceExhausted(refusal)
+            if request.first_token is None:
+                kv, first, num_cached_tokens = await self._prefill_inline(request, ctx)
+            else:
+                kv, first = await self._load_prefilled(request, reservation), request.first_token
+        finally:
+            await self.reservations.drop(request.request_id)
+        seq = RunningSeq(request.request_id, kv, list(request.token_ids) + [first.token_id], len(request.token_ids),
+                         params, make_generator(params), num_sampled_before=request.sampling.num_sampled)
+        try:
+            assert self.worker.loaded is not None
+            reason = finish_reason_for(seq, first.token_id, self.worker.loaded.eos_token_ids,
+                                       self.config.model.max_model_len)
+            first_item = DecodeItem(tokens=[first] if request.first_token is None else [], finish_reason=reason,
+                                    num_cached_tokens=num_cached_tokens)
+            if first_item.tokens or reason:
+                yield first_item
+            if reason:
+                return
+            self.loop.add(seq)
+            async for item in self._items(seq):
+                yield item
+        finally:
+            await self.loop.remove(seq)
+            await kv.release()
+            await self.reservations.room.freed()
+
+    async def _items(self, seq: RunningSeq) -> AsyncIterator[DecodeItem]:
+        while True:
+            entries = [await asyncio.wait_for(seq.outbox.get(), self.config.conductor.token_timeout_s)]
+            while not seq.outbox.empty():
+                entries.append(seq.outbox.get_nowait())
+            tokens: list[TokenSample] = []
+            for entry in entries:
+                if isinstance(entry, BaseException):
+                    raise entry
+                sample, reason = entry
+                tokens.append(sample)
+                if reason:
+                    yield DecodeItem(tokens=tokens, finish_reason=reason)
+                    return
+            yield DecodeItem(tokens=tokens)
+
+
+def _timed_forward(worker: Worker, plan: KvPlan, sampling: SamplingSpec) -> tuple[list[TokenSample], float, float]:
+    """Compute thread: an inline prefill's forward, when it started and its own time (no wait for the thread)."""
+    started = time.monotonic()
+    samples = run_prefill_forward(worker, [plan], [sampling])
+    return samples, started, time.monotonic() - started

@@ -1,0 +1,1 @@
+"""Prefill groups (the paper's chunked pipeline parallelism): the head, later stages, their messages."""

@@ -1,0 +1,305 @@
+"""One request's KV on a worker: its pages, the staging it holds while moves need it, and its byte moves.
+
+1. `RequestKv(worker, request_id, num_tokens)` allocates pages for every block of the prompt (the partial tail
+   included) plus `num_extra_tokens`. Store objects have the pages' layout (docs/design.md section 5). Pages in host memory (CPU,
+   one process) are a transfer-engine segment: every move goes straight between them and the stores
+   (`is_direct`). A tensor-parallel instance on CPU (worker.tp) moves between its ranks' pages and this host's
+   mapped store pool in strided copies on the copy thread (engine/tp_copy.py). Other moves (GPU pages, one
+   rank's or many; a tensor-parallel instance with another host's store) go through a staging buffer
+   [num_blocks, layers, 2, block_size, kv_heads, head_dim] in the object layout, which the request holds only
+   while such a move is in flight (request_memory.StagingHold); the copier copies every rank's heads of it.
+2. Loading: `start_loading(sources, num_blocks)` (event loop) starts a LayerLoader, which loads layer by layer
+   (`load_layer`: straight into the pages, or into staging and then into the pages on the copy thread). The
+   forward waits per layer (`wait_layer_loaded`, compute thread); a caller that needs all of it awaits
+   `wait_loaded`.
+3. Storing: `store_layer(i, writes)` (compute thread, after layer i) queues layer i's writes to every store
+   (event loop; staged ones after the copy of layer i of their blocks from the pages into staging on the copy
+   thread; GPU pages registered for RDMA (GPUDirect) go to another host's store straight from the pages) and
+   returns: layer i is sent while layer i+1 computes. At most `worker.max_layers_in_flight` layers are in
+   flight; beyond, the compute thread waits for the oldest. `wait_writes()` awaits them all (and reports a
+   failed load). Same-host copies run on the copy thread, others on the transfer engine's threads: none on the
+   compute thread.
+4. `release()` stops the loader, refuses new copies, waits for running ones (request_memory.CopyTracker), frees
+   the pages and gives staging back; the caller owns store handles and leases and ends them (commit, abort,
+   release) after it, so no same-host copy touches a pool region once its handle or lease ended. Memory a
+   transfer-engine move was abandoned in (cancelled, failed mid-flight) may still take late bytes: staging is
+   dropped, not reused, and pages that were a move's end are freed only after transfer.io_timeout_s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from mooncaked.engine.kv_pages import KVPages
+from mooncaked.engine.tp.copy import RankPagesEnd
+from mooncaked.store.client import StoreClient
+from mooncaked.store.move_ends import LocalEnd, Span, Staging
+from mooncaked.transfer import TransferOp
+from mooncaked.roles.worker.kv.spans import num_blocks_for, page_spans, staging_spans
+from mooncaked.roles.worker.kv.layer_loader import BlockSource, LayerLoader, LoadFailed
+from mooncaked.roles.worker.kv.request_memory import CopyTracker, StagingHold, copy_staging, index_runs
+from mooncaked.roles.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+_NO_BYTES = np.empty(0, dtype=np.uint8)  # moves from the pages' segment never touch host bytes
+
+
+@dataclass(frozen=True)
+class LayerWrite:
+    """Each layer of blocks `indices` goes to pool `offsets` of store `store_name`."""
+
+    store_name: str
+    indices: list[int]
+    offsets: list[int]
+    incarnation: int = 0  # the store run the offsets belong to (kv/client.py); 0: unchecked
+
+
+class RequestKv:
+    """Owns one request's pages, its copies (CopyTracker), its staging while moves need it (StagingHold), its
+    loader and its in-flight writes."""
+
+    def __init__(self, worker: Worker, request_id: str, num_tokens: int, num_extra_tokens: int = 0) -> None:
+        assert worker.pages is not None and worker.kv_pages is not None and worker.staging_pool is not None
+        self.worker = worker
+        self.kv_pages: KVPages = worker.kv_pages  # the worker's
+        self.request_id = request_id
+        self.num_tokens = num_tokens
+        self.num_blocks = num_blocks_for(num_tokens, worker.block_size)
+        self.num_full_blocks = num_tokens // worker.block_size
+        num_pages = num_blocks_for(num_tokens + num_extra_tokens, worker.block_size)
+        self.page_ids: list[int] = worker.pages.allocate(num_pages, owner=request_id)
+        self.is_direct = worker.host_pages is not None  # every move straight between the pages and the stores
+        is_ranks_mapped = worker.tp is not None and self.kv_pages.device.type == "cpu"
+        self.ranks_end = RankPagesEnd(self.kv_pages, self.page_ids) if is_ranks_mapped else None
+        self.staging = StagingHold(worker.staging_pool, self.num_blocks)
+        self.copies = CopyTracker(worker.copy_thread, request_id)
+        self.num_loaded = 0
+        self.loader: LayerLoader | None = None
+        self.store_error: Exception | None = None
+        self._writes: list[concurrent.futures.Future[None]] = []
+        self._is_moves_clean = True  # no move straight into or out of the pages was abandoned mid-flight
+        self._is_released = False
+        self.is_settled = True  # see release
+
+    # ---- moves between stores and this request's memory (event loop) ------------------------------------
+    def _is_staged(self, client: StoreClient) -> bool:
+        """Whether moves with `client`'s store go through staging (GPU pages; ranks' pages, another host's)."""
+        return not self.is_direct and not (self.ranks_end is not None and client.is_local)
+
+    def _is_gpudirect(self, client: StoreClient) -> bool:
+        """Whether writes to `client`'s store go straight from GPU pages registered for RDMA (another host's)."""
+        return self.worker.kv_pages_segment is not None and not self.is_direct and not client.is_local
+
+    def _memory(self, client: StoreClient) -> Staging | LocalEnd:
+        """The local end of moves with `client`'s store: the pages, the ranks' pages, or the held staging."""
+        if self.worker.host_pages is not None:
+            return self.worker.host_pages
+        if self.ranks_end is not None and client.is_local:
+            return self.ranks_end
+        assert self.staging.buffer is not None, "a move through staging runs while the request holds it"
+        return Staging(self.staging.buffer.name, self.staging.buffer.array)
+
+    async def _move(self, op: TransferOp, client: StoreClient, spans: Sequence[Span], memory: Staging | LocalEnd,
+                    incarnation: int) -> None:
+        try:
+            await client.move(op, memory, spans, executor=self.copies if client.is_local else None,
+                              incarnation=incarnation)
+        except BaseException:
+            if self.is_direct:  # the transfer engine may still write the pages late
+                self._is_moves_clean = False
+            raise
+
+    def layer_spans(self, indices: Sequence[int], offsets: Sequence[int], layer: int) -> list[Span]:
+        """Layer `layer` of blocks `indices` in this request's memory <-> pool `offsets` (`layer` counts this
+        worker's layers: a pipeline stage's layer i is model layer first_layer + i of the store object)."""
+        if self.is_direct:
+            return page_spans(self.kv_pages, self.page_ids, indices, offsets, layer)
+        return staging_spans(self.kv_pages, indices, offsets, layer)
+
+    async def _read(self, source: BlockSource, layer: int) -> None:
+        client = await self.worker.store_client(source.store_name)
+        spans = self.layer_spans(source.indices, source.offsets, layer)
+        await self._move(TransferOp.READ, client, spans, self._memory(client), source.incarnation)
+
+    async def _write(self, write: LayerWrite, layer: int) -> None:
+        """Another host's store reads GPU pages straight over RDMA when they are registered (GPUDirect)."""
+        client = await self.worker.store_client(write.store_name)
+        if self._is_gpudirect(client):
+            assert self.worker.kv_pages_segment is not None
+            spans = page_spans(self.kv_pages, self.page_ids, write.indices, write.offsets, layer)
+            await self._move(TransferOp.WRITE, client, spans, Staging(self.worker.kv_pages_segment, _NO_BYTES),
+                             write.incarnation)
+            return
+        spans = self.layer_spans(write.indices, write.offsets, layer)
+        await self._move(TransferOp.WRITE, client, spans, self._memory(client), write.incarnation)
+
+    async def _on_copy_thread(self, fn: Callable[..., None], *args: Any) -> None:
+        await asyncio.wrap_future(self.copies.submit(fn, *args))
+
+    async def _staged(self, store_names: Sequence[str], is_write: bool = False) -> list[str]:
+        """Which of these stores' moves go through staging (writes from GPU pages registered for GPUDirect to
+        another host's store do not)."""
+        if self.is_direct:
+            return []
+        clients = [await self.worker.store_client(name) for name in store_names]
+        return [name for name, client in zip(store_names, clients)
+                if self._is_staged(client) and not (is_write and self._is_gpudirect(client))]
+
+    # ---- loading ---------------------------------------------------------------------------------------
+    def start_loading(self, sources: Sequence[BlockSource], num_blocks: int) -> None:
+        """Event loop: load blocks [0, num_blocks) of every layer from `sources` into the pages."""
+        self.num_loaded = num_blocks
+        if num_blocks:
+            self.loader = LayerLoader(self, sources)
+            self.loader.start()
+
+    async def load_layer(self, layer: int, sources: Sequence[BlockSource]) -> None:
+        """Event loop: layer `layer` of every source's blocks into the pages, complete when this returns."""
+        staged = set(await self._staged([s.store_name for s in sources]))
+        if not staged:
+            await asyncio.gather(*(self._read(s, layer) for s in sources))
+            return
+        async with self.staging as (_, view):
+            await asyncio.gather(*(self._read(s, layer) for s in sources))
+            indices = sorted(i for s in sources if s.store_name in staged for i in s.indices)
+            await self._copy_staging(TransferOp.READ, layer, indices, view)
+
+    async def _copy_staging(self, op: TransferOp, layer: int, indices: Sequence[int], view: torch.Tensor,
+                            compute_done: torch.cuda.Event | None = None) -> None:
+        """Staging rows of sorted blocks `indices` <-> their pages, on the copy thread (see copy_staging)."""
+        assert self.worker.copier is not None
+        await self._on_copy_thread(copy_staging, self.worker.copier, self.kv_pages, self.page_ids, op, layer,
+                                   index_runs(indices), view, compute_done)
+
+    def wait_layer_loaded(self, layer: int) -> bool:
+        """Compute thread, before layer `layer`: True once it is in the pages, False if this request's loading
+        failed (the forward then sends nothing more for it)."""
+        if self.loader is None:
+            return True
+        return self.loader.wait_layer(layer, self.worker.section.kv_load_timeout_s)
+
+    async def wait_loaded(self) -> None:
+        if self.loader is not None:
+            await self.loader.wait_all(self.worker.section.kv_load_timeout_s)
+
+    @property
+    def is_failed(self) -> bool:
+        return self.store_error is not None or (self.loader is not None and self.loader.error is not None)
+
+    def raise_failure(self) -> None:
+        if self.loader is not None and self.loader.error is not None:
+            raise self.loader.error
+        if self.store_error is not None:
+            raise self.store_error
+
+    # ---- storing ---------------------------------------------------------------------------------------
+    def store_layer(self, layer: int, writes: Sequence[LayerWrite]) -> None:
+        """Compute thread, right after layer `layer` was computed (queued, on CUDA): see stage 3."""
+        if self.is_failed or not self._wait_store_window():
+            return
+        worker = self.worker
+        assert worker.copier is not None
+        compute_done = worker.copier.mark_compute()  # layer `layer`'s end: a copy waits for nothing later
+        self._writes.append(worker.post(self._store_layer_all(layer, writes, compute_done)))
+
+    def _wait_store_window(self) -> bool:
+        limit = self.worker.section.max_layers_in_flight
+        pending = [w for w in self._writes if not w.done()]
+        if len(pending) < limit:
+            return True
+        timeout_s = self.worker.config.transfer.timeout_s
+        _, not_done = concurrent.futures.wait(pending[: len(pending) - limit + 1], timeout=timeout_s)
+        if not_done:
+            self.store_error = TimeoutError(f"{self.request_id}: {len(not_done)} layer writes still in flight after "
+                                            f"{timeout_s:g}s (transfer.timeout_s)")
+            return False
+        return True
+
+    async def _store_layer_all(self, layer: int, writes: Sequence[LayerWrite],
+                               compute_done: torch.cuda.Event | None) -> None:
+        """Event loop: layer `layer` to every store; staged writes after the copy of their blocks (computed ones,
+        and loaded ones another store lacks) from the pages into staging, which holds nothing between moves."""
+        timeline = self.worker.timeline
+        if timeline is not None:
+            timeline.record("store", self.request_id, layer, "start")
+        writes = [w for w in writes if w.indices]
+        staged = set(await self._staged([w.store_name for w in writes], is_write=True))
+        if not staged:
+            if compute_done is not None and writes:  # GPUDirect writes only: the NIC reads the pages after it
+                await self._on_copy_thread(compute_done.synchronize)
+            await asyncio.gather(*(self._write(w, layer) for w in writes))
+        else:
+            async with self.staging as (_, view):
+                indices = sorted({i for w in writes if w.store_name in staged for i in w.indices})
+                await self._copy_staging(TransferOp.WRITE, layer, indices, view, compute_done)
+                await asyncio.gather(*(self._write(w, layer) for w in writes))
+        if timeline is not None:
+            timeline.record("store", self.request_id, layer, "end")
+
+    async def wait_writes(self, timeout_s: float) -> None:
+        """Await every queued layer write; raises the first failure (a failed load included)."""
+        writes, self._writes = self._writes, []
+        if writes:
+            await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(w) for w in writes)), timeout_s)
+        self.raise_failure()
+
+    async def settle_writes(self, timeout_s: float) -> None:
+        """Let in-flight writes end, well or not, so their destinations may be freed without a late write."""
+        writes, self._writes = self._writes, []
+        if writes:
+            await asyncio.wait([asyncio.wrap_future(w) for w in writes], timeout=timeout_s)
+
+    # ---- end -------------------------------------------------------------------------------------------
+    async def release(self) -> None:
+        """Free pages and staging; idempotent, and safe to cancel (what then still runs ends by its deadline
+        before the pages are freed). In-flight writes are cancelled, running copies awaited; no copy starts
+        after this began. `is_settled` is then False only when a copy still ran past transfer.timeout_s: the
+        pool regions it touches must then not be freed (the caller leaves them to their leases)."""
+        if self._is_released:
+            return
+        self._is_released = True
+        self.copies.close()
+        self.staging.close()
+        for write in self._writes:
+            if write.cancel():
+                self.staging.is_clean = False
+                if self.is_direct:  # its transfer may still write the pages
+                    self._is_moves_clean = False
+        self._writes = []
+        timeout_s = self.worker.config.transfer.timeout_s
+        try:
+            if self.loader is not None:
+                await self.loader.close()
+            self.is_settled = await self.copies.settle(timeout_s)
+        except asyncio.CancelledError:
+            self._give_back(delay_s=timeout_s, is_reusable=False)
+            raise
+        if not self.is_settled:  # a copy still runs: its pages and staging stay taken rather than reused under it
+            logger.error("%s: KV copies still running after %gs; its pages and staging are not reused",
+                         self.request_id, timeout_s)
+            return
+        # moves through staging and copies on the copy thread (settled above) never write the pages late
+        is_late_write_possible = not self._is_moves_clean
+        self._give_back(delay_s=self.worker.config.transfer.io_timeout_s if is_late_write_possible else 0.0,
+                        is_reusable=True)
+
+    def _give_back(self, delay_s: float, is_reusable: bool) -> None:
+        worker = self.worker
+        assert worker.pages is not None
+        self.staging.give_back(is_reusable and self.staging.num_users == 0)
+        if delay_s > 0:
+            worker.free_pages_later(self.request_id, delay_s)
+        else:
+            worker.pages.free_owner(self.request_id)
+
+
+__all__ = ["BlockSource", "LayerWrite", "LoadFailed", "RequestKv"]

@@ -1,0 +1,35 @@
+"""Where one layer of a request's blocks lies at each end of a move: its pages, its staging rows, a store object.
+
+1. A prompt of `num_tokens` takes num_blocks_for(num_tokens, block_size) blocks (the partial tail included).
+2. A store object holds one block of every layer of the model in the pages' layout (docs/design.md section 5); a worker's layer
+   i is the object's layer first_layer + i (KVPages.object_layer_offset).
+3. page_spans: straight between the pages and a pool: each block's K page and V page, two spans a block.
+4. staging_spans: through staging: row n holds block n's layers of this worker, one span a block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mooncaked.engine.kv_pages import KVPages
+from mooncaked.store.move_ends import Span
+
+
+def num_blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def page_spans(kv_pages: KVPages, page_ids: Sequence[int], indices: Sequence[int], offsets: Sequence[int],
+               layer: int) -> list[Span]:
+    """Layer `layer` of blocks `indices` as K and V page ranges of the pages' buffer <-> pool `offsets`."""
+    layer_offset, page_bytes = kv_pages.object_layer_offset(layer), kv_pages.page_nbytes
+    return [Span(offset + layer_offset + kind * page_bytes, kv_pages.page_byte_offset(layer, kind, page_ids[index]),
+                 page_bytes)
+            for index, offset in zip(indices, offsets) for kind in (0, 1)]
+
+
+def staging_spans(kv_pages: KVPages, indices: Sequence[int], offsets: Sequence[int], layer: int) -> list[Span]:
+    """Layer `layer` of blocks `indices` as staging row ranges <-> pool `offsets`."""
+    # staging rows hold this worker's layers only; the store object every layer of the model
+    row, size, in_object = kv_pages.block_nbytes, kv_pages.layer_block_nbytes, kv_pages.object_layer_offset(layer)
+    return [Span(offset + in_object, index * row + layer * size, size) for index, offset in zip(indices, offsets)]

@@ -1,0 +1,1 @@
+"""The prefill role: its queue, its forward, what it reports in LOAD."""

@@ -1,0 +1,286 @@
+"""The prefill role (docs/design.md section 3, step 3): reuse the cached prefix, compute the rest layer by layer, stream KV out.
+
+1. PREFILL arrives: check the block keys, fetch a remote prefix into this host's store when told to (this is
+   also hot-block replication), allocate store space for the new blocks, read the cached prefix into staging.
+2. The job joins the queue (roles/worker/prefill/queue.py); the batch loop takes as many queued jobs as fit
+   `max_batch_tokens` (a prompt longer than `prefill_chunk` runs alone, in chunks), interactive before batch,
+   then by priority and arrival (sched/priority.py), never a batch line in the forward of an interactive prompt,
+   and runs one forward on the compute thread.
+3. Layer by layer: before layer i, the prefix KV of layer i goes into pages; after layer i, layer i's new KV is
+   copied to staging and written into this host's store and into the decode host's reserved blocks.
+4. After the last layer: wait for every write, commit the new blocks (they become cache), sample the first
+   token, reply. Whatever happens, `finally` aborts uncommitted handles, ends leases and frees pages.
+5. Each batch's time, split per prompt by compute share, refits the instance's performance model (profiled at
+   start); LOAD reports the model, the predicted work the instance holds and its per-request overhead.
+A prefill group's member (cluster.prefill_groups) holds only its layers: the first stage takes PREFILL, runs its
+queue one prompt at a time and drives each through the group's pipeline (roles/worker/group/head.py), reporting the group's
+pipeline in LOAD (roles/worker/group/monitor.py); the later stages serve the pipeline's calls (roles/worker/group/stage.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from mooncaked.config import Config, InstanceConfig
+from mooncaked.runtime.logs import request_id_var
+from mooncaked.cluster.membership import Membership
+from mooncaked.runtime.metrics import Metrics
+from mooncaked.roles.base import RoleEndpoint
+from mooncaked.runtime.metrics_http import MetricsEndpoint
+from mooncaked.roles.worker.group.head import PipelineHead
+from mooncaked.roles.worker.group.monitor import GroupMonitor
+from mooncaked.roles.worker.group.stage import StageService
+from mooncaked.roles.worker.kv.plan import plan_prompt_kv
+from mooncaked.roles.worker.messages import LOAD, PREFILL, LoadReply, LoadRequest, PrefillReply, PrefillRequest
+from mooncaked.roles.worker.messages import TokenSample
+from mooncaked.roles.worker.prefill.forward import PrefillCancelled, run_prefill_forward
+from mooncaked.roles.worker.prefill.load import PrefillLoad
+from mooncaked.roles.worker.prefill.queue import PrefillJob, take_batch
+from mooncaked.roles.worker.profiler import profile
+from mooncaked.roles.worker.sampling import to_params
+from mooncaked.roles.worker.worker import Worker
+from mooncaked.rpc import CallContext, InvalidArgument, RpcError, Unavailable
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillRole:
+    """Owns the worker, the prefill queue and the batch loop task; in a prefill group also its stage's pipeline
+    part: the first stage's `pipeline` (roles/worker/group/head.py) or a later stage's `stage_service` (roles/worker/group/stage.py)."""
+
+    name = "prefill"
+
+    def __init__(self, config: Config, instance: InstanceConfig, membership: Membership | None = None,
+                 worker: Worker | None = None) -> None:
+        self.config = config
+        self.instance = instance
+        self.worker = worker or Worker(config, instance, membership)
+        self.endpoint = RoleEndpoint(config, instance, extra_info=self._info,
+                                     is_healthy=lambda: not self.worker.failed.is_set())
+        self.endpoint.add_method(PREFILL, self._prefill)
+        self.endpoint.add_method(LOAD, self._load, is_eager=True)
+        self._queue: list[PrefillJob] = []
+        self._running: list[PrefillJob] = []
+        self._wakeup = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self.load: PrefillLoad | None = None  # from start(): needs the model's hidden size
+        self.metrics = Metrics()
+        self.metrics_endpoint = MetricsEndpoint(instance.host, instance.metrics_port, self.metrics,
+                                                self._refresh_metrics)
+        self.pipeline: PipelineHead | None = None
+        self.group_monitor: GroupMonitor | None = None
+        self.stage_service: StageService | None = None
+
+    @property
+    def failed(self) -> asyncio.Event:
+        """Set when the instance cannot serve any more (a tensor-parallel rank exited): serve() stops it and
+        exits non-zero, so the supervisor restarts it."""
+        return self.worker.failed
+
+    async def start(self) -> None:
+        await self.worker.start()
+        await self._start_stage()
+        await profile(self.worker, with_decode=False)
+        self.activate()
+        await self.endpoint.start()
+        await self.metrics_endpoint.start()
+
+    async def _start_stage(self) -> None:
+        stage = self.worker.stage
+        if stage is None:
+            return
+        if stage.is_first:
+            self.pipeline = PipelineHead(self.worker)
+            await self.pipeline.start()
+            self.group_monitor = GroupMonitor(self.worker)
+            self.group_monitor.start()
+        else:
+            self.stage_service = StageService(self.worker, self.endpoint)
+            await self.stage_service.start()
+
+    async def stop(self) -> None:
+        await self.metrics_endpoint.stop()
+        await self.endpoint.stop()
+        await self.deactivate()
+        if self.stage_service is not None:
+            await self.stage_service.stop()
+        if self.group_monitor is not None:
+            await self.group_monitor.stop()
+        if self.pipeline is not None:
+            await self.pipeline.stop()
+        await self.worker.stop()
+
+    def activate(self) -> None:
+        """Start taking prefills on the (started) worker; a switchable instance calls this when it becomes prefill."""
+        if self.load is None:
+            assert self.worker.loaded is not None
+            self.load = PrefillLoad(self.worker.perf, self.worker.loaded.args.hidden_size)
+        self._loop_task = asyncio.create_task(self._batch_loop(), name="prefill-batch-loop")
+
+    async def deactivate(self) -> None:
+        """Stop the batch loop and fail what is still queued (nothing, after a drain); the worker stays."""
+        task, self._loop_task = self._loop_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for job in self._queue:
+            if not job.future.done():
+                job.future.set_exception(Unavailable(f"{self.instance.name} stopped taking prefills"))
+
+    @property
+    def is_idle(self) -> bool:
+        is_stage_idle = self.stage_service is None or self.stage_service.is_idle
+        return not self._queue and not self._running and is_stage_idle
+
+    def _refresh_metrics(self) -> None:
+        self.metrics.queues.set_length("prefill", len(self._queue))
+
+    def _observe(self, batch: list[PrefillJob], started: float, elapsed_s: float) -> None:
+        worker = self.worker
+        self.metrics.engine.observe_step("prefill", num_requests=len(batch),
+                                         num_tokens=sum(job.num_new_tokens for job in batch), step_s=elapsed_s)
+        for job in batch:
+            plan = job.plan
+            self.metrics.queues.observe_wait("prefill", started - job.enqueued_at)
+            num_remote = min(plan.num_fetched_blocks, plan.num_prefix_blocks)
+            self.metrics.cache.observe_prefix(num_local=plan.num_prefix_blocks - num_remote, num_remote=num_remote,
+                                              num_computed=plan.kv.num_full_blocks - plan.num_prefix_blocks)
+            num_sent = sum(len(wanted) for wanted in plan.destinations.values())
+            self.metrics.cache.observe_transfer("write", num_sent * worker.block_nbytes)
+            self.metrics.cache.observe_transfer("read", plan.num_fetched_blocks * worker.block_nbytes)
+
+    def _info(self) -> dict[str, str]:
+        return {"queued": str(len(self._queue)), "running": str(len(self._running))}
+
+    async def _load(self, request: LoadRequest, ctx: CallContext) -> LoadReply:
+        pages, load, now = self.worker.pages, self.load, time.monotonic()
+        assert pages is not None and load is not None
+        load.pipeline = self.group_monitor.spec() if self.group_monitor is not None else None
+        spec = load.pipeline_now(now)
+        coefficients = load.coefficients(now)
+        num_running = len(self._running) + (len(self.stage_service.jobs) if self.stage_service else 0)
+        is_member = self.worker.stage is not None  # its model covers its layers only: not a whole-model predictor
+        own = list(coefficients.prefill)
+        return LoadReply(role="prefill", num_running=num_running, num_waiting=len(self._queue),
+                         num_queued_tokens=sum(job.num_new_tokens for job in self._queue + self._running),
+                         num_free_pages=pages.num_free, num_pages=pages.num_pages,
+                         step_time_s=load.mean_batch_s, prefill_coefficients=[] if is_member else own,
+                         decode_coefficients=list(coefficients.decode),
+                         pending_work_s=load.pending_work_s([job.prompt for job in self._queue], now),
+                         held_request_ids=[job.request.request_id for job in self._running + self._queue],
+                         overhead_s=load.overhead.value, kv_cache_bytes=self.worker.kv_cache_bytes,
+                         stage_coefficients=own if is_member else [],
+                         chunk_handoff_s=self.stage_service.handoff.value if self.stage_service else 0.0,
+                         pipeline_stages=[list(c) for c in spec.stage_coefficients] if spec else [],
+                         pipeline_handoffs_s=list(spec.handoff_s) if spec else [],
+                         cpp_chunk_tokens=spec.chunk_tokens if spec else 0)
+
+    async def _prefill(self, request: PrefillRequest, ctx: CallContext) -> PrefillReply:
+        request_id_var.set(request.request_id)
+        arrived_at = time.monotonic()
+        stage = self.worker.stage
+        if stage is not None and not stage.is_first:
+            raise InvalidArgument(f"{self.instance.name} is {stage.describe()}; send PREFILL to its first stage "
+                                  f"{stage.group.members[0]}")
+        to_params(request.sampling)  # invalid sampling parameters fail here, not inside a batch
+        plan = await plan_prompt_kv(self.worker, request.request_id, request.token_ids, request.block_keys,
+                                    fetch_store=request.fetch_store, num_fetch_blocks=request.num_fetch_blocks,
+                                    decode_store=request.decode_store, destinations=request.destinations,
+                                    timeout_s=max(ctx.deadline - time.monotonic(), 0.001),
+                                    key_isolation=request.key_isolation, tenant=request.tenant)
+        job = PrefillJob(request, plan, arrived_at, time.monotonic(), asyncio.get_running_loop().create_future(),
+                         deadline=ctx.deadline)
+        job.idle.set()
+        try:
+            self._queue.append(job)
+            self._wakeup.set()
+            return await job.future
+        finally:
+            if not job.future.done() or job.future.cancelled():  # cancelling this call cancels job.future
+                plan.is_cancelled = True  # the forward sends nothing more for it
+            if job in self._queue:
+                self._queue.remove(job)
+            await job.idle.wait()  # pages stay allocated until the compute thread has left this job
+            await plan.close(commit=job.future.done() and not job.future.cancelled()
+                             and job.future.exception() is None)
+
+    def _take_batch(self) -> list[PrefillJob]:
+        return take_batch(self._queue, self.worker.section, is_one_at_a_time=self.pipeline is not None)
+
+    async def _batch_loop(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._queue:
+                batch = self._take_batch()
+                await self._run_batch(batch)
+
+    async def _run_batch(self, batch: list[PrefillJob]) -> None:
+        started = time.monotonic()
+        for job in batch:
+            job.is_running, job.started_at = True, started
+            job.idle.clear()
+        self._running = batch
+        assert self.load is not None
+        self.load.batch_started([job.prompt for job in batch], started)
+        try:
+            first_tokens, stage_s = await self._compute(batch)
+            elapsed_s = time.monotonic() - started
+            self._observe(batch, started, elapsed_s)
+            self.load.batch_finished([job.prompt for job in batch], elapsed_s if stage_s is None else stage_s)
+            await self._finish(batch, first_tokens, elapsed_s)
+        except Exception as exc:
+            if isinstance(exc, RpcError):  # a prefill group's stage failed: the error names it
+                logger.warning("prefill batch of %d failed: %s", len(batch), exc)
+            elif not isinstance(exc, PrefillCancelled):
+                logger.exception("prefill batch of %d failed", len(batch))
+            for job in batch:
+                if not job.future.done():
+                    job.future.set_exception(exc)
+        finally:
+            self._running = []
+            for job in batch:
+                job.is_running = False
+                job.idle.set()
+
+    async def _finish(self, batch: list[PrefillJob], samples: list[TokenSample], elapsed_s: float) -> None:
+        assert self.load is not None
+        for job, sample in zip(batch, samples):
+            if job.future.done():
+                continue
+            try:
+                await job.plan.kv.wait_writes(self.config.transfer.timeout_s)
+            except Exception as exc:
+                job.future.set_exception(exc)
+                continue
+            now = time.monotonic()
+            self.load.replied(now - job.arrived_at, job.started_at - job.enqueued_at, elapsed_s)
+            job.future.set_result(PrefillReply(
+                first_token=sample, num_cached_tokens=job.num_prefix_tokens,
+                num_fetched_blocks=job.plan.num_fetched_blocks, prefill_s=now - job.enqueued_at, compute_s=elapsed_s))
+
+    async def _compute(self, batch: list[PrefillJob]) -> tuple[list[TokenSample], float | None]:
+        """The forward on the compute thread (a group's first stage: through the pipeline, with the seconds of
+        this stage's part of it; None elsewhere: the batch's whole time is its sample). Cancelled (the role is
+        stopping), it marks every plan cancelled and still waits for the thread to leave the batch (at its next
+        layer boundary): until then the batch's pages and staging are in use."""
+        if self.pipeline is not None:
+            job = batch[0]
+            first_token, compute_s = await self.pipeline.run(job.request, job.plan, job.deadline)
+            return [first_token], compute_s
+        forward = asyncio.ensure_future(self.worker.compute(self._forward, batch))
+        try:
+            return await asyncio.shield(forward), None
+        except asyncio.CancelledError:
+            for job in batch:
+                job.plan.is_cancelled = True
+            await asyncio.wait([forward])
+            raise
+
+    def _forward(self, batch: list[PrefillJob]) -> list[TokenSample]:
+        return run_prefill_forward(self.worker, [job.plan for job in batch], [job.request.sampling for job in batch])
+

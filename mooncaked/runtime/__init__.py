@@ -1,0 +1,1 @@
+"""One process's runtime: lifecycle, sd_notify, logs, metrics, errors, NUMA and CPU affinity, auth."""

@@ -1,0 +1,193 @@
+"""Slicing and dispatch: pieces of requests waiting for a path to one peer.
+
+1. `make_pieces` turns a request into one pending piece (its slices, not yet cut).
+2. Path workers (threads, one per path) `take` a run of whole slices from the first piece they may carry:
+   a path is eligible when it is usable (not cooling down), the piece has not failed on it (unless it has failed
+   on every usable path) and no usable path has a better topology tier for this piece.
+3. A worker reports `succeed`, `retry` (path error: the run goes back at the front, for another path) or
+   `reject` (the remote refused it: the batch fails). Retries are bounded by `max_retries` per piece.
+4. When every path to the peer is cooling down, pending pieces fail at once instead of waiting.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+
+from mooncaked.transfer.batch import BatchRecord
+from mooncaked.transfer.paths import PathHealth
+from mooncaked.transfer.types import TransferOp
+
+
+_NO_BYTES = memoryview(bytearray())
+
+
+@dataclass(eq=False)
+class Piece:
+    """A contiguous part of one request, made of whole slices; mutated only under its PeerQueue's lock."""
+
+    batch: BatchRecord
+    request_index: int
+    op: TransferOp
+    local_view: memoryview  # exactly `length` bytes of the local segment
+    remote_name: str
+    remote_offset: int
+    length: int
+    run_bytes: int  # most bytes one worker takes at once; a multiple of the slice size
+    path_tiers: dict[str, int] | None = None  # 0 = preferred; None = every path of the peer, equal
+    num_attempts: int = 0
+    failed_paths: frozenset[str] = frozenset()
+    local_segment: str = ""  # name of the segment `local_view` lies in (RDMA looks up its memory region)
+
+    def split_head(self, num_bytes: int) -> Piece:
+        """Cut off and return the first `num_bytes`; self keeps the rest."""
+        head = replace(self, local_view=self.local_view[:num_bytes], length=num_bytes)
+        self.local_view = self.local_view[num_bytes:]
+        self.remote_offset += num_bytes
+        self.length -= num_bytes
+        return head
+
+
+def run_bytes_for(length: int, slice_bytes: int, num_paths: int, max_run_bytes: int) -> int:
+    """Spread one request over all paths: about length/num_paths, in whole slices, within [slice, max_run]."""
+    share = -(-length // max(num_paths, 1))
+    share = -(-share // slice_bytes) * slice_bytes
+    return max(slice_bytes, min(share, max(max_run_bytes, slice_bytes)))
+
+
+class PeerQueue:
+    """Owns the pending pieces for one peer and that peer's PathHealth; thread-safe."""
+
+    def __init__(
+        self,
+        peer: str,
+        paths: Iterable[str],
+        health: PathHealth,
+        max_retries: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.peer = peer
+        self.paths = list(paths)
+        self.health = health
+        self.max_retries = max_retries
+        self._clock = clock
+        self._default_tiers = {path: 0 for path in self.paths}
+        self._pending: collections.deque[Piece] = collections.deque()
+        self._cond = threading.Condition()
+        self._closed_error: str | None = None
+
+    def put(self, pieces: Iterable[Piece]) -> None:
+        with self._cond:
+            if self._closed_error is not None:
+                for piece in pieces:
+                    piece.batch.fail(self._closed_error)
+                return
+            if not self._any_usable(self._clock()):
+                for piece in pieces:
+                    piece.batch.fail(self._unreachable_message(piece))
+                return
+            self._pending.extend(pieces)
+            self._cond.notify_all()
+
+    def take(self, path: str, timeout_s: float) -> Piece | None:
+        """The next run for `path`, or None after `timeout_s` or once closed."""
+        deadline = self._clock() + timeout_s
+        with self._cond:
+            while self._closed_error is None:
+                now = self._clock()
+                if self.health.is_usable(path, now):
+                    piece = self._pop_eligible(path, now)
+                    if piece is not None:
+                        return piece
+                    wake_at = deadline
+                else:
+                    wake_at = min(deadline, self.health.cooldown_until(path))
+                if now >= deadline:
+                    return None
+                self._cond.wait(max(wake_at - now, 0.001))
+        return None
+
+    def succeed(self, path: str, piece: Piece) -> None:
+        with self._cond:
+            self.health.record_success(path)
+        piece.local_view = _NO_BYTES  # no reference to caller memory outlives the batch's completion
+        piece.batch.add_done(piece.length)
+
+    def retry(self, path: str, piece: Piece, error: str) -> None:
+        with self._cond:
+            now = self._clock()
+            self.health.record_failure(path, now, error)
+            piece.num_attempts += 1
+            piece.failed_paths = piece.failed_paths | {path}
+            if piece.num_attempts > self.max_retries:
+                piece.batch.fail(
+                    f"request {piece.request_index} to {self.peer}: {error} "
+                    f"(gave up after {piece.num_attempts} attempts)"
+                )
+            elif not self._any_usable(now):
+                self._fail_pending_locked(piece, error)
+            else:
+                self._pending.appendleft(piece)
+                self._cond.notify_all()
+
+    def reject(self, piece: Piece, error: str) -> None:
+        piece.batch.fail(f"request {piece.request_index}: {error}")
+
+    def close(self, error: str) -> None:
+        with self._cond:
+            self._closed_error = error
+            for piece in self._pending:
+                piece.batch.fail(error)
+            self._pending.clear()
+            self._cond.notify_all()
+
+    def path_states(self) -> dict[str, bool]:
+        """Each path and whether it is usable now (False while cooling down)."""
+        with self._cond:
+            now = self._clock()
+            return {path: self.health.is_usable(path, now) for path in self.paths}
+
+    def num_pending(self) -> int:
+        with self._cond:
+            return len(self._pending)
+
+    def _fail_pending_locked(self, piece: Piece, error: str) -> None:
+        for pending in [piece, *self._pending]:
+            pending.batch.fail(f"{self._unreachable_message(pending)}; last error: {error}")
+        self._pending.clear()
+
+    def _unreachable_message(self, piece: Piece) -> str:
+        return (
+            f"request {piece.request_index}: no usable path to {self.peer}: "
+            f"all {len(self.paths)} paths failed recently and are cooling down"
+        )
+
+    def _any_usable(self, now: float) -> bool:
+        return any(self.health.is_usable(path, now) for path in self.paths)
+
+    def _pop_eligible(self, path: str, now: float) -> Piece | None:
+        index = 0
+        while index < len(self._pending):
+            piece = self._pending[index]
+            if piece.batch.is_finished:
+                del self._pending[index]
+                continue
+            if self._is_eligible(piece, path, now):
+                if piece.length > piece.run_bytes:
+                    return piece.split_head(piece.run_bytes)
+                del self._pending[index]
+                return piece
+            index += 1
+        return None
+
+    def _is_eligible(self, piece: Piece, path: str, now: float) -> bool:
+        tiers = piece.path_tiers if piece.path_tiers is not None else self._default_tiers
+        if path not in tiers:
+            return False
+        usable = [p for p in tiers if self.health.is_usable(p, now) and p not in piece.failed_paths]
+        if not usable:
+            usable = [p for p in tiers if self.health.is_usable(p, now)]
+        return path in usable and tiers[path] == min(tiers[p] for p in usable)

@@ -1,0 +1,166 @@
+"""TCP transport, client side: several data connections to one peer, each driven by its own thread.
+
+1. `TcpPeerLink.start` starts one worker thread per connection (path "tcp:<endpoint>#<i>"); sockets connect
+   lazily and run the client side of the handshake (handshake.py) before their first frame.
+2. A worker takes a run of slices from the peer's queue and sends one frame: WRITE sends the header and the
+   local segment's memoryview in one `sendmsg`; READ receives the payload with `recv_into` straight into the
+   local segment. No intermediate copies. Up to two frames are outstanding per connection.
+3. A socket error closes that connection and hands the run back for another path; a refusal from the server
+   (of a frame, or of the handshake) fails the batch. `stop` closes the queue, shuts sockets down and joins the
+   threads within a deadline.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import socket
+import threading
+import time
+
+from mooncaked.transfer import wire
+from mooncaked.transfer.dispatch import PeerQueue, Piece
+from mooncaked.transfer.handshake import DataCredentials, client_handshake
+from mooncaked.transfer.options import TransferOptions
+from mooncaked.transfer.paths import PathHealth
+from mooncaked.transfer.types import TransferOp, split_endpoint
+
+_TAKE_POLL_S = 0.25
+# Frames outstanding per connection: the next frame is on the wire while the previous reply is awaited, so a
+# connection never idles for a round trip. A WRITE is never sent while a READ is outstanding on the connection
+# (both sides would be blocked sending payloads): every other mix has a small message in one direction.
+_PIPELINE_DEPTH = 2
+InFlight = collections.deque[tuple[int, Piece]]  # (frame tag, piece), oldest first
+
+
+class TcpPeerLink:
+    """Owns one peer's PeerQueue, its connection sockets and their worker threads."""
+
+    def __init__(self, endpoint: str, options: TransferOptions, credentials: DataCredentials) -> None:
+        self.endpoint = endpoint
+        self._credentials = credentials
+        self._address = split_endpoint(endpoint)
+        self.paths = [f"tcp:{endpoint}#{i}" for i in range(options.num_connections_per_peer)]
+        health = PathHealth(options.path_failure_threshold, options.path_cooldown_s)
+        self.queue = PeerQueue(endpoint, self.paths, health, options.max_retries)
+        self._connect_timeout_s = options.connect_timeout_s
+        self._io_timeout_s = options.io_timeout_s
+        self._send_buffer_bytes = options.tcp_send_buffer_bytes
+        self._sockets: dict[str, socket.socket] = {}
+        self._lock = threading.Lock()
+        self._is_stopping = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._run_worker, args=(path,), name=f"rdma-{path}", daemon=True)
+            for path in self.paths
+        ]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self, timeout_s: float) -> None:
+        self._is_stopping.set()
+        self.queue.close(f"transfer engine stopped; link to {self.endpoint} closed")
+        with self._lock:
+            sockets = list(self._sockets.values())
+        for sock in sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(deadline - time.monotonic(), 0.0))
+
+    def _run_worker(self, path: str) -> None:
+        sock: socket.socket | None = None
+        in_flight: InFlight = collections.deque()
+        tags = itertools.count(1)
+        while not self._is_stopping.is_set():
+            piece = self.queue.take(path, 0.0 if in_flight else _TAKE_POLL_S)
+            try:
+                if piece is None:
+                    if in_flight:
+                        self._complete_oldest(sock, path, in_flight)
+                    continue
+                if piece.op is TransferOp.WRITE:
+                    while any(p.op is TransferOp.READ for _, p in in_flight):
+                        self._complete_oldest(sock, path, in_flight)
+                in_flight.append((next(tags), piece))
+                sock = sock or self._connect(path)
+                _send_frame(sock, piece, in_flight[-1][0])
+                if len(in_flight) >= _PIPELINE_DEPTH:
+                    self._complete_oldest(sock, path, in_flight)
+            except wire.RemoteRejected as exc:  # the handshake was refused: another path cannot help
+                self._close(path, sock)
+                sock = None
+                for failed_piece in _take_failed(in_flight, piece):
+                    self.queue.reject(failed_piece, str(exc))
+            except OSError as exc:
+                self._close(path, sock)
+                sock = None
+                for failed_piece in _take_failed(in_flight, piece):
+                    self.queue.retry(path, failed_piece, f"{path}: {type(exc).__name__}: {exc}")
+        self._close(path, sock)
+
+    def _complete_oldest(self, sock: socket.socket | None, path: str, in_flight: InFlight) -> None:
+        assert sock is not None, "frames are in flight only on a connected socket"
+        tag, piece = in_flight[0]
+        self._complete_frame(sock, path, tag, piece)
+        in_flight.popleft()
+
+    def _complete_frame(self, sock: socket.socket, path: str, tag: int, piece: Piece) -> None:
+        try:
+            _receive_reply(sock, piece, tag)
+        except wire.RemoteRejected as exc:
+            self.queue.reject(piece, f"{self.endpoint} refused: {exc}")
+        else:
+            self.queue.succeed(path, piece)
+
+    def _connect(self, path: str) -> socket.socket:
+        sock = socket.create_connection(self._address, timeout=self._connect_timeout_s)
+        wire.set_io_timeout(sock, self._io_timeout_s)
+        wire.set_send_buffer(sock, self._send_buffer_bytes)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self._lock:
+            self._sockets[path] = sock
+        if self._is_stopping.is_set():
+            sock.shutdown(socket.SHUT_RDWR)
+        try:
+            client_handshake(sock, self._credentials, self.endpoint)
+        except BaseException:
+            self._close(path, sock)
+            raise
+        return sock
+
+    def _close(self, path: str, sock: socket.socket | None) -> None:
+        with self._lock:
+            self._sockets.pop(path, None)
+        if sock is not None:
+            sock.close()
+
+
+def _take_failed(in_flight: InFlight, piece: Piece | None) -> list[Piece]:
+    """Every piece in flight on a failed connection, and the one being sent; empties `in_flight`."""
+    failed = [p for _, p in in_flight]
+    failed += [piece] if piece is not None and piece not in failed else []
+    in_flight.clear()
+    return failed
+
+
+def _send_frame(sock: socket.socket, piece: Piece, tag: int) -> None:
+    """Send one frame's header, and for WRITE its payload straight from the local segment."""
+    op = wire.OP_WRITE if piece.op is TransferOp.WRITE else wire.OP_READ
+    header = memoryview(wire.encode_request(op, piece.remote_name, tag, piece.remote_offset, piece.length))
+    wire.send_all(sock, [header, piece.local_view] if op == wire.OP_WRITE else [header])
+
+
+def _receive_reply(sock: socket.socket, piece: Piece, tag: int) -> None:
+    """The reply to frame `tag`, and for READ its payload straight into the local segment."""
+    status, message = wire.recv_reply(sock, tag)
+    if status == wire.STATUS_BAD_REQUEST:
+        raise wire.RemoteRejected(message)
+    if status != wire.STATUS_OK:
+        raise ConnectionError(f"server error: {message}")
+    if piece.op is TransferOp.READ:
+        wire.recv_exactly(sock, piece.local_view)
