@@ -10,7 +10,7 @@ import yaml
 
 from mooncaked.config import ConfigError, load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "config.example.yaml"
 
 
