@@ -7,9 +7,11 @@
      running requests predicted to end by then have left, requests placed here whose prefill ends by then have
      joined (section 4.3.4). A request's decode time is its own prediction when the view carries one (output-
      length prediction), else the paper's uniform t_d (`decode_time_s`).
-2. `rejects_at_arrival` says whether the policy refuses up front on that TBT: never for `none` and `baseline`.
-3. Under `baseline` the decode instance checks its own load when the prefilled request arrives
-   (`admit_at_decode`); a refusal there wastes the prefill (section 4.3.2).
+2. `rejects_at_arrival` says whether the policy refuses up front on that TBT: never for `none` and `baseline`;
+   `admission_rejection` is the check at arrival every placement runs (Algorithm 1 lines 18-19): the TTFT SLO
+   (every policy but `none`), then the decode instance's room and predicted TBT (early rejection).
+3. What a decode instance itself refuses (RESERVE, and under `baseline` its check after prefill) is
+   sched/decode_admission.py.
 4. Each TBT comes from the instance's own fitted step model when its view carries one (`step_model`).
 """
 
@@ -19,7 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mooncaked.sched.predictors import DecodeStepPredictor
-from mooncaked.sched.types import DecodeInstanceView, PolicyConfig
+from mooncaked.sched.types import (REASON_DECODE_FULL, REASON_TBT_SLO, REASON_TTFT_SLO, DecodeInstanceView,
+                                   PolicyConfig, Rejection)
 
 
 @dataclass(frozen=True)
@@ -99,12 +102,17 @@ def select_decode(
     return best
 
 
-def admit_at_decode(
-    view: DecodeInstanceView, num_context_tokens: int, config: PolicyConfig, predictor: DecodeStepPredictor
-) -> bool:
-    """The decode instance's own check when a prefilled request arrives (admission `baseline`)."""
-    num_running = view.num_running + 1
-    num_tokens = view.num_context_tokens + num_context_tokens
-    if num_running > view.max_num_running or num_tokens > view.max_context_tokens:
-        return False
-    return step_model(view, predictor).predict(num_running, num_tokens) <= config.tbt_slo_s * config.decode_load_threshold
+def admission_rejection(request_id: str, config: PolicyConfig, ttft_s: float,
+                        decode: DecodeChoice) -> Rejection | None:
+    """Why a request placed with predicted TTFT `ttft_s` on `decode` is refused at arrival (None: admitted)."""
+    if config.admission == "none":
+        return None
+    tbt_s = decode.predicted_tbt_s
+    if ttft_s > config.ttft_slo_s:
+        return Rejection(request_id, REASON_TTFT_SLO, ttft_s, tbt_s)
+    if rejects_at_arrival(config):
+        if not decode.has_room:
+            return Rejection(request_id, REASON_DECODE_FULL, ttft_s, tbt_s)
+        if tbt_s > config.tbt_slo_s * config.decode_load_threshold:
+            return Rejection(request_id, REASON_TBT_SLO, ttft_s, tbt_s)
+    return None

@@ -16,7 +16,8 @@ Entry point, called once per request by the conductor and by the simulator:
      `tie_break: coldest_store` the one whose store's coldest block is oldest);
    - `cache_aware`: the same with local prefixes only (no transfer);
    - `load_balancing`: the smallest T_queue; `random`: a hash of the request id and seed.
-3. Decode choice (line 17) and admission (lines 18-19), see `mooncaked.sched.admission`.
+3. Decode choice (line 17) and admission (lines 18-19), see `mooncaked.sched.admission`. Inline prefill on a
+   decode instance, and when it replaces this placement, is `mooncaked.sched.inline`.
 4. If the chosen instance reuses a remote prefix, the Placement names the source store (lines 20-21): the
    prefill instance pulls those blocks into its own store, which replicates hot blocks (section 4.2).
 
@@ -29,16 +30,13 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mooncaked.sched.admission import rejects_at_arrival, select_decode
+from mooncaked.sched.admission import admission_rejection, select_decode
 from mooncaked.sched.pipeline import PipelinePredictor
 from mooncaked.sched.predictors import Predictors, PrefillTimePredictor, queue_time_s
 from mooncaked.sched.shadow_index import ShadowIndex
 from mooncaked.sched.types import (
-    REASON_DECODE_FULL,
     REASON_NO_DECODE,
     REASON_NO_PREFILL,
-    REASON_TBT_SLO,
-    REASON_TTFT_SLO,
     DecodeInstanceView,
     PipelineSpec,
     Placement,
@@ -93,14 +91,9 @@ def schedule(
     )
     if decode.view is None:
         return Rejection(request.request_id, REASON_NO_DECODE, ttft, 0.0)
-    if config.admission != "none":
-        if ttft > config.ttft_slo_s:
-            return Rejection(request.request_id, REASON_TTFT_SLO, ttft, decode.predicted_tbt_s)
-        if rejects_at_arrival(config):
-            if not decode.has_room:
-                return Rejection(request.request_id, REASON_DECODE_FULL, ttft, decode.predicted_tbt_s)
-            if decode.predicted_tbt_s > config.tbt_slo_s * config.decode_load_threshold:
-                return Rejection(request.request_id, REASON_TBT_SLO, ttft, decode.predicted_tbt_s)
+    rejection = admission_rejection(request.request_id, config, ttft, decode)
+    if rejection is not None:
+        return rejection
     return Placement(
         request_id=request.request_id,
         prefill_instance=prefill.view.instance_id,
@@ -212,5 +205,9 @@ def _best_prefix(prefix_lengths: dict[str, int]) -> tuple[str | None, int]:
 
 
 def _prefix_tokens(request: RequestInfo, num_blocks: int, policy: SchedulerPolicy) -> int:
+    return prefix_tokens(request.num_prompt_tokens, num_blocks, policy.config.block_size)
+
+
+def prefix_tokens(num_prompt_tokens: int, num_blocks: int, block_size: int) -> int:
     """Reused tokens: whole blocks, at most all but the last prompt token (that one is always computed)."""
-    return min(num_blocks * policy.config.block_size, max(request.num_prompt_tokens - 1, 0))
+    return min(num_blocks * block_size, max(num_prompt_tokens - 1, 0))

@@ -86,6 +86,10 @@ class DecodeInstanceView:
     `running_ends_at[i]` (predicted end of running request i) and `incoming_decode_s[j]` (predicted decode time
     of incoming request j); without, every request decodes for the policy's uniform `decode_time_s`.
     `step_coefficients`: the instance's own fitted decode step model (empty: the policy's).
+    Inline prefill on this instance (sched/inline.py): it takes prompts whose uncached part is at most
+    `inline_max_tokens` (0: none); `prefill_coefficients` is its own fitted prefill model (empty: the policy's),
+    `inline_wait_s` the predicted wait for its compute thread, `inline_overhead_s` what an inline prefill spends
+    there besides that wait and the forward.
     """
 
     instance_id: str
@@ -101,6 +105,10 @@ class DecodeInstanceView:
     running_ends_at: tuple[float, ...] = ()
     incoming_decode_s: tuple[float, ...] = ()
     step_coefficients: tuple[float, ...] = ()
+    inline_max_tokens: int = 0
+    prefill_coefficients: tuple[float, ...] = ()
+    inline_wait_s: float = 0.0
+    inline_overhead_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from mooncaked.kv.block_cache import BlockCache
 from mooncaked.kv.eviction import make_eviction_policy
 from mooncaked.kv.replica_eviction import make_spare_first_policy
 from mooncaked.sched.pipeline import even_pipeline
+from mooncaked.sched.decode_admission import DecodeLoadNow
 from mooncaked.sched.replicas import StoreMarks
 from mooncaked.sched.shadow_index import ShadowIndex
 from mooncaked.sched.types import DecodeInstanceView, PipelineSpec, Placement, PrefillInstanceView
@@ -67,12 +68,19 @@ class HostStore:
 
 @dataclass
 class PrefillJob:
+    """One placed prefill; `num_new_tokens`, `enqueued_at`, `is_batch` and `priority` are what
+    `sched.prefill_batch.take_batch` reads."""
+
     request_index: int
     placement: Placement
     keys: tuple[int, ...]
     num_prompt_tokens: int
     fetch_done_at: float
     is_fetch_pending: bool
+    num_new_tokens: int = 0  # the prompt less the prefix reused at placement
+    enqueued_at: float = 0.0
+    is_batch: bool = False  # the trace has no Batch API lines
+    priority: int = 0
     started_at: float = 0.0
     compute_s: float = 0.0
     locked_keys: list[Hashable] = field(default_factory=list)
@@ -83,7 +91,7 @@ class PrefillInstance:
     instance_id: str
     store: HostStore
     queue: deque[PrefillJob] = field(default_factory=deque)
-    current: PrefillJob | None = None
+    running: list[PrefillJob] = field(default_factory=list)  # the forward under way (sched.prefill_batch)
     busy_until: float = 0.0
     queued_prefill_s: float = 0.0
     busy_time_done: float = 0.0  # seconds of finished jobs (fetch waits included)
@@ -94,9 +102,9 @@ class PrefillInstance:
         return 1 if self.pipeline is None else len(self.pipeline.stage_coefficients)
 
     def busy_time(self, now: float) -> float:
-        if self.current is None:
+        if not self.running:
             return self.busy_time_done
-        return self.busy_time_done + max(0.0, min(now, self.busy_until) - self.current.started_at)
+        return self.busy_time_done + max(0.0, min(now, self.busy_until) - self.running[0].started_at)
 
     def view(self, coldest_use: float = 0.0) -> PrefillInstanceView:
         return PrefillInstanceView(
@@ -132,16 +140,39 @@ class DecodeSeq:
 
 @dataclass
 class DecodeInstance:
+    """`reserved_pages`: the KV pages each placed request holds from RESERVE to its end (prompt and output, as
+    the decode role reserves them); `inline`: prefills waiting for the next step, (request index, compute s);
+    each step runs the ones waiting at its start before its decode."""
+
     instance_id: str
     store: HostStore
     max_num_running: int
     max_context_tokens: int
+    block_size: int = 512
+    inline_max_tokens: int = 0
     running: dict[int, DecodeSeq] = field(default_factory=dict)
     waiting: deque[DecodeSeq] = field(default_factory=deque)
     incoming: dict[int, tuple[float, int]] = field(default_factory=dict)
+    reserved_pages: dict[int, int] = field(default_factory=dict)
+    inline: list[tuple[int, float]] = field(default_factory=list)
+    inline_in_step: list[tuple[int, float]] = field(default_factory=list)  # run by the step under way
     num_context_tokens: int = 0
     is_stepping: bool = False
     step_time_s: float = 0.0
+
+    @property
+    def num_pages(self) -> int:
+        return self.max_context_tokens // self.block_size
+
+    def load_now(self) -> DecodeLoadNow:
+        """The load RESERVE sees: placed requests count as running."""
+        return DecodeLoadNow(self.num_pages - sum(self.reserved_pages.values()),
+                             len(self.running) + len(self.incoming),
+                             self.num_context_tokens + sum(tokens for _, tokens in self.incoming.values()))
+
+    def inline_wait_s(self) -> float:
+        """An inline prefill placed now waits for half the running step and the inline prefills ahead."""
+        return (self.step_time_s / 2 if self.running else 0.0) + sum(compute_s for _, compute_s in self.inline)
 
     def has_room_for(self, seq: DecodeSeq) -> bool:
         if not self.running:
@@ -171,6 +202,8 @@ class DecodeInstance:
             running_started_at=tuple(seq.started_at for seq in running) if with_details else (),
             running_tokens=tuple(seq.context_tokens for seq in running) if with_details else (),
             incoming=tuple(self.incoming.values()) if with_details else (),  # includes `waiting`
+            inline_max_tokens=self.inline_max_tokens,
+            inline_wait_s=self.inline_wait_s(),
             **forecast,
         )
 
@@ -190,7 +223,8 @@ def build_instances(config: SimConfig, costs: CostModel, index: ShadowIndex,
     decode_capacity = capacity if cluster.decode_hosts_in_pool else 0
     decode = [
         DecodeInstance(f"decode-{i}", HostStore(f"d{i}", decode_capacity, cluster.eviction, index, is_replica_aware),
-                       cluster.max_batch_size, costs.max_decode_context_tokens)
+                       cluster.max_batch_size, costs.max_decode_context_tokens, config.scheduler.block_size,
+                       cluster.inline_prefill_max_tokens)
         for i in range(cluster.num_decode)
     ]
     return prefill, decode

@@ -43,6 +43,9 @@ class ClusterConfig:
     num_prefill_groups: int = 0  # prefill groups (chunked pipeline parallelism) made of num_prefill's nodes
     stages_per_group: int = 2  # nodes per group, each holding an equal share of the layers
     cpp_chunk_tokens: int = 1024  # new tokens per pipeline chunk (worker.cpp_chunk_tokens)
+    max_batch_tokens: int = 1024  # prefill: new tokens per forward (worker.max_batch_tokens)
+    prefill_chunk: int = 1024  # prefill: a prompt with more new tokens runs alone (worker.prefill_chunk)
+    inline_prefill_max_tokens: int = 0  # decode: prefill inline when the uncached part is at most this (0: never)
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,8 @@ _SECTIONS: dict[str, type] = {
 }
 _NON_NEGATIVE = {"link_latency_s", "prefill_overhead_s", "decode_overhead_s", "decode_per_request_s",
                  "max_requests", "output_length_cap", "prefill_noise", "seed", "dram_blocks_per_host",
-                 "output_length_noise", "replica_displaced_reuse", "num_prefill_groups", "cpp_min_tokens"}
+                 "output_length_noise", "replica_displaced_reuse", "num_prefill_groups", "cpp_min_tokens",
+                 "inline_prefill_max_tokens"}
 
 
 def load_sim_config(path: str | Path, base: SimConfig | None = None) -> SimConfig:

@@ -1,20 +1,26 @@
 """Discrete-event simulation of a Mooncake cluster on virtual time, driving the real `sched/` and `kv/` code.
 
 A request's life in the simulator:
-1. ARRIVAL: the engine builds the instance views and calls `mooncaked.sched.algorithm.schedule`; a Rejection
-   is recorded. A Placement locks the reused prefix in its store(s), starts the remote fetch if any (it holds the
+1. ARRIVAL: the engine builds the instance views and calls `mooncaked.sched.inline.place` (Algorithm 1, or an
+   inline prefill on a decode instance, as the conductor places); a Rejection is recorded. The decode instance's
+   RESERVE rule (`sched.decode_admission.reserve_refusal`) then sets the request's KV pages (prompt and output)
+   aside until it ends, or refuses it (recorded as `decode_<reason>`; under `none` and `baseline` the request
+   waits in the decode instance's queue instead). An inline Placement queues the prefill for the decode
+   instance's next step, which runs it before its decode. A Placement locks the reused prefix in its store(s), starts the remote fetch if any (it holds the
    source and destination NICs for bytes / bandwidth), queues the prefill job and announces the request to its
    decode instance as incoming.
 2. FETCH_DONE: the fetched blocks are in the job's pages; they are committed to the prefill host's store where
    they find room (hot-spot replication; prefix_fetch.py).
-3. Prefill: jobs run one at a time per instance, FIFO; a job starts when the instance is free and its fetch is
-   done, and takes the cost model's time for (prompt, reused prefix). A prefill group
+3. Prefill: each forward takes the jobs `sched.prefill_batch.take_batch` picks (the prefill role's rule: by class,
+   priority and arrival, within `cluster.max_batch_tokens`; a prompt longer than `cluster.prefill_chunk` alone);
+   it starts when the instance is free and every job's fetch is done, and takes the sum of the cost model's
+   times for each job's (prompt, reused prefix). A prefill group
    (`cluster.num_prefill_groups`) is one instance whose time follows its pipeline (sched/pipeline.py: fill,
    steady state, drain) over stages that each take an equal share of the cost model's layers, as the conductor
    predicts a group whose stages have not reported fits. PREFILL_DONE commits every block of the prompt to the
    prefill host's store (and, when configured, to the decode host's), which is the first token.
-4. Decode: under admission `baseline` the least loaded decode instance may refuse the request now (wasted
-   prefill). Otherwise DECODE_READY (after the part of the KV stream not hidden behind prefill and the load into
+4. Decode: under admission `baseline` the decode instance may refuse the request now (wasted prefill,
+   `sched.decode_admission.refusal_after_prefill`). Otherwise DECODE_READY (after the part of the KV stream not hidden behind prefill and the load into
    HBM) queues it at its decode instance, which runs continuous-batching steps; each step's duration is the
    cost model's and gives every running request one token gap (decode_batch.py). TBT = mean of the longest 10%
    of the gaps.
@@ -36,8 +42,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mooncaked.sched.admission import admit_at_decode, select_decode
-from mooncaked.sched.algorithm import SchedulerPolicy, prefill_model, schedule
+from mooncaked.sched.algorithm import SchedulerPolicy, prefill_model
+from mooncaked.sched.decode_admission import (WAITING_POLICIES, StepLimit, capacity_refusal, refusal_after_prefill,
+                                              rejection_reason, reserve_refusal)
+from mooncaked.sched.inline import place
+from mooncaked.sched.prefill_batch import take_batch
 from mooncaked.sched.shadow_index import ShadowIndex
 from mooncaked.sched.types import REASON_DECODE_REFUSED, DecodeInstanceView, Placement, RequestInfo
 from mooncaked.sim.cluster import (DecodeInstance, DecodeSeq, HostStore, PrefillInstance, PrefillJob,
@@ -126,7 +135,7 @@ class Simulator:
     def _on_arrival(self, now: float, request: TraceRequest) -> None:
         info = RequestInfo(str(request.index), request.input_length, request.hash_ids, now)
         is_predicted = self.config.scheduler.admission == "early_rejection_predicted"
-        decision = schedule(
+        decision = place(
             info,
             [p.view(self.pool.coldest_use(p.store.store_id)) for p in self.prefill],
             [self._decode_view(d, is_predicted) for d in self.decode],
@@ -139,7 +148,32 @@ class Simulator:
         if not isinstance(decision, Placement):
             record.rejection_reason = decision.reason
             return
-        self._place(now, request, decision, record)
+        refusal = self._reserve(self.decode_by_id[decision.decode_instance], record)
+        if refusal:
+            record.rejection_reason = rejection_reason(refusal)
+            return
+        if decision.prefill_instance:
+            self._place(now, request, decision, record)
+        else:
+            self._place_inline(now, request, decision, record)
+
+    def _reserve(self, decode: DecodeInstance, record: RequestRecord) -> str:
+        """The decode role's RESERVE: its refusal ("" when it reserved the request's pages). Under `none` and
+        `baseline` a request over the limits waits in the decode instance's queue instead."""
+        config = self.config.scheduler
+        num_tokens = record.input_length + record.output_length
+        num_pages = -(-num_tokens // decode.block_size)
+        if reason := capacity_refusal(num_pages, decode.num_pages):
+            return reason
+        reason = reserve_refusal(config.admission, decode.load_now(), num_pages, record.input_length,
+                                 decode.max_num_running, self._step_limit())
+        if reason and config.admission not in WAITING_POLICIES:
+            return reason
+        decode.reserved_pages[record.index] = num_pages
+        return ""
+
+    def _step_limit(self) -> StepLimit:
+        return StepLimit(self.costs.predictors.decode, 0.0, self.config.scheduler.tbt_slo_s)
 
     def _decode_view(self, decode: DecodeInstance, is_predicted: bool) -> DecodeInstanceView:
         if not self.forecast.is_enabled:
@@ -158,7 +192,10 @@ class Simulator:
         record.decode_instance = placement.decode_instance
         record.prefix_blocks = placement.num_prefix_blocks
         record.local_prefix_blocks = placement.num_local_prefix_blocks
-        job = PrefillJob(request.index, placement, keys, request.input_length, now, False)
+        num_prefix_tokens = min(placement.num_prefix_blocks * self.config.scheduler.block_size,
+                                request.input_length - 1)
+        job = PrefillJob(request.index, placement, keys, request.input_length, now, False,
+                         num_new_tokens=request.input_length - num_prefix_tokens, enqueued_at=now)
         job.locked_keys = list(keys[: placement.num_local_prefix_blocks])
         instance.store.cache.lock(job.locked_keys)
         if placement.fetch_from_store is not None and placement.num_fetch_blocks > 0:
@@ -184,37 +221,43 @@ class Simulator:
         finish_fetch(now, job, instance.store, self.store_by_id[placement.fetch_from_store or ""])
 
     def _try_start_prefill(self, now: float, instance: PrefillInstance) -> None:
-        if instance.current is not None or not instance.queue:
+        if instance.running or not instance.queue:
             return
-        job = instance.queue.popleft()
-        instance.queued_prefill_s = max(0.0, instance.queued_prefill_s - job.placement.predicted_prefill_s)
-        job.started_at = now
-        num_prefix_blocks = reusable_blocks_at_start(instance.store, job)
-        self.records[job.request_index].prefix_blocks = num_prefix_blocks
-        prefix_tokens = min(num_prefix_blocks * self.config.scheduler.block_size, job.num_prompt_tokens - 1)
+        cluster = self.config.cluster
+        batch = take_batch(instance.queue, cluster.max_batch_tokens, cluster.prefill_chunk,
+                           is_one_at_a_time=instance.pipeline is not None)
         model = prefill_model(instance.view(), self.policy)  # a group's follows its pipeline
-        compute_s = model.predict(job.num_prompt_tokens, max(prefix_tokens, 0))
-        noise = self.config.run.prefill_noise
-        if noise > 0:
-            compute_s *= self.rng.lognormvariate(0.0, noise)
-        job.compute_s = compute_s
-        instance.current = job
-        instance.busy_until = max(now, job.fetch_done_at) + compute_s
+        start = now
+        for job in batch:
+            instance.queued_prefill_s = max(0.0, instance.queued_prefill_s - job.placement.predicted_prefill_s)
+            job.started_at = now
+            num_prefix_blocks = reusable_blocks_at_start(instance.store, job)
+            self.records[job.request_index].prefix_blocks = num_prefix_blocks
+            prefix_tokens = min(num_prefix_blocks * self.config.scheduler.block_size, job.num_prompt_tokens - 1)
+            job.compute_s = self._noisy(model.predict(job.num_prompt_tokens, max(prefix_tokens, 0)))
+            start = max(start, job.fetch_done_at)
+        instance.running = batch
+        instance.busy_until = start + sum(job.compute_s for job in batch)
         self._push(instance.busy_until, PREFILL_DONE, instance)
 
+    def _noisy(self, compute_s: float) -> float:
+        """A true prefill time: the prediction times `run.prefill_noise`'s log-normal factor."""
+        noise = self.config.run.prefill_noise
+        return compute_s * self.rng.lognormvariate(0.0, noise) if noise > 0 else compute_s
+
     def _on_prefill_done(self, now: float, instance: PrefillInstance) -> None:
-        job = instance.current
-        assert job is not None
-        placement = job.placement
-        instance.busy_time_done += now - job.started_at
-        instance.current = None
-        instance.store.put(job.keys, now)
-        instance.store.cache.unlock(job.locked_keys)
-        record = self.records[job.request_index]
-        record.prefill_compute_s = job.compute_s
-        record.ttft_s = now - record.arrival_s
+        batch = instance.running
+        instance.busy_time_done += now - batch[0].started_at
+        instance.running = []
+        for job in batch:
+            instance.store.put(job.keys, now)
+            instance.store.cache.unlock(job.locked_keys)
+            record = self.records[job.request_index]
+            record.prefill_compute_s = job.compute_s
+            record.ttft_s = now - record.arrival_s
         self._try_start_prefill(now, instance)
-        self._hand_to_decode(now, job, record)
+        for job in batch:
+            self._hand_to_decode(now, job, self.records[job.request_index])
 
     def _hand_to_decode(self, now: float, job: PrefillJob, record: RequestRecord) -> None:
         decode = self.decode_by_id[job.placement.decode_instance]
@@ -222,30 +265,20 @@ class Simulator:
         if record.output_length <= 1:
             self._finish(record, now, 0.0)
             return
-        if self.config.scheduler.admission == "baseline":
-            checked = self._baseline_decode_check(now, job, record)
-            if checked is None:
-                return
-            decode = checked
+        refusal = refusal_after_prefill(self.config.scheduler.admission, len(decode.running),
+                                        decode.num_context_tokens, job.num_prompt_tokens, self._step_limit())
+        if refusal:  # admission `baseline`: the decode instance checks its load only now; the prefill is wasted
+            record.rejection_reason = REASON_DECODE_REFUSED
+            record.wasted_prefill = True
+            decode.reserved_pages.pop(record.index, None)
+            self.predicted_tokens.pop(record.index, None)
+            return
         if self.config.cluster.decode_hosts_in_pool:
             decode.store.put(job.keys, now)
         ready = kv_ready_at(now, job.num_prompt_tokens, job.compute_s, self.costs)
         seq = DecodeSeq(job.request_index, job.num_prompt_tokens + 1, record.output_length - 1, now)
         decode.incoming[job.request_index] = (ready, seq.context_tokens)
         self._push(ready, DECODE_READY, (decode, seq))
-
-    def _baseline_decode_check(self, now: float, job: PrefillJob, record: RequestRecord) -> DecodeInstance | None:
-        """Admission `baseline`: the least loaded decode instance checks its load only now."""
-        views = [d.view(False) for d in self.decode]
-        config, predictor = self.config.scheduler, self.costs.predictors.decode
-        choice = select_decode(job.num_prompt_tokens, views, config, predictor, now, now)
-        if choice.view is None or not admit_at_decode(choice.view, job.num_prompt_tokens, config, predictor):
-            record.rejection_reason = REASON_DECODE_REFUSED
-            record.wasted_prefill = True
-            self.predicted_tokens.pop(record.index, None)
-            return None
-        record.decode_instance = choice.view.instance_id
-        return self.decode_by_id[choice.view.instance_id]
 
     def _on_decode_ready(self, now: float, payload: tuple[DecodeInstance, DecodeSeq]) -> None:
         decode, seq = payload
@@ -255,22 +288,59 @@ class Simulator:
 
     def _start_step(self, now: float, decode: DecodeInstance) -> None:
         admit_waiting(decode, now)
-        if not decode.running:
+        decode.inline_in_step, decode.inline = decode.inline, []
+        if not decode.running and not decode.inline_in_step:
             decode.is_stepping = False
             decode.step_time_s = 0.0
             return
-        decode.step_time_s = self.costs.predictors.decode.predict(len(decode.running), decode.num_context_tokens)
+        step_s = 0.0
+        if decode.running:
+            step_s = self.costs.predictors.decode.predict(len(decode.running), decode.num_context_tokens)
+        decode.step_time_s = step_s + sum(compute_s for _, compute_s in decode.inline_in_step)
         decode.is_stepping = True
         self._push(now + decode.step_time_s, DECODE_STEP, decode)
 
     def _on_decode_step(self, now: float, decode: DecodeInstance) -> None:
         for seq in advance_one_token(decode, now, self.config.run.tbt_counts_handoff):
             self._finish(self.records[seq.request_index], now, tbt_of(seq.gaps))
+        for request_index, compute_s in decode.inline_in_step:
+            self._inline_done(now, decode, request_index, compute_s)
+        decode.inline_in_step = []
         self._start_step(now, decode)
+
+    def _place_inline(self, now: float, request: TraceRequest, placement: Placement, record: RequestRecord) -> None:
+        """Prefill on the decode instance: queued for its next step, which runs it before decoding."""
+        decode = self.decode_by_id[placement.decode_instance]
+        if self.forecast.is_enabled:
+            self.predicted_tokens[request.index] = self.forecast.predict(request.input_length, record.output_length)
+        self.pool.note_use(decode.store.store_id, request.hash_ids, placement.num_prefix_blocks, now)
+        record.prefill_instance = record.decode_instance = decode.instance_id
+        record.is_inline = True
+        record.prefix_blocks = record.local_prefix_blocks = placement.num_prefix_blocks
+        decode.incoming[request.index] = (now + placement.predicted_ttft_s, request.input_length)
+        decode.inline.append((request.index, self._noisy(placement.predicted_prefill_s)))
+        if not decode.is_stepping:
+            self._start_step(now, decode)
+
+    def _inline_done(self, now: float, decode: DecodeInstance, request_index: int, compute_s: float) -> None:
+        """The first token of an inline prefill: the request joins the batch at the next step."""
+        record = self.records[request_index]
+        record.prefill_compute_s = compute_s
+        record.ttft_s = now - record.arrival_s
+        if self.config.cluster.decode_hosts_in_pool:
+            decode.store.put(self.requests[request_index].hash_ids, now)
+        if record.output_length <= 1:
+            decode.incoming.pop(request_index, None)
+            self._finish(record, now, 0.0)
+            return
+        seq = DecodeSeq(request_index, record.input_length + 1, record.output_length - 1, now)
+        decode.incoming[request_index] = (now, seq.context_tokens)
+        decode.waiting.append(seq)
 
     def _finish(self, record: RequestRecord, now: float, tbt_s: float) -> None:
         config = self.config.scheduler
         self.predicted_tokens.pop(record.index, None)
+        self.decode_by_id[record.decode_instance].reserved_pages.pop(record.index, None)
         self.forecast.observe(record.input_length, record.output_length)
         record.tbt_s = tbt_s
         record.finished_s = now

@@ -34,6 +34,7 @@ class RequestRecord:
     finished_s: float = math.nan
     wasted_prefill: bool = False
     is_pipelined: bool = False  # prefilled by a prefill group
+    is_inline: bool = False  # prefilled on its decode instance (prefill_instance names that instance)
 
 
 @dataclass
@@ -91,6 +92,7 @@ def summarize(result: SimResult) -> dict[str, Any]:
         "rejections": dict(sorted(Counter(r.rejection_reason for r in records if r.rejection_reason).items())),
         "num_wasted_prefills": sum(1 for r in records if r.wasted_prefill),
         "num_pipelined": sum(1 for r in served if r.is_pipelined),
+        "num_inline": sum(1 for r in served if r.is_inline),
         "num_slo_met": sum(1 for r in records if r.slo_met),
         "slo_attainment": sum(1 for r in records if r.slo_met) / len(records) if records else math.nan,
         "ttft_mean_s": _mean(ttfts),

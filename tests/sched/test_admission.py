@@ -2,7 +2,8 @@
 
 import pytest
 
-from mooncaked.sched.admission import admit_at_decode, predicted_batch, select_decode
+from mooncaked.sched.admission import predicted_batch, select_decode
+from mooncaked.sched.decode_admission import StepLimit, refusal_after_prefill
 from mooncaked.sched.algorithm import SchedulerPolicy, schedule
 from mooncaked.sched.predictors import DecodeStepPredictor, Predictors, PrefillTimePredictor, TransferTimePredictor
 from mooncaked.sched.shadow_index import ShadowIndex
@@ -52,9 +53,10 @@ def test_prediction_based_early_rejection_looks_at_prefill_completion():
 def test_baseline_defers_the_decode_check_until_after_prefill():
     placement = _decide(DRAINING, "baseline")
     assert isinstance(placement, Placement)  # not refused up front...
-    config = _policy("baseline").config
-    assert not admit_at_decode(DRAINING, 1000, config, DECODE)  # ...but the decode instance refuses later
-    assert admit_at_decode(FILLING, 1000, config, DECODE)
+    limit = StepLimit(DECODE, 0.0, _policy("baseline").config.tbt_slo_s)
+    # ...but the decode instance refuses later (5 running + this one: 60 ms > 50 ms), an empty one does not
+    assert refusal_after_prefill("baseline", DRAINING.num_running, DRAINING.num_context_tokens, 1000, limit)
+    assert not refusal_after_prefill("baseline", FILLING.num_running, FILLING.num_context_tokens, 1000, limit)
 
 
 def test_none_never_rejects():

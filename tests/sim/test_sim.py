@@ -158,3 +158,37 @@ def test_a_fetched_prefix_is_reused_even_where_the_store_has_no_room_for_it():
     assert (record.prefill_instance, record.fetch_source, record.fetched_blocks) == ("prefill-1", "p0", 8)
     assert record.prefix_blocks == 8  # the whole fetched prefix, though none of it was stored
     assert all(key not in destination.cache for key in range(8))
+
+
+def test_inline_prefill_on_decode_instances_serves_prompts_whose_prefix_they_hold(tmp_path):
+    """`cluster.inline_prefill_max_tokens`: the simulator places through `sched.inline.place` as the conductor
+    does; an inline request is prefilled by its decode instance's step and then decodes there."""
+    trace = _write_trace(tmp_path / "t.jsonl")
+    config = with_overrides(_small_config(admission="none"), "cluster", inline_prefill_max_tokens=6000)
+    result = Simulator(config, load_trace(trace)).run()
+    inline = [r for r in result.records if r.is_inline]
+    assert inline and all(r.prefill_instance == r.decode_instance for r in inline)
+    assert all(r.ttft_s > 0 and r.finished_s >= r.arrival_s + r.ttft_s for r in inline)
+    assert all(not r.rejection_reason for r in result.records)
+    default = Simulator(_small_config(admission="none"), load_trace(trace)).run()
+    assert not any(r.is_inline for r in default.records)  # 0 (the simulator's default): never
+
+
+def test_a_decode_instance_short_of_pages_refuses_reserve_or_makes_the_request_wait(tmp_path):
+    """The decode role's RESERVE rule: prompt and output pages are set aside until the request ends; under early
+    rejection a request without room now is refused (`decode_memory`), under `none` it waits for room and only a
+    request larger than the instance's whole KV is refused."""
+    trace = _write_trace(tmp_path / "t.jsonl")
+    tight = with_overrides(_small_config(admission="early_rejection"), "gpu", kv_memory_fraction=0.02)
+    refusing = Simulator(tight, load_trace(trace))
+    refused = refusing.run()
+    assert any(r.rejection_reason == "decode_memory" for r in refused.records)
+    waiting = Simulator(with_overrides(tight, "scheduler", admission="none"), load_trace(trace))
+    waited = waiting.run()
+    num_pages = waiting.decode[0].num_pages
+    assert num_pages == refusing.decode[0].num_pages
+    too_large = {r.index for r in waited.records if -(-(r.input_length + r.output_length) // 512) > num_pages}
+    assert {r.index for r in waited.records if r.rejection_reason} == too_large
+    assert all(r.rejection_reason == "decode_memory" for r in waited.records if r.index in too_large)
+    assert len(too_large) < sum(1 for r in refused.records if r.rejection_reason)
+    assert all(not d.reserved_pages for d in waiting.decode)  # every request gave its pages back

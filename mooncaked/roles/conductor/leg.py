@@ -28,6 +28,7 @@ from mooncaked.roles.worker.messages import (DECODE, PREFILL, RESERVE, UNRESERVE
                                              PrefillReply, PrefillRequest, ReserveReply, ReserveRequest,
                                              SamplingSpec, StoreTenant, TokenSample, UnreserveRequest)
 from mooncaked.rpc import Cancelled, DeadlineExceeded, ResourceExhausted, RpcClient, RpcError, Unavailable
+from mooncaked.sched.decode_admission import rejection_reason
 from mooncaked.sched.types import REASON_DECODE_REFUSED, Placement, Rejection, RequestInfo
 
 logger = logging.getLogger(__name__)
@@ -132,7 +133,7 @@ class Leg:
                                 unavailable(f"decode instance {placement.decode_instance} is switching roles"))
             error = overloaded(f"decode instance {placement.decode_instance} refused it: {reply.reason}",
                                float(conductor.retry_after_s))
-            raise Rejected("decode_" + (reply.reason.partition(":")[0] or "refused"), error)
+            raise Rejected(rejection_reason(reply.reason), error)
         return reply
 
     async def prefill(self, reservation: ReserveReply) -> PrefillReply:

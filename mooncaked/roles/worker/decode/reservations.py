@@ -16,17 +16,43 @@ import hashlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mooncaked.store.client import incarnation_of
 from mooncaked.store.messages import BlockLocation, WriteHandle
-from mooncaked.roles.worker.decode.admission import Room
 from mooncaked.roles.worker.kv.plan import store_owner
 from mooncaked.roles.worker.messages import Destination, ReserveReply, ReserveRequest
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import Unavailable
 
 logger = logging.getLogger(__name__)
+
+
+class Room:
+    """Wakes RESERVE calls waiting for KV pages or a batch slot (owned by the ReservationBook)."""
+
+    def __init__(self) -> None:
+        self._changed = asyncio.Condition()
+
+    async def freed(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def wait_until(self, refusal: Callable[[], str], timeout_s: float) -> str:
+        """Wait until `refusal()` is "" or `timeout_s` runs out; returns the last refusal ("" once there is room)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        async with self._changed:
+            while reason := refusal():
+                left_s = deadline - loop.time()
+                if left_s <= 0:
+                    return reason
+                try:
+                    await asyncio.wait_for(self._changed.wait(), left_s)
+                except TimeoutError:
+                    return refusal()
+            return ""
 
 
 @dataclass

@@ -1,7 +1,7 @@
-"""The decode role (docs/design.md section 3, steps 2 and 5): reserve, load the prefilled KV, decode in a continuous batch.
+"""The decode role (docs/design.md section 3, steps 2 and 5): reserve, load the prefilled KV, decode in a batch.
 
-1. RESERVE (roles/worker/decode/reserve.py): check the batch's room (and, by admission policy, the TBT SLO with this
-   instance's own fitted model: roles/worker/decode/admission.py; under `none` and `baseline` a request waits for room
+1. RESERVE (admission.py, over the rule in sched/decode_admission.py): check the batch's room (and, by admission
+   policy, the TBT SLO with this instance's own fitted model; under `none` and `baseline` a request waits for room
    instead, the waiting ones taking it interactive first, then by priority and arrival), set pages aside, and
    allocate store space on this host for the prompt blocks it lacks (plus a private block for the partial tail);
    the reply names them. A reservation lives until DECODE claims it or its lease runs out.
@@ -28,9 +28,8 @@ from mooncaked.model.sampler import make_generator
 from mooncaked.runtime.metrics import Metrics
 from mooncaked.roles.base import RoleEndpoint
 from mooncaked.runtime.metrics_http import MetricsEndpoint
-from mooncaked.roles.worker.decode.admission import WAITING_POLICIES, refusal_after_prefill
 from mooncaked.roles.worker.decode.loop import DecodeLoop, RunningSeq, finish_reason_for
-from mooncaked.roles.worker.decode.reserve import ReserveAdmission
+from mooncaked.roles.worker.decode.admission import ReserveAdmission
 from mooncaked.roles.worker.kv.plan import KvPlan, check_block_keys, plan_prompt_kv
 from mooncaked.roles.worker.kv.spans import num_blocks_for
 from mooncaked.roles.worker.messages import (DECODE, LOAD, RESERVE, UNRESERVE, DecodeItem, DecodeRequest, LoadReply,
@@ -43,6 +42,7 @@ from mooncaked.roles.worker.decode.reservations import Reservation, ReservationB
 from mooncaked.roles.worker.sampling import to_params
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import CallContext, InvalidArgument, NotFound, ResourceExhausted
+from mooncaked.sched.decode_admission import WAITING_POLICIES, capacity_refusal, refusal_after_prefill
 from mooncaked.sched.perf_model import RecentMean
 
 logger = logging.getLogger(__name__)
@@ -138,9 +138,8 @@ class DecodeRole:
         await self.reservations.expire()
         await self.reservations.drop_orphans(ctx.peer_instance, request.conductor_run)
         num_pages = num_blocks_for(request.num_prompt_tokens + request.max_tokens, self.worker.block_size)
-        if num_pages > self.worker.num_pages:
-            return ReserveReply(is_accepted=False, reason=f"memory: needs {num_pages} KV pages, the instance has "
-                                f"{self.worker.num_pages}")
+        if reason := capacity_refusal(num_pages, self.worker.num_pages):
+            return ReserveReply(is_accepted=False, reason=reason)
         reason = self.admission.refusal(request, num_pages)
         if (reason or self.admission.waiting) and self.config.scheduler.admission in WAITING_POLICIES:
             reason = await self.admission.wait_for_room(request, num_pages, ctx)

@@ -38,11 +38,12 @@ from mooncaked.roles.worker.messages import LOAD, PREFILL, LoadReply, LoadReques
 from mooncaked.roles.worker.messages import TokenSample
 from mooncaked.roles.worker.prefill.forward import PrefillCancelled, run_prefill_forward
 from mooncaked.roles.worker.prefill.load import PrefillLoad
-from mooncaked.roles.worker.prefill.queue import PrefillJob, take_batch
+from mooncaked.roles.worker.prefill.queue import PrefillJob
 from mooncaked.roles.worker.profiler import profile
 from mooncaked.roles.worker.sampling import to_params
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import CallContext, InvalidArgument, RpcError, Unavailable
+from mooncaked.sched.prefill_batch import take_batch
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +210,9 @@ class PrefillRole:
                              and job.future.exception() is None)
 
     def _take_batch(self) -> list[PrefillJob]:
-        return take_batch(self._queue, self.worker.section, is_one_at_a_time=self.pipeline is not None)
+        section = self.worker.section
+        return take_batch(self._queue, section.max_batch_tokens, section.prefill_chunk,
+                          is_one_at_a_time=self.pipeline is not None)
 
     async def _batch_loop(self) -> None:
         while True:
