@@ -34,9 +34,9 @@ import aiohttp
 from mooncaked.bench.chaos_load import OUTCOMES, SteadyLoad
 from mooncaked.bench.cluster import ClusterProcess, free_port, instance, write_config
 from mooncaked.config import Config, load_config
-from mooncaked.store import messages as kv_msg
 from mooncaked.roles.worker.messages import LOAD, LoadRequest
 from mooncaked.rpc import INFO, InfoRequest, RpcClient, RpcError
+from mooncaked.store import messages as kv_msg
 
 VICTIMS = ("d0", "p0", "s0", "c0")
 

@@ -30,12 +30,12 @@ from typing import Any
 from mooncaked.bench.cluster import instance, write_config
 from mooncaked.bench.store_processes import instance_processes
 from mooncaked.config import Config, InstanceConfig, load_config
-from mooncaked.runtime.cpu_affinity import check_usable, usable_cpus
 from mooncaked.kv.keys import block_keys, model_namespace
 from mooncaked.model.frontend import load_frontend
-from mooncaked.runtime.numa import parse_id_list
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.worker.messages import PREFILL, PrefillReply, PrefillRequest, SamplingSpec
+from mooncaked.runtime.cpu_affinity import check_usable, usable_cpus
+from mooncaked.runtime.numa import parse_id_list
 
 GREEDY = SamplingSpec(max_tokens=1, temperature=0.0, ignore_eos=True)
 LAYOUTS = ("group", "single")

@@ -26,8 +26,8 @@ import yaml
 
 from mooncaked.bench.cluster import free_port
 from mooncaked.bench.etcd_server import EtcdServer
-from mooncaked.config import load_config
 from mooncaked.cluster.etcd_membership import EtcdMembership
+from mooncaked.config import load_config
 
 
 class Fleet:

@@ -39,9 +39,9 @@ from mooncaked.bench.cluster import instance, write_config
 from mooncaked.bench.layerwise_modes import LOAD_MODES, STORE_MODES, ModeRunner, RunTimes
 from mooncaked.bench.store_processes import store_processes
 from mooncaked.config import Config, load_config
+from mooncaked.roles.worker.worker import Worker
 from mooncaked.runtime.cpu_affinity import check_usable, usable_cpus
 from mooncaked.runtime.numa import parse_id_list
-from mooncaked.roles.worker.worker import Worker
 
 MODES = STORE_MODES + LOAD_MODES
 MIN_ROUNDS = 5

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mooncaked.store.move_ends import Staging
 from mooncaked.engine.timeline import LayerTimeline
 from mooncaked.kv.keys import block_keys
 from mooncaked.roles.worker.kv.plan import KvPlan, plan_prompt_kv
 from mooncaked.roles.worker.messages import Destination, SamplingSpec
 from mooncaked.roles.worker.prefill.forward import run_prefill_forward
 from mooncaked.roles.worker.worker import Worker
+from mooncaked.store.move_ends import Staging
 
 STORE_MODES = ("none", "layerwise", "serialized")
 LOAD_MODES = ("no_prefix", "in_pages", "load_layerwise", "load_serial", "transfer")

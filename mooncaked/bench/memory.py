@@ -34,9 +34,9 @@ from mooncaked.bench.cluster import ClusterProcess, free_port
 from mooncaked.bench.proc_memory import command_line, process_tree, read_memory
 from mooncaked.config import ConfigError, apply_override, load_config
 from mooncaked.config.schema import ConfigIssue
-from mooncaked.store.shm_pool import pool_path
 from mooncaked.model.loader import model_args
 from mooncaked.model.weight_names import num_parameters
+from mooncaked.store.shm_pool import pool_path
 
 GB = 1_000_000_000
 WORKER_RSS_TARGET = 1.5 * GB

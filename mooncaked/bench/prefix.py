@@ -30,9 +30,9 @@ from mooncaked.bench.cluster import instance, write_config
 from mooncaked.config import Config, InstanceConfig, load_config
 from mooncaked.kv.keys import block_keys
 from mooncaked.roles.base import PeerClients
+from mooncaked.roles.store import StoreRole
 from mooncaked.roles.worker.messages import PREFILL, PrefillReply, PrefillRequest, SamplingSpec
 from mooncaked.roles.worker.prefill.role import PrefillRole
-from mooncaked.roles.store import StoreRole
 from mooncaked.rpc import RpcClient
 
 

@@ -27,9 +27,9 @@ import logging
 import random
 import time
 
-from mooncaked.config import Config, InstanceConfig
 from mooncaked.cluster.etcd_client import EtcdClient, EtcdError, KeyValue, WatchEvent
 from mooncaked.cluster.membership import Listener, MemberRecord, MemberState, MembershipStatus, MemberTable
+from mooncaked.config import Config, InstanceConfig
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Who is in the cluster, behind one small interface (docs/design.md section 11).
 
-1. `roles.member.make_membership(config, me)` builds the source `cluster.membership` names: `StaticMembership` (the YAML's
-   `cluster.instances`, every one ready, never changing) or `EtcdMembership` (etcd_membership.py: leases,
+1. `roles.member.make_membership(config, me)` builds the source `cluster.membership` names: `StaticMembership` (the
+   YAML's `cluster.instances`, every one ready, never changing) or `EtcdMembership` (etcd_membership.py: leases,
    watches, retries).
 2. Readers call `members()` for the current records and `add_listener(fn)` to hear each change as
    `fn(name, old, new)` (old None: joined; new None: left). Listeners run on the event loop and must not block.

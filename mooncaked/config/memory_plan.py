@@ -23,12 +23,12 @@ from dataclasses import dataclass
 import torch
 
 from mooncaked.config import Config, InstanceConfig
+from mooncaked.config.prefill_groups import group_stage
 from mooncaked.engine.kv_budget import DEFAULT_MEMORY_FRACTION, GIB, KVBudget, KVSizing, size_kv
 from mooncaked.model.config import LayerRange, ModelArgs
 from mooncaked.model.memory_fit import activation_bytes, projection_bytes, weight_bytes
 from mooncaked.model.packed_gemm import Packing
 from mooncaked.model.tensor_parallel import rank_kv_args
-from mooncaked.config.prefill_groups import group_stage
 
 # Resident bytes of a role's process besides its weights, KV pages and pool: the interpreter, torch's and the
 # other libraries' pages, the tokenizer, buffers. Measured with `mooncaked bench memory` (torch 2.13 CPU, the

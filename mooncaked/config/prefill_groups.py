@@ -3,7 +3,8 @@
 1. `group_stage(config, instance, num_layers)` finds the group that names this instance (None for a single
    instance) and splits the model's layers over its members: `layer_splits`, or an even split.
 2. The worker loads only its stage's layers (model/loader.py) and holds KV pages for them only; the first stage
-   takes PREFILL and drives the pipeline (roles/worker/group/head.py), the others serve CPP_STAGE and CPP_CHUNK (roles/worker/group/stage.py).
+   takes PREFILL and drives the pipeline (roles/worker/group/head.py), the others serve CPP_STAGE and CPP_CHUNK
+   (roles/worker/group/stage.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Cross-field checks of a built `Config`: what a single field's bounds (config_schema.bounded) cannot express.
+"""Cross-field checks of a built `Config`: what a single field's bounds (schema.bounded) cannot express.
 
 1. `validate(config)` returns every issue found (config.py's `load_config` raises them together as ConfigError):
    watermarks and TTLs in order, known transports, CPU lists, unique instance names and ports, membership and

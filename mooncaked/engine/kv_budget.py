@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mooncaked.runtime.errors import StartupError
 from mooncaked.model.config import ModelArgs
+from mooncaked.runtime.errors import StartupError
 
 MIB = 1 << 20
 GIB = 1 << 30

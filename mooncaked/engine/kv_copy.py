@@ -1,7 +1,7 @@
 """Whole-block KV copies between device pages and a staging buffer in the store's object layout.
 
-Layout (docs/design.md section 5): staging [N, num_layers, 2, block_size, model's kv_heads, head_dim]; block n is one store
-object, and one layer's slice of it (`staging[n, layer]`, K then V) is one contiguous byte range at
+Layout (docs/design.md section 5): staging [N, num_layers, 2, block_size, model's kv_heads, head_dim]; block n is one
+store object, and one layer's slice of it (`staging[n, layer]`, K then V) is one contiguous byte range at
 `layer_byte_range(kv_pages, layer)`. Staging may live in host memory (pinned, or a shared-memory pool mapped
 as a tensor) or on the device.
 

@@ -9,8 +9,8 @@
 3. When a request ends (or fails) its owner frees its pages (`free` / `free_owner`); the page contents are left
    as they are and simply overwritten by the next owner.
 
-A store object has the pages' layout, [model layers, 2, block_size, model kv_heads, head_dim] (docs/design.md section 5):
-it always holds every KV head of the model, so it is the same bytes whatever the tensor-parallel degree of the
+A store object has the pages' layout, [model layers, 2, block_size, model kv_heads, head_dim] (docs/design.md section
+5): it always holds every KV head of the model, so it is the same bytes whatever the tensor-parallel degree of the
 instance that wrote it; a rank's KV heads of one layer's K (or V) are the strided slice [:, heads] of it
 (engine/tp_copy.py and engine/kv_copy.py copy them). Staging rows are whole objects' layers: [layers, 2,
 block_size, kv_heads, head_dim].

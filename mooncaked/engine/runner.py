@@ -7,10 +7,10 @@
    token per sequence and returns logits [S, vocab]; with `cuda_graphs` (CUDA, Triton) a step without layer
    callbacks replays the CUDA graph of its batch-size bucket (engine/cuda_graphs.py) instead.
 3. For every layer i (of the layers this model holds: a pipeline stage holds a range of them, and takes the
-   previous stage's hidden states instead of embedding tokens): `before_layer(i)` (the caller waits there until layer i's prefix KV is in the pages),
-   then the layer: store the new tokens' K/V into pages, attend over the pages (within the layer's sliding
-   window, if the model has one: every token's KV is still stored, so prefixes stay shareable), MLP; then
-   `after_layer(i)`
+   previous stage's hidden states instead of embedding tokens): `before_layer(i)` (the caller waits there until layer
+   i's prefix KV is in the pages), then the layer: store the new tokens' K/V into pages, attend over the pages (within
+   the layer's sliding window, if the model has one: every token's KV is still stored, so prefixes stay shareable),
+   MLP; then `after_layer(i)`
    (the caller starts storing layer i's new KV). A callback that raises aborts the forward: the exception
    propagates, the runner has changed nothing but KV slots of this batch's own pages, and the allocator is
    untouched, so the caller frees or reuses the pages as usual.

@@ -24,8 +24,8 @@ from collections.abc import Hashable, Sequence
 from mooncaked.kv.allocator import ExtentAllocator
 from mooncaked.kv.block_table import BlockTable
 from mooncaked.kv.dram_eviction import DramEvictor
-from mooncaked.kv.replica_eviction import make_spare_first_policy
 from mooncaked.kv.events import BLOCK_REMOVED, BLOCK_STORED, EventLog, StoreEvent
+from mooncaked.kv.replica_eviction import make_spare_first_policy
 from mooncaked.kv.store_types import (
     TIER_DRAM,
     TIER_SSD,

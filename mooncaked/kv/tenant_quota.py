@@ -1,8 +1,8 @@
 """Pool shares per tenant in one store (pure: standard library only).
 
 1. The tenant that writes a block owns it. `TenantUsage` counts the bytes each tenant's blocks hold in DRAM
-   (from the write's grant, so writes in flight count) and on SSD, and remembers each tenant's shares as its writes last stated them (the stores learn tenants from
-   the requests; no store reads the tenants file).
+   (from the write's grant, so writes in flight count) and on SSD, and remembers each tenant's shares as its writes
+   last stated them (the stores learn tenants from the requests; no store reads the tenants file).
 2. `may_evict(writer, num_bytes, capacity)` decides which blocks an allocation for `writer` may evict: a writer
    at or over its `pool_share` (counting this allocation) evicts only its own blocks; any other writer evicts
    anyone's except the blocks of a tenant at or below its `min_pool_share`.

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from mooncaked.runtime.errors import StartupError
 from mooncaked.model.config import ModelArgs, RopeScaling
+from mooncaked.runtime.errors import StartupError
 
 # model_type -> the transformers class whose checkpoints we load
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",

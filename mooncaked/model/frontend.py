@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mooncaked.runtime.errors import StartupError
 from mooncaked.model.chat_template import CHATML_TEMPLATE, ChatTemplate
 from mooncaked.model.config import ModelArgs, random_preset
 from mooncaked.model.tokenizer import TextTokenizer, byte_level_test_tokenizer, read_tokenizer_config
 from mooncaked.model.weights_gguf import GGUFModelFile
 from mooncaked.model.weights_hf import read_hf_config
+from mooncaked.runtime.errors import StartupError
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@
 3. Per forward the runner calls `embed`, `rope.lookup`, then each layer with an `attend` callable that owns
    the paged KV (store, then attention), then `compute_logits` on the rows it needs. A tensor-parallel shard
    all-reduces o_proj's and down_proj's outputs over the process's group (every rank runs the same
-   forward in step; engine.tp_runner drives them).
+   forward in step; engine.tp.runner drives them).
 """
 
 from __future__ import annotations

@@ -43,14 +43,13 @@ from pathlib import Path
 
 import torch
 
-from mooncaked.runtime.errors import StartupError
+from mooncaked.model.build import WeightSource, build_model
 from mooncaked.model.chat_template import CHATML_TEMPLATE, ChatTemplate
 from mooncaked.model.config import LayerRange, ModelArgs, ShardShape, random_preset
-from mooncaked.model.build import WeightSource, build_model
 from mooncaked.model.frontend import (EMBEDDED_SMOLLM2, SMOLLM2_MODEL_ID, ModelLoadError, embedded_smollm2_path,
                                       generation_config_eos, hf_chat_template, unknown_source)
-from mooncaked.model.llama import LlamaForCausalLM
 from mooncaked.model.heap import release_free_heap
+from mooncaked.model.llama import LlamaForCausalLM
 from mooncaked.model.load_progress import LoadProgress
 from mooncaked.model.memory_fit import check_fits
 from mooncaked.model.packed_gemm import Packing
@@ -60,6 +59,7 @@ from mooncaked.model.weight_names import num_parameters as num_parameters  # the
 from mooncaked.model.weight_names import random_hf_state_dict
 from mooncaked.model.weights_gguf import GGUFModelFile
 from mooncaked.model.weights_hf import SafetensorsCheckpoint, read_hf_config
+from mooncaked.runtime.errors import StartupError
 
 logger = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from mooncaked.runtime.errors import StartupError
 from mooncaked.model.config import LayerRange, ModelArgs
 from mooncaked.model.packed_gemm import Packing
 from mooncaked.model.weight_names import hf_tensor_shapes
+from mooncaked.runtime.errors import StartupError
 
 GIB = 1 << 30
 _MEMINFO = Path("/proc/meminfo")

@@ -11,7 +11,7 @@
 3. The model lists the part of each Hugging Face tensor a rank reads (`LlamaForCausalLM.weight_slices`), so a
    safetensors checkpoint is read slice by slice (model.weights_hf) rather than whole; `sliced_shape` is the
    shape such a slice has.
-4. The process's group: the runner that joins one (engine.tp_rank) `install_group`s it; sharded layers
+4. The process's group: the runner that joins one (engine.tp.rank) `install_group`s it; sharded layers
    `all_reduce` over it; `remove_group` when the runner stops. One group per process, owned by this module.
 """
 
@@ -22,8 +22,8 @@ from typing import Protocol
 
 import torch
 
-from mooncaked.runtime.errors import StartupError
 from mooncaked.model.config import ModelArgs, ShardShape
+from mooncaked.runtime.errors import StartupError
 
 # (dim, start, length) of a Hugging Face [out, in] tensor
 Slice = tuple[int, int, int]
@@ -88,7 +88,7 @@ class Reducer(Protocol):
         """Every rank's 2-D `tensor` [R, C], side by side in rank order: [R, C * num_ranks]."""
 
 
-_group: Reducer | None = None  # how this process's rank all-reduces with the others (engine.tp_rank), or None
+_group: Reducer | None = None  # how this process's rank all-reduces with the others (engine.tp.rank), or None
 
 
 def install_group(group: Reducer) -> None:
@@ -110,7 +110,7 @@ def has_group() -> bool:
 def all_gather(tensor: torch.Tensor) -> torch.Tensor:
     """[R, C] on each rank -> [R, C * num_ranks] (the output head's logits, split by vocabulary rows)."""
     if _group is None:
-        raise RuntimeError("a tensor-parallel shard runs only in a process that joined its group (engine.tp_runner)")
+        raise RuntimeError("a tensor-parallel shard runs only in a process that joined its group (engine.tp.runner)")
     return _group.all_gather(tensor)
 
 
@@ -118,5 +118,5 @@ def all_reduce(tensor: torch.Tensor) -> None:
     """Sum `tensor` in place across the ranks; raises (the backend's error) when a rank is gone or the group's
     timeout passes."""
     if _group is None:
-        raise RuntimeError("a tensor-parallel shard runs only in a process that joined its group (engine.tp_runner)")
+        raise RuntimeError("a tensor-parallel shard runs only in a process that joined its group (engine.tp.runner)")
     _group.all_reduce(tensor)

@@ -14,8 +14,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from mooncaked.runtime.errors import StartupError
 from mooncaked.model.config import LayerRange, ModelArgs
+from mooncaked.runtime.errors import StartupError
 
 
 class CheckpointError(StartupError, ValueError):

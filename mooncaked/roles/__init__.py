@@ -11,8 +11,8 @@ from __future__ import annotations
 import importlib
 
 from mooncaked.config import Config, InstanceConfig
-from mooncaked.runtime.lifecycle import Role
 from mooncaked.roles.member import MemberRole, make_membership
+from mooncaked.runtime.lifecycle import Role
 
 ROLE_CLASSES = {
     "conductor": ("mooncaked.roles.conductor.role", "ConductorRole"),

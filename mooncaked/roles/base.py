@@ -18,10 +18,10 @@ from typing import Any
 from mooncaked import __version__
 from mooncaked.config import Config, ConfigError, InstanceConfig
 from mooncaked.config.schema import ConfigIssue
-from mooncaked.transfer import TransferEngine
-from mooncaked.transfer.topology import Topology
 from mooncaked.rpc import (HEALTH, INFO, CallContext, HealthReply, HealthRequest, InfoReply, InfoRequest, Method,
                            RpcClient, RpcServer)
+from mooncaked.transfer import TransferEngine
+from mooncaked.transfer.topology import Topology
 
 
 def make_transfer_engine(config: Config, host: str, port: int) -> TransferEngine:

@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from mooncaked.config import Config, InstanceConfig
 from mooncaked.cluster.etcd_membership import EtcdMembership
-from mooncaked.runtime.lifecycle import Role
 from mooncaked.cluster.membership import Membership, StaticMembership
+from mooncaked.config import Config, InstanceConfig
+from mooncaked.runtime.lifecycle import Role
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 1. Build: the transfer engine (data endpoint on `instance.host:instance.data_port`), the StoreService (pool file
    `<shm_dir>/mooncaked-<cluster>-<instance>`, SSD directory `<ssd_dir>/<instance>` when configured), its named
-   context caches (StoreCaches) and the RPC endpoint (health, info, the methods of kv/messages.py and
+   context caches (StoreCaches) and the RPC endpoint (health, info, the methods of store/messages.py and
    kv/cache_messages.py).
 2. `start()`: engine, then service (pool, SSD index, segment, maintenance), then RPC: nothing is served before
    the pool exists.
@@ -16,14 +16,14 @@ import logging
 import os
 
 from mooncaked.config import Config, InstanceConfig, StoreSection
+from mooncaked.roles.base import RoleEndpoint, make_transfer_engine
+from mooncaked.runtime.metrics import Metrics
+from mooncaked.runtime.metrics_http import MetricsEndpoint
+from mooncaked.runtime.numa import allowed_memory_nodes
 from mooncaked.store.cache_service import StoreCaches
 from mooncaked.store.service import StoreService, StoreServiceConfig
 from mooncaked.store.shm_pool import pool_path
-from mooncaked.runtime.metrics import Metrics
-from mooncaked.runtime.numa import allowed_memory_nodes
 from mooncaked.transfer.topology import nic_numa_node
-from mooncaked.roles.base import RoleEndpoint, make_transfer_engine
-from mooncaked.runtime.metrics_http import MetricsEndpoint
 
 logger = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ import logging
 import random
 from typing import Any, AsyncGenerator, Coroutine
 
-from mooncaked.rpc.protocol import Method, ReqT, RespT
 from mooncaked.rpc.client_conn import ClientConnection, ClientIdentity
 from mooncaked.rpc.errors import DeadlineExceeded, Unavailable
 from mooncaked.rpc.frames import DEFAULT_MAX_FRAME_BYTES, check_timeout, parse_address
+from mooncaked.rpc.protocol import Method, ReqT, RespT
 
 logger = logging.getLogger(__name__)
 

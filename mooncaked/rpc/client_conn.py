@@ -18,11 +18,11 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from mooncaked.rpc.errors import DeadlineExceeded, Internal, RpcError, Unauthenticated, Unavailable, error_from_wire
+from mooncaked.rpc.frames import HANDSHAKE_MAX_FRAME_BYTES, NONCE_BYTES, DeadlineWheel, FramedProtocol, handshake_proof
 from mooncaked.rpc.protocol import (PROTOCOL_VERSION, Auth, CallFrame, CancelFrame, Challenge, EndFrame, ErrorFrame,
                                     Frame, Hello, ItemFrame, Method, ProtocolError, ReqT, RespT, ResultFrame, Welcome,
                                     decode_frame, encode_frame)
-from mooncaked.rpc.errors import DeadlineExceeded, Internal, RpcError, Unauthenticated, Unavailable, error_from_wire
-from mooncaked.rpc.frames import HANDSHAKE_MAX_FRAME_BYTES, NONCE_BYTES, DeadlineWheel, FramedProtocol, handshake_proof
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from typing import Any, Callable, cast
 
 import msgpack
 
-from mooncaked.runtime import auth
 from mooncaked.rpc.errors import ResourceExhausted
+from mooncaked.runtime import auth
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ import os
 import stat
 from typing import AsyncIterator, Awaitable, Callable
 
-from mooncaked.rpc.protocol import Method, ReqT, RespT
 from mooncaked.rpc.frames import DEFAULT_MAX_FRAME_BYTES
+from mooncaked.rpc.protocol import Method, ReqT, RespT
 from mooncaked.rpc.server_conn import CallContext, MethodEntry, ServerConnection
 
 logger = logging.getLogger(__name__)

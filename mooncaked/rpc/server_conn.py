@@ -20,12 +20,12 @@ import logging
 import time
 from typing import Any, AsyncGenerator, Coroutine
 
-from mooncaked.rpc.protocol import (CallFrame, CancelFrame, Challenge, EndFrame, ErrorFrame, ItemFrame, ResultFrame,
-                                    encode_frame)
 from mooncaked.rpc.calls import CallContext, MethodEntry, ServerHost, cancel_unresumed, resume
 from mooncaked.rpc.errors import (Cancelled, DeadlineExceeded, Internal, InvalidArgument, NotFound, ResourceExhausted,
                                   RpcError, Unavailable)
 from mooncaked.rpc.frames import HANDSHAKE_MAX_FRAME_BYTES, HEADER, MAX_TIMEOUT_S, DeadlineWheel, FramedProtocol
+from mooncaked.rpc.protocol import (CallFrame, CancelFrame, Challenge, EndFrame, ErrorFrame, ItemFrame, ResultFrame,
+                                    encode_frame)
 from mooncaked.rpc.server_handshake import ServerHandshake
 
 logger = logging.getLogger(__name__)

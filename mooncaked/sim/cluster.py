@@ -16,8 +16,8 @@ from typing import Any
 from mooncaked.kv.block_cache import BlockCache
 from mooncaked.kv.eviction import make_eviction_policy
 from mooncaked.kv.replica_eviction import make_spare_first_policy
-from mooncaked.sched.pipeline import even_pipeline
 from mooncaked.sched.decode_admission import DecodeLoadNow
+from mooncaked.sched.pipeline import even_pipeline
 from mooncaked.sched.replicas import StoreMarks
 from mooncaked.sched.shadow_index import ShadowIndex
 from mooncaked.sched.types import DecodeInstanceView, PipelineSpec, Placement, PrefillInstanceView

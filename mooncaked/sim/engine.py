@@ -6,9 +6,9 @@ A request's life in the simulator:
    RESERVE rule (`sched.decode_admission.reserve_refusal`) then sets the request's KV pages (prompt and output)
    aside until it ends, or refuses it (recorded as `decode_<reason>`; under `none` and `baseline` the request
    waits in the decode instance's queue instead). An inline Placement queues the prefill for the decode
-   instance's next step, which runs it before its decode. A Placement locks the reused prefix in its store(s), starts the remote fetch if any (it holds the
-   source and destination NICs for bytes / bandwidth), queues the prefill job and announces the request to its
-   decode instance as incoming.
+   instance's next step, which runs it before its decode. A Placement locks the reused prefix in its store(s), starts
+   the remote fetch if any (it holds the source and destination NICs for bytes / bandwidth), queues the prefill job
+   and announces the request to its decode instance as incoming.
 2. FETCH_DONE: the fetched blocks are in the job's pages; they are committed to the prefill host's store where
    they find room (hot-spot replication; prefix_fetch.py).
 3. Prefill: each forward takes the jobs `sched.prefill_batch.take_batch` picks (the prefill role's rule: by class,
@@ -20,10 +20,10 @@ A request's life in the simulator:
    predicts a group whose stages have not reported fits. PREFILL_DONE commits every block of the prompt to the
    prefill host's store (and, when configured, to the decode host's), which is the first token.
 4. Decode: under admission `baseline` the decode instance may refuse the request now (wasted prefill,
-   `sched.decode_admission.refusal_after_prefill`). Otherwise DECODE_READY (after the part of the KV stream not hidden behind prefill and the load into
-   HBM) queues it at its decode instance, which runs continuous-batching steps; each step's duration is the
-   cost model's and gives every running request one token gap (decode_batch.py). TBT = mean of the longest 10%
-   of the gaps.
+   `sched.decode_admission.refusal_after_prefill`). Otherwise DECODE_READY (after the part of the KV stream not hidden
+   behind prefill and the load into HBM) queues it at its decode instance, which runs continuous-batching steps; each
+   step's duration is the cost model's and gives every running request one token gap (decode_batch.py). TBT = mean of
+   the longest 10% of the gaps.
 5. SAMPLE events record the prefill and decode pool loads and the pool's duplicate blocks (copies beyond the
    first) every `run.sample_interval_s`; each store counts its evictions and its sole-copy evictions.
 6. The pool-wide policies (replica tracker, store recency: pool.py) hear of every placement, and after every

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mooncaked.store.cache_records import CacheInfo, HeldCache
 from mooncaked.rpc import Message, Method
+from mooncaked.store.cache_records import CacheInfo, HeldCache
 
 
 @dataclass(frozen=True)

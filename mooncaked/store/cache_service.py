@@ -14,12 +14,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 
-from mooncaked.store import cache_messages as msg
-from mooncaked.store.cache_records import CacheRecords, HeldCache
-from mooncaked.store.service import MethodRegistry
 from mooncaked.kv.store_core import StoreCore
 from mooncaked.kv.store_types import check_keys
 from mooncaked.rpc import InvalidArgument
+from mooncaked.store import cache_messages as msg
+from mooncaked.store.cache_records import CacheRecords, HeldCache
+from mooncaked.store.service import MethodRegistry
 
 logger = logging.getLogger(__name__)
 

@@ -30,11 +30,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from mooncaked.kv.tenant_quota import TenantShare
+from mooncaked.rpc import Message, Method
 from mooncaked.store import messages as msg
 from mooncaked.store.move_ends import LocalEnd, Span, Staging, staging_bytes
 from mooncaked.store.shm_pool import ShmPool
-from mooncaked.kv.tenant_quota import TenantShare
-from mooncaked.rpc import Message, Method
 from mooncaked.transfer import SegmentRef, TransferEngine, TransferError, TransferOp, TransferRequest
 
 logger = logging.getLogger(__name__)

@@ -13,10 +13,10 @@ import asyncio
 import logging
 import time
 
-from mooncaked.store import messages as msg
-from mooncaked.store.client import StoreClient
 from mooncaked.kv.events import BLOCK_STORED
 from mooncaked.rpc import DeadlineExceeded, NotFound
+from mooncaked.store import messages as msg
+from mooncaked.store.client import StoreClient
 
 logger = logging.getLogger(__name__)
 

@@ -25,14 +25,14 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from mooncaked.kv.store_core import TIER_DRAM, Grant, Location, StoreConfig, StoreCore, StoreFull, UnknownHandle
+from mooncaked.kv.tenant_quota import TenantShare
+from mooncaked.rpc import InvalidArgument, Method, NotFound, ResourceExhausted, RpcError
 from mooncaked.store import messages as msg
 from mooncaked.store.shm_pool import ShmPool
 from mooncaked.store.ssd import SsdConfig, SsdTier
-from mooncaked.kv.store_core import TIER_DRAM, Grant, Location, StoreConfig, StoreCore, StoreFull, UnknownHandle
-from mooncaked.kv.tenant_quota import TenantShare
 from mooncaked.store.tier_moves import TierMoves
 from mooncaked.transfer import TransferEngine
-from mooncaked.rpc import InvalidArgument, Method, NotFound, ResourceExhausted, RpcError
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@
 3. `close` drops the mapping; the creator also unlinks the file. Buffers handed out (`view`, `array`) must be
    released first (unregister the pool from the transfer engine before closing).
 4. A restarted store creates a new file at the same path: `is_current()` tells an attached worker that its
-   mapping is of the old, unlinked file, so it maps the new one (kv/client.py).
+   mapping is of the old, unlinked file, so it maps the new one (client.py).
 """
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from mooncaked.kv.store_core import TIER_DRAM, Location, StoreCore
 from mooncaked.store.shm_pool import ShmPool
 from mooncaked.store.ssd import SsdTier
-from mooncaked.kv.store_core import TIER_DRAM, Location, StoreCore
 
 logger = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from mooncaked.bench.etcd_server import EtcdServer
-from mooncaked.config import Config, load_config
 from mooncaked.cluster.etcd_client import EtcdClient, EtcdError, EtcdUnavailable
 from mooncaked.cluster.etcd_membership import EtcdMembership
+from mooncaked.config import Config, load_config
 from tests.cluster.etcd_fixture import etcd, needs_etcd  # noqa: F401
 
 pytestmark = needs_etcd

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from hypothesis import given, strategies as st
 
-from mooncaked.config import load_config
 from mooncaked.cluster.membership import MemberRecord, MemberTable, StaticMembership, store_on_host
+from mooncaked.config import load_config
 from mooncaked.roles.member import make_membership
 import pytest
 

@@ -24,10 +24,10 @@ import pytest
 import yaml
 
 from mooncaked.config import Config, load_config
-from mooncaked.store import messages as store_messages
-from mooncaked.rpc.protocol import INFO, InfoRequest
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.worker.messages import LOAD, LoadRequest
+from mooncaked.rpc.protocol import INFO, InfoRequest
+from mooncaked.store import messages as store_messages
 from tests.roles.cluster_fixtures import instance
 
 

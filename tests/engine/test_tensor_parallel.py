@@ -20,8 +20,8 @@ from mooncaked.engine.kv_pages import KVPages, PageAllocator
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.engine.tp.rank import RankSpec
 from mooncaked.engine.tp.runner import RankFailed, TensorParallelRunner
-from mooncaked.model.loader import load_model
 from mooncaked.model import tensor_parallel
+from mooncaked.model.loader import load_model
 from mooncaked.model.tensor_parallel import TensorParallelError
 from tests.model.family_checkpoints import CASES, write_checkpoint
 

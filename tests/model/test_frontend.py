@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from mooncaked.model.config import random_preset
-from mooncaked.model.weight_names import random_hf_state_dict
 from mooncaked.model.frontend import load_frontend
 from mooncaked.model.loader import load_model, num_parameters
+from mooncaked.model.weight_names import random_hf_state_dict
 
 
 @pytest.mark.parametrize("source", ["random:tiny", "embedded:smollm2"])

@@ -11,13 +11,13 @@ import torch
 from mooncaked.engine.batch import DecodeSeq, PrefillSeq, build_decode_batch, build_prefill_batch
 from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.runner import ModelRunner
-from mooncaked.runtime.errors import StartupError
 from mooncaked.model.chat_template import CHATML_TEMPLATE
 from mooncaked.model.config import random_preset
-from mooncaked.model.weight_names import random_hf_state_dict
 from mooncaked.model.frontend import ModelLoadError, load_frontend
 from mooncaked.model.loader import LoadedModel, load_model
 from mooncaked.model.tokenizer import byte_level_test_tokenizer
+from mooncaked.model.weight_names import random_hf_state_dict
+from mooncaked.runtime.errors import StartupError
 
 
 def _greedy(loaded: LoadedModel, prompt_ids: list[int], num_tokens: int, block_size: int = 16) -> list[int]:

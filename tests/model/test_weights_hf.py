@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mooncaked.model.config import random_preset
-from mooncaked.model.load_progress import LoadProgress
 from mooncaked.model.llama import LlamaForCausalLM
+from mooncaked.model.load_progress import LoadProgress
 from mooncaked.model.loader import load_model
 from mooncaked.model.memory_fit import ModelDoesNotFit, check_fits, projection_bytes, weight_bytes
 from mooncaked.model.weight_names import CheckpointError, num_parameters

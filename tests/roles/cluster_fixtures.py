@@ -9,8 +9,8 @@ from typing import Any
 
 from mooncaked.bench.cluster import free_port
 from mooncaked.config import Config, load_config
-from mooncaked.runtime.lifecycle import Role
 from mooncaked.roles import make_role
+from mooncaked.runtime.lifecycle import Role
 
 
 def instance(name: str, role: str, host: str = "127.0.0.1", **extra: Any) -> dict[str, Any]:

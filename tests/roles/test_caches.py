@@ -15,9 +15,9 @@ import pytest
 
 from mooncaked.config import Config
 from mooncaked.kv.keys import block_keys
-from mooncaked.runtime.lifecycle import Role
 from mooncaked.roles.conductor.role import ConductorRole
 from mooncaked.roles.store import StoreRole
+from mooncaked.runtime.lifecycle import Role
 from tests.roles.cluster_fixtures import cluster_config, instance, running_roles
 from tests.roles.test_conductor_flow import make_config, prompt, url
 

@@ -18,10 +18,10 @@ from mooncaked.api.requests import parse_completion_request
 from mooncaked.config import Config
 from mooncaked.model.loader import load_model
 from mooncaked.roles import make_role
-from mooncaked.roles.worker.prefill import forward as prefill_forward
 from mooncaked.roles.conductor.role import ConductorRole
-from mooncaked.roles.worker.decode.role import DecodeRole
 from mooncaked.roles.store import StoreRole
+from mooncaked.roles.worker.decode.role import DecodeRole
+from mooncaked.roles.worker.prefill import forward as prefill_forward
 from tests.roles.cluster_fixtures import cluster_config, instance, running_roles
 from tests.roles.engine_reference import greedy_tokens
 

@@ -12,12 +12,12 @@ import pytest
 from mooncaked.config import Config
 from mooncaked.kv.keys import block_keys, model_namespace
 from mooncaked.model.loader import load_model
-from mooncaked.transfer import SegmentRef, TransferEngine, TransferError, TransferOp, TransferRequest
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.worker.decode.role import DecodeRole
 from mooncaked.roles.worker.messages import (DECODE, PREFILL, RESERVE, DecodeRequest, PrefillRequest, ReserveRequest,
                                              SamplingSpec)
 from mooncaked.rpc import RpcClient
+from mooncaked.transfer import SegmentRef, TransferEngine, TransferError, TransferOp, TransferRequest
 from tests.roles.cluster_fixtures import cluster_config, instance, running_roles
 from tests.roles.engine_reference import greedy_tokens
 
@@ -71,7 +71,7 @@ async def test_prefill_then_decode_equals_single_process(tmp_path: Path, num_tok
 
 
 async def test_inline_overhead_leaves_out_the_wait_for_the_compute_thread(tmp_path: Path) -> None:
-    """The conductor predicts an inline prefill's wait for the compute thread itself (instance_views.inline_wait_s):
+    """The conductor predicts an inline prefill's wait for the compute thread itself (view.instances.inline_wait_s):
     the overhead the decode instance reports is the rest (planning, writes), however long the thread was busy."""
     config = cluster_config(tmp_path, [instance("s0", "store"), instance("p0", "prefill"), instance("d0", "decode")])
     async with running_roles(config, ["s0", "d0"]) as roles:

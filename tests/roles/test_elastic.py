@@ -18,13 +18,13 @@ import yaml
 
 from mooncaked.bench.etcd_server import EtcdServer
 from mooncaked.config import load_config
-from mooncaked.runtime.lifecycle import Role
 from mooncaked.roles import make_role
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.role import ConductorRole
 from mooncaked.roles.member import MemberRole
 from mooncaked.roles.worker.switch_messages import SWITCH, SwitchRequest
 from mooncaked.roles.worker.switching import SwitchableWorkerRole
+from mooncaked.runtime.lifecycle import Role
 from tests.cluster.etcd_fixture import etcd, needs_etcd  # noqa: F401
 from tests.roles.cluster_fixtures import instance
 

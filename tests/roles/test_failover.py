@@ -19,8 +19,8 @@ import pytest
 
 from mooncaked.config import Config
 from mooncaked.roles.conductor.role import ConductorRole
-from mooncaked.roles.worker.prefill import forward as prefill_forward
 from mooncaked.roles.worker.decode.role import DecodeRole
+from mooncaked.roles.worker.prefill import forward as prefill_forward
 from mooncaked.roles.worker.prefill.role import PrefillRole
 from tests.roles.cluster_fixtures import cluster_config, instance, running_roles
 from tests.roles.test_conductor_flow import GREEDY, completion, eventually, expected_text, prompt, url

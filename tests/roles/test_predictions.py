@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 
 from mooncaked.roles.conductor.role import ConductorRole
-from mooncaked.roles.worker.prefill import forward as prefill_forward
 from mooncaked.roles.worker.decode.role import DecodeRole
+from mooncaked.roles.worker.prefill import forward as prefill_forward
 from mooncaked.roles.worker.prefill.role import PrefillRole
 from mooncaked.sched.predictors import DecodeStepPredictor
 from tests.roles.cluster_fixtures import running_roles

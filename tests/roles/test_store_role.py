@@ -4,11 +4,11 @@ from pathlib import Path
 import numpy as np
 
 from mooncaked.config import ClusterSection, Config, InstanceConfig, StoreSection
-from mooncaked.store.client import StoreClient
-from mooncaked.rpc.protocol import HEALTH, INFO, HealthRequest, InfoRequest
-from mooncaked.transfer import TransferEngine
 from mooncaked.roles.store import StoreRole
 from mooncaked.rpc import RpcClient
+from mooncaked.rpc.protocol import HEALTH, INFO, HealthRequest, InfoRequest
+from mooncaked.store.client import StoreClient
+from mooncaked.transfer import TransferEngine
 
 
 def make_config(tmp_path: Path) -> tuple[Config, InstanceConfig]:

@@ -17,9 +17,9 @@ import yaml
 from mooncaked.config import load_config
 from mooncaked.kv.keys import block_keys, model_namespace
 from mooncaked.model.loader import load_model
-from mooncaked.rpc.protocol import INFO, InfoRequest
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.worker.messages import DECODE, RESERVE, DecodeRequest, ReserveRequest, SamplingSpec
+from mooncaked.rpc.protocol import INFO, InfoRequest
 from tests.roles.cluster_fixtures import instance
 
 

@@ -18,10 +18,10 @@ import pytest
 import yaml
 
 from mooncaked.config import load_config
-from mooncaked.runtime.lifecycle import EXIT_FATAL
 from mooncaked.roles import make_role
 from mooncaked.roles.conductor.view.outages import CRASH_LOOP_OUTAGES
 from mooncaked.roles.supervisor import CRASH_LOOP_CRASHES, Supervisor, describe_exit
+from mooncaked.runtime.lifecycle import EXIT_FATAL
 from tests.roles.cluster_fixtures import cluster_config, instance
 
 

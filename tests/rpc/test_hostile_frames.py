@@ -19,9 +19,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mooncaked.store import messages as store_messages
 from mooncaked.rpc import Internal, RpcServer
 from mooncaked.rpc.protocol import CallFrame, ErrorFrame, ItemFrame, ResultFrame, EndFrame, encode_array, encode_frame
+from mooncaked.store import messages as store_messages
 from tests.roles.cluster_fixtures import cluster_config, instance, running_roles
 from tests.rpc.test_rpc import ECHO, SECRET, Echo, Service, make_client, make_server
 from tests.rpc.test_rpc_faults import RawPeer

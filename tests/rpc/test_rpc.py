@@ -13,9 +13,9 @@ from typing import AsyncIterator
 
 import pytest
 
-from mooncaked.rpc.protocol import HEALTH, INFO, HealthReply, HealthRequest, InfoReply, InfoRequest, Message, Method
 from mooncaked.rpc import (CallContext, DeadlineExceeded, Internal, NotFound, ResourceExhausted, RpcClient, RpcServer,
                            Unavailable)
+from mooncaked.rpc.protocol import HEALTH, INFO, HealthReply, HealthRequest, InfoReply, InfoRequest, Message, Method
 
 CLUSTER = "test-cluster"
 SECRET = b"test-secret"

@@ -14,12 +14,12 @@ from typing import Any, AsyncIterator
 import msgpack
 import pytest
 
-from mooncaked.rpc.protocol import (PROTOCOL_VERSION, Auth, CallFrame, CancelFrame, Challenge, ErrorFrame, Hello,
-                                    ResultFrame, Welcome, decode_frame, encode_array, encode_frame)
 from mooncaked.bench.cluster import free_port
 from mooncaked.rpc import (DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted, RpcClient, RpcServer,
                            Unauthenticated)
 from mooncaked.rpc.frames import handshake_proof
+from mooncaked.rpc.protocol import (PROTOCOL_VERSION, Auth, CallFrame, CancelFrame, Challenge, ErrorFrame, Hello,
+                                    ResultFrame, Welcome, decode_frame, encode_array, encode_frame)
 from tests.rpc.test_rpc import BLOCK, CLUSTER, EAGER_SLEEP, ECHO, SECRET, Echo, Service, Sleep, make_client, make_server
 
 

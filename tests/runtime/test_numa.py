@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mooncaked.store.shm_pool import ShmPool
 from mooncaked.runtime.numa import NumaError, allowed_memory_nodes, memory_bound_to, page_node, parse_id_list
+from mooncaked.store.shm_pool import ShmPool
 
 needs_numa_syscalls = pytest.mark.skipif(platform.machine() not in ("x86_64", "aarch64"),
                                          reason="memory-policy syscall numbers are known for x86_64 and aarch64")

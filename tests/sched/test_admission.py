@@ -3,8 +3,8 @@
 import pytest
 
 from mooncaked.sched.admission import predicted_batch, select_decode
-from mooncaked.sched.decode_admission import StepLimit, refusal_after_prefill
 from mooncaked.sched.algorithm import SchedulerPolicy, schedule
+from mooncaked.sched.decode_admission import StepLimit, refusal_after_prefill
 from mooncaked.sched.predictors import DecodeStepPredictor, Predictors, PrefillTimePredictor, TransferTimePredictor
 from mooncaked.sched.shadow_index import ShadowIndex
 from mooncaked.sched.types import DecodeInstanceView, Placement, PolicyConfig, PrefillInstanceView, Rejection, RequestInfo

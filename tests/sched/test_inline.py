@@ -11,7 +11,8 @@ from mooncaked.sched.algorithm import SchedulerPolicy
 from mooncaked.sched.inline import place
 from mooncaked.sched.predictors import DecodeStepPredictor, Predictors, PrefillTimePredictor, TransferTimePredictor
 from mooncaked.sched.shadow_index import ShadowIndex
-from mooncaked.sched.types import DecodeInstanceView, Placement, PolicyConfig, PrefillInstanceView, Rejection, RequestInfo
+from mooncaked.sched.types import (DecodeInstanceView, Placement, PolicyConfig, PrefillInstanceView, Rejection,
+                                   RequestInfo)
 
 # Prefill: 1 s per 1000 new tokens (coefficients on (1, n, p, n^2, np, p^2), n and p in thousands).
 PREFILL = PrefillTimePredictor((0.0, 1.0, -1.0, 0.0, 0.0, 0.0))

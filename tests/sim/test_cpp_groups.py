@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mooncaked.roles.base import PeerClients
+from mooncaked.roles.conductor.role import policy_config, view_settings
 from mooncaked.roles.conductor.view.cluster import ClusterView
 from mooncaked.roles.conductor.view.predictors import LivePredictors
-from mooncaked.roles.conductor.role import policy_config, view_settings
 from mooncaked.roles.worker.messages import LoadReply
 from mooncaked.sched.algorithm import schedule
 from mooncaked.sched.types import Placement, RequestInfo

@@ -7,11 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mooncaked.store import cache_messages as m
-from mooncaked.store.cache_service import StoreCaches
 from mooncaked.kv.store_core import StoreConfig, StoreCore, StoreFull
 from mooncaked.rpc import InvalidArgument
 from mooncaked.rpc.protocol import Message, decode_message, encode_message
+from mooncaked.store import cache_messages as m
+from mooncaked.store.cache_service import StoreCaches
 
 UNIT = 4096
 

@@ -6,10 +6,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mooncaked.rpc import NotFound, RpcServer
 from mooncaked.store.client import StaleOffsets
 from mooncaked.store.service import StoreService, StoreServiceConfig
 from mooncaked.transfer import TransferEngine
-from mooncaked.rpc import NotFound, RpcServer
 from tests.store.test_store_rpc import BLOCK, key, open_client_at
 
 

@@ -1,8 +1,8 @@
 import msgpack
 import pytest
 
-from mooncaked.store import messages as m
 from mooncaked.rpc.protocol import Message, ProtocolError, decode_message, encode_message
+from mooncaked.store import messages as m
 
 KEY = bytes(range(16))
 LOCATION = m.BlockLocation(KEY, "dram", 8192, 1 << 20)

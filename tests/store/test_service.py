@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from mooncaked.rpc.errors import InvalidArgument, NotFound, ResourceExhausted
 from mooncaked.store import messages as msg
 from mooncaked.store.service import StoreService, StoreServiceConfig
-from mooncaked.rpc.errors import InvalidArgument, NotFound, ResourceExhausted
 
 BLOCK = 8192
 

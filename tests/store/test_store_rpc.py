@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mooncaked.rpc import InvalidArgument, NotFound, ResourceExhausted, RpcClient, RpcServer
 from mooncaked.store.client import StoreClient
 from mooncaked.store.mirror import StoreKeyMirror
 from mooncaked.store.service import StoreService, StoreServiceConfig
 from mooncaked.transfer import TransferEngine
-from mooncaked.rpc import InvalidArgument, NotFound, ResourceExhausted, RpcClient, RpcServer
 
 BLOCK = 16384
 NUM_LAYERS = 4

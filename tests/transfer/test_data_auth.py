@@ -20,7 +20,7 @@ from mooncaked.transfer import SegmentRef, TransferEngine, TransferError, Transf
 from mooncaked.transfer import wire
 from mooncaked.transfer.control import DescribeRequest, TcpControlChannel, encode_control
 from mooncaked.transfer.handshake import (DATA_AUTH_LABEL, HANDSHAKE_TAG, HELLO, MAGIC, DataCredentials, HandshakeRefused,
-                                      client_handshake, serve_handshake)
+                                          client_handshake, serve_handshake)
 from mooncaked.transfer.tcp_server import MAX_HANDSHAKES_PER_ADDRESS
 from mooncaked.transfer.types import split_endpoint
 

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from mooncaked.store.service import StoreService, StoreServiceConfig
-from mooncaked.runtime.numa import allowed_memory_nodes
-from mooncaked.transfer import SegmentRef, TransferEngine, TransferOp, TransferRequest
-from mooncaked.transfer.topology import NicTiers, Topology, discover_topology, gpu_numa_node, nic_numa_node
 from mooncaked.roles.store import pool_numa_node
 from mooncaked.roles.worker.kv.placement import register_kv_pages, staging_placement
+from mooncaked.runtime.numa import allowed_memory_nodes
+from mooncaked.store.service import StoreService, StoreServiceConfig
+from mooncaked.transfer import SegmentRef, TransferEngine, TransferOp, TransferRequest
+from mooncaked.transfer.topology import NicTiers, Topology, discover_topology, gpu_numa_node, nic_numa_node
 from tests.transfer.fake_verbs import FakeFabric
 from tests.transfer.test_rdma_transport import EngineFactory, make_engine  # noqa: F401 (fixture)
 from tests.transfer.test_topology import add_nic, add_pci_device

@@ -57,7 +57,7 @@ class RankChannel:
         return self.sock in ready
 
     def send_fds(self, fds: list[int]) -> None:
-        """Pass file descriptors (before any message: the shared all-reduce segment's, engine.tp_shm)."""
+        """Pass file descriptors (before any message: the shared all-reduce segment's, engine.tp.shm)."""
         try:
             socket.send_fds(self.sock, [b"f"], fds)
         except OSError as exc:

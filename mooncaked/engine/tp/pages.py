@@ -1,7 +1,7 @@
 """KV pages of a tensor-parallel worker instance: each rank's pages mapped in rank 0, and all of them as one.
 
 1. CPU: rank 0 (the worker's process) creates one memfd per other rank, `SharedPages.create(nbytes)`, sized by
-   `KVPages.nbytes_for` for that rank's KV heads, and passes its fd over the rank's channel (engine.tp_runner);
+   `KVPages.nbytes_for` for that rank's KV heads, and passes its fd over the rank's channel (engine.tp.runner);
    the rank maps it (`SharedPages.attach(fd, nbytes)`) and allocates its `KVPages` in it.
    CUDA: a rank allocates its pages on its own device and sends a CUDA IPC handle of them with its "ready"
    (`export_device_pages`); rank 0 opens it (`import_device_pages`) in a context of its own on that device.

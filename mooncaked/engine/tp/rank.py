@@ -4,11 +4,11 @@
 2. `join_group(spec, rank, num_ranks, store)` joins the ranks' group (gloo over loopback on CPU, NCCL on CUDA,
    the rank's own device `cuda:<base + rank>`) with `spec.timeout_s` as every collective's deadline. The layers'
    all-reduces (model.tensor_parallel's installed Reducer) go through NCCL on CUDA, and on CPU through a
-   shared-memory segment of the host (engine.tp_shm; gloo for what does not fit it, or with it switched off).
+   shared-memory segment of the host (engine.tp.shm; gloo for what does not fit it, or with it switched off).
 3. `build_rank(spec, rank, num_ranks)` loads the rank's shard (only its heads and MLP columns) and allocates
    pages for its KV heads (with `spec.is_pages_shared`, on CPU in the memory rank 0 passed, on CUDA exported to
    rank 0 with the rank's "ready": engine/tp_pages.py).
-4. `rank_main` (the entry of ranks 1..N-1, spawned by engine.tp_runner): join, build, report ready, then run
+4. `rank_main` (the entry of ranks 1..N-1, spawned by engine.tp.runner): join, build, report ready, then run
    every forward rank 0 sends, in order, until `stop`, until rank 0's process exits, or until a forward fails
    (the rank reports the error on its channel and exits: rank 0's collectives then fail, never hang).
 5. A prefill rank 0 runs with layer callbacks (a worker instance's loads and stores) is gated: before each layer
@@ -33,10 +33,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mooncaked.engine.tp import shm as tp_shm
 from mooncaked.engine.batch import DecodeBatch, PrefillBatch
 from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.runner import ModelRunner
+from mooncaked.engine.tp import shm as tp_shm
 from mooncaked.engine.tp.channel import ChannelClosed, RankChannel
 from mooncaked.engine.tp.pages import SharedPages, export_device_pages
 from mooncaked.model import tensor_parallel
@@ -113,7 +113,7 @@ def is_cuda(spec: RankSpec) -> bool:
 
 
 def uses_shared_memory(spec: RankSpec) -> bool:
-    """Whether the ranks all-reduce through shared memory (engine.tp_shm) rather than the group alone."""
+    """Whether the ranks all-reduce through shared memory (engine.tp.shm) rather than the group alone."""
     return not is_cuda(spec) and spec.allreduce_slot_bytes > 0 and tp_shm.is_supported()
 
 

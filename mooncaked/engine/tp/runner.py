@@ -2,14 +2,14 @@
 
 Lifecycle:
 1. `TensorParallelRunner.start(spec, num_ranks)` refuses a degree the model's heads do not allow (before any
-   process starts), opens the rendezvous store on a free loopback port, spawns ranks 1..N-1 (engine.tp_rank),
-   joins the process group as rank 0 (on CPU also creating the shared all-reduce segment, engine.tp_shm, and
+   process starts), opens the rendezvous store on a free loopback port, spawns ranks 1..N-1 (engine.tp.rank),
+   joins the process group as rank 0 (on CPU also creating the shared all-reduce segment, engine.tp.shm, and
    passing it to the ranks), loads its own shard, and waits (with the spec's deadline, watching the
    children) until every rank reports ready; any failure stops every rank and raises.
 2. `prefill(batch)` / `decode(batch)` send the batch to every rank, then run rank 0's forward: each rank
    computes its heads and MLP columns on its own KV pages, the all-reduces inside the layers join them, and
    rank 0 returns the logits (the output head is replicated). A prefill's layer callbacks run on rank 0 and
-   gate the other ranks (engine.tp_rank stage 5): a callback that raises stops the forward on every rank at
+   gate the other ranks (engine.tp.rank stage 5): a callback that raises stops the forward on every rank at
    that layer boundary and propagates, leaving the group usable. With `spec.is_pages_shared` every rank's pages
    are mapped here too (`rank_pages`: memfds on CPU, CUDA IPC on GPUs; engine/tp_pages.py), so rank 0 moves
    all the KV.
@@ -41,9 +41,9 @@ from mooncaked.engine.tp.rank import (LOOPBACK, BackendReducer, RankShard, RankS
                                       check_devices, is_cuda, join_group, pages_nbytes, rank_main,
                                       uses_shared_memory)
 from mooncaked.engine.tp.shm import SharedMemoryReducer
+from mooncaked.model import tensor_parallel
 from mooncaked.model.llama import LlamaForCausalLM
 from mooncaked.model.loader import model_args
-from mooncaked.model import tensor_parallel
 from mooncaked.model.tensor_parallel import check_shardable, shard_shape
 
 logger = logging.getLogger(__name__)

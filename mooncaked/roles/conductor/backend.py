@@ -18,18 +18,18 @@ from mooncaked.api.errors import ApiError, context_too_long, invalid_field
 from mooncaked.api.requests import ChatRequest, CompletionRequest
 from mooncaked.config import Config
 from mooncaked.kv.keys import block_keys, isolated_namespace, model_namespace
-from mooncaked.runtime.logs import request_id_var
-from mooncaked.runtime.metrics import Metrics
 from mooncaked.model.chat_template import ChatTemplateError
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.class_metrics import ClassMetrics
-from mooncaked.roles.conductor.view.cluster_info import describe_cluster
-from mooncaked.roles.conductor.view.cluster import ClusterView
 from mooncaked.roles.conductor.frontend import (ConductorRequest, ModelFrontend, generation_state, key_isolation,
                                                 sampling_spec)
-from mooncaked.roles.conductor.view.prediction_errors import PredictionErrors
 from mooncaked.roles.conductor.leader import PdController
 from mooncaked.roles.conductor.request_run import RequestRun
+from mooncaked.roles.conductor.view.cluster import ClusterView
+from mooncaked.roles.conductor.view.cluster_info import describe_cluster
+from mooncaked.roles.conductor.view.prediction_errors import PredictionErrors
+from mooncaked.runtime.logs import request_id_var
+from mooncaked.runtime.metrics import Metrics
 from mooncaked.sched.types import REASON_NO_DECODE, REASON_NO_PREFILL
 
 

@@ -30,14 +30,14 @@ from mooncaked.api.cache_routes import CacheCreate, cache_not_found
 from mooncaked.api.errors import ApiError, context_too_long, invalid_field, unavailable
 from mooncaked.api.requests import ChatRequest, CompletionRequest, SamplingOptions
 from mooncaked.config import Config
-from mooncaked.store import cache_messages as msg
-from mooncaked.store.cache_records import CacheInfo
 from mooncaked.kv.keys import block_keys, isolated_namespace
 from mooncaked.model.chat_template import ChatTemplateError
 from mooncaked.roles.base import PeerClients
-from mooncaked.roles.conductor.view.cluster import ClusterView
 from mooncaked.roles.conductor.frontend import ModelFrontend, key_isolation
+from mooncaked.roles.conductor.view.cluster import ClusterView
 from mooncaked.rpc import RpcError
+from mooncaked.store import cache_messages as msg
+from mooncaked.store.cache_records import CacheInfo
 
 logger = logging.getLogger(__name__)
 

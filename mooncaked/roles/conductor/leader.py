@@ -22,8 +22,8 @@ import time
 from collections import deque
 from typing import Any
 
-from mooncaked.config import Config
 from mooncaked.cluster.etcd_membership import EtcdMembership
+from mooncaked.config import Config
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.view.cluster import ClusterView, WorkerState
 from mooncaked.roles.worker.switch_messages import SWITCH, SwitchRequest

@@ -31,16 +31,16 @@ from mooncaked.api.backend import GenerationChunk, TokenLogprob
 from mooncaked.api.errors import ApiError
 from mooncaked.config import Config
 from mooncaked.kv.keys import block_keys, isolated_namespace
-from mooncaked.runtime.logs import request_id_var
-from mooncaked.runtime.metrics import Metrics
 from mooncaked.model.stopping import FINISH_LENGTH, FINISH_STOP, GenerationState
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.class_metrics import ClassMetrics
-from mooncaked.roles.conductor.view.cluster import ClusterView
 from mooncaked.roles.conductor.frontend import ConductorRequest, ModelFrontend
 from mooncaked.roles.conductor.leg import Leg, LegFailed, LegWork, Rejected
+from mooncaked.roles.conductor.view.cluster import ClusterView
 from mooncaked.roles.conductor.view.prediction_errors import PredictionErrors, PredictionRecord
 from mooncaked.roles.worker.messages import FINISH_EOS, PrefillReply, SamplingSpec, StoreTenant, TokenSample
+from mooncaked.runtime.logs import request_id_var
+from mooncaked.runtime.metrics import Metrics
 from mooncaked.sched.types import Placement
 
 logger = logging.getLogger(__name__)

@@ -32,25 +32,25 @@ from mooncaked.api.batch_routes import add_batch_routes, add_disabled_routes
 from mooncaked.api.cache_routes import add_cache_routes
 from mooncaked.api.client_guard import ClientGuard, GuardedSite
 from mooncaked.api.tenant_gate import TenantGate
-from mooncaked.config import Config, ConfigError, InstanceConfig
-from mooncaked.config.schema import ConfigIssue
 from mooncaked.cluster.etcd_membership import EtcdMembership
 from mooncaked.cluster.membership import Membership, StaticMembership
-from mooncaked.runtime.metrics import Metrics
+from mooncaked.config import Config, ConfigError, InstanceConfig
+from mooncaked.config.schema import ConfigIssue
 from mooncaked.model.frontend import ModelFrontendInfo, load_frontend
 from mooncaked.model.loader import num_parameters, resolve_dtype
 from mooncaked.roles.base import PeerClients, RoleEndpoint
-from mooncaked.roles.conductor.view.cluster import ClusterView, ClusterViewSettings
 from mooncaked.roles.conductor.backend import ConductorBackend
 from mooncaked.roles.conductor.batch.batches import BatchManager
 from mooncaked.roles.conductor.caches import CacheRegistry
 from mooncaked.roles.conductor.completion import complete
 from mooncaked.roles.conductor.frontend import ModelFrontend
 from mooncaked.roles.conductor.leader import PdController
-from mooncaked.roles.conductor.view.predictors import LivePredictors
-from mooncaked.roles.conductor.view.store_follower import FollowerSettings
 from mooncaked.roles.conductor.tenancy import make_gate
 from mooncaked.roles.conductor.tenancy import reload as reload_tenants
+from mooncaked.roles.conductor.view.cluster import ClusterView, ClusterViewSettings
+from mooncaked.roles.conductor.view.predictors import LivePredictors
+from mooncaked.roles.conductor.view.store_follower import FollowerSettings
+from mooncaked.runtime.metrics import Metrics
 from mooncaked.sched.predictors import DecodeStepPredictor, Predictors, PrefillTimePredictor, TransferTimePredictor
 from mooncaked.sched.types import PolicyConfig
 

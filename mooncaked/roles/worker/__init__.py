@@ -2,9 +2,9 @@
 
 1. `worker.Worker` owns one model replica, its KV pages and its compute thread; the role driving it does not
    change the runner.
-2. `prefill.PrefillRole` queues PREFILL jobs and runs `prefill_forward` on them; `kv_plan` prepares a prompt's
+2. `prefill.role.PrefillRole` queues PREFILL jobs and runs `prefill.forward` on them; `kv.plan` prepares a prompt's
    KV (prefix to load, blocks to write here and on the decode host) and `request_kv` owns a request's pages.
-3. `decode.DecodeRole` answers RESERVE and DECODE and runs `decode_loop`'s continuous batch.
+3. `decode.role.DecodeRole` answers RESERVE and DECODE and runs `decode.loop`'s continuous batch.
 4. `sampling` turns a wire `messages.SamplingSpec` into sampled tokens on the compute thread.
 
 Nothing here is imported by this `__init__`: the wire messages (`messages`) load without torch, so the

@@ -16,10 +16,10 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from mooncaked.config import Config, InstanceConfig, WorkerSection
+from mooncaked.config.memory_plan import worker_packing
 from mooncaked.engine.kv_budget import DeviceMemory, KVBudget, KVSizing, cuda_free_bytes, size_kv
 from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.runner import ModelRunner
-from mooncaked.config.memory_plan import worker_packing
 from mooncaked.model.config import LayerRange
 from mooncaked.model.loader import LoadedModel, load_model
 from mooncaked.model.memory_fit import activation_bytes

@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from mooncaked.store.messages import WriteHandle
 from mooncaked.rpc import Message, Method
+from mooncaked.store.messages import WriteHandle
 
 FINISH_EOS = "eos"  # an EOS or stop token id ended the sequence
 FINISH_LENGTH = "length"  # max_tokens reached

@@ -4,9 +4,9 @@
    starting role (`--role prefill|decode`), then serve one RPC endpoint whose PREFILL, RESERVE, UNRESERVE,
    DECODE and LOAD calls go to the active role, and SWITCH.
 2. SWITCH to the other role: publish `draining` (conductors stop placing here), wait `cluster.etcd.drain_notice_s`
-   for every conductor to see it, then refuse new work (PREFILL and RESERVE), wait until in-flight work has finished (up to the request's
-   drain deadline; what is left then is cancelled), deactivate the old role, activate the new one on the same
-   worker (its weights stay loaded, its KV pages are all free again and serve the new role), and publish the
+   for every conductor to see it, then refuse new work (PREFILL and RESERVE), wait until in-flight work has finished
+   (up to the request's drain deadline; what is left then is cancelled), deactivate the old role, activate the new one
+   on the same worker (its weights stay loaded, its KV pages are all free again and serve the new role), and publish the
    record as `ready` under the new role. Switches are logged, counted in metrics and in LOAD/INFO replies.
 3. `stop()`: stop the endpoints, deactivate the active role, stop the worker.
 
@@ -21,11 +21,9 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from mooncaked.config import Config, InstanceConfig
 from mooncaked.cluster.membership import Membership, StaticMembership
-from mooncaked.runtime.metrics import Metrics
+from mooncaked.config import Config, InstanceConfig
 from mooncaked.roles.base import RoleEndpoint
-from mooncaked.runtime.metrics_http import MetricsEndpoint
 from mooncaked.roles.worker.decode.role import DecodeRole
 from mooncaked.roles.worker.messages import (DECODE, LOAD, PREFILL, RESERVE, UNRESERVE, DecodeItem, DecodeRequest,
                                              LoadReply, LoadRequest, PrefillReply, PrefillRequest, ReserveReply,
@@ -35,6 +33,8 @@ from mooncaked.roles.worker.profiler import profile
 from mooncaked.roles.worker.switch_messages import SWITCH, SwitchReply, SwitchRequest
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import CallContext, InvalidArgument, Unavailable
+from mooncaked.runtime.metrics import Metrics
+from mooncaked.runtime.metrics_http import MetricsEndpoint
 
 logger = logging.getLogger(__name__)
 

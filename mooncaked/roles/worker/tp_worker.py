@@ -28,11 +28,11 @@ import logging
 from collections.abc import Callable
 
 from mooncaked.config import Config, InstanceConfig, WorkerSection
+from mooncaked.config.memory_plan import worker_packing
 from mooncaked.engine.kv_budget import DeviceMemory, KVBudget, KVSizing, cuda_free_bytes, size_kv
 from mooncaked.engine.tp.pages import ShardedPages
 from mooncaked.engine.tp.rank import RankSpec
 from mooncaked.engine.tp.runner import TensorParallelRunner
-from mooncaked.config.memory_plan import worker_packing
 from mooncaked.model.config import LayerRange, ModelArgs
 from mooncaked.model.loader import model_args, resolve_dtype
 from mooncaked.model.memory_fit import activation_bytes, weight_bytes

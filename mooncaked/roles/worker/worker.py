@@ -1,10 +1,10 @@
 """The runtime a prefill or decode instance is built on: one model replica, its KV pages, one compute thread.
 
 1. `Worker(config, instance)`; `await start()`: start the transfer engine, load the model on the compute thread
-   (local_replica.py; a prefill group member: only its stage's layers, config/prefill_groups.py; on CPU mapped from the host's
-   shared weight file; prefill keeps plain projections, decode packed ones in their place, a switchable worker both:
-   memory_plan.worker_packing), size the KV pages from the memory budget (engine.kv_budget; a budget too small for
-   one max-length request fails here), allocate them (for its layers), build the runner, copier, staging pool
+   (local_replica.py; a prefill group member: only its stage's layers, config/prefill_groups.py; on CPU mapped from
+   the host's shared weight file; prefill keeps plain projections, decode packed ones in their place, a switchable
+   worker both: memory_plan.worker_packing), size the KV pages from the memory budget (engine.kv_budget; a budget too
+   small for one max-length request fails here), allocate them (for its layers), build the runner, copier, staging pool
    (pinned on the GPU's NUMA node) and sampler, register the pages as a transfer-engine segment (host pages, which
    every move then reaches straight; GPU pages as "cuda:N" where RDMA can map them), connect to this host's store
    (mapping its pool). With N > 1 tensor-parallel ranks (tp_worker.py) the model is rank 0's shard, the runner
@@ -22,7 +22,8 @@
 The worker also owns its performance model (`perf`): the role profiles it before serving (profiler.py) and feeds
 it live samples; LOAD replies report its coefficients, which the conductor predicts with.
 
-The runner does not know which role drives it (docs/design.md section 11): a decode instance prefills inline with the same code.
+The runner does not know which role drives it (docs/design.md section 11): a decode instance prefills inline with the
+same code.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ from typing import Any, TypeVar
 import torch
 
 
+from mooncaked.cluster.membership import Membership, StaticMembership, store_on_host
 from mooncaked.config import Config, InstanceConfig, WorkerSection
-from mooncaked.runtime.cpu_affinity import pinned_executor
+from mooncaked.config.prefill_groups import GroupStage, group_stage
 from mooncaked.engine.kv_budget import KVSizing
 from mooncaked.engine.kv_copy import KVCopier
 from mooncaked.engine.kv_pages import KVPages, PageAllocator
@@ -47,22 +49,21 @@ from mooncaked.engine.runner import ModelRunner
 from mooncaked.engine.staging_pool import StagingPool
 from mooncaked.engine.timeline import LayerTimeline
 from mooncaked.engine.tp.runner import TensorParallelRunner
-from mooncaked.store.client import StoreClient
 from mooncaked.kv.keys import model_namespace
-from mooncaked.store.move_ends import Staging
-from mooncaked.cluster.membership import Membership, StaticMembership, store_on_host
 from mooncaked.model.config import LayerRange
 from mooncaked.model.frontend import load_frontend
 from mooncaked.model.loader import LoadedModel
 from mooncaked.model.sampler import Sampler
-from mooncaked.runtime.numa import allowed_memory_nodes
-from mooncaked.config.prefill_groups import GroupStage, group_stage
+from mooncaked.roles.base import PeerClients, make_transfer_engine
 from mooncaked.roles.worker.kv.placement import register_kv_pages, staging_placement
 from mooncaked.roles.worker.local_replica import load_replica
 from mooncaked.roles.worker.tp_worker import RankWatch, start_ranks
-from mooncaked.roles.base import PeerClients, make_transfer_engine
 from mooncaked.rpc import InvalidArgument, Unavailable
+from mooncaked.runtime.cpu_affinity import pinned_executor
+from mooncaked.runtime.numa import allowed_memory_nodes
 from mooncaked.sched.perf_model import PerformanceModel
+from mooncaked.store.client import StoreClient
+from mooncaked.store.move_ends import Staging
 
 logger = logging.getLogger(__name__)
 

@@ -12,15 +12,15 @@ from mooncaked.api.errors import ApiError
 from mooncaked.api.requests import parse_chat_request, parse_completion_request
 from mooncaked.config import Config, ConfigError
 from mooncaked.kv.keys import block_keys, model_namespace
-from mooncaked.runtime.metrics import Metrics
 from mooncaked.model.loader import load_model
 from mooncaked.roles.base import PeerClients
-from mooncaked.roles.conductor.view.cluster import ClusterView
+from mooncaked.roles.conductor.backend import ConductorBackend
 from mooncaked.roles.conductor.role import (
     ConductorRole, default_predictors, model_frontend, policy_config, view_settings,
 )
-from mooncaked.roles.conductor.backend import ConductorBackend
+from mooncaked.roles.conductor.view.cluster import ClusterView
 from mooncaked.roles.conductor.view.predictors import LivePredictors
+from mooncaked.runtime.metrics import Metrics
 from tests.roles.cluster_fixtures import cluster_config, instance, running_roles
 
 

@@ -25,19 +25,19 @@ import torch
 
 from mooncaked.config import Config
 from mooncaked.engine.timeline import LayerTimeline
-from mooncaked.store import client as client_module
-from mooncaked.store.client import StoreClient
 from mooncaked.kv.keys import block_keys
-from mooncaked.store.move_ends import Span, Staging
 from mooncaked.model.loader import load_model
-from mooncaked.transfer import TransferError, TransferOp
 from mooncaked.roles.store import StoreRole
-from mooncaked.roles.worker.kv.plan import KvPlan, plan_prompt_kv
 from mooncaked.roles.worker.kv.layer_loader import BlockSource, LoadFailed
+from mooncaked.roles.worker.kv.plan import KvPlan, plan_prompt_kv
+from mooncaked.roles.worker.kv.request_kv import RequestKv
 from mooncaked.roles.worker.messages import Destination, SamplingSpec
 from mooncaked.roles.worker.prefill.forward import run_prefill_forward
-from mooncaked.roles.worker.kv.request_kv import RequestKv
 from mooncaked.roles.worker.worker import Worker
+from mooncaked.store import client as client_module
+from mooncaked.store.client import StoreClient
+from mooncaked.store.move_ends import Span, Staging
+from mooncaked.transfer import TransferError, TransferOp
 from tests.roles.cluster_fixtures import cluster_config, instance
 from tests.roles.engine_reference import greedy_tokens
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from mooncaked.store.messages import WriteHandle
 from mooncaked.roles.worker import messages as m
 from mooncaked.rpc.protocol import Message, decode_array, decode_message, encode_array, encode_message
+from mooncaked.store.messages import WriteHandle
 
 KEY = bytes(range(16))
 SPEC = m.SamplingSpec(max_tokens=8, temperature=0.5, top_p=0.9, top_k=4, seed=3, stop_token_ids=[2],

@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 
 from mooncaked.config import Config
-from mooncaked.runtime.lifecycle import EXIT_FAILED, serve
 from mooncaked.model.loader import load_model
 from mooncaked.roles import make_role
 from mooncaked.roles.base import PeerClients
@@ -24,6 +23,7 @@ from mooncaked.roles.worker.decode.role import DecodeRole
 from mooncaked.roles.worker.messages import (DECODE, PREFILL, RESERVE, DecodeRequest, PrefillRequest, ReserveRequest,
                                              SamplingSpec)
 from mooncaked.rpc import HEALTH, HealthRequest, Internal
+from mooncaked.runtime.lifecycle import EXIT_FAILED, serve
 from mooncaked.runtime.sdnotify import Notifier
 from tests.roles.cluster_fixtures import cluster_config, instance, running_roles
 from tests.roles.engine_reference import greedy_tokens

@@ -37,14 +37,14 @@ from mooncaked.api.errors import ApiError, internal_error
 from mooncaked.api.file_store import FileStore
 from mooncaked.api.tenants import Tenant
 from mooncaked.config import Config
-from mooncaked.roles.conductor.batch import journal as bj
 from mooncaked.roles.conductor.backend import ConductorBackend
+from mooncaked.roles.conductor.batch import journal as bj
 from mooncaked.roles.conductor.batch.journal import BatchRecord
 from mooncaked.roles.conductor.batch.lines import failed_line, output_line
 from mooncaked.roles.conductor.batch.queue import BatchQueue, QueuedLine
 from mooncaked.roles.conductor.batch.run import BatchRun
-from mooncaked.roles.conductor.view.cluster import ClusterView
 from mooncaked.roles.conductor.completion import complete_prepared
+from mooncaked.roles.conductor.view.cluster import ClusterView
 from mooncaked.sched.priority import BatchGate
 
 logger = logging.getLogger(__name__)

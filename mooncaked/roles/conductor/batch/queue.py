@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 from mooncaked.roles.conductor.batch.lines import BatchLine
 from mooncaked.roles.conductor.class_metrics import ClassMetrics
-from mooncaked.roles.conductor.view.cluster import ClusterView
 from mooncaked.roles.conductor.frontend import ConductorRequest
+from mooncaked.roles.conductor.view.cluster import ClusterView
 from mooncaked.sched.priority import BatchGate, batch_admission
 from mooncaked.sched.types import RequestInfo
 

@@ -24,8 +24,8 @@ from mooncaked.api.errors import ApiError
 from mooncaked.api.file_store import FileStore
 from mooncaked.api.tenants import Tenant
 from mooncaked.config import Config
-from mooncaked.roles.conductor.batch import journal as bj
 from mooncaked.roles.conductor.backend import ConductorBackend
+from mooncaked.roles.conductor.batch import journal as bj
 from mooncaked.roles.conductor.batch.journal import BatchRecord, Journal
 from mooncaked.roles.conductor.batch.lines import BatchLine, LineError, error_line, failed_line, parse_input
 from mooncaked.roles.conductor.batch.queue import BatchQueue, QueuedLine

@@ -11,11 +11,11 @@
    `begin()`, `prefill_done()`, `decode_started()` and `finish()` so the queue model (predicted prefill time
    of dispatched requests per prefill instance, placed requests per decode instance) stays current between
    polls. `report_failure()` marks an instance down until its next successful poll. Every LOAD reply carries
-   the instance's own fitted performance model, which `place()` predicts with (roles/conductor/view/predictors.py); finished
-   requests teach the output-length predictor, which forecasts each decode instance's batch. A placement also
+   the instance's own fitted performance model, which `place()` predicts with (roles/conductor/view/predictors.py);
+   finished requests teach the output-length predictor, which forecasts each decode instance's batch. A placement also
    tells the replica tracker and the store recency (`mooncaked.sched.replicas`, `.store_recency`) where the
-   prompt's blocks are used; a background sender (`mooncaked.roles.conductor.view.spare_marks`) passes the tracker's spare marks
-   to the stores.
+   prompt's blocks are used; a background sender (`mooncaked.roles.conductor.view.spare_marks`) passes the tracker's
+   spare marks to the stores.
 3. Membership changes (membership.py) arrive while serving: a joining store gets a follower, a joining worker a
    poller; one that leaves has them cancelled; one that is not `ready` (starting, draining) is polled but
    receives no new work; one whose role changed is removed and added again under its new role.
@@ -34,14 +34,14 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from mooncaked.config import Config, InstanceConfig
-from mooncaked.roles.conductor.view.spare_marks import SpareMarkSender
 from mooncaked.cluster.membership import Membership, MemberRecord, StaticMembership, store_on_host
+from mooncaked.config import Config, InstanceConfig
 from mooncaked.roles.base import PeerClients
+from mooncaked.roles.conductor.placement import Placer
 from mooncaked.roles.conductor.view.in_flight import InFlightTable
 from mooncaked.roles.conductor.view.instances import OutputForecast, WorkerState
 from mooncaked.roles.conductor.view.predictors import LivePredictors
-from mooncaked.roles.conductor.placement import Placer
+from mooncaked.roles.conductor.view.spare_marks import SpareMarkSender
 from mooncaked.roles.conductor.view.store_follower import FollowerSettings, StoreFollower
 from mooncaked.roles.worker.messages import LOAD, LoadReply, LoadRequest
 from mooncaked.rpc import RpcError

@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from mooncaked.store import messages as kv_msg
 from mooncaked.roles.conductor.view.cluster import ClusterView
 from mooncaked.roles.conductor.view.instances import WorkerState
 from mooncaked.roles.conductor.view.store_follower import StoreFollower
 from mooncaked.rpc import RpcError
+from mooncaked.store import messages as kv_msg
 
 
 async def describe_cluster(view: ClusterView) -> dict[str, Any]:

@@ -15,8 +15,8 @@ import asyncio
 from dataclasses import dataclass, field, replace
 
 from mooncaked.config import InstanceConfig
-from mooncaked.roles.conductor.view.predictors import LivePredictors
 from mooncaked.roles.conductor.view.outages import OutageHistory
+from mooncaked.roles.conductor.view.predictors import LivePredictors
 from mooncaked.roles.worker.messages import LoadReply
 from mooncaked.sched.output_length import OutputLengthPredictor
 from mooncaked.sched.types import DecodeInstanceView, PipelineSpec, PrefillInstanceView

@@ -15,9 +15,9 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from mooncaked.sched.replicas import BlockCosts, ReplicaTracker, StoreMarks
 from mooncaked.store import messages as msg
 from mooncaked.store.client import RpcCaller
-from mooncaked.sched.replicas import BlockCosts, ReplicaTracker, StoreMarks
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""One store's keys in the conductor's shadow index (docs/design.md section 9).
+"""One store's keys in the conductor's shadow index (docs/design.md sections 6 and 7).
 
 1. `resync()`: stream the store's DUMP (every key and the event seq it is current at) into the index.
 2. `_follow_events()`: subscribe to EVENTS after that seq and apply BlockStored / BlockRemoved in order. The
@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from mooncaked.config import InstanceConfig
-from mooncaked.store import messages as kv_msg
 from mooncaked.kv.events import BLOCK_STORED
 from mooncaked.roles.conductor.view.outages import OutageHistory
 from mooncaked.rpc import DeadlineExceeded, NotFound, RpcClient, RpcError
 from mooncaked.sched.shadow_index import ShadowIndex
+from mooncaked.store import messages as kv_msg
 
 logger = logging.getLogger(__name__)
 

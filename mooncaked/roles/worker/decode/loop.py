@@ -24,8 +24,8 @@ import torch
 
 from mooncaked.engine.batch import DecodeSeq, build_decode_batch
 from mooncaked.model.sampler import SamplingParams
-from mooncaked.roles.worker.messages import FINISH_EOS, FINISH_LENGTH, TokenSample
 from mooncaked.roles.worker.kv.request_kv import RequestKv
+from mooncaked.roles.worker.messages import FINISH_EOS, FINISH_LENGTH, TokenSample
 from mooncaked.roles.worker.sampling import reseed, sample_rows
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import Unavailable

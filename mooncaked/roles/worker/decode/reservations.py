@@ -19,12 +19,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mooncaked.store.client import incarnation_of
-from mooncaked.store.messages import BlockLocation, WriteHandle
 from mooncaked.roles.worker.kv.plan import store_owner
 from mooncaked.roles.worker.messages import Destination, ReserveReply, ReserveRequest
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import Unavailable
+from mooncaked.store.client import incarnation_of
+from mooncaked.store.messages import BlockLocation, WriteHandle
 
 logger = logging.getLogger(__name__)
 

@@ -21,27 +21,27 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from mooncaked.config import Config, InstanceConfig
-from mooncaked.runtime.logs import request_id_var
 from mooncaked.cluster.membership import Membership
+from mooncaked.config import Config, InstanceConfig
 from mooncaked.model.sampler import make_generator
-from mooncaked.runtime.metrics import Metrics
 from mooncaked.roles.base import RoleEndpoint
-from mooncaked.runtime.metrics_http import MetricsEndpoint
-from mooncaked.roles.worker.decode.loop import DecodeLoop, RunningSeq, finish_reason_for
 from mooncaked.roles.worker.decode.admission import ReserveAdmission
+from mooncaked.roles.worker.decode.loop import DecodeLoop, RunningSeq, finish_reason_for
+from mooncaked.roles.worker.decode.reservations import Reservation, ReservationBook
 from mooncaked.roles.worker.kv.plan import KvPlan, check_block_keys, plan_prompt_kv
+from mooncaked.roles.worker.kv.request_kv import BlockSource, RequestKv
 from mooncaked.roles.worker.kv.spans import num_blocks_for
 from mooncaked.roles.worker.messages import (DECODE, LOAD, RESERVE, UNRESERVE, DecodeItem, DecodeRequest, LoadReply,
                                              LoadRequest, ReserveReply, ReserveRequest, SamplingSpec, TokenSample,
                                              UnreserveReply, UnreserveRequest)
 from mooncaked.roles.worker.prefill.forward import run_prefill_forward
 from mooncaked.roles.worker.profiler import profile
-from mooncaked.roles.worker.kv.request_kv import BlockSource, RequestKv
-from mooncaked.roles.worker.decode.reservations import Reservation, ReservationBook
 from mooncaked.roles.worker.sampling import to_params
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import CallContext, InvalidArgument, NotFound, ResourceExhausted
+from mooncaked.runtime.logs import request_id_var
+from mooncaked.runtime.metrics import Metrics
+from mooncaked.runtime.metrics_http import MetricsEndpoint
 from mooncaked.sched.decode_admission import WAITING_POLICIES, capacity_refusal, refusal_after_prefill
 from mooncaked.sched.perf_model import RecentMean
 

@@ -1,8 +1,8 @@
 """One chunk of a prompt through one stage of a prefill group, and handing its hidden states to the next stage.
 
 1. `run_chunk` (compute thread): chunk j of the new tokens through this stage's layers, with the layer callbacks
-   of a single instance's forward (roles/worker/prefill/forward.py): the first chunk waits for each layer's prefix KV, the
-   last one queues each layer's new KV for its destinations right after computing it. The first stage embeds
+   of a single instance's forward (roles/worker/prefill/forward.py): the first chunk waits for each layer's prefix KV,
+   the last one queues each layer's new KV for its destinations right after computing it. The first stage embeds
    the chunk's tokens, the others start from the previous stage's hidden states; every stage but the last
    returns hidden states [T, hidden], the last one the logits of the chunk's last token.
 2. `ChunkSender.send` (compute thread) copies the hidden states into a free registered slot and posts the
@@ -21,8 +21,8 @@ from collections.abc import Callable
 import torch
 
 from mooncaked.engine.batch import PrefillSeq, build_prefill_batch
-from mooncaked.roles.worker.group.messages import CPP_CHUNK, ChunkRequest
 from mooncaked.roles.worker.group.hidden_slots import HiddenSlots
+from mooncaked.roles.worker.group.messages import CPP_CHUNK, ChunkRequest
 from mooncaked.roles.worker.prefill.forward import ForwardPlan, after_layer, before_layer
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import RpcClient, RpcError

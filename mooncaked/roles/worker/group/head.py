@@ -1,12 +1,12 @@
 """The first stage of a prefill group: each prompt it is given runs through the group's pipeline (the paper's CPP).
 
-1. PREFILL arrives at the first stage and is planned as on a single instance (roles/worker/kv/plan.py): the reused prefix,
-   store space in this host's store for every block it lacks (the group's store), the decode destinations.
+1. PREFILL arrives at the first stage and is planned as on a single instance (roles/worker/kv/plan.py): the reused
+   prefix, store space in this host's store for every block it lacks (the group's store), the decode destinations.
 2. `PipelineRun.run`: CPP_STAGE opens the prompt on every later stage with where the prefix is and where each
    block's KV goes; each answers once it is ready for chunks (pages allocated, its layers of the prefix loading).
 3. The prompt's new tokens are cut into chunks of `worker.cpp_chunk_tokens`; chunk j runs through this stage's
-   layers on the compute thread while chunk j-1's hidden states are read by stage 2 (roles/worker/group/forward.py), and so on
-   down the pipeline. Every stage queues its own layers' new KV for the group's store and the decode host
+   layers on the compute thread while chunk j-1's hidden states are read by stage 2 (roles/worker/group/forward.py),
+   and so on down the pipeline. Every stage queues its own layers' new KV for the group's store and the decode host
    right after computing each layer of the last chunk, into the same block objects at its layers' offsets.
 4. Commit protocol: every later stage's second item says its chunks are computed and its writes confirmed (the
    last one carries the first token); only then does this stage confirm its own writes and reply, and the
@@ -25,16 +25,16 @@ import logging
 import time
 from typing import Any
 
+from mooncaked.config.prefill_groups import NUM_HIDDEN_SLOTS, GroupStage
 from mooncaked.engine.batch import split_prefill_chunks
 from mooncaked.roles.worker.group.forward import ChunkSender, run_chunk
-from mooncaked.config.prefill_groups import NUM_HIDDEN_SLOTS, GroupStage
-from mooncaked.roles.worker.group.messages import (CPP_ABORT, CPP_STAGE, BlockSpan, StageAbort, StageItem,
-                                                 StageRequest)
 from mooncaked.roles.worker.group.hidden_slots import HiddenSlots
+from mooncaked.roles.worker.group.messages import (CPP_ABORT, CPP_STAGE, BlockSpan, StageAbort, StageItem,
+                                                   StageRequest)
 from mooncaked.roles.worker.kv.plan import KvPlan
+from mooncaked.roles.worker.kv.request_kv import BlockSource, LayerWrite
 from mooncaked.roles.worker.messages import PrefillRequest, TokenSample
 from mooncaked.roles.worker.prefill.forward import PrefillCancelled
-from mooncaked.roles.worker.kv.request_kv import BlockSource, LayerWrite
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import Internal, RpcError, Unavailable
 

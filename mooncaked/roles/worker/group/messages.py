@@ -1,4 +1,4 @@
-"""RPC messages between the members of a prefill group (chunked pipeline parallelism, roles/worker/group/head.py / roles/worker/group/stage.py).
+"""RPC messages between the members of a prefill group (chunked pipeline parallelism, head.py / stage.py).
 
 1. CPP_STAGE (first stage -> every later stage, server-streaming): one prompt's part for that stage: its length
    and reused prefix, the chunk size, where the prefix's blocks are (the stage reads its layers of them) and

@@ -6,8 +6,8 @@
    (conductors judge the members' liveness by their own polls).
 2. `spec()`: the group's PipelineSpec (sched/pipeline.py) from this stage's own model and the others' (a stage
    yet to report one is assumed to run like this one, per layer), or None until this stage has a fitted model
-   (conductors then split their default model over the stages). The first stage predicts its queue with it and reports it in LOAD, so
-   conductors predict the group's prefill time as a pipeline (fill, steady state, drain).
+   (conductors then split their default model over the stages). The first stage predicts its queue with it and reports
+   it in LOAD, so conductors predict the group's prefill time as a pipeline (fill, steady state, drain).
 3. `stop()` cancels the task and awaits it.
 """
 

@@ -1,14 +1,14 @@
 """A later stage of a prefill group: its layers of every prompt the group's first stage sends it.
 
-1. CPP_STAGE opens a prompt here (roles/worker/group/stage_job.py): the request is checked against this stage (group, layers,
-   chunk size, length), pages for its tokens are allocated (for this stage's layers), and the reused prefix
+1. CPP_STAGE opens a prompt here (roles/worker/group/stage_job.py): the request is checked against this stage (group,
+   layers, chunk size, length), pages for its tokens are allocated (for this stage's layers), and the reused prefix
    starts loading layer by layer from the stores that hold it. The first stream item says the stage is ready
    for chunks.
 2. CPP_CHUNK: chunks are taken in one order (prompts as they were opened, chunks in index order), so a chunk
    never holds a receive slot another one needs first: a call waits for its turn, reads the previous stage's
    hidden states into a free slot through the transfer engine, queues the chunk and replies (the sender's slot
    is then free).
-3. The chunk loop runs the queued chunks one by one on the compute thread (cpp_forward.run_chunk): the first
+3. The chunk loop runs the queued chunks one by one on the compute thread (forward.run_chunk): the first
    chunk waits for each layer's prefix, the last one queues each layer's new KV for the group's store and the
    decode host right after computing it (each block object's slice of this stage's layers). Every stage but
    the last hands its output to the next stage (ChunkSender); the last samples the first token.
@@ -27,21 +27,21 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 
-from mooncaked.runtime.logs import request_id_var
-from mooncaked.transfer import SegmentRef, TransferOp, TransferRequest
+from mooncaked.config.prefill_groups import NUM_HIDDEN_SLOTS, GroupStage
 from mooncaked.roles.base import RoleEndpoint
 from mooncaked.roles.worker.group.forward import ChunkSender, run_chunk
-from mooncaked.config.prefill_groups import NUM_HIDDEN_SLOTS, GroupStage
-from mooncaked.roles.worker.group.messages import (CPP_ABORT, CPP_CHUNK, CPP_STAGE, ChunkReply, ChunkRequest, StageAbort,
-                                                 StageAbortReply, StageItem, StageRequest)
-from mooncaked.roles.worker.group.stage_job import StageFailed, StageJob, check_request, num_prefix_tokens, open_job
 from mooncaked.roles.worker.group.hidden_slots import HiddenSlots
-from mooncaked.roles.worker.prefill.forward import PrefillCancelled
+from mooncaked.roles.worker.group.messages import (CPP_ABORT, CPP_CHUNK, CPP_STAGE, ChunkReply, ChunkRequest,
+                                                   StageAbort, StageAbortReply, StageItem, StageRequest)
+from mooncaked.roles.worker.group.stage_job import StageFailed, StageJob, check_request, num_prefix_tokens, open_job
 from mooncaked.roles.worker.kv.request_kv import BlockSource
+from mooncaked.roles.worker.prefill.forward import PrefillCancelled
 from mooncaked.roles.worker.sampling import generator_at, sample_rows, to_params
 from mooncaked.roles.worker.worker import Worker
-from mooncaked.sched.perf_model import RecentMean
 from mooncaked.rpc import CallContext, Cancelled, InvalidArgument, RpcError, Unavailable
+from mooncaked.runtime.logs import request_id_var
+from mooncaked.sched.perf_model import RecentMean
+from mooncaked.transfer import SegmentRef, TransferOp, TransferRequest
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""One prompt on a later stage of a prefill group (cpp_stage.StageService runs it).
+"""One prompt on a later stage of a prefill group (stage.StageService runs it).
 
 1. check_request refuses a CPP_STAGE request this stage cannot serve (another group, stage or layers, a chunk size
    or length out of range, blocks that do not match the prompt, an unknown store), before anything is allocated.
@@ -14,12 +14,12 @@ import asyncio
 from collections.abc import Container
 from dataclasses import dataclass, field
 
+from mooncaked.config.prefill_groups import GroupStage
 from mooncaked.engine.batch import PrefillSeq, split_prefill_chunks
 from mooncaked.roles.worker.group.forward import ChunkSender
-from mooncaked.config.prefill_groups import GroupStage
 from mooncaked.roles.worker.group.messages import StageRequest
-from mooncaked.roles.worker.messages import TokenSample
 from mooncaked.roles.worker.kv.request_kv import LayerWrite, RequestKv
+from mooncaked.roles.worker.messages import TokenSample
 from mooncaked.roles.worker.sampling import to_params
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import Internal, InvalidArgument, ResourceExhausted
@@ -53,7 +53,7 @@ class StageJob:
         return self.request.request_id
 
     def store_layer(self, layer: int) -> None:
-        """Compute thread, after layer `layer` of the last chunk (prefill_forward.ForwardPlan)."""
+        """Compute thread, after layer `layer` of the last chunk (prefill.forward.ForwardPlan)."""
         writes = [write for write in self.writes if write.indices]
         if writes and not self.is_cancelled:
             self.kv.store_layer(layer, writes)

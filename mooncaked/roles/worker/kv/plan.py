@@ -19,14 +19,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mooncaked.engine.batch import PrefillSeq
-from mooncaked.store.client import incarnation_of
 from mooncaked.kv.keys import KEY_BYTES, block_keys, isolated_namespace
-from mooncaked.store.messages import WriteHandle
 from mooncaked.kv.tenant_quota import TenantShare
-from mooncaked.roles.worker.messages import Destination, StoreTenant
 from mooncaked.roles.worker.kv.request_kv import BlockSource, LayerWrite, RequestKv
+from mooncaked.roles.worker.messages import Destination, StoreTenant
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import InvalidArgument, ResourceExhausted
+from mooncaked.store.client import incarnation_of
+from mooncaked.store.messages import WriteHandle
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """One request's KV on a worker: its pages, the staging it holds while moves need it, and its byte moves.
 
 1. `RequestKv(worker, request_id, num_tokens)` allocates pages for every block of the prompt (the partial tail
-   included) plus `num_extra_tokens`. Store objects have the pages' layout (docs/design.md section 5). Pages in host memory (CPU,
-   one process) are a transfer-engine segment: every move goes straight between them and the stores
+   included) plus `num_extra_tokens`. Store objects have the pages' layout (docs/design.md section 5). Pages in host
+   memory (CPU, one process) are a transfer-engine segment: every move goes straight between them and the stores
    (`is_direct`). A tensor-parallel instance on CPU (worker.tp) moves between its ranks' pages and this host's
    mapped store pool in strided copies on the copy thread (engine/tp_copy.py). Other moves (GPU pages, one
    rank's or many; a tensor-parallel instance with another host's store) go through a staging buffer
@@ -40,13 +40,13 @@ import torch
 
 from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.tp.copy import RankPagesEnd
+from mooncaked.roles.worker.kv.layer_loader import BlockSource, LayerLoader, LoadFailed
+from mooncaked.roles.worker.kv.request_memory import CopyTracker, StagingHold, copy_staging, index_runs
+from mooncaked.roles.worker.kv.spans import num_blocks_for, page_spans, staging_spans
+from mooncaked.roles.worker.worker import Worker
 from mooncaked.store.client import StoreClient
 from mooncaked.store.move_ends import LocalEnd, Span, Staging
 from mooncaked.transfer import TransferOp
-from mooncaked.roles.worker.kv.spans import num_blocks_for, page_spans, staging_spans
-from mooncaked.roles.worker.kv.layer_loader import BlockSource, LayerLoader, LoadFailed
-from mooncaked.roles.worker.kv.request_memory import CopyTracker, StagingHold, copy_staging, index_runs
-from mooncaked.roles.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """Where one layer of a request's blocks lies at each end of a move: its pages, its staging rows, a store object.
 
 1. A prompt of `num_tokens` takes num_blocks_for(num_tokens, block_size) blocks (the partial tail included).
-2. A store object holds one block of every layer of the model in the pages' layout (docs/design.md section 5); a worker's layer
-   i is the object's layer first_layer + i (KVPages.object_layer_offset).
+2. A store object holds one block of every layer of the model in the pages' layout (docs/design.md section 5); a
+   worker's layer i is the object's layer first_layer + i (KVPages.object_layer_offset).
 3. page_spans: straight between the pages and a pool: each block's K page and V page, two spans a block.
 4. staging_spans: through staging: row n holds block n's layers of this worker, one span a block.
 """

@@ -1,7 +1,8 @@
 """The prefill forward shared by the prefill role and a decode instance's inline prefill (compute thread).
 
 1. One prompt longer than `prefill_chunk` runs alone, chunk by chunk (the chunk boundary is explicit here: a
-   prefill group's pipeline splits a prompt at it, roles/worker/group/forward.py); otherwise the prompts run as one batch.
+   prefill group's pipeline splits a prompt at it, roles/worker/group/forward.py); otherwise the prompts run as one
+   batch.
 2. Before layer i of the first chunk, the forward waits until each plan's cached prefix of layer i is in its
    pages (the loader started at planning time and runs ahead); after layer i of the last chunk, each plan
    queues layer i's new KV for its destinations (copied and sent off this thread) and the next layer starts.
@@ -19,14 +20,14 @@ import torch
 
 from mooncaked.engine.batch import build_prefill_batch, split_prefill_chunks
 from mooncaked.roles.worker.kv.plan import KvPlan
-from mooncaked.roles.worker.messages import SamplingSpec, TokenSample
 from mooncaked.roles.worker.kv.request_kv import RequestKv
+from mooncaked.roles.worker.messages import SamplingSpec, TokenSample
 from mooncaked.roles.worker.sampling import generator_at, sample_rows, to_params
 from mooncaked.roles.worker.worker import Worker
 
 
 class ForwardPlan(Protocol):
-    """What the layer callbacks use of a prompt's plan (kv_plan.KvPlan; a pipeline stage's cpp_stage_job.StageJob)."""
+    """What the layer callbacks use of a prompt's plan (kv.plan.KvPlan; a pipeline stage's group.stage_job.StageJob)."""
 
     kv: RequestKv
     is_cancelled: bool

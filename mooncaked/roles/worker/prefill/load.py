@@ -28,7 +28,7 @@ class PrefillLoad:
     def __init__(self, perf: PerformanceModel, hidden_size: int) -> None:
         self.perf = perf
         self.hidden_size = hidden_size
-        self.pipeline: PipelineSpec | None = None  # a prefill group's first stage: the group's (roles/worker/group/monitor.py)
+        self.pipeline: PipelineSpec | None = None  # a prefill group's first stage: the group's (group/monitor.py)
         self.overhead = RecentMean()
         self.mean_batch_s = 0.0
         self._batch_predicted_s = 0.0

@@ -1,4 +1,5 @@
-"""The prefill role (docs/design.md section 3, step 3): reuse the cached prefix, compute the rest layer by layer, stream KV out.
+"""The prefill role (docs/design.md section 3, step 3): reuse the cached prefix, compute the rest layer by layer,
+stream KV out.
 
 1. PREFILL arrives: check the block keys, fetch a remote prefix into this host's store when told to (this is
    also hot-block replication), allocate store space for the new blocks, read the cached prefix into staging.
@@ -13,8 +14,9 @@
 5. Each batch's time, split per prompt by compute share, refits the instance's performance model (profiled at
    start); LOAD reports the model, the predicted work the instance holds and its per-request overhead.
 A prefill group's member (cluster.prefill_groups) holds only its layers: the first stage takes PREFILL, runs its
-queue one prompt at a time and drives each through the group's pipeline (roles/worker/group/head.py), reporting the group's
-pipeline in LOAD (roles/worker/group/monitor.py); the later stages serve the pipeline's calls (roles/worker/group/stage.py).
+queue one prompt at a time and drives each through the group's pipeline (roles/worker/group/head.py), reporting the
+group's pipeline in LOAD (roles/worker/group/monitor.py); the later stages serve the pipeline's calls
+(roles/worker/group/stage.py).
 """
 
 from __future__ import annotations
@@ -24,12 +26,9 @@ import contextlib
 import logging
 import time
 
-from mooncaked.config import Config, InstanceConfig
-from mooncaked.runtime.logs import request_id_var
 from mooncaked.cluster.membership import Membership
-from mooncaked.runtime.metrics import Metrics
+from mooncaked.config import Config, InstanceConfig
 from mooncaked.roles.base import RoleEndpoint
-from mooncaked.runtime.metrics_http import MetricsEndpoint
 from mooncaked.roles.worker.group.head import PipelineHead
 from mooncaked.roles.worker.group.monitor import GroupMonitor
 from mooncaked.roles.worker.group.stage import StageService
@@ -43,6 +42,9 @@ from mooncaked.roles.worker.profiler import profile
 from mooncaked.roles.worker.sampling import to_params
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import CallContext, InvalidArgument, RpcError, Unavailable
+from mooncaked.runtime.logs import request_id_var
+from mooncaked.runtime.metrics import Metrics
+from mooncaked.runtime.metrics_http import MetricsEndpoint
 from mooncaked.sched.prefill_batch import take_batch
 
 logger = logging.getLogger(__name__)
@@ -50,7 +52,8 @@ logger = logging.getLogger(__name__)
 
 class PrefillRole:
     """Owns the worker, the prefill queue and the batch loop task; in a prefill group also its stage's pipeline
-    part: the first stage's `pipeline` (roles/worker/group/head.py) or a later stage's `stage_service` (roles/worker/group/stage.py)."""
+    part: the first stage's `pipeline` (roles/worker/group/head.py) or a later stage's `stage_service`
+    (roles/worker/group/stage.py)."""
 
     name = "prefill"
 

@@ -1,4 +1,5 @@
-"""Batch input lines validated up front (roles/conductor/batch/lines.py): every line answered once, valid or not, with its number."""
+"""Batch input lines validated up front (roles/conductor/batch/lines.py): every line answered once, valid or not, with
+its number."""
 
 from __future__ import annotations
 

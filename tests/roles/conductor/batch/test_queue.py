@@ -1,5 +1,5 @@
-"""The conductor's queue of batch lines (roles/conductor/batch/queue.py) over a stand-in view: order, the in-flight bound, the
-SLO headroom gate, lines refused for load queued again, and preemption when interactive work is rejected."""
+"""The conductor's queue of batch lines (roles/conductor/batch/queue.py) over a stand-in view: order, the in-flight
+bound, the SLO headroom gate, lines refused for load queued again, and preemption when interactive work is rejected."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import asyncio
 from typing import Any
 
 from mooncaked.api.requests import CompletionRequest, SamplingOptions
-from mooncaked.runtime.metrics import Metrics
 from mooncaked.roles.conductor.batch.lines import BatchLine
 from mooncaked.roles.conductor.batch.queue import BatchQueue, QueuedLine
 from mooncaked.roles.conductor.class_metrics import ClassMetrics
 from mooncaked.roles.conductor.frontend import ConductorRequest
+from mooncaked.runtime.metrics import Metrics
 from mooncaked.sched.priority import BatchGate
 from mooncaked.sched.types import Placement, PolicyConfig, RequestInfo
 

@@ -10,17 +10,17 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from mooncaked.config import Config, PrefillGroupConfig
-from mooncaked.store.client import StoreClient
 from mooncaked.model.loader import load_model
 from mooncaked.roles.base import PeerClients
-from mooncaked.roles.conductor.view.cluster_info import describe_cluster
-from mooncaked.roles.conductor.view.cluster import ClusterView, ClusterViewSettings
 from mooncaked.roles.conductor.role import default_predictors, policy_config
+from mooncaked.roles.conductor.view.cluster import ClusterView, ClusterViewSettings
+from mooncaked.roles.conductor.view.cluster_info import describe_cluster
 from mooncaked.roles.conductor.view.predictors import LivePredictors
-from mooncaked.roles.worker.messages import LoadReply
-from mooncaked.roles.store import StoreRole
 from mooncaked.roles.conductor.view.store_follower import FollowerSettings
+from mooncaked.roles.store import StoreRole
+from mooncaked.roles.worker.messages import LoadReply
 from mooncaked.sched.types import REASON_DECODE_FULL, REASON_NO_DECODE, Placement, Rejection, RequestInfo
+from mooncaked.store.client import StoreClient
 from tests.roles.cluster_fixtures import cluster_config, instance
 
 BLOCK_BYTES = 4096

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from mooncaked.runtime.metrics import PredictionMetrics
 from mooncaked.roles.conductor.view.prediction_errors import PredictionErrors, PredictionRecord, summary
+from mooncaked.runtime.metrics import PredictionMetrics
 
 
 def test_records_summaries_and_histograms() -> None:

@@ -5,12 +5,12 @@ from pathlib import Path
 
 import pytest
 
-from mooncaked.store.service import StoreService, StoreServiceConfig
 from mooncaked.roles.conductor.view.spare_marks import SpareMarkSender
 from mooncaked.rpc import RpcClient, RpcServer
 from mooncaked.sched.replicas import BlockCosts, ReplicaTracker
 from mooncaked.sched.shadow_index import ShadowIndex
 from mooncaked.sched.types import PolicyConfig
+from mooncaked.store.service import StoreService, StoreServiceConfig
 from tests.roles.cluster_fixtures import free_port
 
 COSTS = BlockCosts(transfer_s=0.002, recompute_s=0.07)

@@ -6,11 +6,11 @@ import asyncio
 from pathlib import Path
 
 from mooncaked.config import Config
-from mooncaked.store.client import StoreClient
 from mooncaked.roles.base import PeerClients
-from mooncaked.roles.store import StoreRole
 from mooncaked.roles.conductor.view.store_follower import FollowerSettings, StoreFollower
+from mooncaked.roles.store import StoreRole
 from mooncaked.sched.shadow_index import ShadowIndex
+from mooncaked.store.client import StoreClient
 from tests.roles.cluster_fixtures import cluster_config, instance
 
 BLOCK_BYTES = 4096

@@ -20,8 +20,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mooncaked.config import Config
-from mooncaked.store import messages as store_messages
-from mooncaked.runtime.lifecycle import Role
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.worker.group import head as cpp_head
 from mooncaked.roles.worker.group import stage as cpp_stage
@@ -29,6 +27,8 @@ from mooncaked.roles.worker.group.messages import (CPP_CHUNK, CPP_STAGE, BlockSp
 from mooncaked.roles.worker.messages import SamplingSpec
 from mooncaked.roles.worker.prefill.role import PrefillRole
 from mooncaked.rpc import HEALTH, HealthRequest, InvalidArgument, ResourceExhausted, RpcError, Unavailable
+from mooncaked.runtime.lifecycle import Role
+from mooncaked.store import messages as store_messages
 from tests.roles.cluster_fixtures import running_roles
 from tests.roles.worker.group.test_pipeline import group_config, prefill, prompt
 

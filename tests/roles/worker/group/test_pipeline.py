@@ -18,14 +18,14 @@ from typing import Any
 import pytest
 
 from mooncaked.config import Config
-from mooncaked.store.client import StoreClient
 from mooncaked.kv.keys import block_keys, model_namespace
-from mooncaked.runtime.lifecycle import Role
 from mooncaked.model.loader import load_model
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.worker.messages import (DECODE, PREFILL, RESERVE, DecodeRequest, PrefillReply, PrefillRequest,
                                              ReserveRequest, SamplingSpec)
 from mooncaked.roles.worker.prefill.role import PrefillRole
+from mooncaked.runtime.lifecycle import Role
+from mooncaked.store.client import StoreClient
 from tests.roles.cluster_fixtures import cluster_config, instance, running_roles
 from tests.roles.engine_reference import greedy_tokens
 

@@ -16,7 +16,7 @@ from mooncaked.roles.worker.prefill.role import PrefillRole
 from tests.roles.cluster_fixtures import cluster_config, instance
 from tests.roles.engine_reference import greedy_tokens
 from tests.roles.worker.group.test_pipeline import (assert_nothing_held, cluster, keys_for, prefill, prompt,
-                                                  stored_blocks)
+                                                    stored_blocks)
 
 TP2 = {"tensor_parallel_size": 2}
 

@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from mooncaked.store import client as client_module
 from mooncaked.engine.staging_pool import StagingBuffer, StagingPool
-from mooncaked.store.move_ends import Span
-from mooncaked.transfer import TransferOp
-from mooncaked.roles.worker.kv.plan import KvPlan, plan_prompt_kv
 from mooncaked.roles.worker.kv.layer_loader import BlockSource
+from mooncaked.roles.worker.kv.plan import KvPlan, plan_prompt_kv
 from mooncaked.roles.worker.kv.request_kv import RequestKv
 from mooncaked.roles.worker.worker import Worker
+from mooncaked.store import client as client_module
+from mooncaked.store.move_ends import Span
+from mooncaked.transfer import TransferOp
 from tests.roles.worker.test_layerwise_overlap import (BLOCK, assert_same_objects_here_and_there, keys_of,
                                                        load_first_two_blocks, make_config, prefill, prefill_to_remote,
                                                        record_move_ends, running_worker, seed_remote_prefix,

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from mooncaked.roles.worker.messages import PrefillRequest, SamplingSpec
-from mooncaked.roles.worker.prefill.role import PrefillRole
 from mooncaked.roles.worker.prefill.queue import PrefillJob
+from mooncaked.roles.worker.prefill.role import PrefillRole
 from tests.roles.cluster_fixtures import cluster_config, instance
 
 
