@@ -38,7 +38,8 @@ from mooncaked.roles.worker.messages import (DECODE, LOAD, RESERVE, UNRESERVE, D
                                              UnreserveReply, UnreserveRequest)
 from mooncaked.roles.worker.prefill.forward import run_prefill_forward
 from mooncaked.roles.worker.profiler import profile
-from mooncaked.roles.worker.kv.request_kv import BlockSource, RequestKv
+from mooncaked.roles.worker.kv.request_kv import RequestKv
+from mooncaked.roles.worker.kv.spans import StoreBlocks
 from mooncaked.roles.worker.decode.reservations import Reservation, ReservationBook
 from mooncaked.roles.worker.sampling import to_params
 from mooncaked.roles.worker.worker import Worker
@@ -185,7 +186,7 @@ class DecodeRole:
             blocks += [(index_of[h.key], h.offset) for h in reservation.handles]
             if reservation.tail is not None:
                 blocks.append((len(request.block_keys), reservation.tail.offset))
-            kv.start_loading([BlockSource(worker.local_store_name, [i for i, _ in blocks], [o for _, o in blocks],
+            kv.start_loading([StoreBlocks(worker.local_store_name, [i for i, _ in blocks], [o for _, o in blocks],
                                           reservation.incarnation)], kv.num_blocks)
             await kv.wait_loaded()
             if reservation.handles:

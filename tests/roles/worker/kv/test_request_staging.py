@@ -19,7 +19,7 @@ from mooncaked.engine.staging_pool import StagingBuffer, StagingPool
 from mooncaked.store.move_ends import Span
 from mooncaked.transfer import TransferOp
 from mooncaked.roles.worker.kv.plan import KvPlan, plan_prompt_kv
-from mooncaked.roles.worker.kv.layer_loader import BlockSource
+from mooncaked.roles.worker.kv.spans import StoreBlocks
 from mooncaked.roles.worker.kv.request_kv import RequestKv
 from mooncaked.roles.worker.worker import Worker
 from tests.roles.worker.test_layerwise_overlap import (BLOCK, assert_same_objects_here_and_there, keys_of,
@@ -85,7 +85,7 @@ async def test_a_load_from_another_host_goes_straight_into_the_pages(
         segments = record_move_ends(remote, monkeypatch)
         kv = RequestKv(worker, "decode", len(tokens), 8)
         try:
-            kv.start_loading([BlockSource("s_remote", [0, 1], [loc.offset for loc in found.locations],
+            kv.start_loading([StoreBlocks("s_remote", [0, 1], [loc.offset for loc in found.locations],
                                           found.locations[0].incarnation)], 2)
             await kv.wait_loaded()
             assert segments == [worker.host_pages.name] * worker.kv_pages.num_layers  # type: ignore[union-attr]
