@@ -18,7 +18,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 from mooncaked.api.errors import ApiError, deadline_exceeded, internal_error, overloaded, unavailable
 from mooncaked.config import Config
@@ -28,6 +27,7 @@ from mooncaked.roles.worker.messages import (DECODE, PREFILL, RESERVE, UNRESERVE
                                              PrefillReply, PrefillRequest, ReserveReply, ReserveRequest,
                                              SamplingSpec, StoreTenant, TokenSample, UnreserveRequest)
 from mooncaked.rpc import Cancelled, DeadlineExceeded, ResourceExhausted, RpcClient, RpcError, Unavailable
+from mooncaked.runtime.aio import aclose
 from mooncaked.sched.types import REASON_DECODE_REFUSED, Placement, Rejection, RequestInfo
 
 logger = logging.getLogger(__name__)
@@ -207,7 +207,7 @@ class Leg:
             if self.decode_stream is not None:
                 if self.is_decode_owed:
                     await self._drain_decode()
-                await _aclose(self.decode_stream)
+                await aclose(self.decode_stream)
             if self.may_hold_reservation and not self.is_decode_sent:
                 await self._unreserve()
         finally:
@@ -250,9 +250,3 @@ _REJECTION_TEXT = {
     "decode_full": "every decode instance is full",
     REASON_DECODE_REFUSED: "the decode instance refused the request",
 }
-
-
-async def _aclose(stream: AsyncIterator[Any]) -> None:
-    close = getattr(stream, "aclose", None)
-    if close is not None:
-        await close()
