@@ -19,7 +19,6 @@ Stages:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +29,7 @@ from typing import Any
 import torch
 
 from mooncaked.bench import model_tp
+from mooncaked.bench.report import write_json
 from mooncaked.engine.batch import DecodeSeq, PrefillSeq, build_decode_batch, build_prefill_batch
 from mooncaked.engine.kv_pages import KVPages, PageAllocator
 from mooncaked.engine.runner import ModelRunner
@@ -270,7 +270,7 @@ def _run(args: argparse.Namespace) -> int:
     results.update(measure_callbacks(loaded, ours, args.prefill_tokens, max(2 * args.repeats + 1, 8)))
     _print_table(results, args.batch_sizes)
     if args.json is not None:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        write_json(args.json, results)
     return 0
 
 
