@@ -155,11 +155,6 @@ class KVPages:
         return [(self, 0, True)]
 
     @property
-    def page_shape(self) -> tuple[int, int, int]:
-        """One page of one layer, K or V: [block_size, kv_heads, head_dim]."""
-        return (self.block_size, self.num_kv_heads, self.head_dim)
-
-    @property
     def page_nbytes(self) -> int:
         """Bytes of one page of one layer, K or V."""
         return self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
