@@ -30,6 +30,7 @@ from typing import Any
 import aiohttp
 
 from mooncaked.bench.cluster import ClusterProcess, instance, write_config
+from mooncaked.bench.report import report
 from mooncaked.bench.serve import ServeBenchConfig, run_benchmark
 from mooncaked.bench.trace import BenchRequest, TokenBlocks, poisson_arrivals
 
@@ -233,7 +234,5 @@ def run(args: argparse.Namespace) -> int:
         print("bench batch: --rate, --duration-s, --batch-lines and --repeats must be positive")
         return 2
     result = asyncio.run(_bench(args))
-    print(format_table(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    report(result, format_table(result), args.json)
     return 0

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import signal
@@ -33,6 +32,7 @@ import aiohttp
 
 from mooncaked.bench.chaos_load import OUTCOMES, SteadyLoad
 from mooncaked.bench.cluster import ClusterProcess, free_port, instance, write_config
+from mooncaked.bench.report import report
 from mooncaked.config import Config, load_config
 from mooncaked.roles.worker.messages import LOAD, LoadRequest
 from mooncaked.rpc import INFO, InfoRequest, RpcClient, RpcError
@@ -243,7 +243,5 @@ def run(args: argparse.Namespace) -> int:
         print("bench chaos: need 0 <= --min-wait-s <= --max-wait-s")
         return 2
     result = asyncio.run(_bench(args, victims))
-    print(format_table(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    report(result, format_table(result), args.json)
     return 0

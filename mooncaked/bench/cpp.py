@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import statistics
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from mooncaked.bench.cluster import instance, write_config
+from mooncaked.bench.report import write_json
 from mooncaked.bench.store_processes import instance_processes
 from mooncaked.config import Config, InstanceConfig, load_config
 from mooncaked.kv.keys import block_keys, model_namespace
@@ -184,5 +184,5 @@ def run(args: argparse.Namespace) -> int:
           f"{setup['rounds']} rounds, chunks {setup['cpp_chunk_tokens']} (group) / {setup['prefill_chunk']} (single); "
           f"load average {setup['load_average_before'][0]:.2f} before, {setup['load_average_after'][0]:.2f} after")
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        write_json(args.json, result)
     return 0

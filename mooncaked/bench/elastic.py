@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import tempfile
 import time
@@ -31,6 +30,7 @@ from typing import Any
 import aiohttp
 
 from mooncaked.bench.elastic_fleet import Fleet
+from mooncaked.bench.report import report
 from mooncaked.bench.serve import ServeBenchConfig, run_benchmark
 from mooncaked.bench.trace import BenchRequest, poisson_arrivals
 
@@ -240,7 +240,5 @@ def format_table(result: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     result = asyncio.run(_bench(args))
-    print(format_table(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    report(result, format_table(result), args.json)
     return 0

@@ -13,7 +13,6 @@ Stages:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from torch.nn.attention.bias import causal_lower_right
 from triton.runtime.errors import OutOfResources
 
 from mooncaked import kernels
+from mooncaked.bench.report import write_json
 from mooncaked.kernels import triton_prefill
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
             "prefill_min_ratio": min(row["ratio"] for row in prefill),
             "decode_max_fraction_of_peak": max(row["fraction_of_peak"] for row in decode),
         }
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.json, result)
     return 0
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -37,6 +36,7 @@ from typing import Any
 
 from mooncaked.bench.cluster import instance, write_config
 from mooncaked.bench.layerwise_modes import LOAD_MODES, STORE_MODES, ModeRunner, RunTimes
+from mooncaked.bench.report import write_json
 from mooncaked.bench.store_processes import store_processes
 from mooncaked.config import Config, load_config
 from mooncaked.roles.worker.worker import Worker
@@ -178,5 +178,5 @@ def run(args: argparse.Namespace) -> int:
     print(f"compute CPUs {setup['compute_cpus']} ({setup['num_threads']} torch threads), copy CPUs "
           f"{setup['copy_cpus']}, {setup['rounds']} rounds, load average {setup['load_average'][0]:.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        write_json(args.json, result)
     return 0

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import tempfile
@@ -32,6 +31,7 @@ import yaml
 
 from mooncaked.bench.cluster import ClusterProcess, free_port
 from mooncaked.bench.proc_memory import command_line, process_tree, read_memory
+from mooncaked.bench.report import write_json
 from mooncaked.config import ConfigError, apply_override, load_config
 from mooncaked.config.schema import ConfigIssue
 from mooncaked.model.loader import model_args
@@ -174,7 +174,7 @@ async def _run(args: argparse.Namespace) -> int:
               "load_average": os.getloadavg(), **summarize(runs, num_parameters(model_args(source)) * 4)}
     _print_table(result)
     if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.json, result)
     return 0
 
 

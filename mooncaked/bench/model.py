@@ -19,7 +19,6 @@ Stages:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -30,8 +29,9 @@ from typing import Any
 import torch
 
 from mooncaked.bench import model_tp
+from mooncaked.bench.report import write_json
 from mooncaked.engine.batch import DecodeSeq, PrefillSeq, build_decode_batch, build_prefill_batch
-from mooncaked.engine.kv_pages import KVPages
+from mooncaked.engine.kv_pages import KVPages, PageAllocator
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.model.frontend import EMBEDDED_SMOLLM2
 from mooncaked.model.llama import LlamaDecoderLayer, LlamaForCausalLM, Linear
@@ -72,16 +72,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class OursGenerator:
-    """Greedy generation through ModelRunner; owns its KV pages."""
+    """Greedy generation through ModelRunner; owns its KV pages and their allocator."""
 
     def __init__(self, loaded: LoadedModel, num_pages: int, block_size: int) -> None:
         self.kv = KVPages.for_model(loaded.args, num_pages=num_pages, block_size=block_size,
                                     dtype=loaded.dtype, device="cpu")
+        self.pages = PageAllocator(num_pages)
         self.runner = ModelRunner(loaded.model, self.kv)
         self.suppressed = torch.tensor(loaded.eos_token_ids, dtype=torch.int64)
 
     def generate(self, prompts: Sequence[list[int]], new_tokens: int) -> list[list[int]]:
-        alloc, block = self.kv.allocator, self.kv.block_size
+        alloc, block = self.pages, self.kv.block_size
         pages = [alloc.allocate(self.kv.num_pages_for(len(p) + new_tokens), f"bench-{i}")
                  for i, p in enumerate(prompts)]
         try:
@@ -208,7 +209,7 @@ def measure_callbacks(loaded: LoadedModel, ours: OursGenerator, num_tokens: int,
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, loaded.args.vocab_size, (num_tokens,), generator=gen).tolist()
     kv = ours.kv
-    pages = kv.allocator.allocate(kv.num_pages_for(num_tokens), "bench-prefill")
+    pages = ours.pages.allocate(kv.num_pages_for(num_tokens), "bench-prefill")
     batch = build_prefill_batch([PrefillSeq(prompt, 0, pages)], block_size=kv.block_size,
                                 num_pages=kv.num_pages, device="cpu")
 
@@ -233,7 +234,7 @@ def measure_callbacks(loaded: LoadedModel, ours: OursGenerator, num_tokens: int,
                 with_s, without_s = run_hooked(), run_plain()
             ratios.append(with_s / without_s)
     finally:
-        kv.allocator.free_owner("bench-prefill")
+        ours.pages.free_owner("bench-prefill")
     return {"prefill_tokens": num_tokens, "prefill_ms_no_callbacks": plain.wall_s * 1e3,
             "prefill_ms_callbacks": hooked.wall_s * 1e3, "callback_overhead": statistics.median(ratios) - 1.0,
             "callback_overhead_best": hooked.wall_s / plain.wall_s - 1.0,
@@ -269,7 +270,7 @@ def _run(args: argparse.Namespace) -> int:
     results.update(measure_callbacks(loaded, ours, args.prefill_tokens, max(2 * args.repeats + 1, 8)))
     _print_table(results, args.batch_sizes)
     if args.json is not None:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        write_json(args.json, results)
     return 0
 
 

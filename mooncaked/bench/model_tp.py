@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from mooncaked.bench.report import report
 from mooncaked.engine.batch import (DecodeBatch, DecodeSeq, PrefillBatch, PrefillSeq, build_decode_batch,
                                     build_prefill_batch)
 from mooncaked.engine.kv_pages import KVPages
@@ -127,9 +128,7 @@ def _run(args: argparse.Namespace) -> int:
     results.update({"model": source, "tp": args.tp, "prefill_tokens": args.prefill_tokens,
                     "decode_batch": args.decode_batch, "new_tokens": args.new_tokens,
                     "load_average": list(os.getloadavg())})
-    print(json.dumps(results, indent=2))
-    if args.json is not None:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    report(results, json.dumps(results, indent=2), args.json)
     return 0
 
 

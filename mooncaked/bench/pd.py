@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import tempfile
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from mooncaked.bench.cluster import ClusterProcess, instance, write_config
+from mooncaked.bench.report import report
 from mooncaked.bench.serve import ServeBenchConfig, run_benchmark
 from mooncaked.bench.trace import BenchRequest, TokenBlocks, poisson_arrivals
 
@@ -229,7 +229,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"bench pd: rates must be positive and layouts among {', '.join(LAYOUTS)}")
         return 2
     result = asyncio.run(_bench(args, rates, layouts))
-    print(format_table(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    report(result, format_table(result), args.json)
     return 0

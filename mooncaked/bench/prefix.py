@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import tempfile
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from mooncaked.bench.cluster import instance, write_config
+from mooncaked.bench.report import report
 from mooncaked.config import Config, InstanceConfig, load_config
 from mooncaked.kv.keys import block_keys
 from mooncaked.roles.base import PeerClients
@@ -195,7 +195,5 @@ def run(args: argparse.Namespace) -> int:
         print("bench prefix: --tokens must be at least 2 blocks, --rounds and --threads >= 1")
         return 2
     result = asyncio.run(_bench(args))
-    print(format_table(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    report(result, format_table(result), args.json)
     return 0

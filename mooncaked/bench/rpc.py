@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import select
 import statistics
 import subprocess
@@ -24,6 +23,7 @@ import sys
 import time
 from typing import Any, Awaitable
 
+from mooncaked.bench.report import write_json
 from mooncaked.bench.rpc_systems import CLIENTS
 
 SYSTEMS = ("echo", "rpc", "http")
@@ -58,8 +58,7 @@ def run(args: argparse.Namespace) -> int:
     summary = _summarize(results, args)
     _print_table(results, summary)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2)
+        write_json(args.json, summary)
     return 0
 
 

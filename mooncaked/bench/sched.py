@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import time
-from pathlib import Path
 from typing import Any
 
+from mooncaked.bench.report import write_json
 from mooncaked.sched.algorithm import SchedulerPolicy, schedule
 from mooncaked.sched.shadow_index import ShadowIndex
 from mooncaked.sched.types import DecodeInstanceView, PolicyConfig, PrefillInstanceView, RequestInfo
@@ -86,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         "by_policy": results,
     }
     if args.json:
-        Path(args.json).write_text(json.dumps(output, indent=1) + "\n")
+        write_json(args.json, output)
     return 0
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 
 from mooncaked.bench.prediction_error import prediction_summary
+from mooncaked.bench.report import report
 from mooncaked.bench.serve_report import Progress, format_table
 from mooncaked.bench.stats import RequestResult, parse_goodput, summarize
 from mooncaked.bench.trace import (
@@ -105,10 +106,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"bench serve: {exc}", file=sys.stderr)
         return 2
     result = asyncio.run(run_benchmark(config))
-    print(format_table(result))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as out:
-            json.dump(result, out, indent=2)
+    report(result, format_table(result), args.json)
     return 0 if result["completed"] else 1
 
 

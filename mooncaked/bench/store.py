@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing
 import shutil
 import socket
@@ -27,6 +26,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from mooncaked.bench.cluster import free_port
+from mooncaked.bench.report import write_json
 from mooncaked.bench.store_clients import PHASE_TIMEOUT_S, ClientSpec, client_main, with_index
 
 SIZES = (64 * 1024, 1024 * 1024)
@@ -54,8 +54,7 @@ def run(args: argparse.Namespace) -> int:
     summary = {str(size): _summarise(results[size]) for size in sizes}
     _print_table(results, summary)
     if args.json:
-        with open(args.json, "w") as file:
-            json.dump({**summary, "runs": {str(s): results[s] for s in sizes}}, file, indent=2)
+        write_json(args.json, {**summary, "runs": {str(s): results[s] for s in sizes}})
     num_bad = sum(run["num_bad"] for size in sizes for run in results[size].values())
     return 1 if num_bad else 0
 

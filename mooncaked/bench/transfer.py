@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import json
 import multiprocessing
 import os
 import socket
@@ -43,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from mooncaked.bench.cluster import free_port
+from mooncaked.bench.report import write_json
 from mooncaked.bench.transfer_baselines import (
     END,
     HEADER,
@@ -99,8 +99,7 @@ def run(args: argparse.Namespace) -> int:
     )
     _print_table(report)
     if args.json:
-        with open(args.json, "w") as file:
-            json.dump(report, file, indent=2)
+        write_json(args.json, report)
     return 0
 
 

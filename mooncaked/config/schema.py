@@ -171,10 +171,6 @@ def _suggest(word: str, candidates: list[str]) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
-def field_names(cls: type) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls)]
-
-
 def suggest(word: str, candidates: list[str]) -> str:
     """' (did you mean X?)' for the closest candidate, or ''."""
     return _suggest(word, candidates)

@@ -1,11 +1,12 @@
-"""Device KV pages and their allocator.
+"""Device KV pages and the allocator of their page ids.
 
 1. `KVPages.for_model(args, num_pages, block_size, dtype, device)` allocates, once at start-up, one buffer
    [layers, 2, num_pages, block_size, kv_heads, head_dim] (one allocation, so it registers with the transfer
    engine as one segment) and views it per layer as k_pages[layer] and v_pages[layer], each contiguous
    [num_pages, block_size, kv_heads, head_dim].
-2. Requests take whole pages from `KVPages.allocator` (`allocate(n, owner)`), and name them in block tables;
-   token t of a sequence lives in page block_table[t // block_size] at offset t % block_size.
+2. Requests take whole pages from one `PageAllocator(num_pages)` of the pages (`allocate(n, owner)`; a worker's
+   is `Worker.pages`), and name them in block tables; token t of a sequence lives in page
+   block_table[t // block_size] at offset t % block_size.
 3. When a request ends (or fails) its owner frees its pages (`free` / `free_owner`); the page contents are left
    as they are and simply overwritten by the next owner.
 
@@ -91,10 +92,10 @@ class PageAllocator:
 
 
 class KVPages:
-    """Owns the per-layer KV page tensors and their allocator. A pipeline stage holds pages for its own layers
-    only: page layer i is model layer `first_layer + i`, and a store object still holds every model layer
-    (`object_nbytes`). A tensor-parallel rank holds KV heads [kv_head_offset, kv_head_offset + num_kv_heads) of
-    the model's `num_model_kv_heads`."""
+    """Owns the per-layer KV page tensors (a PageAllocator hands out their page ids). A pipeline stage holds
+    pages for its own layers only: page layer i is model layer `first_layer + i`, and a store object still holds
+    every model layer (`object_nbytes`). A tensor-parallel rank holds KV heads [kv_head_offset, kv_head_offset +
+    num_kv_heads) of the model's `num_model_kv_heads`."""
 
     def __init__(self, *, num_layers: int, num_pages: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, first_layer: int = 0,
@@ -126,7 +127,6 @@ class KVPages:
             self.buffer = buffer.view(dtype).view(shape)
         self.k_pages = [self.buffer[layer, 0] for layer in range(num_layers)]
         self.v_pages = [self.buffer[layer, 1] for layer in range(num_layers)]
-        self.allocator = PageAllocator(num_pages)
 
     @classmethod
     def for_model(cls, args: ModelArgs, *, num_pages: int, block_size: int, dtype: torch.dtype,
@@ -153,11 +153,6 @@ class KVPages:
         copied to and from. One instance's own pages; every rank's for a tensor-parallel instance
         (engine/tp_pages.py)."""
         return [(self, 0, True)]
-
-    @property
-    def page_shape(self) -> tuple[int, int, int]:
-        """One page of one layer, K or V: [block_size, kv_heads, head_dim]."""
-        return (self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
     def page_nbytes(self) -> int:

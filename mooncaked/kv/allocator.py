@@ -44,10 +44,6 @@ class ExtentAllocator:
         return -(-num_bytes // self.alignment) * self.alignment
 
     @property
-    def num_free_bytes(self) -> int:
-        return self.capacity_bytes - self.num_used_bytes
-
-    @property
     def largest_free_bytes(self) -> int:
         return self._sizes[-1] if self._sizes else 0
 

@@ -270,7 +270,3 @@ def random_preset(name: str, **overrides: Any) -> ModelArgs:
     if name not in _PRESETS:
         raise ValueError(f"unknown random model preset {name!r}; choose one of {sorted(_PRESETS)}")
     return replace(_PRESETS[name], **overrides)
-
-
-def preset_names() -> list[str]:
-    return sorted(_PRESETS)

@@ -90,10 +90,6 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch
     return _DTYPES[dtype]
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def load_model(source: str, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
                seed: int = 0, cpu_packed_gemm: bool = True, packing: Packing = "both",
                weight_cache_dir: str | Path | None = None, layers: LayerRange | None = None,

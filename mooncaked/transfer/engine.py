@@ -189,9 +189,6 @@ class TransferEngine:
             return encode_control(DescribeReply([], {}))  # no NICs: initiators fall back to tcp
         raise ValueError(f"rdma is not active at {self.endpoint}: {self.rdma_unavailable_reason}")
 
-    def segment_names(self) -> list[str]:
-        return self._segments.names()
-
     def segment_location(self, name: str) -> str | None:
         """Where a registered segment's memory is ("cpu:N", "cuda:N"); None when `name` is not registered."""
         segment = self._segments.get(name)

@@ -10,7 +10,7 @@ import torch
 
 from mooncaked.engine.batch import (DecodeSeq, PrefillSeq, build_decode_batch, build_prefill_batch,
                                     split_prefill_chunks)
-from mooncaked.engine.kv_pages import KVPages
+from mooncaked.engine.kv_pages import KVPages, PageAllocator
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.model.config import random_preset
 from mooncaked.model.llama import LlamaForCausalLM
@@ -54,9 +54,9 @@ def _greedy(runner: ModelRunner, first_logits: torch.Tensor, num_cached: int, pa
 def test_incremental_prefill_over_cached_prefix_equals_full_prefill(tiny: LoadedModel) -> None:
     prompt = _prompt(37)
     full_runner, reuse_runner = _runner(tiny), _runner(tiny)
-    full_pages = full_runner.kv_pages.allocator.allocate(6, "full")
+    full_pages = PageAllocator(NUM_PAGES).allocate(6, "full")
     full = _prefill(full_runner, [PrefillSeq(prompt, 0, full_pages)], return_all_logits=True)
-    pages = reuse_runner.kv_pages.allocator.allocate(6, "reuse")
+    pages = PageAllocator(NUM_PAGES).allocate(6, "reuse")
     k = 2  # prefix blocks computed first, then reused from the pages
     _prefill(reuse_runner, [PrefillSeq(prompt[: k * BLOCK], 0, pages)])
     rest = _prefill(reuse_runner, [PrefillSeq(prompt[k * BLOCK:], k * BLOCK, pages)], return_all_logits=True)
@@ -68,7 +68,7 @@ def test_incremental_prefill_over_cached_prefix_equals_full_prefill(tiny: Loaded
 def test_chunked_prefill_equals_one_shot(tiny: LoadedModel) -> None:
     runner = _runner(tiny)
     prompt = _prompt(29, offset=1)
-    pages = runner.kv_pages.allocator.allocate(4, "r")
+    pages = PageAllocator(NUM_PAGES).allocate(4, "r")
     full = _prefill(runner, [PrefillSeq(prompt, 0, pages)])
     logits = None
     for chunk in split_prefill_chunks(PrefillSeq(prompt, 0, pages), max_chunk_tokens=10):
@@ -79,7 +79,7 @@ def test_chunked_prefill_equals_one_shot(tiny: LoadedModel) -> None:
 
 def test_ragged_batch_equals_one_at_a_time(tiny: LoadedModel) -> None:
     runner = _runner(tiny)
-    alloc = runner.kv_pages.allocator
+    alloc = PageAllocator(NUM_PAGES)
     specs = [(_prompt(13, 2), 0), (_prompt(21, 3), 8), (_prompt(5, 4), 0)]  # (tokens, cached prefix length)
     pages = [alloc.allocate(runner.kv_pages.num_pages_for(len(t) + 2), f"s{i}") for i, (t, _) in enumerate(specs)]
     for (tokens, cached), p in zip(specs, pages):
@@ -98,7 +98,7 @@ def test_ragged_batch_equals_one_at_a_time(tiny: LoadedModel) -> None:
 
 def test_layer_callbacks_run_in_order_around_each_layer(tiny: LoadedModel) -> None:
     runner = _runner(tiny)
-    pages = runner.kv_pages.allocator.allocate(2, "r")
+    pages = PageAllocator(NUM_PAGES).allocate(2, "r")
     events: list[tuple[str, int, bool]] = []
 
     def written(layer: int) -> bool:  # has this layer's KV for the new tokens reached the pages?
@@ -113,7 +113,7 @@ def test_layer_callbacks_run_in_order_around_each_layer(tiny: LoadedModel) -> No
 
 def test_raising_callback_aborts_cleanly(tiny: LoadedModel) -> None:
     runner = _runner(tiny)
-    alloc = runner.kv_pages.allocator
+    alloc = PageAllocator(NUM_PAGES)
     pages = alloc.allocate(2, "r")
     seq = PrefillSeq(_prompt(12), 0, pages)
     calls: list[int] = []
@@ -129,7 +129,6 @@ def test_raising_callback_aborts_cleanly(tiny: LoadedModel) -> None:
     assert alloc.num_free == NUM_PAGES - 2 and alloc.pages_of("r") == pages
     retry = _prefill(runner, [seq])  # the same pages are simply recomputed
     fresh = _runner(tiny)
-    fresh.kv_pages.allocator.allocate(2, "r")
     torch.testing.assert_close(retry, _prefill(fresh, [seq]), atol=0, rtol=0)
 
 
@@ -155,7 +154,8 @@ def test_windowed_layers_chunked_prefill_and_ragged_decode() -> None:
     runner = _windowed_runner()
     assert runner.layer_windows == [None, 6]
     prompts = [_prompt(29, 5), _prompt(11, 6)]
-    pages = [runner.kv_pages.allocator.allocate(5, f"s{i}") for i in range(2)]
+    alloc = PageAllocator(NUM_PAGES)
+    pages = [alloc.allocate(5, f"s{i}") for i in range(2)]
     full = _prefill(runner, [PrefillSeq(prompts[0], 0, pages[0])], return_all_logits=True)
     chunked = [_prefill(runner, [chunk], return_all_logits=True)
                for chunk in split_prefill_chunks(PrefillSeq(prompts[0], 0, pages[0]), max_chunk_tokens=7)]

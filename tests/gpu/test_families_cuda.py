@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mooncaked.engine.batch import DecodeSeq, PrefillSeq, build_decode_batch, build_prefill_batch
-from mooncaked.engine.kv_pages import KVPages
+from mooncaked.engine.kv_pages import KVPages, PageAllocator
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.model.loader import load_model
 from tests.model.family_checkpoints import CASE_IDS, CASES, FamilyCase, write_checkpoint
@@ -27,7 +27,7 @@ TOLERANCE = {"torch": 1e-3, "triton": 1e-2}
 
 def _paged_run(runner: ModelRunner) -> tuple[torch.Tensor, list[int]]:
     """Prefill in two chunks (the second over the first's pages), then greedy decode: logits of every position."""
-    pages = runner.kv_pages.allocator.allocate(runner.kv_pages.num_pages_for(len(PROMPT) + STEPS), "seq")
+    pages = PageAllocator(runner.kv_pages.num_pages).allocate(runner.kv_pages.num_pages_for(len(PROMPT) + STEPS), "seq")
     split = len(PROMPT) - 8
     chunks = [PrefillSeq(PROMPT[:split], 0, pages), PrefillSeq(PROMPT[split:], split, pages)]
     logits = [runner.prefill(build_prefill_batch([seq], block_size=BLOCK, num_pages=NUM_PAGES, device="cuda"),
@@ -38,7 +38,6 @@ def _paged_run(runner: ModelRunner) -> tuple[torch.Tensor, list[int]]:
         step = build_decode_batch([DecodeSeq(tokens[-1], len(tokens) - 1, pages)], block_size=BLOCK,
                                   num_pages=NUM_PAGES, device="cuda")
         logits.append(runner.decode(step))
-    runner.kv_pages.allocator.free_owner("seq")
     return torch.cat(logits).float().cpu(), tokens
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mooncaked.engine.batch import DecodeSeq, PrefillSeq, build_decode_batch, build_prefill_batch
-from mooncaked.engine.kv_pages import KVPages
+from mooncaked.engine.kv_pages import KVPages, PageAllocator
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.model.loader import LoadedModel, load_model
 
@@ -28,7 +28,8 @@ def prompts(num: int) -> list[list[int]]:
 
 
 def prefill_all(runner: ModelRunner, tokens: list[list[int]]) -> tuple[torch.Tensor, list[list[int]]]:
-    pages = [runner.kv_pages.allocator.allocate(-(-(len(t) + 16) // BLOCK), f"s{i}") for i, t in enumerate(tokens)]
+    pages_of = PageAllocator(NUM_PAGES)  # fresh for every prefill: each starts from the first pages
+    pages = [pages_of.allocate(-(-(len(t) + 16) // BLOCK), f"s{i}") for i, t in enumerate(tokens)]
     batch = build_prefill_batch([PrefillSeq(t, 0, p) for t, p in zip(tokens, pages)], block_size=BLOCK,
                                 num_pages=NUM_PAGES, device="cuda")
     return runner.prefill(batch), pages
@@ -66,8 +67,6 @@ def test_cuda_graph_decode_equals_eager_per_bucket(dtype: str) -> None:
     assert graphed.graphs is not None and graphed.graphs.buckets == [1, 2, 4, 8]
     for num_seqs in (1, 3, 5, 8, 3):  # buckets 1, 4, 8, 8, 4: captured once each, replayed after
         tokens = prompts(num_seqs)
-        for runner in (graphed, eager):
-            runner.kv_pages.allocator = type(runner.kv_pages.allocator)(NUM_PAGES)
         (first_g, pages_g), (first_e, pages_e) = prefill_all(graphed, tokens), prefill_all(eager, tokens)
         last, lengths = [int(x) for x in first_e.argmax(-1)], [len(t) for t in tokens]
         for _ in range(3):

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mooncaked.engine.batch import DecodeSeq, PrefillSeq, build_decode_batch, build_prefill_batch
-from mooncaked.engine.kv_pages import KVPages
+from mooncaked.engine.kv_pages import KVPages, PageAllocator
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.model.chat_template import ChatTemplateError
 from mooncaked.model.frontend import load_frontend
@@ -60,7 +60,7 @@ def _decode(runner: ModelRunner, seqs: list[DecodeSeq]) -> torch.Tensor:
 
 def _paged_logits(runner: ModelRunner, prompt: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:
     """Prefill in two chunks (the second over the first's pages), then greedy decode: logits of every position."""
-    pages = runner.kv_pages.allocator.allocate(runner.kv_pages.num_pages_for(len(prompt) + steps), "seq")
+    pages = PageAllocator(runner.kv_pages.num_pages).allocate(runner.kv_pages.num_pages_for(len(prompt) + steps), "seq")
     split = len(prompt) - 8
     logits = [_prefill(runner, [PrefillSeq(prompt[:split], 0, pages)]),
               _prefill(runner, [PrefillSeq(prompt[split:], split, pages)])]
@@ -68,7 +68,6 @@ def _paged_logits(runner: ModelRunner, prompt: list[int], steps: int) -> tuple[t
     for _ in range(steps):
         tokens.append(int(logits[-1][-1].argmax()))
         logits.append(_decode(runner, [DecodeSeq(tokens[-1], len(tokens) - 1, pages)]))
-    runner.kv_pages.allocator.free_owner("seq")
     return torch.cat(logits), tokens
 
 
@@ -116,7 +115,7 @@ def test_sliding_window_changes_the_result(family: Family) -> None:
 
 def test_greedy_batch_equals_transformers_generate(family: Family) -> None:
     runner = _runner(family.loaded)
-    alloc = runner.kv_pages.allocator
+    alloc = PageAllocator(runner.kv_pages.num_pages)
     eos = torch.tensor(family.loaded.eos_token_ids)
     pages = [alloc.allocate(runner.kv_pages.num_pages_for(len(p) + NEW_TOKENS), f"s{i}") for i, p in enumerate(PROMPTS)]
     logits = runner.prefill(build_prefill_batch([PrefillSeq(p, 0, pg) for p, pg in zip(PROMPTS, pages)],

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mooncaked.engine.batch import DecodeSeq, PrefillSeq, build_decode_batch, build_prefill_batch
-from mooncaked.engine.kv_pages import KVPages
+from mooncaked.engine.kv_pages import KVPages, PageAllocator
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.model.config import RopeScaling
 from mooncaked.model.families import UnsupportedModel
@@ -51,7 +51,7 @@ def _write(case_id: str, path: Path) -> tuple[Any, Path]:
 def _all_logits(loaded: LoadedModel, tokens: list[int], prompt_len: int) -> torch.Tensor:
     kv = KVPages.for_model(loaded.args, num_pages=8, block_size=BLOCK, dtype=torch.float32, device="cpu")
     runner = ModelRunner(loaded.model, kv, backend="torch")
-    pages = kv.allocator.allocate(8, "r")
+    pages = PageAllocator(kv.num_pages).allocate(8, "r")
     logits = [runner.prefill(build_prefill_batch([PrefillSeq(tokens[:prompt_len], 0, pages)], block_size=BLOCK,
                                                  num_pages=8, device="cpu"), return_all_logits=True)]
     for position in range(prompt_len, len(tokens)):

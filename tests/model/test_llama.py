@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mooncaked.engine.batch import DecodeSeq, PrefillSeq, build_decode_batch, build_prefill_batch
-from mooncaked.engine.kv_pages import KVPages
+from mooncaked.engine.kv_pages import KVPages, PageAllocator
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.model import packed_gemm
 from mooncaked.model.config import RopeScaling, random_preset
@@ -44,7 +44,7 @@ def test_prefill_and_decode_match_transformers(overrides: dict[str, object], is_
     kv = KVPages.for_model(ours.args, num_pages=8, block_size=BLOCK, dtype=torch.float32, device="cpu")
     runner = ModelRunner(ours, kv, backend="torch")
     prompt = list(range(5, 26))  # 21 tokens: not a multiple of the block size
-    pages = kv.allocator.allocate(4, "req")
+    pages = PageAllocator(kv.num_pages).allocate(4, "req")
     prefill = build_prefill_batch([PrefillSeq(prompt, 0, pages)], block_size=BLOCK, num_pages=8, device="cpu")
     logits = [runner.prefill(prefill, return_all_logits=True)]
     tokens = list(prompt)

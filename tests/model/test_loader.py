@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mooncaked.engine.batch import DecodeSeq, PrefillSeq, build_decode_batch, build_prefill_batch
-from mooncaked.engine.kv_pages import KVPages
+from mooncaked.engine.kv_pages import KVPages, PageAllocator
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.model.chat_template import CHATML_TEMPLATE
 from mooncaked.model.config import random_preset
@@ -25,7 +25,7 @@ def _greedy(loaded: LoadedModel, prompt_ids: list[int], num_tokens: int, block_s
     kv = KVPages.for_model(loaded.args, num_pages=num_pages, block_size=block_size, dtype=loaded.dtype,
                            device="cpu")
     runner = ModelRunner(loaded.model, kv)
-    pages = kv.allocator.allocate(num_pages, "req")
+    pages = PageAllocator(kv.num_pages).allocate(num_pages, "req")
     logits = runner.prefill(build_prefill_batch([PrefillSeq(prompt_ids, 0, pages)], block_size=block_size,
                                                 num_pages=num_pages, device="cpu"))
     tokens = [int(logits[0].argmax())]

@@ -13,9 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mooncaked.kv.events import BLOCK_STORED
 from mooncaked.rpc import InvalidArgument, NotFound, ResourceExhausted, RpcClient, RpcServer
+from mooncaked.runtime.aio import aclose
 from mooncaked.store.client import StoreClient
-from mooncaked.store.mirror import StoreKeyMirror
+from mooncaked.store.messages import EVENTS, EventsRequest, StoreEventMessage
 from mooncaked.store.service import StoreService, StoreServiceConfig
 from mooncaked.transfer import TransferEngine
 
@@ -143,6 +145,7 @@ async def test_two_writers_racing_on_one_key_leave_one_consistent_object(
 _KILLED_WRITER = """
 import asyncio, sys
 from mooncaked.store.client import StoreClient
+from mooncaked.store.messages import EVENTS, EventsRequest, StoreEventMessage
 from mooncaked.rpc import RpcClient
 
 async def main() -> None:
@@ -180,27 +183,52 @@ async def put(client: StoreClient, ids: list[int]) -> None:
     await client.commit([h.handle_id for h in reply.handles])
 
 
+async def read_events(client: StoreClient, after_seq: int, count: int) -> list[StoreEventMessage]:
+    """The first `count` events after `after_seq`, from an EVENTS subscription closed right after them."""
+    events: list[StoreEventMessage] = []
+    stream = client.rpc.stream(EVENTS, EventsRequest(after_seq), timeout_s=5.0)
+    try:
+        async for batch in stream:
+            events.extend(batch.events)
+            if len(events) >= count:
+                break
+    finally:
+        await aclose(stream)
+    return events[:count]
+
+
+def replay(keys: set[bytes], events: list[StoreEventMessage]) -> set[bytes]:
+    for event in events:
+        if event.kind == BLOCK_STORED:
+            keys.add(event.key)
+        else:
+            keys.discard(event.key)
+    return keys
+
+
 async def test_events_are_gap_free_and_a_lagging_subscriber_resyncs_from_dump(
         store: Store, local: StoreClient) -> None:
-    mirror = StoreKeyMirror()
-    follower = asyncio.create_task(mirror.follow(local, duration_s=3.0))
+    seq, keys = await local.dump()
+    assert keys == []
     await put(local, list(range(10)))
-    await local.abort([])  # a round trip: the subscriber has had time to see the events
-    deadline = time.monotonic() + 5
-    while mirror.last_seq < 10 and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)
-    assert mirror.keys == {key(i) for i in range(10)} and mirror.num_resyncs == 1
-    follower.cancel()
-    await asyncio.gather(follower, return_exceptions=True)
+    events = await read_events(local, seq, 10)
+    assert [e.seq for e in events] == list(range(seq + 1, seq + 11))
+    assert replay(set(), events) == {key(i) for i in range(10)} == set((await local.dump())[1])
 
-    lagging = StoreKeyMirror()
-    await lagging.resync(local)
+    lagging_seq = events[-1].seq
     for i in range(10, 120):  # 110 events while away: more than the 64 the store retains
         await put(local, [i])
     store.service.core.evict_to_watermark(time.monotonic())
-    await lagging.follow(local, duration_s=1.5)
-    assert lagging.num_resyncs == 2
-    assert lagging.keys == set(store.service.core.dump()[1]) and lagging.last_seq == store.service.core.dump()[0]
+    with pytest.raises(NotFound, match="no longer retained"):
+        await read_events(local, lagging_seq, 1)
+    seq, keys = await local.dump()  # the lagging subscriber's resync: a dump, then the events after it
+    assert (seq, set(keys)) == (store.service.core.dump()[0], set(store.service.core.dump()[1]))
+    await put(local, list(range(500, 520)))  # more than the pool has room for: stores and evictions
+    last_seq, now_keys = store.service.core.dump()
+    events = await read_events(local, seq, last_seq - seq)
+    assert [e.seq for e in events] == list(range(seq + 1, last_seq + 1))
+    assert any(e.kind != BLOCK_STORED for e in events)
+    assert replay(set(keys), events) == set(now_keys)
 
 
 async def test_bad_input_over_rpc_gives_clear_errors_and_loses_nothing(store: Store, local: StoreClient) -> None:

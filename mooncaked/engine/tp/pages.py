@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from mooncaked.engine.kv_pages import KVPages, PageAllocator
+from mooncaked.engine.kv_pages import KVPages
 from mooncaked.model.config import ModelArgs
 
 
@@ -98,7 +98,6 @@ class ShardedPages(KVPages):
         self.dtype, self.device = first.dtype, first.device
         self.buffer = first.buffer
         self.k_pages, self.v_pages = [], []  # per rank: see copy_parts
-        self.allocator = PageAllocator(first.num_pages)
         seen: set[int] = set()
         self._parts: list[tuple[KVPages, int, bool]] = []
         for pages in ranks:  # the first rank holding a KV head writes it to the store

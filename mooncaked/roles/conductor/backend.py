@@ -18,11 +18,10 @@ from mooncaked.api.errors import ApiError, context_too_long, invalid_field
 from mooncaked.api.requests import ChatRequest, CompletionRequest
 from mooncaked.config import Config
 from mooncaked.kv.keys import block_keys, isolated_namespace, model_namespace
-from mooncaked.model.chat_template import ChatTemplateError
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.class_metrics import ClassMetrics
 from mooncaked.roles.conductor.frontend import (ConductorRequest, ModelFrontend, generation_state, key_isolation,
-                                                sampling_spec)
+                                                prompt_token_ids, sampling_spec)
 from mooncaked.roles.conductor.leader import PdController
 from mooncaked.roles.conductor.request_run import RequestRun
 from mooncaked.roles.conductor.view.cluster import ClusterView
@@ -58,7 +57,9 @@ class ConductorBackend:
         arrival_time = time.monotonic()
         request_id_var.set(request.request_id)
         try:
-            token_ids = self._prompt_ids(request)
+            token_ids = prompt_token_ids(self.model, request, add_generation_prompt=True)
+            if not token_ids:  # only a prompt of no token ids: text and chats always have some
+                raise invalid_field("prompt", "the prompt has no tokens")
             context = self.model.context_length
             if len(token_ids) + 1 > context:
                 raise context_too_long(len(token_ids), context)
@@ -70,24 +71,6 @@ class ConductorBackend:
         keys = block_keys(token_ids, self.config.kv.block_size, isolated_namespace(self.namespace, isolation))
         return ConductorRequest(request.request_id, request, tuple(token_ids), max_tokens, tuple(keys), arrival_time,
                                 isolation)
-
-    def _prompt_ids(self, request: CompletionRequest | ChatRequest) -> list[int]:
-        tokenizer = self.model.tokenizer
-        if isinstance(request, ChatRequest):
-            messages = [{"role": m.role, "content": m.content} for m in request.messages]
-            try:
-                text = self.model.chat_template.render(messages, add_generation_prompt=True)
-            except ChatTemplateError as exc:
-                raise invalid_field("messages", f"the model's chat template rejected them: {exc}") from None
-            return tokenizer.encode(text, add_special_tokens=False)
-        if isinstance(request.prompt, str):
-            return tokenizer.encode(request.prompt, add_special_tokens=True)
-        if not request.prompt:
-            raise invalid_field("prompt", "the prompt has no tokens")
-        bad = [t for t in request.prompt if not 0 <= t < self.model.vocab_size]
-        if bad:
-            raise invalid_field("prompt", f"token id {bad[0]} is outside the vocabulary [0, {self.model.vocab_size})")
-        return list(request.prompt)
 
     def _max_tokens(self, request: CompletionRequest | ChatRequest, num_prompt_tokens: int, context: int) -> int:
         room = context - num_prompt_tokens

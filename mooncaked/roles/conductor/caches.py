@@ -31,9 +31,8 @@ from mooncaked.api.errors import ApiError, context_too_long, invalid_field, unav
 from mooncaked.api.requests import ChatRequest, CompletionRequest, SamplingOptions
 from mooncaked.config import Config
 from mooncaked.kv.keys import block_keys, isolated_namespace
-from mooncaked.model.chat_template import ChatTemplateError
 from mooncaked.roles.base import PeerClients
-from mooncaked.roles.conductor.frontend import ModelFrontend, key_isolation
+from mooncaked.roles.conductor.frontend import ModelFrontend, key_isolation, prompt_token_ids
 from mooncaked.roles.conductor.view.cluster import ClusterView
 from mooncaked.rpc import RpcError
 from mooncaked.store import cache_messages as msg
@@ -82,7 +81,7 @@ class CacheRegistry:
 
     # ---- the API -----------------------------------------------------------------------------------------
     async def create_cache(self, spec: CacheCreate) -> dict[str, Any]:
-        token_ids = self._context_ids(spec.context)
+        token_ids = prompt_token_ids(self.model, spec.context, add_generation_prompt=False)
         block_size = self.config.kv.block_size
         if len(token_ids) < block_size:
             raise invalid_field("messages" if isinstance(spec.context, ChatRequest) else "prompt",
@@ -183,22 +182,6 @@ class CacheRegistry:
                 logger.exception("cache listing refresh failed")
 
     # ---- helpers -----------------------------------------------------------------------------------------
-    def _context_ids(self, context: ChatRequest | CompletionRequest) -> list[int]:
-        tokenizer = self.model.tokenizer
-        if isinstance(context, ChatRequest):
-            messages = [{"role": m.role, "content": m.content} for m in context.messages]
-            try:
-                text = self.model.chat_template.render(messages, add_generation_prompt=False)
-            except ChatTemplateError as exc:
-                raise invalid_field("messages", f"the model's chat template rejected them: {exc}") from None
-            return tokenizer.encode(text, add_special_tokens=False)
-        if isinstance(context.prompt, str):
-            return tokenizer.encode(context.prompt, add_special_tokens=True)
-        bad = [t for t in context.prompt if not 0 <= t < self.model.vocab_size]
-        if bad:
-            raise invalid_field("prompt", f"token id {bad[0]} is outside the vocabulary [0, {self.model.vocab_size})")
-        return list(context.prompt)
-
     def _check_quota(self, client_id: str, num_tokens: int) -> None:
         quota = self.config.conductor.cache_quota_tokens
         held = sum(c.info.num_tokens for c in self._owned(client_id))

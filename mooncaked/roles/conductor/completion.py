@@ -16,6 +16,7 @@ from mooncaked.api.backend import GenerationBackend, PreparedRequest
 from mooncaked.api.errors import deadline_exceeded, internal_error
 from mooncaked.api.requests import ChatRequest, CompletionRequest
 from mooncaked.api.responses import ResponseBuilder
+from mooncaked.runtime.aio import aclose
 
 
 async def complete(backend: GenerationBackend, request: CompletionRequest | ChatRequest,
@@ -42,7 +43,5 @@ async def complete_prepared(backend: GenerationBackend, prepared: PreparedReques
                 raise internal_error("The backend ended the output without a finish reason.") from None
             builder.add(chunk)
     finally:
-        aclose = getattr(chunks, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        await aclose(chunks)
     return builder.final_response()

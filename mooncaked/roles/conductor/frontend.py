@@ -1,7 +1,8 @@
 """What the conductor knows of the model and of a prepared request, shared by the backend and a request's run.
 
 1. `ModelFrontend` is built once at start from the model's tokenizer, template and shapes (no weights).
-2. `ConductorBackend.prepare` makes a `ConductorRequest` per HTTP request (tokens, block keys, arrival time).
+2. `prompt_token_ids` turns a request's prompt or chat (a generation's, a context cache's) into token ids;
+   `ConductorBackend.prepare` makes a `ConductorRequest` per HTTP request (tokens, block keys, arrival time).
 3. `sampling_spec` and `generation_state` derive a request's wire sampling spec and its text state from it.
 """
 
@@ -10,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mooncaked.api.backend import PreparedRequest
+from mooncaked.api.errors import invalid_field
 from mooncaked.api.requests import ChatRequest, CompletionRequest
 from mooncaked.kv.keys import isolation_tag
-from mooncaked.model.chat_template import ChatTemplate
+from mooncaked.model.chat_template import ChatTemplate, ChatTemplateError
 from mooncaked.model.sampler import SamplingParams
 from mooncaked.model.stopping import GenerationState
 from mooncaked.model.tokenizer import TextTokenizer
@@ -37,6 +39,25 @@ class ConductorRequest(PreparedRequest):
     block_keys: tuple[bytes, ...] = ()
     arrival_time: float = 0.0  # time.monotonic()
     key_isolation: bytes = b""  # who may share its KV (kv/keys.py isolation_tag): b"" everyone
+
+
+def prompt_token_ids(model: ModelFrontend, request: CompletionRequest | ChatRequest, *,
+                     add_generation_prompt: bool) -> list[int]:
+    """The token ids of a chat (rendered with the model's template) or of a prompt (text, or ids checked against
+    the vocabulary); ApiError 400 naming the field at fault."""
+    if isinstance(request, ChatRequest):
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        try:
+            text = model.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        except ChatTemplateError as exc:
+            raise invalid_field("messages", f"the model's chat template rejected them: {exc}") from None
+        return model.tokenizer.encode(text, add_special_tokens=False)
+    if isinstance(request.prompt, str):
+        return model.tokenizer.encode(request.prompt, add_special_tokens=True)
+    bad = [t for t in request.prompt if not 0 <= t < model.vocab_size]
+    if bad:
+        raise invalid_field("prompt", f"token id {bad[0]} is outside the vocabulary [0, {model.vocab_size})")
+    return list(request.prompt)
 
 
 def key_isolation(request: CompletionRequest | ChatRequest) -> bytes:

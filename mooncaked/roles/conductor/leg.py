@@ -18,18 +18,18 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 from mooncaked.api.errors import ApiError, deadline_exceeded, internal_error, overloaded, unavailable
 from mooncaked.config import Config
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.view.cluster import ClusterView
-from mooncaked.roles.worker.messages import (DECODE, PREFILL, RESERVE, UNRESERVE, DecodeItem, DecodeRequest,
-                                             PrefillReply, PrefillRequest, ReserveReply, ReserveRequest,
-                                             SamplingSpec, StoreTenant, TokenSample, UnreserveRequest)
+from mooncaked.roles.worker.messages import (DECODE, DecodeItem, DecodeRequest, PREFILL, PrefillReply, PrefillRequest,
+                                             RESERVE, ReserveReply, ReserveRequest, SamplingSpec, StoreTenant,
+                                             TokenSample, UNRESERVE, UnreserveRequest)
 from mooncaked.rpc import Cancelled, DeadlineExceeded, ResourceExhausted, RpcClient, RpcError, Unavailable
+from mooncaked.runtime.aio import aclose
 from mooncaked.sched.decode_admission import rejection_reason
-from mooncaked.sched.types import REASON_DECODE_REFUSED, Placement, Rejection, RequestInfo
+from mooncaked.sched.types import Placement, REASON_DECODE_REFUSED, Rejection, RequestInfo
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ class Leg:
             if self.decode_stream is not None:
                 if self.is_decode_owed:
                     await self._drain_decode()
-                await _aclose(self.decode_stream)
+                await aclose(self.decode_stream)
             if self.may_hold_reservation and not self.is_decode_sent:
                 await self._unreserve()
         finally:
@@ -251,9 +251,3 @@ _REJECTION_TEXT = {
     "decode_full": "every decode instance is full",
     REASON_DECODE_REFUSED: "the decode instance refused the request",
 }
-
-
-async def _aclose(stream: AsyncIterator[Any]) -> None:
-    close = getattr(stream, "aclose", None)
-    if close is not None:
-        await close()

@@ -118,6 +118,7 @@ class Worker:
         else:
             await self._load_replica(layers)
         assert self.loaded is not None and self.kv_pages is not None and self.kv_sizing is not None
+        self.pages = PageAllocator(self.kv_pages.num_pages)
         block_size = self.config.kv.block_size
         self.copier = KVCopier(self.loaded.device, backend=model.kernel_backend)
         placement = staging_placement(self.loaded.device, self.config.transfer.sysfs_root, allowed_memory_nodes())
@@ -150,7 +151,6 @@ class Worker:
         """One process: load the model (or this stage's layers), size and allocate the pages, build the runner."""
         self.loaded, self.kv_sizing, self.kv_pages, self.runner = await load_replica(
             self.config, self.instance, self.section, layers, self.compute)
-        self.pages = PageAllocator(self.kv_sizing.num_pages)
 
     async def _start_ranks(self, layers: LayerRange | None) -> None:
         """model.tensor_parallel_size ranks (tp_worker.py), each holding `layers` (None: all): rank 0 here, its
@@ -159,7 +159,6 @@ class Worker:
                                                        layers)
         assert tp.shard is not None
         self.tp, self.runner, self.loaded, self.kv_sizing = tp, tp, tp.shard.loaded, sizing
-        self.pages = PageAllocator(sizing.num_pages)
         self.rank_watch = RankWatch(tp, self._fail)
 
     def _fail(self, reason: str) -> None:

@@ -15,9 +15,9 @@ from mooncaked.kv.keys import block_keys, model_namespace
 from mooncaked.model.loader import load_model
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.backend import ConductorBackend
-from mooncaked.roles.conductor.role import (
-    ConductorRole, default_predictors, model_frontend, policy_config, view_settings,
-)
+from mooncaked.roles.conductor.frontend import prompt_token_ids
+from mooncaked.roles.conductor.role import (ConductorRole, default_predictors, model_frontend, policy_config,
+                                            view_settings)
 from mooncaked.roles.conductor.view.cluster import ClusterView
 from mooncaked.roles.conductor.view.predictors import LivePredictors
 from mooncaked.runtime.metrics import Metrics
@@ -57,6 +57,7 @@ async def test_prepare_tokenizes_resolves_max_tokens_and_keys(tmp_path: Path) ->
     ({"prompt": [5] * 1024}, 413, "prompt"),  # prompt + 1 token > model.max_model_len 1024
     ({"prompt": [5] * 1000, "max_tokens": 30}, 400, "max_tokens"),
     ({"prompt": [5, 400]}, 400, "prompt"),  # the tiny model's vocabulary has 320 tokens
+    ({"prompt": []}, 400, "prompt"),
 ])
 async def test_prepare_rejects_what_cannot_run(tmp_path: Path, body: dict[str, object], status: int,
                                                param: str) -> None:
@@ -65,6 +66,18 @@ async def test_prepare_rejects_what_cannot_run(tmp_path: Path, body: dict[str, o
         await backend.prepare(parse_completion_request(body, request_id="x", model_ids=backend.model_ids()))
     assert raised.value.status == status and raised.value.param == param
 
+
+
+def test_prompt_token_ids_of_a_generation_and_of_a_context_differ_by_the_generation_prompt(tmp_path: Path) -> None:
+    model = make_backend(make_config(tmp_path)).model
+    messages = [{"role": "user", "content": "hi"}]
+    chat = parse_chat_request({"messages": messages}, request_id="c", model_ids=list(model.served_names))
+    for add_generation_prompt in (True, False):
+        text = model.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        assert prompt_token_ids(model, chat, add_generation_prompt=add_generation_prompt) == \
+            model.tokenizer.encode(text, add_special_tokens=False)
+    completion = parse_completion_request({"prompt": "hi"}, request_id="p", model_ids=list(model.served_names))
+    assert prompt_token_ids(model, completion, add_generation_prompt=True) == model.tokenizer.encode("hi")
 
 async def test_http_surface_with_no_worker_up(tmp_path: Path) -> None:
     keys_file = tmp_path / "keys"

@@ -28,9 +28,10 @@ from mooncaked.engine.timeline import LayerTimeline
 from mooncaked.kv.keys import block_keys
 from mooncaked.model.loader import load_model
 from mooncaked.roles.store import StoreRole
-from mooncaked.roles.worker.kv.layer_loader import BlockSource, LoadFailed
+from mooncaked.roles.worker.kv.layer_loader import LoadFailed
 from mooncaked.roles.worker.kv.plan import KvPlan, plan_prompt_kv
 from mooncaked.roles.worker.kv.request_kv import RequestKv
+from mooncaked.roles.worker.kv.spans import StoreBlocks
 from mooncaked.roles.worker.messages import Destination, SamplingSpec
 from mooncaked.roles.worker.prefill.forward import run_prefill_forward
 from mooncaked.roles.worker.worker import Worker
@@ -103,7 +104,7 @@ async def load_first_two_blocks(worker: Worker, keys: list[bytes], num_tokens: i
     found = await worker.local_store.lookup(keys, lease_ms=30_000)
     kv = RequestKv(worker, "decode", num_tokens, 4)
     try:
-        kv.start_loading([BlockSource("s_local", [0, 1], [loc.offset for loc in found.locations])], 2)
+        kv.start_loading([StoreBlocks("s_local", [0, 1], [loc.offset for loc in found.locations])], 2)
         await kv.wait_loaded()
         assert torch.equal(worker.kv_pages.buffer[:, :, kv.page_ids[:2]], expected)  # type: ignore[union-attr]
     finally:

@@ -6,6 +6,7 @@ import msgpack
 import pytest
 
 from mooncaked.roles.worker import messages as m
+from mooncaked.roles.worker.kv.spans import StoreBlocks
 from mooncaked.rpc.protocol import Message, decode_array, decode_message, encode_array, encode_message
 from mooncaked.store.messages import WriteHandle
 
@@ -47,10 +48,10 @@ def test_an_older_sender_without_the_new_fields_decodes_to_their_defaults() -> N
 def test_prefill_group_messages_round_trip() -> None:
     from mooncaked.roles.worker.group import messages as c
 
-    span = c.BlockSpan("s0", [0, 2], [0, 1 << 33])
+    span = StoreBlocks("s0", [0, 2], [0, 1 << 33], incarnation=0x5eed)
     samples: list[Message] = [
-        span,
-        c.StageRequest("r1", "pg", 1, 15, 30, 8192, 2, 1024, SPEC, [span], [span, c.BlockSpan("d", [3], [64])]),
+        span, StoreBlocks("d", [3], [64]),
+        c.StageRequest("r1", "pg", 1, 15, 30, 8192, 2, 1024, SPEC, [span], [span, StoreBlocks("d", [3], [64])]),
         c.StageItem(False), c.StageItem(True, SAMPLE, 1.5),
         c.ChunkRequest("r1", 3, "127.0.0.1:4000", "p0/cpp-send", 1 << 20, 1024), c.ChunkReply(),
         c.StageAbort("r1", "stage 2 failed"), c.StageAbortReply(True),
@@ -58,3 +59,8 @@ def test_prefill_group_messages_round_trip() -> None:
     for message in samples:
         test_round_trip_through_msgpack(message)
     assert [method.name for method in c.CPP_METHODS] == ["cpp_stage", "cpp_chunk", "cpp_abort"]
+
+
+def test_store_blocks_of_an_older_sender_without_the_incarnation_are_unchecked() -> None:
+    """A sender from before StoreBlocks carried the incarnation sent three values: they decode with run 0."""
+    assert decode_array(StoreBlocks, [StoreBlocks.VERSION, "s0", [1], [64]]) == StoreBlocks("s0", [1], [64], 0)

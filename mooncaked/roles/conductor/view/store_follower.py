@@ -23,6 +23,7 @@ from mooncaked.config import InstanceConfig
 from mooncaked.kv.events import BLOCK_STORED
 from mooncaked.roles.conductor.view.outages import OutageHistory
 from mooncaked.rpc import DeadlineExceeded, NotFound, RpcClient, RpcError
+from mooncaked.runtime.aio import aclose
 from mooncaked.sched.shadow_index import ShadowIndex
 from mooncaked.store import messages as kv_msg
 
@@ -37,9 +38,7 @@ async def closing_stream(stream: AsyncIterator[T]) -> AsyncIterator[AsyncIterato
     try:
         yield stream
     finally:
-        close = getattr(stream, "aclose", None)
-        if close is not None:
-            await close()
+        await aclose(stream)
 
 
 @dataclass(frozen=True)

@@ -29,10 +29,10 @@ from mooncaked.roles.worker.decode.admission import ReserveAdmission
 from mooncaked.roles.worker.decode.loop import DecodeLoop, RunningSeq, finish_reason_for
 from mooncaked.roles.worker.decode.reservations import Reservation, ReservationBook
 from mooncaked.roles.worker.kv.plan import KvPlan, check_block_keys, plan_prompt_kv
-from mooncaked.roles.worker.kv.request_kv import BlockSource, RequestKv
-from mooncaked.roles.worker.kv.spans import num_blocks_for
-from mooncaked.roles.worker.messages import (DECODE, LOAD, RESERVE, UNRESERVE, DecodeItem, DecodeRequest, LoadReply,
-                                             LoadRequest, ReserveReply, ReserveRequest, SamplingSpec, TokenSample,
+from mooncaked.roles.worker.kv.request_kv import RequestKv
+from mooncaked.roles.worker.kv.spans import StoreBlocks, num_blocks_for
+from mooncaked.roles.worker.messages import (DECODE, DecodeItem, DecodeRequest, LOAD, LoadReply, LoadRequest, RESERVE,
+                                             ReserveReply, ReserveRequest, SamplingSpec, TokenSample, UNRESERVE,
                                              UnreserveReply, UnreserveRequest)
 from mooncaked.roles.worker.prefill.forward import run_prefill_forward
 from mooncaked.roles.worker.profiler import profile
@@ -184,7 +184,7 @@ class DecodeRole:
             blocks += [(index_of[h.key], h.offset) for h in reservation.handles]
             if reservation.tail is not None:
                 blocks.append((len(request.block_keys), reservation.tail.offset))
-            kv.start_loading([BlockSource(worker.local_store_name, [i for i, _ in blocks], [o for _, o in blocks],
+            kv.start_loading([StoreBlocks(worker.local_store_name, [i for i, _ in blocks], [o for _, o in blocks],
                                           reservation.incarnation)], kv.num_blocks)
             await kv.wait_loaded()
             if reservation.handles:

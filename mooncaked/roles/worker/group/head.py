@@ -25,14 +25,13 @@ import logging
 import time
 from typing import Any
 
-from mooncaked.config.prefill_groups import NUM_HIDDEN_SLOTS, GroupStage
+from mooncaked.config.prefill_groups import GroupStage, NUM_HIDDEN_SLOTS
 from mooncaked.engine.batch import split_prefill_chunks
 from mooncaked.roles.worker.group.forward import ChunkSender, run_chunk
 from mooncaked.roles.worker.group.hidden_slots import HiddenSlots
-from mooncaked.roles.worker.group.messages import (CPP_ABORT, CPP_STAGE, BlockSpan, StageAbort, StageItem,
-                                                   StageRequest)
+from mooncaked.roles.worker.group.messages import CPP_ABORT, CPP_STAGE, StageAbort, StageItem, StageRequest
 from mooncaked.roles.worker.kv.plan import KvPlan
-from mooncaked.roles.worker.kv.request_kv import BlockSource, LayerWrite
+from mooncaked.roles.worker.kv.spans import StoreBlocks
 from mooncaked.roles.worker.messages import PrefillRequest, TokenSample
 from mooncaked.roles.worker.prefill.forward import PrefillCancelled
 from mooncaked.roles.worker.worker import Worker
@@ -132,7 +131,7 @@ class PipelineRun:
         return StageRequest(
             request.request_id, self.stage.group.name, index, layers.start, layers.end, plan.kv.num_tokens,
             plan.num_prefix_blocks, self.worker.section.cpp_chunk_tokens, request.sampling,
-            sources=_spans(plan.sources), writes=_spans(plan.layer_writes()))
+            sources=_nonempty(plan.sources), writes=_nonempty(plan.layer_writes()))
 
     async def _open_stages(self) -> None:
         """Every later stage answers ready, or the run fails (a stage failed, or the deadline passed)."""
@@ -237,8 +236,8 @@ class PipelineRun:
         return compute_s
 
 
-def _spans(moves: list[BlockSource] | list[LayerWrite]) -> list[BlockSpan]:
-    return [BlockSpan(m.store_name, list(m.indices), list(m.offsets)) for m in moves if m.indices]
+def _nonempty(moves: list[StoreBlocks]) -> list[StoreBlocks]:
+    return [m for m in moves if m.block_indices]
 
 
 def _stage_failed(stage: GroupStage, index: int, exc: BaseException) -> Exception:

@@ -17,17 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from mooncaked.roles.worker.kv.spans import StoreBlocks
 from mooncaked.roles.worker.messages import SamplingSpec, TokenSample
 from mooncaked.rpc import Message, Method
-
-
-@dataclass(frozen=True)
-class BlockSpan(Message):
-    """Blocks `block_indices` of the prompt are store objects at pool `offsets` of store `store_name`."""
-
-    store_name: str
-    block_indices: list[int]
-    offsets: list[int]
 
 
 @dataclass(frozen=True)
@@ -41,8 +33,8 @@ class StageRequest(Message):
     num_prefix_blocks: int  # blocks reused: loaded from `sources`, not computed
     chunk_tokens: int
     sampling: SamplingSpec  # the last stage samples the first token with it
-    sources: list[BlockSpan] = field(default_factory=list)
-    writes: list[BlockSpan] = field(default_factory=list)
+    sources: list[StoreBlocks] = field(default_factory=list)  # with the incarnation of the runs that granted them
+    writes: list[StoreBlocks] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -27,14 +27,13 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 
-from mooncaked.config.prefill_groups import NUM_HIDDEN_SLOTS, GroupStage
+from mooncaked.config.prefill_groups import GroupStage, NUM_HIDDEN_SLOTS
 from mooncaked.roles.base import RoleEndpoint
 from mooncaked.roles.worker.group.forward import ChunkSender, run_chunk
 from mooncaked.roles.worker.group.hidden_slots import HiddenSlots
 from mooncaked.roles.worker.group.messages import (CPP_ABORT, CPP_CHUNK, CPP_STAGE, ChunkReply, ChunkRequest,
                                                    StageAbort, StageAbortReply, StageItem, StageRequest)
 from mooncaked.roles.worker.group.stage_job import StageFailed, StageJob, check_request, num_prefix_tokens, open_job
-from mooncaked.roles.worker.kv.request_kv import BlockSource
 from mooncaked.roles.worker.prefill.forward import PrefillCancelled
 from mooncaked.roles.worker.sampling import generator_at, sample_rows, to_params
 from mooncaked.roles.worker.worker import Worker
@@ -123,8 +122,7 @@ class StageService:
             job.sender = ChunkSender(self.worker, self.send_slots, client, request.request_id, deadline,
                                      lambda exc: job.fail(_failure(self.stage.next_member, exc)),
                                      lambda: job.is_cancelled)
-        sources = [BlockSource(s.store_name, list(s.block_indices), list(s.offsets)) for s in request.sources]
-        job.kv.start_loading(sources, request.num_prefix_blocks)
+        job.kv.start_loading(request.sources, request.num_prefix_blocks)
         self.jobs[request.request_id] = job
         self._receiving.append(job)
         return job

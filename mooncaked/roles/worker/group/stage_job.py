@@ -18,7 +18,7 @@ from mooncaked.config.prefill_groups import GroupStage
 from mooncaked.engine.batch import PrefillSeq, split_prefill_chunks
 from mooncaked.roles.worker.group.forward import ChunkSender
 from mooncaked.roles.worker.group.messages import StageRequest
-from mooncaked.roles.worker.kv.request_kv import LayerWrite, RequestKv
+from mooncaked.roles.worker.kv.request_kv import RequestKv
 from mooncaked.roles.worker.messages import TokenSample
 from mooncaked.roles.worker.sampling import to_params
 from mooncaked.roles.worker.worker import Worker
@@ -35,7 +35,6 @@ class StageJob:
 
     request: StageRequest
     kv: RequestKv
-    writes: list[LayerWrite]
     chunks: list[PrefillSeq]
     deadline: float  # time.monotonic()
     sender: ChunkSender | None = None
@@ -54,7 +53,7 @@ class StageJob:
 
     def store_layer(self, layer: int) -> None:
         """Compute thread, after layer `layer` of the last chunk (prefill.forward.ForwardPlan)."""
-        writes = [write for write in self.writes if write.indices]
+        writes = [write for write in self.request.writes if write.block_indices]
         if writes and not self.is_cancelled:
             self.kv.store_layer(layer, writes)
 
@@ -105,7 +104,6 @@ def open_job(worker: Worker, request: StageRequest, deadline: float) -> StageJob
         raise ResourceExhausted(f"not enough KV pages for {request.num_tokens} tokens: {exc}") from None
     num_cached_tokens = num_prefix_tokens(worker, request)
     seq = PrefillSeq([0] * (request.num_tokens - num_cached_tokens), num_cached_tokens, kv.page_ids)
-    writes = [LayerWrite(span.store_name, list(span.block_indices), list(span.offsets)) for span in request.writes]
-    job = StageJob(request, kv, writes, split_prefill_chunks(seq, request.chunk_tokens), deadline)
+    job = StageJob(request, kv, split_prefill_chunks(seq, request.chunk_tokens), deadline)
     job.idle.set()
     return job

@@ -16,22 +16,12 @@ import asyncio
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
+from mooncaked.roles.worker.kv.spans import StoreBlocks
 from mooncaked.roles.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class BlockSource:
-    """Blocks `indices` (staging rows) of a request are objects at pool `offsets` of store `store_name`."""
-
-    store_name: str
-    indices: list[int]
-    offsets: list[int]
-    incarnation: int = 0  # the store run the offsets belong to (kv/client.py); 0: unchecked
 
 
 class LoadTarget(Protocol):
@@ -40,7 +30,7 @@ class LoadTarget(Protocol):
     request_id: str
     worker: Worker
 
-    async def load_layer(self, layer: int, sources: Sequence[BlockSource]) -> None: ...
+    async def load_layer(self, layer: int, sources: Sequence[StoreBlocks]) -> None: ...
 
 
 class LoadFailed(Exception):
@@ -50,9 +40,9 @@ class LoadFailed(Exception):
 class LayerLoader:
     """Owns the loading task of one request, its per-layer readiness and the copies it queued."""
 
-    def __init__(self, kv: LoadTarget, sources: Sequence[BlockSource]) -> None:
+    def __init__(self, kv: LoadTarget, sources: Sequence[StoreBlocks]) -> None:
         self.kv = kv
-        self.sources = [s for s in sources if s.indices]
+        self.sources = [s for s in sources if s.block_indices]
         worker = kv.worker
         assert worker.kv_pages is not None
         self.num_layers = worker.kv_pages.num_layers

@@ -21,7 +21,8 @@ from typing import Any
 from mooncaked.engine.batch import PrefillSeq
 from mooncaked.kv.keys import KEY_BYTES, block_keys, isolated_namespace
 from mooncaked.kv.tenant_quota import TenantShare
-from mooncaked.roles.worker.kv.request_kv import BlockSource, LayerWrite, RequestKv
+from mooncaked.roles.worker.kv.request_kv import RequestKv
+from mooncaked.roles.worker.kv.spans import StoreBlocks
 from mooncaked.roles.worker.messages import Destination, StoreTenant
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import InvalidArgument, ResourceExhausted
@@ -46,24 +47,24 @@ class KvPlan:
     is_closed: bool = False
     is_cancelled: bool = False  # set by the event loop; the compute thread then posts no more writes
     owner: dict[str, Any] = field(default_factory=dict)  # allocate()'s tenant and share (store_owner)
-    sources: list[BlockSource] = field(default_factory=list)  # where the reused prefix's blocks are read from
+    sources: list[StoreBlocks] = field(default_factory=list)  # where the reused prefix's blocks are read from
 
     def prefill_seq(self) -> PrefillSeq:
         num_cached = self.num_prefix_blocks * self.kv.worker.block_size
         return PrefillSeq(token_ids=self.token_ids[num_cached:], num_cached_tokens=num_cached,
                           page_ids=self.kv.page_ids)
 
-    def layer_writes(self) -> list[LayerWrite]:
+    def layer_writes(self) -> list[StoreBlocks]:
         """Where each layer goes: this host's new blocks, then every destination's."""
-        local = LayerWrite(self.kv.worker.local_store_name, [i for i, _ in self.local_handles],
-                           [h.offset for _, h in self.local_handles], incarnation_of(h for _, h in self.local_handles))
-        return [local, *(LayerWrite(store_name, [d.block_index for d in wanted], [d.handle.offset for d in wanted],
-                                    incarnation_of(d.handle for d in wanted))
+        local = StoreBlocks(self.kv.worker.local_store_name, [i for i, _ in self.local_handles],
+                            [h.offset for _, h in self.local_handles], incarnation_of(h for _, h in self.local_handles))
+        return [local, *(StoreBlocks(store_name, [d.block_index for d in wanted], [d.handle.offset for d in wanted],
+                                     incarnation_of(d.handle for d in wanted))
                          for store_name, wanted in self.destinations.items())]
 
     def store_layer(self, layer: int) -> None:
         """Compute thread, after layer `layer`: queue its new KV for every destination (copy, then writes)."""
-        writes = [write for write in self.layer_writes() if write.indices]
+        writes = [write for write in self.layer_writes() if write.block_indices]
         if writes and not self.is_cancelled:
             self.kv.store_layer(layer, writes)
 
@@ -124,14 +125,14 @@ async def plan_prompt_kv(worker: Worker, request_id: str, token_ids: list[int], 
     if destinations:
         plan.destinations[decode_store] = list(destinations)
     try:
-        fetched = BlockSource(fetch_store, [], [])
+        fetched = StoreBlocks(fetch_store, [], [])
         if fetch_store and fetch_store != worker.local_store_name and num_fetch_blocks > 0:
             fetched = await _lookup_remote(plan, fetch_store, keys[:num_fetch_blocks], timeout_s)
         sources = await _reserve_local(plan, keys, fetched, timeout_s)
     except BaseException:
         await plan.close(commit=False)
         raise
-    plan.sources = [source for source in sources if source.indices]
+    plan.sources = [source for source in sources if source.block_indices]
     plan.kv.start_loading(sources, plan.num_prefix_blocks)
     return plan
 
@@ -164,7 +165,7 @@ def _lease_ms(worker: Worker, timeout_s: float) -> int:
     return min(max(int(timeout_s * 1000) + 5_000, store.default_lease_ms), store.max_lease_ms)
 
 
-async def _lookup_remote(plan: KvPlan, fetch_store: str, keys: list[bytes], timeout_s: float) -> BlockSource:
+async def _lookup_remote(plan: KvPlan, fetch_store: str, keys: list[bytes], timeout_s: float) -> StoreBlocks:
     """Lease the longest prefix of `keys` held by `fetch_store` (its block indices and pool offsets there)."""
     worker = plan.kv.worker
     remote = await worker.store_client(fetch_store)
@@ -172,11 +173,11 @@ async def _lookup_remote(plan: KvPlan, fetch_store: str, keys: list[bytes], time
     if found.read_lease_id:
         plan.remote_leases.append((fetch_store, found.read_lease_id))
     index_of = {key: i for i, key in enumerate(keys)}
-    return BlockSource(fetch_store, [index_of[loc.key] for loc in found.locations],
+    return StoreBlocks(fetch_store, [index_of[loc.key] for loc in found.locations],
                        [loc.offset for loc in found.locations], incarnation_of(found.locations))
 
 
-async def _reserve_local(plan: KvPlan, keys: list[bytes], fetched: BlockSource, timeout_s: float) -> list[BlockSource]:
+async def _reserve_local(plan: KvPlan, keys: list[bytes], fetched: StoreBlocks, timeout_s: float) -> list[StoreBlocks]:
     """Allocate this host's store space for the blocks it lacks; the prefix and where each block of it is."""
     worker = plan.kv.worker
     local = worker.local_store
@@ -191,7 +192,7 @@ async def _reserve_local(plan: KvPlan, keys: list[bytes], fetched: BlockSource, 
     index_of = {key: i for i, key in enumerate(keys)}
     plan.local_handles = [(index_of[h.key], h) for h in handles]
     local_offsets = {index_of[loc.key]: loc.offset for loc in present}
-    remote = dict(zip(fetched.indices, fetched.offsets))
+    remote = dict(zip(fetched.block_indices, fetched.offsets))
     num_prefix = 0
     while num_prefix < len(keys) and (num_prefix in local_offsets or num_prefix in remote):
         num_prefix += 1
@@ -200,6 +201,6 @@ async def _reserve_local(plan: KvPlan, keys: list[bytes], fetched: BlockSource, 
     from_local = [i for i in range(num_prefix) if i in local_offsets]
     from_remote = [i for i in range(num_prefix) if i not in local_offsets]
     plan.num_fetched_blocks = len(from_remote)
-    return [BlockSource(worker.local_store_name, from_local, [local_offsets[i] for i in from_local],
+    return [StoreBlocks(worker.local_store_name, from_local, [local_offsets[i] for i in from_local],
                         incarnation_of([*present, *handles])),
-            BlockSource(fetched.store_name, from_remote, [remote[i] for i in from_remote], fetched.incarnation)]
+            StoreBlocks(fetched.store_name, from_remote, [remote[i] for i in from_remote], fetched.incarnation)]

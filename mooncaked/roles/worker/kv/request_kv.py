@@ -32,7 +32,6 @@ import asyncio
 import concurrent.futures
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -40,9 +39,9 @@ import torch
 
 from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.tp.copy import RankPagesEnd
-from mooncaked.roles.worker.kv.layer_loader import BlockSource, LayerLoader, LoadFailed
+from mooncaked.roles.worker.kv.layer_loader import LayerLoader, LoadFailed
 from mooncaked.roles.worker.kv.request_memory import CopyTracker, StagingHold, copy_staging, index_runs
-from mooncaked.roles.worker.kv.spans import num_blocks_for, page_spans, staging_spans
+from mooncaked.roles.worker.kv.spans import StoreBlocks, num_blocks_for, page_spans, staging_spans
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.store.client import StoreClient
 from mooncaked.store.move_ends import LocalEnd, Span, Staging
@@ -51,16 +50,6 @@ from mooncaked.transfer import TransferOp
 logger = logging.getLogger(__name__)
 
 _NO_BYTES = np.empty(0, dtype=np.uint8)  # moves from the pages' segment never touch host bytes
-
-
-@dataclass(frozen=True)
-class LayerWrite:
-    """Each layer of blocks `indices` goes to pool `offsets` of store `store_name`."""
-
-    store_name: str
-    indices: list[int]
-    offsets: list[int]
-    incarnation: int = 0  # the store run the offsets belong to (kv/client.py); 0: unchecked
 
 
 class RequestKv:
@@ -125,21 +114,21 @@ class RequestKv:
             return page_spans(self.kv_pages, self.page_ids, indices, offsets, layer)
         return staging_spans(self.kv_pages, indices, offsets, layer)
 
-    async def _read(self, source: BlockSource, layer: int) -> None:
+    async def _read(self, source: StoreBlocks, layer: int) -> None:
         client = await self.worker.store_client(source.store_name)
-        spans = self.layer_spans(source.indices, source.offsets, layer)
+        spans = self.layer_spans(source.block_indices, source.offsets, layer)
         await self._move(TransferOp.READ, client, spans, self._memory(client), source.incarnation)
 
-    async def _write(self, write: LayerWrite, layer: int) -> None:
+    async def _write(self, write: StoreBlocks, layer: int) -> None:
         """Another host's store reads GPU pages straight over RDMA when they are registered (GPUDirect)."""
         client = await self.worker.store_client(write.store_name)
         if self._is_gpudirect(client):
             assert self.worker.kv_pages_segment is not None
-            spans = page_spans(self.kv_pages, self.page_ids, write.indices, write.offsets, layer)
+            spans = page_spans(self.kv_pages, self.page_ids, write.block_indices, write.offsets, layer)
             await self._move(TransferOp.WRITE, client, spans, Staging(self.worker.kv_pages_segment, _NO_BYTES),
                              write.incarnation)
             return
-        spans = self.layer_spans(write.indices, write.offsets, layer)
+        spans = self.layer_spans(write.block_indices, write.offsets, layer)
         await self._move(TransferOp.WRITE, client, spans, self._memory(client), write.incarnation)
 
     async def _on_copy_thread(self, fn: Callable[..., None], *args: Any) -> None:
@@ -155,14 +144,14 @@ class RequestKv:
                 if self._is_staged(client) and not (is_write and self._is_gpudirect(client))]
 
     # ---- loading ---------------------------------------------------------------------------------------
-    def start_loading(self, sources: Sequence[BlockSource], num_blocks: int) -> None:
+    def start_loading(self, sources: Sequence[StoreBlocks], num_blocks: int) -> None:
         """Event loop: load blocks [0, num_blocks) of every layer from `sources` into the pages."""
         self.num_loaded = num_blocks
         if num_blocks:
             self.loader = LayerLoader(self, sources)
             self.loader.start()
 
-    async def load_layer(self, layer: int, sources: Sequence[BlockSource]) -> None:
+    async def load_layer(self, layer: int, sources: Sequence[StoreBlocks]) -> None:
         """Event loop: layer `layer` of every source's blocks into the pages, complete when this returns."""
         staged = set(await self._staged([s.store_name for s in sources]))
         if not staged:
@@ -170,7 +159,7 @@ class RequestKv:
             return
         async with self.staging as (_, view):
             await asyncio.gather(*(self._read(s, layer) for s in sources))
-            indices = sorted(i for s in sources if s.store_name in staged for i in s.indices)
+            indices = sorted(i for s in sources if s.store_name in staged for i in s.block_indices)
             await self._copy_staging(TransferOp.READ, layer, indices, view)
 
     async def _copy_staging(self, op: TransferOp, layer: int, indices: Sequence[int], view: torch.Tensor,
@@ -202,7 +191,7 @@ class RequestKv:
             raise self.store_error
 
     # ---- storing ---------------------------------------------------------------------------------------
-    def store_layer(self, layer: int, writes: Sequence[LayerWrite]) -> None:
+    def store_layer(self, layer: int, writes: Sequence[StoreBlocks]) -> None:
         """Compute thread, right after layer `layer` was computed (queued, on CUDA): see stage 3."""
         if self.is_failed or not self._wait_store_window():
             return
@@ -224,14 +213,14 @@ class RequestKv:
             return False
         return True
 
-    async def _store_layer_all(self, layer: int, writes: Sequence[LayerWrite],
+    async def _store_layer_all(self, layer: int, writes: Sequence[StoreBlocks],
                                compute_done: torch.cuda.Event | None) -> None:
         """Event loop: layer `layer` to every store; staged writes after the copy of their blocks (computed ones,
         and loaded ones another store lacks) from the pages into staging, which holds nothing between moves."""
         timeline = self.worker.timeline
         if timeline is not None:
             timeline.record("store", self.request_id, layer, "start")
-        writes = [w for w in writes if w.indices]
+        writes = [w for w in writes if w.block_indices]
         staged = set(await self._staged([w.store_name for w in writes], is_write=True))
         if not staged:
             if compute_done is not None and writes:  # GPUDirect writes only: the NIC reads the pages after it
@@ -239,7 +228,7 @@ class RequestKv:
             await asyncio.gather(*(self._write(w, layer) for w in writes))
         else:
             async with self.staging as (_, view):
-                indices = sorted({i for w in writes if w.store_name in staged for i in w.indices})
+                indices = sorted({i for w in writes if w.store_name in staged for i in w.block_indices})
                 await self._copy_staging(TransferOp.WRITE, layer, indices, view, compute_done)
                 await asyncio.gather(*(self._write(w, layer) for w in writes))
         if timeline is not None:
@@ -302,4 +291,4 @@ class RequestKv:
             worker.pages.free_owner(self.request_id)
 
 
-__all__ = ["BlockSource", "LayerWrite", "LoadFailed", "RequestKv"]
+__all__ = ["LoadFailed", "RequestKv"]

@@ -1,5 +1,8 @@
-"""Where one layer of a request's blocks lies at each end of a move: its pages, its staging rows, a store object.
+"""Where a request's blocks lie: in a store (StoreBlocks), and one layer of them at each end of a move (its pages,
+its staging rows, a store object).
 
+0. StoreBlocks names some of a request's blocks and their pool offsets in one store: a load's sources, a store's
+   writes, and the same on the wire to a prefill group's later stages (group/messages.py).
 1. A prompt of `num_tokens` takes num_blocks_for(num_tokens, block_size) blocks (the partial tail included).
 2. A store object holds one block of every layer of the model in the pages' layout (docs/design.md section 5); a
    worker's layer i is the object's layer first_layer + i (KVPages.object_layer_offset).
@@ -10,9 +13,22 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from mooncaked.engine.kv_pages import KVPages
+from mooncaked.rpc import Message
 from mooncaked.store.move_ends import Span
+
+
+@dataclass(frozen=True)
+class StoreBlocks(Message):
+    """Blocks `block_indices` of a request (its page and staging row indices) are store objects at pool `offsets`
+    of store `store_name`."""
+
+    store_name: str
+    block_indices: list[int]
+    offsets: list[int]
+    incarnation: int = 0  # the store run the offsets belong to (store/client.py); 0: unchecked
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:

@@ -23,7 +23,8 @@ from mooncaked.config import Config
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.worker.group import head as cpp_head
 from mooncaked.roles.worker.group import stage as cpp_stage
-from mooncaked.roles.worker.group.messages import (CPP_CHUNK, CPP_STAGE, BlockSpan, ChunkRequest, StageRequest)
+from mooncaked.roles.worker.group.messages import CPP_CHUNK, CPP_STAGE, ChunkRequest, StageRequest
+from mooncaked.roles.worker.kv.spans import StoreBlocks
 from mooncaked.roles.worker.messages import SamplingSpec
 from mooncaked.roles.worker.prefill.role import PrefillRole
 from mooncaked.rpc import HEALTH, HealthRequest, InvalidArgument, ResourceExhausted, RpcError, Unavailable
@@ -137,7 +138,7 @@ async def test_a_stage_failing_a_chunk_fails_the_prefill_and_the_group_recovers(
 
 
 def _stage_requests() -> st.SearchStrategy[StageRequest]:
-    spans = st.builds(BlockSpan, st.sampled_from(["s1", "s2", "nope", ""]),
+    spans = st.builds(StoreBlocks, st.sampled_from(["s1", "s2", "nope", ""]),
                       st.lists(st.integers(-3, 40), max_size=4), st.lists(st.integers(-1, 1 << 40), max_size=4))
     return st.builds(
         StageRequest, st.text(max_size=8), st.sampled_from(["pg", "other"]), st.integers(-1, 3),

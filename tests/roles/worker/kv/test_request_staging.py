@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from mooncaked.engine.staging_pool import StagingBuffer, StagingPool
-from mooncaked.roles.worker.kv.layer_loader import BlockSource
 from mooncaked.roles.worker.kv.plan import KvPlan, plan_prompt_kv
 from mooncaked.roles.worker.kv.request_kv import RequestKv
+from mooncaked.roles.worker.kv.spans import StoreBlocks
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.store import client as client_module
 from mooncaked.store.move_ends import Span
@@ -85,7 +85,7 @@ async def test_a_load_from_another_host_goes_straight_into_the_pages(
         segments = record_move_ends(remote, monkeypatch)
         kv = RequestKv(worker, "decode", len(tokens), 8)
         try:
-            kv.start_loading([BlockSource("s_remote", [0, 1], [loc.offset for loc in found.locations],
+            kv.start_loading([StoreBlocks("s_remote", [0, 1], [loc.offset for loc in found.locations],
                                           found.locations[0].incarnation)], 2)
             await kv.wait_loaded()
             assert segments == [worker.host_pages.name] * worker.kv_pages.num_layers  # type: ignore[union-attr]
