@@ -18,11 +18,16 @@ from typing import Any
 
 from mooncaked.api.errors import ApiError, invalid_field, model_not_found
 from mooncaked.api.fields import (
-    check_text, is_int, json_type, read_bool, read_float, read_int, read_stop, read_str, read_token_ids,
+    check_text, is_int, json_type, read_bool, read_float, read_int, read_int_list, read_logit_bias, read_stop,
+    read_str, read_token_ids,
 )
 from mooncaked.api.tenants import Tenant
 
 MAX_STOP_SEQUENCES = 16
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty: OpenAI's range [-2, 2]
+MAX_REPETITION_PENALTY = 2.0  # repetition_penalty: (0, 2], 1 disables it
 MAX_LOGPROBS = 20
 MAX_CACHE_SALT_CHARS = 1024
 MAX_SEED = 2**63 - 1  # a torch generator's seed
@@ -40,6 +45,13 @@ class SamplingOptions:
     seed: int | None
     stop: tuple[str, ...]
     ignore_eos: bool
+    stop_token_ids: tuple[int, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: disabled
+    min_p: float = 0.0  # 0: disabled
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    min_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -188,6 +200,10 @@ def _read_model(body: Mapping[str, Any], model_ids: Sequence[str]) -> str:
 
 def _read_sampling(body: Mapping[str, Any], max_tokens: int | None) -> SamplingOptions:
     top_k = read_int(body, "top_k", 0, lo=-1)
+    min_tokens = read_int(body, "min_tokens", 0, lo=0)
+    assert min_tokens is not None
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise invalid_field("min_tokens", f"min_tokens ({min_tokens}) must be at most max_tokens ({max_tokens})")
     return SamplingOptions(
         max_tokens=max_tokens,
         temperature=read_float(body, "temperature", 1.0, lo=0.0, hi=2.0),
@@ -196,6 +212,14 @@ def _read_sampling(body: Mapping[str, Any], max_tokens: int | None) -> SamplingO
         seed=read_int(body, "seed", None, lo=0, hi=MAX_SEED),
         stop=read_stop(body, MAX_STOP_SEQUENCES),
         ignore_eos=read_bool(body, "ignore_eos", False),
+        stop_token_ids=read_int_list(body, "stop_token_ids", MAX_STOP_TOKEN_IDS),
+        presence_penalty=read_float(body, "presence_penalty", 0.0, lo=-MAX_PENALTY, hi=MAX_PENALTY),
+        frequency_penalty=read_float(body, "frequency_penalty", 0.0, lo=-MAX_PENALTY, hi=MAX_PENALTY),
+        repetition_penalty=read_float(body, "repetition_penalty", 1.0, lo=0.0, hi=MAX_REPETITION_PENALTY,
+                                      is_lo_open=True),
+        min_p=read_float(body, "min_p", 0.0, lo=0.0, hi=1.0),
+        logit_bias=read_logit_bias(body, MAX_LOGIT_BIAS_ENTRIES),
+        min_tokens=min_tokens,
     )
 
 

@@ -66,11 +66,37 @@ def test_chat_fields_read() -> None:
     ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ({"prompt": "x", "stream": True, "stream_options": {"include_usage": "y"}}, 400, "stream_options.include_usage"),
     ({"prompt": "x", "user": 5}, 400, "user"),
+    ({"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"prompt": "x", "min_p": 1.01}, 400, "min_p"),
+    ({"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": None}}, 400, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": 1, "05": 2}}, 400, "logit_bias"),
+    ({"prompt": "x", "logit_bias": [5]}, 400, "logit_bias"),
+    ({"prompt": "x", "stop_token_ids": [1, -1]}, 400, "stop_token_ids"),
+    ({"prompt": "x", "stop_token_ids": 3}, 400, "stop_token_ids"),
+    ({"prompt": "x", "min_tokens": -1}, 400, "min_tokens"),
+    ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
+    ({"prompt": "x", "presence_penalty": 10**400}, 400, "presence_penalty"),
 ])
 def test_completion_errors(body: dict[str, object], status: int, param: str) -> None:
     with pytest.raises(ApiError) as info:
         parse_completion_request(body, request_id="r", model_ids=MODELS)
     assert info.value.status == status and info.value.param == param
+
+
+@pytest.mark.parametrize("parse", [parse_completion_request, parse_chat_request])
+def test_sampling_controls_read_on_both_routes(parse: object) -> None:
+    body = {"prompt": "x", "messages": [{"role": "user", "content": "q"}], "max_tokens": 8,
+            "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2, "min_p": 0.1,
+            "logit_bias": {"50256": -100, "7": 2.5}, "stop_token_ids": [3, 4], "min_tokens": 8}
+    assert callable(parse)
+    sampling = parse(body, request_id="r", model_ids=MODELS).sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty) == (0.5, -1.0, 1.2)
+    assert sampling.min_p == 0.1 and sampling.min_tokens == 8 and sampling.stop_token_ids == (3, 4)
+    assert sampling.logit_bias == ((50256, -100.0), (7, 2.5))
 
 
 def test_decode_json_body() -> None:
