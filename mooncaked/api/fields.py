@@ -35,12 +35,12 @@ def check_text(text: str, param: str) -> str:
     return text
 
 
-def read_bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
+def read_bool(body: Mapping[str, Any], name: str, default: bool, param: str | None = None) -> bool:
     value = body.get(name)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise invalid_field(name, f"expected true or false, got {json_type(value)}")
+        raise invalid_field(param or name, f"expected true or false, got {json_type(value)}")
     return value
 
 

@@ -31,6 +31,7 @@ class SamplingParams:
     min_p: float = 0.0  # 0: disabled
     logit_bias: Sequence[tuple[int, float]] = ()  # (token id, bias) pairs (a mapping is accepted); stored as a tuple
     min_tokens: int = 0  # output tokens before EOS or a stop token may be chosen
+    skip_special_tokens: bool = True  # the output text leaves special tokens out
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # OpenAI accepts one string or a list

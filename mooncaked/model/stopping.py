@@ -90,7 +90,7 @@ class GenerationState:
     def __init__(self, tokenizer: TextTokenizer, params: SamplingParams, prompt_ids: Sequence[int] = (),
                  eos_token_ids: Sequence[int] = ()) -> None:
         self.params = params
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
         self.matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         self.stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(eos_token_ids))

@@ -5,11 +5,16 @@ from __future__ import annotations
 import pytest
 
 from mooncaked.api.errors import ApiError
-from mooncaked.api.requests import (
-    ChatMessage, decode_json_body, parse_chat_request, parse_completion_request,
-)
+from mooncaked.api.chat_messages import ChatMessage
+from mooncaked.api.requests import decode_json_body, parse_chat_request, parse_completion_request
 
 MODELS = ["m1", "m2"]
+
+
+def minimal_body(parse: object) -> dict[str, object]:
+    if parse is parse_completion_request:
+        return {"prompt": "x"}
+    return {"messages": [{"role": "user", "content": "x"}]}
 
 
 @pytest.mark.parametrize(("prompt", "expected"), [
@@ -33,7 +38,7 @@ def test_completion_fields_read() -> None:
     request = parse_completion_request({
         "model": "m2", "prompt": "x", "max_tokens": 7, "temperature": 0, "top_p": 0.5, "top_k": -1, "seed": 3,
         "stop": "END", "stream": True, "stream_options": {"include_usage": True}, "logprobs": 0,
-        "ignore_eos": True, "user": "someone", "unknown_field": 1,
+        "ignore_eos": True, "user": "someone",
     }, request_id="r", model_ids=MODELS)
     assert request.model == "m2"
     sampling = request.sampling
@@ -89,8 +94,7 @@ def test_completion_errors(body: dict[str, object], status: int, param: str) -> 
 
 @pytest.mark.parametrize("parse", [parse_completion_request, parse_chat_request])
 def test_sampling_controls_read_on_both_routes(parse: object) -> None:
-    body = {"prompt": "x", "messages": [{"role": "user", "content": "q"}], "max_tokens": 8,
-            "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2, "min_p": 0.1,
+    body = {**minimal_body(parse), "max_tokens": 8, "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2, "min_p": 0.1,
             "logit_bias": {"50256": -100, "7": 2.5}, "stop_token_ids": [3, 4], "min_tokens": 8}
     assert callable(parse)
     sampling = parse(body, request_id="r", model_ids=MODELS).sampling
@@ -135,10 +139,11 @@ def test_json_python_cannot_decode_is_a_400(raw: bytes) -> None:
 
 @pytest.mark.parametrize("parse", [parse_completion_request, parse_chat_request])
 def test_priority_is_an_int32_lower_first_and_never_set_to_batch_by_a_client(parse: object) -> None:
-    body = {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}
+    body = minimal_body(parse)
     assert parse({**body, "priority": -7}, request_id="r", model_ids=MODELS).priority == -7  # type: ignore[operator]
-    request = parse({**body, "is_batch": True}, request_id="r", model_ids=MODELS)  # type: ignore[operator]
-    assert request.priority == 0 and not request.is_batch
+    with pytest.raises(ApiError) as refused:
+        parse({**body, "is_batch": True}, request_id="r", model_ids=MODELS)  # type: ignore[operator]
+    assert refused.value.param == "is_batch"
     for bad in (1.5, "high", True, 2**31):
         with pytest.raises(ApiError) as error:
             parse({**body, "priority": bad}, request_id="r", model_ids=MODELS)  # type: ignore[operator]

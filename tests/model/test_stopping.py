@@ -78,3 +78,13 @@ def test_before_min_tokens_neither_stop_strings_nor_stop_ids_end_it() -> None:
 def test_a_stop_string_completed_by_the_min_tokens_th_token_matches() -> None:
     _, state = _run(SamplingParams(max_tokens=100, stop=["abc"], min_tokens=3), "abcdef")
     assert state.finish_reason == FINISH_STOP and state.text == "" and len(state.output_ids) == 3
+
+
+def test_special_tokens_stay_in_the_text_when_not_skipped() -> None:
+    tok = byte_level_test_tokenizer()
+    kept = GenerationState(tok, SamplingParams(max_tokens=2, ignore_eos=True, skip_special_tokens=False))
+    skipped = GenerationState(tok, SamplingParams(max_tokens=2, ignore_eos=True))
+    for state in (kept, skipped):
+        state.append(EOS)
+        state.append(tok.encode("d", add_special_tokens=False)[0])
+    assert kept.text == "<|im_end|>d" and skipped.text == "d"

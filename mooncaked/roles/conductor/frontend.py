@@ -46,7 +46,7 @@ def prompt_token_ids(model: ModelFrontend, request: CompletionRequest | ChatRequ
     """The token ids of a chat (rendered with the model's template) or of a prompt (text, or ids checked against
     the vocabulary); ApiError 400 naming the field at fault."""
     if isinstance(request, ChatRequest):
-        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        messages = [m.as_template_dict() for m in request.messages]
         try:
             text = model.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
         except ChatTemplateError as exc:
@@ -93,5 +93,7 @@ def generation_state(model: ModelFrontend, prepared: ConductorRequest) -> Genera
     params = SamplingParams(max_tokens=prepared.max_tokens, temperature=options.temperature, top_k=options.top_k,
                             top_p=options.top_p, seed=options.seed, stop=options.stop,
                             stop_token_ids=options.stop_token_ids, ignore_eos=options.ignore_eos,
-                            logprobs=prepared.request.num_logprobs, min_tokens=options.min_tokens)
+                            logprobs=prepared.request.num_logprobs, min_tokens=options.min_tokens,
+                            include_stop_str_in_output=options.include_stop_str_in_output,
+                            skip_special_tokens=options.skip_special_tokens)
     return GenerationState(model.tokenizer, params, prepared.prompt_token_ids, model.eos_token_ids)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from mooncaked.api.requests import CompletionRequest, SamplingOptions
+from mooncaked.api.requests import CompletionRequest
+from mooncaked.api.sampling_options import SamplingOptions
 from mooncaked.roles.conductor.batch.lines import BatchLine
 from mooncaked.roles.conductor.batch.queue import BatchQueue, QueuedLine
 from mooncaked.roles.conductor.class_metrics import ClassMetrics
