@@ -68,7 +68,6 @@ FIELDS: dict[str, FieldUse] = {
     "prediction": _on(CHAT, REFUSED),
     "prompt_cache_key": _on(CHAT, ACCEPTED),
     "reasoning_effort": _on(CHAT, REFUSED),
-    "response_format": _on(CHAT, PARTLY),
     "safety_identifier": _on(CHAT, ACCEPTED),
     "service_tier": _on(CHAT, PARTLY),
     "store": _on(CHAT, PARTLY),
@@ -88,6 +87,13 @@ FIELDS: dict[str, FieldUse] = {
     "skip_special_tokens": _on(BOTH, HONOURED),
     "priority": _on(BOTH, HONOURED),
     "cache_salt": _on(BOTH, HONOURED),
+    # structured outputs (structured.py): OpenAI's response_format, also on completions as vLLM takes it, and vLLM's
+    "response_format": _on(BOTH, HONOURED),
+    "guided_json": _on(BOTH, HONOURED),
+    "guided_regex": _on(BOTH, HONOURED),
+    "guided_choice": _on(BOTH, HONOURED),
+    "guided_grammar": _on(BOTH, HONOURED),
+    "structured_outputs": _on(BOTH, HONOURED),
 }
 
 
@@ -123,7 +129,6 @@ def check_chat_options(body: Mapping[str, Any]) -> None:
                       ("tools", "tool calling is not supported")):
         refuse_set(body, name, why)
     _check_one_of(body, "modalities", (["text"],), "only text output is supported: send [\"text\"] or leave it out")
-    _check_one_of(body, "response_format", ({"type": "text"},), "only {\"type\": \"text\"} is supported")
     _check_one_of(body, "service_tier", ("auto", "default"), "only \"auto\" and \"default\" are served")
     _check_one_of(body, "store", (False,), "completions are not stored: send false or leave it out")
     _check_one_of(body, "tool_choice", ("none",), "no tools can be called: send \"none\" or leave it out")

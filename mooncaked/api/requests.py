@@ -21,6 +21,7 @@ from mooncaked.api.errors import ApiError, invalid_field, model_not_found
 from mooncaked.api.fields import check_text, is_int, json_type, read_bool, read_int, read_str, read_token_ids
 from mooncaked.api.request_fields import CHAT, COMPLETIONS, check_chat_options, check_known_fields, refuse_set
 from mooncaked.api.sampling_options import SamplingOptions, read_sampling
+from mooncaked.api.structured import OutputConstraint, read_constraint
 from mooncaked.api.tenants import Tenant
 
 MAX_LOGPROBS = 20
@@ -44,6 +45,7 @@ class CompletionRequest:
     tenant: Tenant | None = None  # the caller's tenant (None: tenants are not configured)
     priority: int = 0  # lower runs first within its class (vLLM's `priority`)
     is_batch: bool = False  # a Batch API line (the batch class), never an HTTP request
+    constraint: OutputConstraint | None = None  # structured outputs: what the output must match
 
     @property
     def num_logprobs(self) -> int | None:
@@ -65,6 +67,7 @@ class ChatRequest:
     tenant: Tenant | None = None  # the caller's tenant (None: tenants are not configured)
     priority: int = 0  # lower runs first within its class (vLLM's `priority`)
     is_batch: bool = False  # a Batch API line (the batch class), never an HTTP request
+    constraint: OutputConstraint | None = None  # structured outputs: what the output must match
 
     @property
     def num_logprobs(self) -> int | None:
@@ -107,6 +110,7 @@ def parse_completion_request(
         cache_salt=_read_cache_salt(body),
         tenant=tenant,
         priority=_read_priority(body),
+        constraint=read_constraint(body),
     )
 
 
@@ -135,6 +139,7 @@ def parse_chat_request(body: Mapping[str, Any], *, request_id: str, model_ids: S
         cache_salt=_read_cache_salt(body),
         tenant=tenant,
         priority=_read_priority(body),
+        constraint=read_constraint(body),
     )
 
 

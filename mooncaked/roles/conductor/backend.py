@@ -1,7 +1,8 @@
 """The conductor's `GenerationBackend`: requests in, generated chunks out (docs/design.md section 3).
 
 1. `prepare`: chat template or prompt, tokenization, 413 when the prompt leaves no room in the context,
-   max_tokens resolved against the context (vLLM's rules), block keys under the cluster's model namespace.
+   max_tokens resolved against the context (vLLM's rules), the output constraint compiled (grammars.py), block
+   keys under the cluster's model namespace.
 2. `generate`: a `RequestRun` (request_run.py) per request places it and drives its legs; closing the
    iterator (finish, error, client gone) cancels the open leg and frees what the request held.
 3. `health`, `cluster_info` and `metrics_text` answer the HTTP layer from the cluster view and the metrics.
@@ -22,6 +23,7 @@ from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.class_metrics import ClassMetrics
 from mooncaked.roles.conductor.frontend import (ConductorRequest, ModelFrontend, check_sampling_token_ids,
                                                 generation_state, key_isolation, prompt_token_ids, sampling_spec)
+from mooncaked.roles.conductor.grammars import GrammarCache
 from mooncaked.roles.conductor.leader import PdController
 from mooncaked.roles.conductor.request_run import RequestRun
 from mooncaked.roles.conductor.view.cluster import ClusterView
@@ -47,6 +49,7 @@ class ConductorBackend:
         self.namespace = model_namespace(model.model_id, config.model.dtype, config.kv.block_size)
         self.num_active = 0
         self.prediction_errors = PredictionErrors(metrics.predictions)
+        self.grammars = GrammarCache(model.grammar_tokenizer)
         self.class_metrics = ClassMetrics(metrics)
         self.on_interactive_rejection: Callable[[], None] = lambda: None  # set by the batch manager: yield
 
@@ -65,13 +68,14 @@ class ConductorBackend:
                 raise context_too_long(len(token_ids), context)
             max_tokens = self._max_tokens(request, len(token_ids), context)
             check_sampling_token_ids(self.model, request)
+            grammar = self.grammars.grammar_text(request.constraint) if request.constraint is not None else ""
         except ApiError:
             self.metrics.requests.requests_total.labels(status="invalid").inc()
             raise
         isolation = key_isolation(request)
         keys = block_keys(token_ids, self.config.kv.block_size, isolated_namespace(self.namespace, isolation))
         return ConductorRequest(request.request_id, request, tuple(token_ids), max_tokens, tuple(keys), arrival_time,
-                                isolation)
+                                isolation, grammar)
 
     def _max_tokens(self, request: CompletionRequest | ChatRequest, num_prompt_tokens: int, context: int) -> int:
         room = context - num_prompt_tokens

@@ -15,6 +15,7 @@ from mooncaked.api.errors import invalid_field
 from mooncaked.api.requests import ChatRequest, CompletionRequest
 from mooncaked.kv.keys import isolation_tag
 from mooncaked.model.chat_template import ChatTemplate, ChatTemplateError
+from mooncaked.model.grammar import GrammarTokenizer
 from mooncaked.model.sampling_params import SamplingParams
 from mooncaked.model.stopping import GenerationState
 from mooncaked.model.tokenizer import TextTokenizer
@@ -32,6 +33,7 @@ class ModelFrontend:
     eos_token_ids: tuple[int, ...]
     vocab_size: int
     context_length: int  # the model's, already capped by model.max_model_len
+    grammar_tokenizer: GrammarTokenizer  # llguidance's view of the vocabulary: structured outputs' checks
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class ConductorRequest(PreparedRequest):
     block_keys: tuple[bytes, ...] = ()
     arrival_time: float = 0.0  # time.monotonic()
     key_isolation: bytes = b""  # who may share its KV (kv/keys.py isolation_tag): b"" everyone
+    grammar: str = ""  # its output constraint compiled (grammars.py): llguidance's grammar text; "" for none
 
 
 def prompt_token_ids(model: ModelFrontend, request: CompletionRequest | ChatRequest, *,
@@ -85,7 +88,8 @@ def sampling_spec(prepared: ConductorRequest, max_tokens: int) -> SamplingSpec:
                         priority=prepared.request.priority, is_batch=prepared.request.is_batch,
                         presence_penalty=options.presence_penalty, frequency_penalty=options.frequency_penalty,
                         repetition_penalty=options.repetition_penalty, min_p=options.min_p,
-                        logit_bias=[TokenBias(t, b) for t, b in options.logit_bias], min_tokens=options.min_tokens)
+                        logit_bias=[TokenBias(t, b) for t, b in options.logit_bias], min_tokens=options.min_tokens,
+                        grammar=prepared.grammar)
 
 
 def generation_state(model: ModelFrontend, prepared: ConductorRequest) -> GenerationState:

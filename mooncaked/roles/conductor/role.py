@@ -37,6 +37,7 @@ from mooncaked.cluster.membership import Membership, StaticMembership
 from mooncaked.config import Config, ConfigError, InstanceConfig
 from mooncaked.config.schema import ConfigIssue
 from mooncaked.model.frontend import ModelFrontendInfo, load_frontend
+from mooncaked.model.grammar import GrammarTokenizer
 from mooncaked.model.loader import num_parameters, resolve_dtype
 from mooncaked.roles.base import PeerClients, RoleEndpoint
 from mooncaked.roles.conductor.backend import ConductorBackend
@@ -89,7 +90,7 @@ class ConductorRole:
         config = self.config
         model = config.model
         loaded = await asyncio.to_thread(load_frontend, model.source)
-        frontend = model_frontend(config, loaded)
+        frontend = await asyncio.to_thread(model_frontend, config, loaded)  # the grammar tokenizer takes ~0.4 s
         predictors = LivePredictors(default_predictors(config, loaded))
         self.view = ClusterView(config, self.peers, policy_config(config), predictors, view_settings(config),
                                 self.membership)
@@ -179,7 +180,9 @@ def model_frontend(config: Config, loaded: ModelFrontendInfo) -> ModelFrontend:
     return ModelFrontend(model_id=loaded.model_id, served_names=names, tokenizer=loaded.tokenizer,
                          chat_template=loaded.chat_template, eos_token_ids=loaded.eos_token_ids,
                          vocab_size=loaded.args.vocab_size,
-                         context_length=min(loaded.context_length, config.model.max_model_len))
+                         context_length=min(loaded.context_length, config.model.max_model_len),
+                         grammar_tokenizer=GrammarTokenizer(loaded.tokenizer, loaded.args.vocab_size,
+                                                            loaded.eos_token_ids))
 
 
 def policy_config(config: Config) -> PolicyConfig:
