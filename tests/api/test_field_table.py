@@ -28,6 +28,7 @@ SERVED: dict[str, Any] = {
     "stream": False, "stream_options": None, "logprobs": None, "top_logprobs": None, "n": 1, "best_of": 1,
     "echo": False, "frequency_penalty": 0.5, "presence_penalty": -0.5, "logit_bias": {"5": -100},
     "user": "u-1", "metadata": {"k": "v"}, "modalities": ["text"], "parallel_tool_calls": False,
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
     "prompt_cache_key": "k", "safety_identifier": "s", "service_tier": "auto",
     "store": False, "tool_choice": "none", "verbosity": "medium", "top_k": 5, "min_p": 0.1,
     "repetition_penalty": 1.1, "min_tokens": 1, "stop_token_ids": [5], "ignore_eos": True,
@@ -41,8 +42,7 @@ REFUSED_VALUES: dict[str, Any] = {
     "stream_options": {"include_obfuscation": True}, "n": 2, "best_of": 2, "echo": True, "suffix": "end",
     "audio": {"voice": "alloy", "format": "wav"}, "function_call": "auto", "functions": [{"name": "f"}],
     "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low",
-    "service_tier": "flex", "store": True, "tool_choice": "auto",
-    "tools": [{"type": "function", "function": {"name": "f"}}], "verbosity": "high",
+    "service_tier": "flex", "store": True, "verbosity": "high",
     "web_search_options": {},
 }
 # values a partly served field is served with besides the one above (both kinds of its shape)
@@ -51,6 +51,7 @@ MORE_SERVED: dict[str, list[Any]] = {
     "logprobs": [2],  # chat: true
     "top_logprobs": [2],
     "response_format": [{"type": "text"}, {"type": "json_object"}],
+    "tool_choice": ["auto", "required", {"type": "function", "function": {"name": "f"}}],
 }
 
 
@@ -86,6 +87,8 @@ def shaped(name: str, route: str, value: Any) -> dict[str, Any]:
         body["stream"] = True
     if name == "top_logprobs":
         body["logprobs"] = True
+    if name in ("tool_choice", "parallel_tool_calls"):
+        body["tools"] = SERVED["tools"]
     if name == "logprobs" and value is not None:
         body[name] = value if route == COMPLETIONS else bool(value)
     return body

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import jsonschema
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from mooncaked.config import Config
@@ -58,7 +58,8 @@ def answer_text(route: str, data: dict[str, Any]) -> str:
     return str(choice["text"] if route == "/v1/completions" else choice["message"]["content"])
 
 
-@settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
+          phases=[Phase.explicit, Phase.reuse, Phase.generate])  # a cluster round trip per example: no shrinking
 @given(json_schemas(), st.sampled_from(["/v1/completions", "/v1/chat/completions"]), st.integers(0, 3))
 async def test_answers_to_generated_schemas_parse_and_validate(live: Live, schema: dict[str, Any], route: str,
                                                                seed: int) -> None:

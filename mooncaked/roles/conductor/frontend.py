@@ -8,7 +8,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from mooncaked.api.backend import PreparedRequest
 from mooncaked.api.errors import invalid_field
@@ -19,6 +20,7 @@ from mooncaked.model.grammar import GrammarTokenizer
 from mooncaked.model.sampling_params import SamplingParams
 from mooncaked.model.stopping import GenerationState
 from mooncaked.model.tokenizer import TextTokenizer
+from mooncaked.model.tool_formats import HERMES, ToolCallFormat
 from mooncaked.roles.worker.messages import SamplingSpec, TokenBias
 
 
@@ -34,6 +36,9 @@ class ModelFrontend:
     vocab_size: int
     context_length: int  # the model's, already capped by model.max_model_len
     grammar_tokenizer: GrammarTokenizer  # llguidance's view of the vocabulary: structured outputs' checks
+    tool_format: ToolCallFormat = HERMES  # how the model writes tool calls (model/tool_formats.py)
+    tool_marker_ids: Mapping[str, int] = field(default_factory=dict)  # its markers that are one token each
+    are_tool_markers_special: bool = False  # some are special tokens: a chat with tools keeps them in its text
 
 
 @dataclass(frozen=True)
@@ -50,8 +55,10 @@ def prompt_token_ids(model: ModelFrontend, request: CompletionRequest | ChatRequ
     the vocabulary); ApiError 400 naming the field at fault."""
     if isinstance(request, ChatRequest):
         messages = [m.as_template_dict() for m in request.messages]
+        tool_use = request.tool_use
+        tools = [tool.as_template_dict() for tool in tool_use.tools] if tool_use.is_enabled else None
         try:
-            text = model.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+            text = model.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         except ChatTemplateError as exc:
             raise invalid_field("messages", f"the model's chat template rejected them: {exc}") from None
         return model.tokenizer.encode(text, add_special_tokens=False)
@@ -94,10 +101,13 @@ def sampling_spec(prepared: ConductorRequest, max_tokens: int) -> SamplingSpec:
 
 def generation_state(model: ModelFrontend, prepared: ConductorRequest) -> GenerationState:
     options = prepared.request.sampling
+    request = prepared.request
+    keeps_markers = (model.are_tool_markers_special and isinstance(request, ChatRequest)
+                     and request.tool_use.is_enabled)  # the tool-call parser reads them
     params = SamplingParams(max_tokens=prepared.max_tokens, temperature=options.temperature, top_k=options.top_k,
                             top_p=options.top_p, seed=options.seed, stop=options.stop,
                             stop_token_ids=options.stop_token_ids, ignore_eos=options.ignore_eos,
-                            logprobs=prepared.request.num_logprobs, min_tokens=options.min_tokens,
+                            logprobs=request.num_logprobs, min_tokens=options.min_tokens,
                             include_stop_str_in_output=options.include_stop_str_in_output,
-                            skip_special_tokens=options.skip_special_tokens)
+                            skip_special_tokens=options.skip_special_tokens and not keeps_markers)
     return GenerationState(model.tokenizer, params, prepared.prompt_token_ids, model.eos_token_ids)
