@@ -66,7 +66,9 @@ def test_chat_fields_read() -> None:
 @pytest.mark.parametrize(("body", "status", "param"), [
     ({"prompt": "x", "model": "nope"}, 404, "model"),
     ({"prompt": "x", "best_of": 2}, 400, "best_of"),
-    ({"prompt": "x", "echo": True}, 400, "echo"),
+    ({"prompt": "x", "echo": "yes"}, 400, "echo"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
     ({"prompt": "x", "top_k": -2}, 400, "top_k"),
     ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ({"prompt": "x", "stream": True, "stream_options": {"include_usage": "y"}}, 400, "stream_options.include_usage"),

@@ -26,6 +26,7 @@ from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.class_metrics import ClassMetrics
 from mooncaked.roles.conductor.frontend import (ConductorRequest, ModelFrontend, check_sampling_token_ids,
                                                 generation_state, key_isolation, prompt_token_ids, sampling_spec)
+from mooncaked.roles.conductor.echo_output import with_echo
 from mooncaked.roles.conductor.grammars import GrammarCache
 from mooncaked.roles.conductor.leader import PdController
 from mooncaked.roles.conductor.reasoning_output import with_reasoning
@@ -110,6 +111,8 @@ class ConductorBackend:
     def _max_tokens(self, request: CompletionRequest | ChatRequest, num_prompt_tokens: int, context: int) -> int:
         room = context - num_prompt_tokens
         requested = request.sampling.max_tokens
+        if requested == 0:  # echo only: the prefill samples one token anyway (with_echo leaves it out)
+            return 1
         if requested is None:
             max_tokens = min(room, self.config.conductor.default_max_tokens)
             if request.sampling.min_tokens > max_tokens:
@@ -127,8 +130,12 @@ class ConductorBackend:
         chunks = RequestRun(self, prepared, generation_state(self.model, prepared),
                             sampling_spec(prepared, prepared.max_tokens)).chunks()
         request = prepared.request
-        if not isinstance(request, ChatRequest):
-            return chunks
+        if isinstance(request, CompletionRequest):
+            if not request.echo and request.sampling.max_tokens != 0:
+                return chunks
+            text = request.prompt if isinstance(request.prompt, str) else self.model.tokenizer.decode(
+                list(request.prompt), skip_special_tokens=False)
+            return with_echo(chunks, text if request.echo else "", request.sampling.max_tokens == 0)
         if prepared.reasoning_mode and self.model.reasoning_format is not None:
             chunks = with_reasoning(chunks, self.model.reasoning_format, prepared.reasoning_mode)
         if request.tool_use.is_enabled:

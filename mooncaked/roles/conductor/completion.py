@@ -33,7 +33,7 @@ async def complete_prepared(backend: GenerationBackend, prepared: PreparedReques
     chunks = backend.generate(prepared)
     builder = ResponseBuilder(prepared.request)
     try:
-        while builder.finish_reason is None:
+        while not builder.is_done:
             try:
                 async with asyncio.timeout(timeout_s):
                     chunk = await anext(chunks)

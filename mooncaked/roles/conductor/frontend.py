@@ -102,7 +102,7 @@ def sampling_spec(prepared: ConductorRequest, max_tokens: int) -> SamplingSpec:
                         presence_penalty=options.presence_penalty, frequency_penalty=options.frequency_penalty,
                         repetition_penalty=options.repetition_penalty, min_p=options.min_p,
                         logit_bias=[TokenBias(t, b) for t, b in options.logit_bias], min_tokens=options.min_tokens,
-                        grammar=prepared.grammar)
+                        grammar=prepared.grammar, num_prompt_logprobs=prepared.request.num_prompt_logprobs)
 
 
 def generation_state(model: ModelFrontend, prepared: ConductorRequest) -> GenerationState:

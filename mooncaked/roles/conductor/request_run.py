@@ -27,7 +27,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
-from mooncaked.api.backend import GenerationChunk, TokenLogprob
+from mooncaked.api.backend import GenerationChunk
 from mooncaked.api.errors import ApiError
 from mooncaked.config import Config
 from mooncaked.kv.keys import block_keys, isolated_namespace
@@ -36,6 +36,7 @@ from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.class_metrics import ClassMetrics
 from mooncaked.roles.conductor.frontend import ConductorRequest, ModelFrontend
 from mooncaked.roles.conductor.leg import Leg, LegFailed, LegWork, Rejected
+from mooncaked.roles.conductor.logprobs import prompt_logprobs, token_logprobs
 from mooncaked.roles.conductor.view.cluster import ClusterView
 from mooncaked.roles.conductor.view.prediction_errors import PredictionErrors, PredictionRecord
 from mooncaked.roles.worker.messages import FINISH_EOS, PrefillReply, SamplingSpec, StoreTenant, TokenSample
@@ -83,6 +84,7 @@ class RequestRun:
         self.num_migrations = 0
         self.num_cached_tokens = 0
         self.first_token_at: float | None = None
+        self.prompt_logprobs: list[TokenSample] | None = None  # asked for: from the prefill (or inline) leg
         self.last_token_at = 0.0
         self.status = "cancelled"  # until the request finishes or fails
 
@@ -117,7 +119,8 @@ class RequestRun:
         """The first attempt serves the prompt; a migrated one the prompt plus every token already streamed."""
         prepared, output = self.prepared, tuple(self.state.output_ids)
         sampling = dataclasses.replace(self.sampling, max_tokens=prepared.max_tokens - len(output),
-                                       num_sampled=len(output))
+                                       num_sampled=len(output),
+                                       num_prompt_logprobs=None if output else self.sampling.num_prompt_logprobs)
         leg_id = self.request_id if not self.num_migrations else f"{self.request_id}~{self.num_migrations}"
         token_ids = prepared.prompt_token_ids + output
         namespace = isolated_namespace(self.backend.namespace, prepared.key_isolation)
@@ -169,6 +172,8 @@ class RequestRun:
         item = await leg.next_item()
         if item.num_cached_tokens and leg.placement is not None and not leg.placement.prefill_instance:
             self._record_prefix(item.num_cached_tokens, 0)
+        if self.sampling.num_prompt_logprobs is not None and self.prompt_logprobs is None and item.tokens:
+            self.prompt_logprobs = list(item.prompt_logprobs)
         return self._make_chunk(item.tokens, item.finish_reason)
 
     async def _migrate(self, failure: LegFailed) -> None:
@@ -222,28 +227,26 @@ class RequestRun:
                 self.view.flights.generated(self.leg.work.leg_id, len(self.state.output_ids))
         if finish_reason is not None:
             self.status = "ok"
-        logprobs = self._logprobs(samples[: len(token_ids)]) if self.prepared.request.num_logprobs is not None \
-            else None
+        tokenizer = self.backend.model.tokenizer
+        logprobs = token_logprobs(tokenizer, samples[: len(token_ids)]) \
+            if self.prepared.request.num_logprobs is not None else None
         placement = self.first_placement if is_first else None
+        prompt = prompt_logprobs(tokenizer, self.prepared.prompt_token_ids, self.prompt_logprobs) \
+            if is_first and self.prompt_logprobs is not None else None
         return GenerationChunk(tuple(token_ids), "".join(texts), logprobs, finish_reason,
                                self.prepared.num_prompt_tokens, self.num_cached_tokens,
                                placement.predicted_ttft_s if placement else None,
-                               placement.predicted_tbt_s if placement else None)
+                               placement.predicted_tbt_s if placement else None, prompt_logprobs=prompt)
 
     def _flush(self) -> str:
         matcher = self.state.matcher
         return matcher.feed(self.state.detokenizer.flush()) + matcher.flush()
 
-    def _logprobs(self, samples: Sequence[TokenSample]) -> tuple[TokenLogprob, ...]:
-        decode = self.backend.model.tokenizer.decode
-        return tuple(
-            TokenLogprob(decode([s.token_id], skip_special_tokens=False), s.logprob,
-                         tuple((decode([t], skip_special_tokens=False), lp)
-                               for t, lp in zip(s.top_token_ids, s.top_logprobs)))
-            for s in samples)
 
     # ---- bookkeeping --------------------------------------------------------------------------------------
     def _record_prefill(self, reply: PrefillReply) -> None:
+        if self.sampling.num_prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = list(reply.prompt_logprobs)
         if not self.num_migrations:  # a migrated attempt's cached tokens include streamed output
             self._record_prefix(reply.num_cached_tokens, reply.num_fetched_blocks)
 

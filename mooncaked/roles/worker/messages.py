@@ -61,6 +61,9 @@ class SamplingSpec(Message):
     # constrained decoding: llguidance's grammar text (model/grammar.py grammar_for; "" for none); each instance
     # rebuilds the matcher from the request's output so far (the leg's last num_sampled tokens)
     grammar: str = ""
+    # prompt logprobs (echo with logprobs, vLLM's prompt_logprobs): None none; k the k most likely alternatives too;
+    # the prompt is then prefilled whole, without reusing a cached prefix
+    num_prompt_logprobs: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,7 @@ class TokenSample(Message):
     logprob: float = 0.0
     top_token_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
+    rank: int = 0  # prompt logprobs: the token's rank at its position (1: the most likely); 0 not computed
 
 
 @dataclass(frozen=True)
@@ -144,6 +148,7 @@ class PrefillReply(Message):
     num_fetched_blocks: int  # of those, blocks fetched from another host's store
     prefill_s: float  # from arrival on this instance to the reply (queueing included)
     compute_s: float = 0.0  # the forward of the batch this prompt ran in
+    prompt_logprobs: list[TokenSample] = field(default_factory=list)  # the prompt's tokens from the second on
 
 
 @dataclass(frozen=True)
@@ -162,6 +167,7 @@ class DecodeItem(Message):
     tokens: list[TokenSample]
     finish_reason: str = ""  # "" while running, then FINISH_EOS or FINISH_LENGTH
     num_cached_tokens: int = 0  # set on the first item of an inline prefill
+    prompt_logprobs: list[TokenSample] = field(default_factory=list)  # an inline prefill's first item, when asked
 
 
 @dataclass(frozen=True)

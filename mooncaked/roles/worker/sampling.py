@@ -21,7 +21,7 @@ import torch
 from mooncaked.model.grammar import GrammarState
 from mooncaked.model.logits_processing import TokenHistory
 from mooncaked.model.sampler import make_generator
-from mooncaked.model.sampling_params import SamplingParams
+from mooncaked.model.sampling_params import MAX_LOGPROBS, SamplingParams
 from mooncaked.roles.worker.grammar import Masks
 from mooncaked.roles.worker.messages import SamplingSpec, TokenSample
 from mooncaked.roles.worker.worker import Worker
@@ -38,6 +38,8 @@ def to_params(spec: SamplingSpec, vocab_size: int) -> SamplingParams:
             logit_bias=tuple((b.token_id, b.bias) for b in spec.logit_bias), min_tokens=spec.min_tokens)
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from None
+    if spec.num_prompt_logprobs is not None and not 0 <= spec.num_prompt_logprobs <= MAX_LOGPROBS:
+        raise InvalidArgument(f"num_prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {spec.num_prompt_logprobs}")
     outside = [t for t, _ in params.logit_bias] + list(params.stop_token_ids)
     if any(t >= vocab_size for t in outside):
         raise InvalidArgument(f"logit_bias and stop_token_ids must name token ids in [0, {vocab_size})")

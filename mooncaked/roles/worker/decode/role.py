@@ -36,7 +36,7 @@ from mooncaked.roles.worker.kv.spans import StoreBlocks, num_blocks_for
 from mooncaked.roles.worker.messages import (DECODE, DecodeItem, DecodeRequest, LOAD, LoadReply, LoadRequest, RESERVE,
                                              ReserveReply, ReserveRequest, SamplingSpec, TokenSample, UNRESERVE,
                                              UnreserveReply, UnreserveRequest)
-from mooncaked.roles.worker.prefill.forward import run_prefill_forward
+from mooncaked.roles.worker.prefill.forward import ForwardResult, run_prefill_forward
 from mooncaked.roles.worker.profiler import profile
 from mooncaked.roles.worker.sampling import history_of, to_params
 from mooncaked.roles.worker.worker import Worker
@@ -198,7 +198,7 @@ class DecodeRole:
         return kv
 
     async def _prefill_inline(self, request: DecodeRequest, ctx: CallContext,
-                              grammar: GrammarState | None) -> tuple[RequestKv, TokenSample, int]:
+                              grammar: GrammarState | None) -> tuple[RequestKv, ForwardResult, int]:
         """Prefill on this instance. Its forward is a sample of the prefill model; the rest of its time but the wait
         for the compute thread (planning, writes) is the inline overhead LOAD reports. The conductor predicts the
         wait itself (the running decode step's remainder and the inline prefills queued ahead), so it is left out
@@ -207,12 +207,12 @@ class DecodeRole:
         plan = await plan_prompt_kv(worker, request.request_id, list(request.token_ids), request.block_keys,
                                     timeout_s=max(ctx.deadline - time.monotonic(), 0.001),
                                     num_extra_tokens=request.sampling.max_tokens, key_isolation=request.key_isolation,
-                                    tenant=request.tenant)
+                                    tenant=request.tenant, reuses_prefix=request.sampling.num_prompt_logprobs is None)
         self._num_prefilling += 1
         try:
             submitted = time.monotonic()
-            samples, forward_start, forward_s = await worker.compute(_timed_forward, worker, plan, request.sampling,
-                                                                     grammar)
+            result, forward_start, forward_s = await worker.compute(_timed_forward, worker, plan, request.sampling,
+                                                                    grammar)
             await plan.kv.wait_writes(self.config.transfer.timeout_s)
             await plan.close_store(commit=True)
         except BaseException:
@@ -223,7 +223,7 @@ class DecodeRole:
         num_prefix_tokens = plan.num_prefix_blocks * worker.block_size
         worker.perf.add_prefill(len(request.token_ids), num_prefix_tokens, forward_s)
         self.inline_overhead.add(time.monotonic() - started - forward_s - (forward_start - submitted))
-        return plan.kv, samples[0], num_prefix_tokens
+        return plan.kv, result, num_prefix_tokens
 
     # ---- 3. stream -------------------------------------------------------------------------------------
     async def _decode(self, request: DecodeRequest, ctx: CallContext) -> AsyncIterator[DecodeItem]:
@@ -233,7 +233,7 @@ class DecodeRole:
         assert self.worker.grammar is not None
         grammar = self.worker.grammar.state_for(request.sampling, request.token_ids)
         reservation = self._claim(request)
-        num_cached_tokens = 0
+        num_cached_tokens, prompt_logprobs = 0, []
         try:
             refusal = refusal_after_prefill(self.config.scheduler.admission, len(self.loop.running),
                                             self.loop.num_context_tokens, len(request.token_ids),
@@ -241,7 +241,8 @@ class DecodeRole:
             if refusal and request.first_token is not None:
                 raise ResourceExhausted(refusal)
             if request.first_token is None:
-                kv, first, num_cached_tokens = await self._prefill_inline(request, ctx, grammar)
+                kv, result, num_cached_tokens = await self._prefill_inline(request, ctx, grammar)
+                first, prompt_logprobs = result.first_tokens[0], result.prompt_logprobs[0]
             else:
                 if grammar is not None:
                     follow_first_token(grammar, request.first_token.token_id)
@@ -256,7 +257,7 @@ class DecodeRole:
             reason = finish_reason_for(seq, first.token_id, self.worker.loaded.eos_token_ids,
                                        self.config.model.max_model_len)
             first_item = DecodeItem(tokens=[first] if request.first_token is None else [], finish_reason=reason,
-                                    num_cached_tokens=num_cached_tokens)
+                                    num_cached_tokens=num_cached_tokens, prompt_logprobs=prompt_logprobs)
             if first_item.tokens or reason:
                 yield first_item
             if reason:
@@ -287,8 +288,8 @@ class DecodeRole:
 
 
 def _timed_forward(worker: Worker, plan: KvPlan, sampling: SamplingSpec,
-                   grammar: GrammarState | None) -> tuple[list[TokenSample], float, float]:
+                   grammar: GrammarState | None) -> tuple[ForwardResult, float, float]:
     """Compute thread: an inline prefill's forward, when it started and its own time (no wait for the thread)."""
     started = time.monotonic()
-    samples = run_prefill_forward(worker, [plan], [sampling], [grammar])
-    return samples, started, time.monotonic() - started
+    result = run_prefill_forward(worker, [plan], [sampling], [grammar])
+    return result, started, time.monotonic() - started

@@ -9,12 +9,14 @@
    A cancelled plan, or one whose loading failed, sends nothing more; when no plan is left the forward stops
    at the next layer boundary. A failed plan's rows compute on stale pages and its reply is the failure.
 3. The last chunk's logits give every prompt its first token; the masks of prompts with a grammar are computed on
-   the mask thread while the forward runs.
+   the mask thread while the forward runs. A prompt asking for prompt logprobs has every row's logits kept and
+   read (prompt_logprobs.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -24,6 +26,7 @@ from mooncaked.model.grammar import GrammarState
 from mooncaked.roles.worker.kv.plan import KvPlan
 from mooncaked.roles.worker.kv.request_kv import RequestKv
 from mooncaked.roles.worker.messages import SamplingSpec, TokenSample
+from mooncaked.roles.worker.prefill.prompt_logprobs import collect, wants_prompt_logprobs
 from mooncaked.roles.worker.sampling import generator_at, history_of, sample_rows, to_params
 from mooncaked.roles.worker.worker import Worker
 
@@ -37,14 +40,22 @@ class ForwardPlan(Protocol):
     def store_layer(self, layer: int) -> None: ...
 
 
+@dataclass(frozen=True)
+class ForwardResult:
+    first_tokens: list[TokenSample]  # one per prompt
+    prompt_logprobs: list[list[TokenSample]]  # per prompt: its tokens from the second on, when its spec asks
+
+
 def run_prefill_forward(worker: Worker, plans: Sequence[KvPlan], specs: Sequence[SamplingSpec],
-                        grammars: Sequence[GrammarState | None] | None = None) -> list[TokenSample]:
+                        grammars: Sequence[GrammarState | None] | None = None) -> ForwardResult:
     """`grammars[i]`: prompt i's grammar state (its output so far consumed), advanced by the first token."""
     runner, kv_pages = worker.runner, worker.kv_pages
     assert runner is not None and kv_pages is not None and worker.grammar is not None
     masks = worker.grammar.masks(grammars) if grammars is not None else None  # under way during the forward
     seqs = [plan.prefill_seq() for plan in plans]
     chunks = split_prefill_chunks(seqs[0], worker.section.prefill_chunk) if len(plans) == 1 else [seqs[0]]
+    is_every_row = wants_prompt_logprobs(specs)
+    prompt_logprobs: list[list[TokenSample]] = [[] for _ in plans]
     logits: torch.Tensor | None = None
     for index, chunk in enumerate(chunks):
         chunk_seqs = [chunk] if len(plans) == 1 else seqs
@@ -52,14 +63,19 @@ def run_prefill_forward(worker: Worker, plans: Sequence[KvPlan], specs: Sequence
                                     device=kv_pages.device)
         is_first, is_last = index == 0, index == len(chunks) - 1
         logits = runner.prefill(
-            batch,
+            batch, return_all_logits=is_every_row,
             before_layer=lambda i: before_layer(worker, plans, i, is_first),
             after_layer=lambda i: after_layer(worker, plans, i, is_last))
+        if is_every_row:
+            collect(logits, batch.cu_seqlens_q.tolist(), chunk_seqs, [plan.token_ids for plan in plans], specs,
+                    prompt_logprobs)
+            logits = logits.index_select(0, batch.last_token_indices)
     assert logits is not None
     params = [to_params(spec, worker.vocab_size) for spec in specs]
-    return sample_rows(worker, logits, params, [generator_at(p, s.num_sampled) for p, s in zip(params, specs)],
-                       [history_of(plan.token_ids, p, s.num_sampled) for plan, p, s in zip(plans, params, specs)],
-                       grammars, masks)
+    first = sample_rows(worker, logits, params, [generator_at(p, s.num_sampled) for p, s in zip(params, specs)],
+                        [history_of(plan.token_ids, p, s.num_sampled) for plan, p, s in zip(plans, params, specs)],
+                        grammars, masks)
+    return ForwardResult(first, prompt_logprobs)
 
 
 class PrefillCancelled(Exception):
