@@ -94,8 +94,10 @@ async def _generate(
         raise deadline_exceeded(f"The request was not admitted within {timeout_s:g} s; retry later.") from None
     log.debug("prepared: %d prompt tokens, max_tokens %d", prepared[0].num_prompt_tokens, prepared[0].max_tokens)
     streams = [backend.generate(p) for p in prepared]
-    chunks = streams[0] if len(streams) == 1 else merge_choices(streams)
-    builder = ResponseBuilder(api_requests[0], num_choices=len(streams), response_id=request_id)
+    n = api_requests[0].n
+    chunks = streams[0] if len(streams) == 1 else merge_choices(streams, n)
+    builder = ResponseBuilder(api_requests[0], num_choices=len(streams) * n, choices_per_prompt=n,
+                              response_id=request_id)
     try:
         if api_request.stream:
             return await _stream(http_request, chunks, builder, timeout_s, log)
@@ -174,15 +176,17 @@ async def _relay(
         await response.write(encode_event(builder.usage_chunk()))
 
 
-async def merge_choices(streams: Sequence[AsyncIterator[GenerationChunk]]) -> AsyncIterator[GenerationChunk]:
-    """Chunks of several requests as they come, stream i's renumbered to choice i. One task per stream feeds a
-    queue; the first error ends the merge; closing it cancels the tasks and closes every stream."""
+async def merge_choices(streams: Sequence[AsyncIterator[GenerationChunk]],
+                        choices_per_stream: int) -> AsyncIterator[GenerationChunk]:
+    """Chunks of several requests as they come, stream i's choice j renumbered to i * choices_per_stream + j.
+    One task per stream feeds a queue; the first error ends the merge; closing it cancels the tasks and closes
+    every stream."""
     queue: asyncio.Queue[tuple[int, GenerationChunk | BaseException | None]] = asyncio.Queue()
 
     async def feed(index: int, stream: AsyncIterator[GenerationChunk]) -> None:
         try:
             async for chunk in stream:
-                await queue.put((index, dataclasses.replace(chunk, index=index)))
+                await queue.put((index, dataclasses.replace(chunk, index=index * choices_per_stream + chunk.index)))
             await queue.put((index, None))
         except Exception as exc:
             await queue.put((index, exc))

@@ -42,7 +42,7 @@ FIELDS: dict[str, FieldUse] = {
     "logit_bias": _on(BOTH, HONOURED),
     "logprobs": _on(BOTH, HONOURED),
     "max_tokens": _on(BOTH, HONOURED),
-    "n": _on(BOTH, PARTLY),
+    "n": _on(BOTH, HONOURED),
     "presence_penalty": _on(BOTH, HONOURED),
     "seed": _on(BOTH, HONOURED),
     "stop": _on(BOTH, HONOURED),
@@ -53,7 +53,7 @@ FIELDS: dict[str, FieldUse] = {
     "user": _on(BOTH, ACCEPTED),
     # OpenAI's completions only
     "prompt": _on(COMPLETIONS, HONOURED),
-    "best_of": _on(COMPLETIONS, PARTLY),
+    "best_of": _on(COMPLETIONS, HONOURED),
     "echo": _on(COMPLETIONS, HONOURED),
     "suffix": _on(COMPLETIONS, REFUSED),
     # OpenAI's chat only

@@ -30,6 +30,7 @@ MAX_LOGPROBS = 20
 MAX_CACHE_SALT_CHARS = 1024
 STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})
 MAX_PROMPTS = 256  # prompts in one completion request
+MAX_N = 16  # n and best_of: sequences sampled from one prompt
 RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1  # `priority` is an int32, as vLLM's
@@ -52,10 +53,16 @@ class CompletionRequest:
     constraint: OutputConstraint | None = None  # structured outputs: what the output must match
     echo: bool = False  # the answer starts with the prompt (and its logprobs, with `logprobs`)
     prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs with this many alternatives
+    n: int = 1  # choices answering the prompt (parallel sampling: one prefill)
+    best_of: int | None = None  # sequences sampled, the n best of which are returned (None: n)
 
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def num_sequences(self) -> int:
+        return max(self.n, self.best_of or self.n)
 
     @property
     def num_prompt_logprobs(self) -> int | None:
@@ -83,10 +90,15 @@ class ChatRequest:
     tool_use: ToolUse = ToolUse()  # the tools it may call, and how
     template_kwargs: tuple[tuple[str, Any], ...] = ()  # vLLM's chat_template_kwargs: more variables for the template
     prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs with this many alternatives
+    n: int = 1  # choices (parallel sampling: one prefill)
 
     @property
     def num_logprobs(self) -> int | None:
         return self.top_logprobs if self.logprobs else None
+
+    @property
+    def num_sequences(self) -> int:
+        return self.n
 
     @property
     def num_prompt_logprobs(self) -> int | None:
@@ -128,9 +140,12 @@ def parse_completion_request(
 ) -> CompletionRequest:
     check_known_fields(body, COMPLETIONS)
     _reject_unsupported(body)
-    read_int(body, "best_of", 1, lo=1, hi=1)
     refuse_set(body, "suffix", "suffix is not supported")
     stream = read_bool(body, "stream", False)
+    n = _read_n(body)
+    best_of = read_int(body, "best_of", None, lo=n, hi=MAX_N)
+    if best_of is not None and best_of > n and stream:
+        raise invalid_field("best_of", "best_of more than n cannot be streamed (the best are known at the end)")
     echo = read_bool(body, "echo", False)
     max_tokens = read_int(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, lo=0 if echo else 1)
     return CompletionRequest(
@@ -148,6 +163,8 @@ def parse_completion_request(
         constraint=read_constraint(body),
         echo=echo,
         prompt_logprobs=read_int(body, "prompt_logprobs", None, lo=0, hi=MAX_LOGPROBS),
+        n=n,
+        best_of=best_of,
     )
 
 
@@ -184,6 +201,7 @@ def parse_chat_request(body: Mapping[str, Any], *, request_id: str, model_ids: S
         tool_use=tool_use,
         template_kwargs=read_template_kwargs(body),
         prompt_logprobs=read_int(body, "prompt_logprobs", None, lo=0, hi=MAX_LOGPROBS),
+        n=_read_n(body),
     )
 
 
@@ -211,8 +229,13 @@ def _read_cache_salt(body: Mapping[str, Any]) -> str | None:
 
 
 def _reject_unsupported(body: Mapping[str, Any]) -> None:
-    read_int(body, "n", 1, lo=1, hi=1)
     read_str(body, "user")
+
+
+def _read_n(body: Mapping[str, Any]) -> int:
+    n = read_int(body, "n", 1, lo=1, hi=MAX_N)
+    assert n is not None
+    return n
 
 
 def _read_priority(body: Mapping[str, Any]) -> int:

@@ -20,7 +20,7 @@ block_size, kv_heads, head_dim].
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -153,6 +153,14 @@ class KVPages:
         copied to and from. One instance's own pages; every rank's for a tensor-parallel instance
         (engine/tp_pages.py)."""
         return [(self, 0, True)]
+
+    def copy_pages(self, source_ids: Sequence[int], target_ids: Sequence[int]) -> None:
+        """Copy whole pages (every layer's K and V) onto others, in every part (each rank's, copy_parts): a
+        parallel sampling's sequences start from copies of the prompt's pages."""
+        for pages, _, _ in self.copy_parts():
+            source = torch.tensor(list(source_ids), dtype=torch.long, device=pages.device)
+            target = torch.tensor(list(target_ids), dtype=torch.long, device=pages.device)
+            pages.buffer[:, :, target] = pages.buffer[:, :, source]
 
     @property
     def page_nbytes(self) -> int:

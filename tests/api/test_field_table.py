@@ -25,7 +25,7 @@ ROUTE_PATHS = {COMPLETIONS: "/v1/completions", CHAT: "/v1/chat/completions"}
 SERVED: dict[str, Any] = {
     "model": MODEL_ID, "prompt": [[1, 2, 3]], "prompt_logprobs": 2, "messages": [{"role": "user", "content": "hi", "name": "ann"}],
     "max_tokens": 3, "max_completion_tokens": 3, "temperature": 0.5, "top_p": 0.9, "seed": 7, "stop": ["x"],
-    "stream": False, "stream_options": None, "logprobs": None, "top_logprobs": None, "n": 1, "best_of": 1,
+    "stream": False, "stream_options": None, "logprobs": None, "top_logprobs": None, "n": 2, "best_of": 2,
     "echo": True, "frequency_penalty": 0.5, "presence_penalty": -0.5, "logit_bias": {"5": -100},
     "user": "u-1", "metadata": {"k": "v"}, "modalities": ["text"], "parallel_tool_calls": False,
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
@@ -40,7 +40,7 @@ SERVED: dict[str, Any] = {
 }
 REFUSED_VALUES: dict[str, Any] = {
     "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
-    "stream_options": {"include_obfuscation": True}, "n": 2, "best_of": 2, "suffix": "end",
+    "stream_options": {"include_obfuscation": True}, "suffix": "end",
     "audio": {"voice": "alloy", "format": "wav"}, "function_call": "auto", "functions": [{"name": "f"}],
     "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low",
     "service_tier": "flex", "store": True, "verbosity": "high",

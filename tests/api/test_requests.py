@@ -65,7 +65,7 @@ def test_chat_fields_read() -> None:
 
 @pytest.mark.parametrize(("body", "status", "param"), [
     ({"prompt": "x", "model": "nope"}, 404, "model"),
-    ({"prompt": "x", "best_of": 2}, 400, "best_of"),
+    ({"prompt": "x", "n": 2, "best_of": 1}, 400, "best_of"),
     ({"prompt": "x", "echo": "yes"}, 400, "echo"),
     ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),

@@ -31,7 +31,7 @@ async def complete(backend: GenerationBackend, request: CompletionRequest | Chat
 
 async def complete_prepared(backend: GenerationBackend, prepared: PreparedRequest, timeout_s: float) -> dict[str, Any]:
     chunks = backend.generate(prepared)
-    builder = ResponseBuilder(prepared.request)
+    builder = ResponseBuilder(prepared.request, num_choices=prepared.request.n, choices_per_prompt=prepared.request.n)
     try:
         while not builder.is_done:
             try:

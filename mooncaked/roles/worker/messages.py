@@ -64,6 +64,9 @@ class SamplingSpec(Message):
     # prompt logprobs (echo with logprobs, vLLM's prompt_logprobs): None none; k the k most likely alternatives too;
     # the prompt is then prefilled whole, without reusing a cached prefix
     num_prompt_logprobs: Optional[int] = None
+    # parallel sampling (n, best_of): the prompt is prefilled once and this many sequences sample from it, each with
+    # its own seed stream (sampling.sequence_params); max_tokens is each sequence's
+    num_sequences: int = 1
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,7 @@ class ReserveRequest(Message):
     # the reserving conductor process's run id (random per start; 0: unknown): a reservation of an earlier run of
     # the same conductor is an orphan once a later run calls, and is dropped
     conductor_run: int = 0
+    num_sequences: int = 1  # parallel sampling: pages and batch slots for this many sequences
 
 
 @dataclass(frozen=True)
@@ -149,6 +153,7 @@ class PrefillReply(Message):
     prefill_s: float  # from arrival on this instance to the reply (queueing included)
     compute_s: float = 0.0  # the forward of the batch this prompt ran in
     prompt_logprobs: list[TokenSample] = field(default_factory=list)  # the prompt's tokens from the second on
+    more_first_tokens: list[TokenSample] = field(default_factory=list)  # sequences 1.. of a parallel sampling
 
 
 @dataclass(frozen=True)
@@ -160,6 +165,7 @@ class DecodeRequest(Message):
     first_token: Optional[TokenSample] = None  # None: prefill inline on the decode instance
     key_isolation: bytes = b""  # the request's isolation tag (kv/keys.py): its keys' namespace
     tenant: Optional[StoreTenant] = None
+    more_first_tokens: list[TokenSample] = field(default_factory=list)  # sequences 1.. of a parallel sampling
 
 
 @dataclass(frozen=True)
@@ -168,6 +174,7 @@ class DecodeItem(Message):
     finish_reason: str = ""  # "" while running, then FINISH_EOS or FINISH_LENGTH
     num_cached_tokens: int = 0  # set on the first item of an inline prefill
     prompt_logprobs: list[TokenSample] = field(default_factory=list)  # an inline prefill's first item, when asked
+    sequence: int = 0  # parallel sampling: the sequence the tokens and the finish reason are of
 
 
 @dataclass(frozen=True)

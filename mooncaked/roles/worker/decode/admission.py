@@ -41,10 +41,10 @@ class ReserveAdmission:
         pages = self.worker.pages
         assert pages is not None
         book = self.reservations
-        load = DecodeLoadNow(pages.num_free - book.num_pages(), len(self.loop.running) + len(book),
+        load = DecodeLoadNow(pages.num_free - book.num_pages(), len(self.loop.running) + book.num_sequences(),
                              self.loop.num_context_tokens + book.num_prompt_tokens())
         return reserve_refusal(self.config.scheduler.admission, load, num_pages, request.num_prompt_tokens,
-                               self.worker.section.max_batch_size, self.step_limit())
+                               self.worker.section.max_batch_size, self.step_limit(), request.num_sequences)
 
     async def wait_for_room(self, request: ReserveRequest, num_pages: int, ctx: CallContext) -> str:
         """`none` and `baseline`: wait for room up to the call's deadline, expiring stale reservations meanwhile.

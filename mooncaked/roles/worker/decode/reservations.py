@@ -98,7 +98,10 @@ class ReservationBook:
         return sum(r.num_pages for r in self.by_id.values())
 
     def num_prompt_tokens(self) -> int:
-        return sum(r.request.num_prompt_tokens for r in self.by_id.values())
+        return sum(r.request.num_prompt_tokens * r.request.num_sequences for r in self.by_id.values())
+
+    def num_sequences(self) -> int:
+        return sum(r.request.num_sequences for r in self.by_id.values())
 
     def next_expiry(self, default: float) -> float:
         return min((r.expires_at for r in self.by_id.values()), default=default)

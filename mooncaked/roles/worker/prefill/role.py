@@ -194,10 +194,11 @@ class PrefillRole:
         params = to_params(request.sampling, self.worker.vocab_size)  # invalid ones fail here, not inside a batch
         history_of(request.token_ids, params, request.sampling.num_sampled)
         assert self.worker.grammar is not None
-        grammar = self.worker.grammar.state_for(request.sampling, request.token_ids)
-        if request.sampling.num_prompt_logprobs is not None and stage is not None:
-            raise InvalidArgument(f"prompt logprobs are not computed by prefill groups ({stage.describe()}); "
-                                  "send the prompt to a single prefill instance")
+        grammars = [self.worker.grammar.state_for(request.sampling, request.token_ids)
+                    for _ in range(request.sampling.num_sequences)]
+        if (request.sampling.num_prompt_logprobs is not None or request.sampling.num_sequences > 1) and stage:
+            raise InvalidArgument(f"prompt logprobs and parallel sampling are not served by prefill groups "
+                                  f"({stage.describe()}); send the prompt to a single prefill instance")
         plan = await plan_prompt_kv(self.worker, request.request_id, request.token_ids, request.block_keys,
                                     fetch_store=request.fetch_store, num_fetch_blocks=request.num_fetch_blocks,
                                     decode_store=request.decode_store, destinations=request.destinations,
@@ -205,7 +206,7 @@ class PrefillRole:
                                     key_isolation=request.key_isolation, tenant=request.tenant,
                                     reuses_prefix=request.sampling.num_prompt_logprobs is None)
         job = PrefillJob(request, plan, arrived_at, time.monotonic(), asyncio.get_running_loop().create_future(),
-                         deadline=ctx.deadline, grammar=grammar)
+                         deadline=ctx.deadline, grammars=grammars)
         job.idle.set()
         try:
             self._queue.append(job)
@@ -264,7 +265,8 @@ class PrefillRole:
 
     async def _finish(self, batch: list[PrefillJob], result: ForwardResult, elapsed_s: float) -> None:
         assert self.load is not None
-        for job, sample, prompt_logprobs in zip(batch, result.first_tokens, result.prompt_logprobs):
+        for job, sample, prompt_logprobs, more in zip(batch, result.first_tokens, result.prompt_logprobs,
+                                                      result.more_first_tokens):
             if job.future.done():
                 continue
             try:
@@ -277,7 +279,7 @@ class PrefillRole:
             job.future.set_result(PrefillReply(
                 first_token=sample, num_cached_tokens=job.num_prefix_tokens,
                 num_fetched_blocks=job.plan.num_fetched_blocks, prefill_s=now - job.enqueued_at, compute_s=elapsed_s,
-                prompt_logprobs=prompt_logprobs))
+                prompt_logprobs=prompt_logprobs, more_first_tokens=more))
 
     async def _compute(self, batch: list[PrefillJob]) -> tuple[ForwardResult, float | None]:
         """The forward on the compute thread (a group's first stage: through the pipeline, with the seconds of
@@ -287,7 +289,7 @@ class PrefillRole:
         if self.pipeline is not None:
             job = batch[0]
             first_token, compute_s = await self.pipeline.run(job.request, job.plan, job.deadline)
-            return ForwardResult([first_token], [[]]), compute_s
+            return ForwardResult([first_token], [[]], [[]]), compute_s
         forward = asyncio.ensure_future(self.worker.compute(self._forward, batch))
         try:
             return await asyncio.shield(forward), None
@@ -299,5 +301,5 @@ class PrefillRole:
 
     def _forward(self, batch: list[PrefillJob]) -> ForwardResult:
         return run_prefill_forward(self.worker, [job.plan for job in batch], [job.request.sampling for job in batch],
-                                   [job.grammar for job in batch])
+                                   [job.grammars for job in batch])
 
