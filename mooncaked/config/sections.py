@@ -166,6 +166,7 @@ class WorkerSection:
     inline_prefill_max_tokens: int = bounded(256, min=0)
     kv_load_timeout_s: float = bounded(60.0, min=0.01)
     abort_grace_s: float = bounded(35.0, min=0.0)
+    page_wait_s: float = bounded(10.0, min=0.0, max=3600.0)
     max_layers_in_flight: int = bounded(4, min=1, max=1024)
     tensor_parallel_size: Optional[int] = bounded(None, min=1, max=64,
                                                   doc="this instance's ranks (null: model.tensor_parallel_size)")

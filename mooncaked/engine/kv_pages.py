@@ -78,6 +78,15 @@ class PageAllocator:
         if pages and not held:
             del self._pages_of[owner]
 
+    def transfer(self, from_owner: str, to_owner: str) -> list[int]:
+        """Every page `from_owner` holds now belongs to `to_owner` (a reservation's pages to its request)."""
+        pages = list(self._pages_of.pop(from_owner, ()))
+        for page in pages:
+            self._owner_of[page] = to_owner
+        if pages:
+            self._pages_of.setdefault(to_owner, {}).update(dict.fromkeys(pages))
+        return pages
+
     def free_owner(self, owner: str) -> int:
         """Free every page `owner` holds (cleanup after an abort); returns how many."""
         pages = list(self._pages_of.get(owner, ()))

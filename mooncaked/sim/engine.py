@@ -36,6 +36,7 @@ Events at equal times run in scheduling order (a sequence number breaks ties), s
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import random
 import time
@@ -45,6 +46,7 @@ from typing import Any
 from mooncaked.sched.algorithm import SchedulerPolicy, prefill_model
 from mooncaked.sched.decode_admission import (WAITING_POLICIES, StepLimit, capacity_refusal, refusal_after_prefill,
                                               rejection_reason, reserve_refusal)
+from mooncaked.sched.decode_memory import DecodeHold, forecast_refusal, num_pages_for
 from mooncaked.sched.inline import place
 from mooncaked.sched.prefill_batch import take_batch
 from mooncaked.sched.shadow_index import ShadowIndex
@@ -125,6 +127,10 @@ class Simulator:
                 num_done += 1
                 if progress is not None and num_done % 200 == 0:
                     progress(num_done, len(self.requests))
+        for decode in self.decode:  # the calls still waiting for room at the end gave up
+            for request, _, _, first_refusal in decode.reserve_queue:
+                self.records[request.index].rejection_reason = rejection_reason(first_refusal)
+            decode.reserve_queue.clear()
         if progress is not None:
             progress(len(self.requests), len(self.requests))
         stores = self.store_by_id.values()
@@ -133,58 +139,109 @@ class Simulator:
                          num_sole_copy_evictions=sum(s.num_sole_copy_evictions for s in stores))
 
     def _on_arrival(self, now: float, request: TraceRequest) -> None:
-        info = RequestInfo(str(request.index), request.input_length, request.hash_ids, now)
+        record = self.records[request.index]
+        predicted = self.forecast.predict(request.input_length, record.output_length) if self.forecast.is_enabled else 0
+        # the trace's output length stands for max_tokens: the pages a decode instance holds for the request
+        info = RequestInfo(str(request.index), request.input_length, request.hash_ids, now, record.output_length,
+                           predicted)
         is_predicted = self.config.scheduler.admission == "early_rejection_predicted"
         decision = place(
             info,
             [p.view(self.pool.coldest_use(p.store.store_id)) for p in self.prefill],
-            [self._decode_view(d, is_predicted) for d in self.decode],
+            [self._decode_view(d, is_predicted, now) for d in self.decode],
             self.index,
             self.policy,
             now,
         )
-        record = self.records[request.index]
         record.predicted_ttft_s = decision.predicted_ttft_s
         if not isinstance(decision, Placement):
             record.rejection_reason = decision.reason
             return
-        refusal = self._reserve(self.decode_by_id[decision.decode_instance], record)
+        decode = self.decode_by_id[decision.decode_instance]
+        num_pages = num_pages_for(record.input_length, record.output_length, decode.block_size)
+        refusal = capacity_refusal(num_pages, decode.num_pages)
+        if not refusal:
+            refusal = self._reserve_refusal(decode, record, decision, predicted, now)
+            if self.config.scheduler.admission in WAITING_POLICIES and (refusal or decode.reserve_queue):
+                # RESERVE waits for room in arrival order, and the prefill with it
+                reason = refusal or "queued: behind the requests waiting for room"
+                decode.reserve_queue.append((request, decision, predicted, reason))
+                return
         if refusal:
             record.rejection_reason = rejection_reason(refusal)
             return
-        if decision.prefill_instance:
-            self._place(now, request, decision, record)
-        else:
-            self._place_inline(now, request, decision, record)
+        self._start(now, decode, request, decision, predicted)
 
-    def _reserve(self, decode: DecodeInstance, record: RequestRecord) -> str:
-        """The decode role's RESERVE: its refusal ("" when it reserved the request's pages). Under `none` and
-        `baseline` a request over the limits waits in the decode instance's queue instead."""
+    def _start(self, now: float, decode: DecodeInstance, request: TraceRequest, placement: Placement,
+               predicted: int) -> None:
+        """RESERVE took the request: its pages are the decode instance's to give, and its prefill (or inline
+        prefill) begins."""
+        record = self.records[request.index]
+        decode.reserved_pages[request.index] = num_pages_for(record.input_length, record.output_length,
+                                                             decode.block_size)
+        decode.decode_s[request.index] = self._decode_s(decode, predicted)
+        if predicted:
+            self.predicted_tokens[request.index] = predicted
+        if placement.prefill_instance:
+            self._place(now, request, placement, record)
+        else:
+            self._place_inline(now, request, placement, record)
+
+    def _retry_reserves(self, now: float, decode: DecodeInstance) -> None:
+        """Under `none` and `baseline`: the RESERVE calls waiting for room, in arrival order, as pages free. A call
+        gives up after the TTFT SLO (the daemon's RESERVE waits until its call's deadline): refused as the decode
+        instance refused it at first."""
+        while decode.reserve_queue:
+            request, placement, predicted, first_refusal = decode.reserve_queue[0]
+            record = self.records[request.index]
+            if now - record.arrival_s > self.config.scheduler.ttft_slo_s:
+                decode.reserve_queue.popleft()
+                record.rejection_reason = rejection_reason(first_refusal)
+                continue
+            if self._reserve_refusal(decode, record, placement, predicted, now):
+                return
+            decode.reserve_queue.popleft()
+            self._start(now, decode, request, placement, predicted)
+
+    def _reserve_refusal(self, decode: DecodeInstance, record: RequestRecord, placement: Placement, predicted: int,
+                         now: float) -> str:
+        """The decode role's RESERVE rule ("" when it takes the request): under `early_rejection_predicted` the
+        forecast at the request's decode start (its pages then come as they free: the decode instance's page
+        queue), else its load now."""
         config = self.config.scheduler
-        num_tokens = record.input_length + record.output_length
-        num_pages = -(-num_tokens // decode.block_size)
-        if reason := capacity_refusal(num_pages, decode.num_pages):
-            return reason
-        reason = reserve_refusal(config.admission, decode.load_now(), num_pages, record.input_length,
-                                 decode.max_num_running, self._step_limit())
-        if reason and config.admission not in WAITING_POLICIES:
-            return reason
-        decode.reserved_pages[record.index] = num_pages
-        return ""
+        num_pages = num_pages_for(record.input_length, record.output_length, decode.block_size)
+        if config.admission == "early_rejection_predicted":
+            starts_at = now + placement.predicted_ttft_s
+            new = DecodeHold(num_pages, starts_at, starts_at + self._decode_s(decode, predicted))
+            return forecast_refusal(new, self._page_holds(decode, now), decode.num_pages, decode.max_num_running)
+        return reserve_refusal(config.admission, decode.load_now(), num_pages, record.input_length,
+                               decode.max_num_running, self._step_limit())
+
+    def _page_holds(self, decode: DecodeInstance, now: float) -> tuple[DecodeHold, ...]:
+        step_s = self.costs.predictors.decode.predict(len(decode.running) + 1, decode.num_context_tokens)
+        return decode.page_holds(now, self.predicted_tokens, step_s)
+
+    def _decode_s(self, decode: DecodeInstance, predicted: int) -> float:
+        """A request's predicted decode time there: its predicted output at the step now (t_d without one)."""
+        if not predicted:
+            return self.config.scheduler.decode_time_s
+        return predicted * self.costs.predictors.decode.predict(len(decode.running) + 1, decode.num_context_tokens)
 
     def _step_limit(self) -> StepLimit:
         return StepLimit(self.costs.predictors.decode, 0.0, self.config.scheduler.tbt_slo_s)
 
-    def _decode_view(self, decode: DecodeInstance, is_predicted: bool) -> DecodeInstanceView:
+    def _decode_view(self, decode: DecodeInstance, is_predicted: bool, now: float) -> DecodeInstanceView:
         if not self.forecast.is_enabled:
-            return decode.view(is_predicted)
-        step_s = self.costs.predictors.decode.predict(len(decode.running) + 1, decode.num_context_tokens)
-        return decode.view(is_predicted, self.predicted_tokens, step_s)
+            view = decode.view(is_predicted)
+        else:
+            step_s = self.costs.predictors.decode.predict(len(decode.running) + 1, decode.num_context_tokens)
+            view = decode.view(is_predicted, self.predicted_tokens, step_s)
+        if not is_predicted:
+            return view
+        return dataclasses.replace(view, num_pages=decode.num_pages, page_holds=self._page_holds(decode, now))
 
     def _place(self, now: float, request: TraceRequest, placement: Placement, record: RequestRecord) -> None:
         instance = self.prefill_by_id[placement.prefill_instance]
-        if self.forecast.is_enabled:
-            self.predicted_tokens[request.index] = self.forecast.predict(request.input_length, record.output_length)
         keys = request.hash_ids
         self.pool.note_use(instance.store.store_id, keys, placement.num_prefix_blocks, now)
         record.prefill_instance = placement.prefill_instance
@@ -271,12 +328,14 @@ class Simulator:
             record.rejection_reason = REASON_DECODE_REFUSED
             record.wasted_prefill = True
             decode.reserved_pages.pop(record.index, None)
+            decode.decode_s.pop(record.index, None)
             self.predicted_tokens.pop(record.index, None)
+            self._retry_reserves(now, decode)
             return
         if self.config.cluster.decode_hosts_in_pool:
             decode.store.put(job.keys, now)
         ready = kv_ready_at(now, job.num_prompt_tokens, job.compute_s, self.costs)
-        seq = DecodeSeq(job.request_index, job.num_prompt_tokens + 1, record.output_length - 1, now)
+        seq = DecodeSeq(job.request_index, job.num_prompt_tokens + 1, record.output_length - 1, now, ready_at=ready)
         decode.incoming[job.request_index] = (ready, seq.context_tokens)
         self._push(ready, DECODE_READY, (decode, seq))
 
@@ -311,8 +370,6 @@ class Simulator:
     def _place_inline(self, now: float, request: TraceRequest, placement: Placement, record: RequestRecord) -> None:
         """Prefill on the decode instance: queued for its next step, which runs it before decoding."""
         decode = self.decode_by_id[placement.decode_instance]
-        if self.forecast.is_enabled:
-            self.predicted_tokens[request.index] = self.forecast.predict(request.input_length, record.output_length)
         self.pool.note_use(decode.store.store_id, request.hash_ids, placement.num_prefix_blocks, now)
         record.prefill_instance = record.decode_instance = decode.instance_id
         record.is_inline = True
@@ -333,14 +390,17 @@ class Simulator:
             decode.incoming.pop(request_index, None)
             self._finish(record, now, 0.0)
             return
-        seq = DecodeSeq(request_index, record.input_length + 1, record.output_length - 1, now)
+        seq = DecodeSeq(request_index, record.input_length + 1, record.output_length - 1, now, ready_at=now)
         decode.incoming[request_index] = (now, seq.context_tokens)
         decode.waiting.append(seq)
 
     def _finish(self, record: RequestRecord, now: float, tbt_s: float) -> None:
         config = self.config.scheduler
         self.predicted_tokens.pop(record.index, None)
-        self.decode_by_id[record.decode_instance].reserved_pages.pop(record.index, None)
+        decode = self.decode_by_id[record.decode_instance]
+        decode.reserved_pages.pop(record.index, None)
+        decode.decode_s.pop(record.index, None)
+        self._retry_reserves(now, decode)
         self.forecast.observe(record.input_length, record.output_length)
         record.tbt_s = tbt_s
         record.finished_s = now

@@ -16,10 +16,13 @@ from mooncaked.model.loader import load_model
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.backend import ConductorBackend
 from mooncaked.roles.conductor.frontend import prompt_token_ids
+from mooncaked.roles.conductor.leg import MIGRATION_CAUSES, Leg, LegFailed, LegWork
 from mooncaked.roles.conductor.role import (ConductorRole, default_predictors, model_frontend, policy_config,
                                             view_settings)
 from mooncaked.roles.conductor.view.cluster import ClusterView
 from mooncaked.roles.conductor.view.predictors import LivePredictors
+from mooncaked.roles.worker.messages import SamplingSpec
+from mooncaked.rpc import ResourceExhausted
 from mooncaked.runtime.metrics import Metrics
 from tests.roles.cluster_fixtures import cluster_config, instance, running_roles
 
@@ -151,3 +154,20 @@ def test_a_bad_prefill_profile_fails_start_up_naming_the_file(tmp_path: Path, co
     with pytest.raises(ConfigError, match="scheduler.prefill_profile") as raised:
         default_predictors(config, load_model("random:tiny"))
     assert str(path) in str(raised.value) and problem in str(raised.value)
+
+
+async def test_a_decode_instance_without_pages_in_time_makes_the_leg_move(tmp_path: Path) -> None:
+    """pages_not_freed (a wrong memory forecast) is a migration to another decode instance, not an error and not
+    a failure of the instance; a decode instance's other refusals stay 429s."""
+    config = make_config(tmp_path)
+    backend = make_backend(config)
+    try:
+        work = LegWork("r", (1, 2, 3), (), SamplingSpec(max_tokens=4), 0.0, 4, "")
+        leg = Leg(config, backend.view, backend.peers, work)
+        moved = leg._failure("decode", "d0", ResourceExhausted("pages_not_freed: 9 KV pages were not freed"))
+        assert isinstance(moved, LegFailed) and moved.cause == "decode_pages" and moved.cause in MIGRATION_CAUSES
+        assert backend.view.decode["d0"].last_error == ""  # not reported down
+        refused = leg._failure("decode", "d0", ResourceExhausted("memory: needs 9 KV pages, 0 free"))
+        assert isinstance(refused, ApiError) and refused.status == 429
+    finally:
+        await backend.peers.close()

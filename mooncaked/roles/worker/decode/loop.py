@@ -46,6 +46,7 @@ class RunningSeq:
     outbox: asyncio.Queue[tuple[TokenSample, str] | BaseException] = field(default_factory=asyncio.Queue)
     finish_reason: str = ""
     num_sampled_before: int = 0  # output tokens sampled before this leg (the request's seed state)
+    predicted_num_tokens: int = 0  # output tokens the conductor predicted for this leg (0: none)
 
     @property
     def num_generated(self) -> int:

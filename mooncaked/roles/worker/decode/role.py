@@ -42,7 +42,8 @@ from mooncaked.rpc import CallContext, InvalidArgument, NotFound, ResourceExhaus
 from mooncaked.runtime.logs import request_id_var
 from mooncaked.runtime.metrics import Metrics
 from mooncaked.runtime.metrics_http import MetricsEndpoint
-from mooncaked.sched.decode_admission import WAITING_POLICIES, capacity_refusal, refusal_after_prefill
+from mooncaked.sched.decode_admission import (REASON_PAGES_NOT_FREED, WAITING_POLICIES, capacity_refusal,
+                                              refusal_after_prefill)
 from mooncaked.sched.perf_model import RecentMean
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class DecodeRole:
         self.metrics_endpoint = MetricsEndpoint(instance.host, instance.metrics_port, self.metrics,
                                                 self._refresh_metrics)
         self.loop = DecodeLoop(self.worker, on_step=self._observe_step)
-        self.reservations = ReservationBook(self.worker)
+        self.reservations = ReservationBook(self.worker, lambda: len(self.loop.running))
         self.endpoint = RoleEndpoint(config, instance, extra_info=self._info,
                                      is_healthy=lambda: not self.worker.failed.is_set())
         self.endpoint.add_method(RESERVE, self._reserve)
@@ -109,6 +110,7 @@ class DecodeRole:
 
     def _refresh_metrics(self) -> None:
         self.metrics.queues.set_length("decode", len(self.reservations))
+        self.metrics.queues.set_length("decode_pages", self.reservations.num_queued())
 
     def _observe_step(self, num_seqs: int, step_s: float) -> None:
         self.metrics.engine.observe_step("decode", num_requests=num_seqs, num_tokens=num_seqs, step_s=step_s)
@@ -122,11 +124,12 @@ class DecodeRole:
         await self.reservations.drop_orphans(ctx.peer_instance, request.conductor_run)
         coefficients = self.worker.perf.coefficients()
         return LoadReply(role="decode", num_running=len(self.loop.running), num_waiting=len(self.reservations),
-                         num_queued_tokens=0, num_free_pages=pages.num_free - self.reservations.num_pages(),
+                         num_queued_tokens=0, num_free_pages=pages.num_free,
                          num_pages=pages.num_pages, step_time_s=self.loop.mean_step_s,
                          num_context_tokens=self.loop.num_context_tokens,
                          prefill_coefficients=list(coefficients.prefill), decode_coefficients=list(coefficients.decode),
-                         overhead_s=self.inline_overhead.value, kv_cache_bytes=self.worker.kv_cache_bytes)
+                         overhead_s=self.inline_overhead.value, kv_cache_bytes=self.worker.kv_cache_bytes,
+                         num_queued_pages=self.reservations.num_queued_pages())
 
     # ---- 1. reserve ------------------------------------------------------------------------------------
     async def _reserve(self, request: ReserveRequest, ctx: CallContext) -> ReserveReply:
@@ -146,6 +149,8 @@ class DecodeRole:
         if reason:
             return ReserveReply(is_accepted=False, reason=reason)
         reservation = self.reservations.add(request, num_pages, ctx.peer_instance)
+        if not reservation.granted.is_set():
+            self.metrics.reservations_waited_total.inc()
         if self.admission.waiting:
             await self.reservations.room.freed()  # the next in line may fit beside it
         if request.is_inline_prefill:
@@ -170,6 +175,8 @@ class DecodeRole:
         reservation = self.reservations.get(request.request_id)
         if reservation is None:
             raise NotFound(f"no reservation for request {request.request_id}: reserve first (or it expired)")
+        if reservation.is_claimed:
+            raise InvalidArgument(f"request {request.request_id} is already decoding")
         if len(request.token_ids) != reservation.request.num_prompt_tokens:
             raise InvalidArgument("token_ids do not match the reserved num_prompt_tokens")
         check_block_keys(self.worker, request.token_ids, request.block_keys, request.key_isolation)
@@ -177,7 +184,8 @@ class DecodeRole:
 
     async def _load_prefilled(self, request: DecodeRequest, reservation: Reservation) -> RequestKv:
         worker, store = self.worker, self.worker.local_store
-        kv = RequestKv(worker, request.request_id, len(request.token_ids), reservation.request.max_tokens)
+        kv = RequestKv(worker, request.request_id, len(request.token_ids), reservation.request.max_tokens,
+                       reserved_by=reservation.owner)
         try:
             index_of = {key: i for i, key in enumerate(request.block_keys)}
             blocks = [(index_of[loc.key], loc.offset) for loc in reservation.present]
@@ -195,7 +203,8 @@ class DecodeRole:
             raise
         return kv
 
-    async def _prefill_inline(self, request: DecodeRequest, ctx: CallContext) -> tuple[RequestKv, TokenSample, int]:
+    async def _prefill_inline(self, request: DecodeRequest, reservation: Reservation,
+                              ctx: CallContext) -> tuple[RequestKv, TokenSample, int]:
         """Prefill on this instance. Its forward is a sample of the prefill model; the rest of its time but the wait
         for the compute thread (planning, writes) is the inline overhead LOAD reports. The conductor predicts the
         wait itself (the running decode step's remainder and the inline prefills queued ahead), so it is left out
@@ -204,7 +213,7 @@ class DecodeRole:
         plan = await plan_prompt_kv(worker, request.request_id, list(request.token_ids), request.block_keys,
                                     timeout_s=max(ctx.deadline - time.monotonic(), 0.001),
                                     num_extra_tokens=request.sampling.max_tokens, key_isolation=request.key_isolation,
-                                    tenant=request.tenant)
+                                    tenant=request.tenant, reserved_by=reservation.owner)
         self._num_prefilling += 1
         try:
             submitted = time.monotonic()
@@ -226,21 +235,24 @@ class DecodeRole:
         request_id_var.set(request.request_id)
         params = to_params(request.sampling)
         reservation = self._claim(request)
+        reservation.is_claimed = True
         num_cached_tokens = 0
         try:
+            await self._wait_for_pages(reservation, ctx)
             refusal = refusal_after_prefill(self.config.scheduler.admission, len(self.loop.running),
                                             self.loop.num_context_tokens, len(request.token_ids),
                                             self.admission.step_limit())
             if refusal and request.first_token is not None:
                 raise ResourceExhausted(refusal)
             if request.first_token is None:
-                kv, first, num_cached_tokens = await self._prefill_inline(request, ctx)
+                kv, first, num_cached_tokens = await self._prefill_inline(request, reservation, ctx)
             else:
                 kv, first = await self._load_prefilled(request, reservation), request.first_token
         finally:
             await self.reservations.drop(request.request_id)
         seq = RunningSeq(request.request_id, kv, list(request.token_ids) + [first.token_id], len(request.token_ids),
-                         params, make_generator(params), num_sampled_before=request.sampling.num_sampled)
+                         params, make_generator(params), num_sampled_before=request.sampling.num_sampled,
+                         predicted_num_tokens=reservation.request.predicted_output_tokens)
         try:
             assert self.worker.loaded is not None
             reason = finish_reason_for(seq, first.token_id, self.worker.loaded.eos_token_ids,
@@ -257,7 +269,21 @@ class DecodeRole:
         finally:
             await self.loop.remove(seq)
             await kv.release()
-            await self.reservations.room.freed()
+            await self.reservations.pages_freed()
+
+    async def _wait_for_pages(self, reservation: Reservation, ctx: CallContext) -> None:
+        """A reservation admitted on a forecast may still wait for its pages (a sequence ran longer than predicted):
+        until its page deadline. Past it the prompt's prefilled blocks are committed here (cache for the next
+        attempt) and the request is told to move (REASON_PAGES_NOT_FREED: the conductor migrates it)."""
+        if await self.reservations.wait_granted(reservation, min(reservation.page_deadline, ctx.deadline)):
+            return
+        self.metrics.page_wait_timeouts_total.inc()
+        if reservation.handles:
+            await self.worker.local_store.commit([h.handle_id for h in reservation.handles])
+            reservation.handles = []
+        free = self.worker.pages.num_free if self.worker.pages is not None else 0
+        raise ResourceExhausted(f"{REASON_PAGES_NOT_FREED}: {reservation.num_pages} KV pages were not freed by the "
+                                f"predicted decode start plus {self.worker.section.page_wait_s:g} s ({free} free)")
 
     async def _items(self, seq: RunningSeq) -> AsyncIterator[DecodeItem]:
         while True:
