@@ -175,7 +175,8 @@ class RequestRun:
         """Settle the failed attempt; raise its error when the request may not move again."""
         assert self.leg is not None
         await self.leg.settle()
-        self.failed_instances.add(failure.instance)
+        if failure.cause != "decode_pages":  # short of pages, not failed: it may take the request again later
+            self.failed_instances.add(failure.instance)
         if self.num_migrations >= self.config.conductor.max_migrations or self.state.finish_reason is not None:
             logger.warning("%s; not migrating again (%d migrations)", failure, self.num_migrations)
             raise failure
