@@ -8,9 +8,9 @@
    when their lease runs out (a writer or reader that died), and unpins expired pins.
 4. Eviction (`evict_to_watermark`, and on allocation pressure; kv/dram_eviction.py) follows the policy of
    `kv/eviction.py`, spare copies first (`mark_spare`: the conductor says another store keeps the block;
-   `kv/replica_eviction.py`), and never touches a leased or uncommitted block; a pinned block only moves to SSD.
-   Each eviction is queued for the service (`drain_evictions`), which copies the bytes out to SSD before the
-   space can be handed out again.
+   `kv/replica_eviction.py`), and never touches a leased or uncommitted block; a pinned block only moves to an
+   SSD tier that takes it, so it never leaves every tier. With an SSD tier the core is built with its `spill`,
+   which takes an evicted block's bytes out of the pool before the space can be handed out again.
 5. `lookup`, `pin`/`unpin`, `dump`, `stats`; the SSD tier reports what it dropped with `ssd_dropped`.
 6. `dram_blocks_by_recency()`: what a store stopping for a warm restart writes to SSD, most recently used first.
 """
@@ -34,6 +34,7 @@ from mooncaked.kv.store_types import (
     Grant,
     Location,
     PendingWrite,
+    Spill,
     StoreConfig,
     StoreFull,
     UnknownHandle,
@@ -44,15 +45,15 @@ from mooncaked.kv.tenant_quota import TenantShare, TenantUsage
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TIER_DRAM", "TIER_SSD", "Eviction", "Grant", "Location", "StoreConfig", "StoreCore", "StoreFull",
-           "UnknownHandle", "check_keys"]
+__all__ = ["TIER_DRAM", "TIER_SSD", "Eviction", "Grant", "Location", "Spill", "StoreConfig", "StoreCore",
+           "StoreFull", "UnknownHandle", "check_keys"]
 
 
 class StoreCore:
     """All metadata of one store. Owner: the `StoreService`; the allocator, policy, event log, the bytes per
     tenant and the DRAM evictor (dram_eviction.py) are its own."""
 
-    def __init__(self, config: StoreConfig) -> None:
+    def __init__(self, config: StoreConfig, spill: Spill | None = None) -> None:
         self.config = config
         self.allocator = ExtentAllocator(config.capacity_bytes, config.alignment)
         self.policy = make_spare_first_policy(config.eviction_policy)  # the base order until a copy is marked spare
@@ -60,7 +61,8 @@ class StoreCore:
         self.blocks = BlockTable()
         self._pending: dict[int, PendingWrite] = {}
         self.tenants = TenantUsage()
-        self.dram = DramEvictor(config, self.allocator, self.blocks, self.policy, self.tenants, self._remove_block)
+        self.dram = DramEvictor(config, self.allocator, self.blocks, self.policy, self.tenants, self._remove_block,
+                                spill)
         self._ids = itertools.count(config.first_id)
         self.num_hits = 0
         self.num_misses = 0
@@ -211,9 +213,6 @@ class StoreCore:
     def evict_to_watermark(self, now: float) -> int:
         """Evict from the high watermark down to the low one; returns bytes freed."""
         return self.dram.evict_to_watermark(now)
-
-    def drain_evictions(self) -> list[Eviction]:
-        return self.dram.drain()
 
     def ssd_dropped(self, key: bytes) -> None:
         """The SSD tier no longer holds `key` (its own eviction, a failed write or a corrupt file)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from mooncaked.kv.keys import KEY_BYTES
@@ -39,12 +39,14 @@ class Location:
 
 @dataclass(frozen=True)
 class Eviction:
-    """A block left DRAM: copy pool[offset:offset+num_bytes] out now if `is_to_ssd`, before any new allocation."""
+    """A block leaving DRAM for SSD: its bytes are pool[offset:offset+num_bytes] until the eviction returns."""
 
     key: bytes
     offset: int
     num_bytes: int
-    is_to_ssd: bool
+
+
+Spill = Callable[[Eviction], bool]  # takes a block's bytes for SSD now; False: the SSD tier cannot take it
 
 
 @dataclass

@@ -4,9 +4,9 @@
    registers the pool with the transfer engine as segment `<segment_name>.<incarnation>`, and starts the
    maintenance task. The incarnation (random per run) goes with every pool offset handed out: clients refuse
    offsets of an earlier run of a restarted store, whose pool is gone.
-2. Handlers (`add_methods(server)`) call the pure `StoreCore` with `now`, then at once, before any await or new
-   pool write, copy the bytes of blocks evicted to SSD out of the pool (`_flush_evictions`); a read lease on
-   blocks that are only on SSD promotes them back into DRAM before the reply (both in tier_moves.py).
+2. Handlers (`add_methods(server)`) call the pure `StoreCore` with `now`; a block it evicts to SSD has its bytes
+   copied out of the pool inside the call (`_spill`); a read lease on blocks that are only on SSD promotes them
+   back into DRAM before the reply (both in tier_moves.py).
 3. The maintenance task (owned here) reclaims expired leases and pins and evicts from the high watermark down
    to the low one, every `maintenance_interval_s`.
 4. `stop()`: stop the maintenance task, end event streams, unregister the segment; with an SSD tier, queue every
@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from mooncaked.kv.store_core import TIER_DRAM, Grant, Location, StoreConfig, StoreCore, StoreFull, UnknownHandle
+from mooncaked.kv.store_core import TIER_DRAM, Eviction, Grant, Location, StoreConfig, StoreCore, StoreFull, UnknownHandle
 from mooncaked.kv.tenant_quota import TenantShare
 from mooncaked.rpc import InvalidArgument, Method, NotFound, ResourceExhausted, RpcError
 from mooncaked.store import messages as msg
@@ -82,7 +82,7 @@ class StoreService:
         self.core = StoreCore(StoreConfig(
             capacity_bytes=config.dram_bytes, alignment=config.alignment, eviction_policy=config.eviction_policy,
             high_watermark=config.high_watermark, low_watermark=config.low_watermark, has_ssd=has_ssd,
-            max_events=config.max_events, first_id=1 + secrets.randbits(60)))
+            max_events=config.max_events, first_id=1 + secrets.randbits(60)), self._spill if has_ssd else None)
         self.ssd: SsdTier | None = None
         if has_ssd:
             assert config.ssd_dir is not None
@@ -246,7 +246,7 @@ class StoreService:
 
     # ---- internals ----------------------------------------------------------------------------------------
     def _call(self, operation: Callable[[], Any]) -> Any:
-        """Run one core operation; map its errors to RPC errors; copy out evictions; wake event streams."""
+        """Run one core operation; map its errors to RPC errors; wake event streams."""
         last_seq = self.core.events.last_seq
         try:
             return operation()
@@ -257,7 +257,6 @@ class StoreService:
         except ValueError as error:
             raise InvalidArgument(str(error)) from None
         finally:
-            self._flush_evictions()
             if self.core.events.last_seq != last_seq:
                 self._notify()
 
@@ -265,14 +264,14 @@ class StoreService:
         if not 0 < lease_ms <= self.config.max_lease_ms:
             raise InvalidArgument(f"lease_ms must be in 1..{self.config.max_lease_ms}, got {lease_ms}")
 
-    def _flush_evictions(self) -> None:
-        self.moves.flush_evictions(self.pool)
+    def _spill(self, eviction: Eviction) -> bool:
+        return self.moves.spill(self.pool, eviction)
 
     def _place(self, key: bytes, data: bytes) -> None:
         offset = self._call(lambda: self.core.place_promoted(key, self.clock()))
         if offset is not None:
             assert self.pool is not None
-            self.pool.write(offset, data)  # after _call flushed evictions: the old bytes there are saved
+            self.pool.write(offset, data)  # what was evicted from there was spilled inside the call
 
     def _on_ssd_dropped(self, key: bytes) -> None:
         self.core.ssd_dropped(key)

@@ -187,16 +187,21 @@ class SsdTier:
         return os.path.join(self.config.directory, key.hex() + _SUFFIX)
 
     def _make_room(self, num_bytes: int, protected: Collection[bytes] = ()) -> bool:
-        needed = num_bytes + _HEADER.size
-        if needed > self.config.budget_bytes:
+        """Evict objects by policy until `num_bytes` fit; when they cannot fit, evict nothing and return False."""
+        num_over = self.num_used_bytes + num_bytes + _HEADER.size - self.config.budget_bytes
+        if num_bytes + _HEADER.size > self.config.budget_bytes:
             return False
-        while self.num_used_bytes + needed > self.config.budget_bytes:
-            victims = self._policy.victims(lambda key: key not in protected and self._is_evictable(key))
-            victim = next(iter(victims), None)
-            if victim is None:
-                return False
-            self.remove(victim)  # type: ignore[arg-type]
-            self._on_dropped(victim)  # type: ignore[arg-type]
+        victims: list[bytes] = []
+        for victim in self._policy.victims(lambda key: key not in protected and self._is_evictable(key)):
+            if num_over <= 0:
+                break
+            victims.append(victim)  # type: ignore[arg-type]
+            num_over -= self._sizes[victim] + _HEADER.size  # type: ignore[index]
+        if num_over > 0:
+            return False
+        for victim in victims:
+            self.remove(victim)
+            self._on_dropped(victim)
         return True
 
     def _index(self, now: float) -> list[tuple[bytes, int]]:

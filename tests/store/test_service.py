@@ -147,3 +147,15 @@ async def test_bad_requests_map_to_rpc_errors(tmp_path: Path) -> None:
         await service.allocate(msg.AllocateRequest([key(i) for i in range(3)], BLOCK, 1000), Ctx(0))
     assert service.core.allocator.num_used_bytes == 0
     await service.stop()
+
+
+async def test_pinned_blocks_never_leave_every_tier_an_allocation_needing_them_fails(tmp_path: Path) -> None:
+    service = make_service(tmp_path, num_blocks=4, ssd_blocks=1)  # the ssd tier has room for one block
+    await service.start()
+    await put(service, [0, 1, 2, 3])
+    await service.pin(msg.PinRequest([key(i) for i in range(4)], 60_000), Ctx(0))
+    with pytest.raises(ResourceExhausted, match="pinned"):
+        await service.allocate(msg.AllocateRequest([key(4), key(5)], BLOCK, 10_000), Ctx(0))
+    assert sorted(service.core.dump()[1]) == [key(i) for i in range(4)]
+    assert await read(service, [0, 1, 2, 3]) == [block(i) for i in range(4)]
+    await service.stop()
