@@ -11,7 +11,9 @@
    `kv/replica_eviction.py`), and never touches a leased or uncommitted block; a pinned block only moves to an
    SSD tier that takes it, so it never leaves every tier. With an SSD tier the core is built with its `spill`,
    which takes an evicted block's bytes out of the pool before the space can be handed out again.
-5. `lookup`, `pin`/`unpin`, `dump`, `stats`; the SSD tier reports what it dropped with `ssd_dropped`.
+5. `lookup`, `pin`/`unpin`, `dump`, `stats`; the SSD tier reports what it wrote durably with `ssd_written` (only
+   then does a block count as on SSD) and what it dropped (its own eviction, a failed write, a corrupt file) with
+   `ssd_dropped`: a block no tier holds any more is removed with a `BlockRemoved` event.
 6. `dram_blocks_by_recency()`: what a store stopping for a warm restart writes to SSD, most recently used first.
 """
 
@@ -219,15 +221,21 @@ class StoreCore:
         block = self.blocks.get(key)
         if block is None or not block.is_on_ssd:
             return
-        block.is_on_ssd = False
+        block.is_on_ssd = block.is_ssd_durable = False
         self.tenants.add(block.tenant, TIER_SSD, -block.num_bytes)
         if block.dram_offset is None:
             self._remove_block(key)
 
+    def ssd_written(self, key: bytes) -> None:
+        """The SSD tier's copy of `key` is on disk (written and fsync'd)."""
+        block = self.blocks.get(key)
+        if block is not None and block.is_on_ssd:
+            block.is_ssd_durable = True
+
     def ssd_loaded(self, key: bytes, num_bytes: int) -> None:
         """A block found on SSD at start-up (after a restart) becomes present."""
         if key not in self.blocks:
-            self.blocks.add(key, BlockRecord(num_bytes, None, True, 0))
+            self.blocks.add(key, BlockRecord(num_bytes, None, True, 0, is_ssd_durable=True))
             self.tenants.add("", TIER_SSD, num_bytes)
             self.events.append(BLOCK_STORED, key)
 
@@ -254,7 +262,8 @@ class StoreCore:
             "used_bytes": self.allocator.num_used_bytes,
             "num_blocks": len(self.blocks),
             "num_dram_blocks": num_dram,
-            "num_ssd_blocks": sum(1 for b in self.blocks.records() if b.is_on_ssd),
+            "num_ssd_blocks": sum(1 for b in self.blocks.records() if b.is_ssd_durable),
+            "num_ssd_writing": sum(1 for b in self.blocks.records() if b.is_on_ssd and not b.is_ssd_durable),
             "num_pending": len(self._pending),
             "num_read_leases": self.blocks.num_leases,
             "num_pinned": sum(1 for b in self.blocks.records() if b.pinned_until),

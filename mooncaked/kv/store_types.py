@@ -61,7 +61,8 @@ class PendingWrite:
 
 @dataclass
 class BlockRecord:
-    """A committed block: in DRAM at `dram_offset`, on SSD, or both (state of the StoreCore)."""
+    """A committed block: in DRAM at `dram_offset`, on SSD, or both (state of the StoreCore). A block whose SSD copy
+    is still queued for writing is served from the SSD tier's memory until it is written (or dropped)."""
 
     num_bytes: int
     dram_offset: int | None
@@ -71,6 +72,7 @@ class BlockRecord:
     pinned_until: float = 0.0
     last_used: float = 0.0  # `now` of its commit, promotion, last lookup or read lease
     tenant: str = ""  # the tenant whose write made it ("" for none: shared, or found on SSD at start)
+    is_ssd_durable: bool = False  # its SSD copy (is_on_ssd: queued or written) is written and fsync'd
 
 
 @dataclass

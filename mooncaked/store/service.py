@@ -87,7 +87,7 @@ class StoreService:
         if has_ssd:
             assert config.ssd_dir is not None
             self.ssd = SsdTier(SsdConfig(config.ssd_dir, config.ssd_bytes, config.eviction_policy),
-                               self.core.is_ssd_evictable, self._on_ssd_dropped)
+                               self.core.is_ssd_evictable, self._on_ssd_dropped, self.core.ssd_written)
         self.moves = TierMoves(self.core, self.ssd, clock)
         self.pool: ShmPool | None = None
         self._maintenance: asyncio.Task[None] | None = None
@@ -207,7 +207,9 @@ class StoreService:
     async def stats(self, request: msg.StatsRequest, ctx: object) -> msg.StatsReply:
         counters = self.core.stats()
         if self.ssd is not None:
-            counters.update(ssd_used_bytes=self.ssd.num_used_bytes, ssd_num_corrupt=self.ssd.num_corrupt)
+            counters.update(ssd_used_bytes=self.ssd.num_used_bytes, ssd_num_corrupt=self.ssd.num_corrupt,
+                            ssd_pending_bytes=self.ssd.num_pending_bytes,
+                            ssd_num_failed_writes=self.ssd.num_failed_writes)
         assert self.pool is not None, "stats before start()"
         endpoint = self.engine.endpoint if self.engine is not None else ""
         return msg.StatsReply(counters, self.pool.path, self.pool.num_bytes, endpoint, self.segment_name,
