@@ -7,8 +7,9 @@
 2. Handlers (`add_methods(server)`) call the pure `StoreCore` with `now`; a block it evicts to SSD has its bytes
    copied out of the pool inside the call (`_spill`); a read lease on blocks that are only on SSD promotes them
    back into DRAM before the reply (both in tier_moves.py).
-3. The maintenance task (owned here) reclaims expired leases and pins and evicts from the high watermark down
-   to the low one, every `maintenance_interval_s`.
+3. The maintenance task (owned here, supervised: an unexpected exception is logged and the loop restarts)
+   reclaims expired leases and pins and evicts from the high watermark down to the low one, every
+   `maintenance_interval_s`.
 4. `stop()`: stop the maintenance task, end event streams, unregister the segment; with an SSD tier, queue every
    committed DRAM block SSD does not hold yet, most recently used first, ahead of the write-behind backlog (a warm
    restart: the next start indexes them); let the SSD writer work until `stop_timeout_s`; close (and unlink) the
@@ -28,6 +29,7 @@ from typing import Any, Protocol
 from mooncaked.kv.store_core import TIER_DRAM, Eviction, Grant, Location, StoreConfig, StoreCore, StoreFull, UnknownHandle
 from mooncaked.kv.tenant_quota import TenantShare
 from mooncaked.rpc import InvalidArgument, Method, NotFound, ResourceExhausted, RpcError
+from mooncaked.runtime.supervised import start_supervised, stop_task
 from mooncaked.store import messages as msg
 from mooncaked.store.shm_pool import ShmPool
 from mooncaked.store.ssd import SsdConfig, SsdTier
@@ -103,7 +105,7 @@ class StoreService:
             logger.info("store: %d objects indexed on ssd at %s", len(self.ssd), self.config.ssd_dir)
         if self.engine is not None:
             self.engine.register(self.segment_name, self.pool.view, f"cpu:{self.config.numa_node or 0}")
-        self._maintenance = asyncio.create_task(self._maintain(), name="store-maintenance")
+        self._maintenance = start_supervised("store-maintenance", self._maintain)
 
     def end_streams(self) -> None:
         """Finish every event stream now (their subscribers resubscribe elsewhere or later)."""
@@ -112,10 +114,8 @@ class StoreService:
 
     async def stop(self) -> None:
         self.end_streams()
-        if self._maintenance is not None:
-            self._maintenance.cancel()
-            await asyncio.gather(self._maintenance, return_exceptions=True)
-            self._maintenance = None
+        await stop_task(self._maintenance)
+        self._maintenance = None
         if self.engine is not None and self.pool is not None:
             self.engine.unregister(self.segment_name)
         if self.ssd is not None:

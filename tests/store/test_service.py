@@ -193,3 +193,25 @@ async def test_a_block_counts_as_on_ssd_once_it_is_on_disk(tmp_path: Path) -> No
             await asyncio.sleep(0.01)
     assert os.path.exists(tmp_path / "ssd" / (key(0).hex() + ".blk"))
     await service.stop()
+
+
+async def test_the_maintenance_loop_survives_an_unexpected_exception(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    service = make_service(tmp_path, num_blocks=4)
+    expire = service.core.expire
+    calls: list[float] = []
+
+    def expire_failing_once(now: float) -> int:
+        calls.append(now)
+        if len(calls) == 1:
+            raise KeyError("injected")
+        return expire(now)
+
+    service.core.expire = expire_failing_once  # type: ignore[method-assign]
+    await service.start()
+    await service.allocate(msg.AllocateRequest([key(1)], BLOCK, 50), Ctx(0))
+    async with asyncio.timeout(5):
+        while service.core.allocator.num_used_bytes:
+            await asyncio.sleep(0.02)  # the restarted loop expires the 50 ms lease
+    assert "background loop store-maintenance failed: KeyError: 'injected'; restarting it" in caplog.text
+    await service.stop()
