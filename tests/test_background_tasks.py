@@ -27,7 +27,7 @@ SHORT_LIVED = {
     "roles/supervisor.py": 2,  # start-up's waits for ready and for a fatal failure, within ready_timeout_s
     "roles/conductor/batch/queue.py": 1,  # one batch line's run, ends with the line (request_timeout_s)
     "roles/conductor/batch/batches.py": 1,  # one batch's run, ends with the batch (its completion window)
-    "cluster/etcd_membership.py": 3,  # the session, then per session its watch and keepalive
+    "cluster/etcd_membership.py": 2,  # per session, its watch and keepalive (the session is supervised)
     "transfer/engine.py": 1,  # waits on a batch's transfers, within the caller's deadline
 }
 
