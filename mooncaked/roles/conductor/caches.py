@@ -35,6 +35,7 @@ from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.frontend import ModelFrontend, key_isolation, prompt_token_ids
 from mooncaked.roles.conductor.view.cluster import ClusterView
 from mooncaked.rpc import RpcError
+from mooncaked.runtime.supervised import start_supervised, stop_task
 from mooncaked.store import cache_messages as msg
 from mooncaked.store.cache_records import CacheInfo
 
@@ -71,13 +72,11 @@ class CacheRegistry:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._refresh_loop(), name="cache-refresh")
+        self._task = start_supervised("cache-refresh", self._refresh_loop)
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await stop_task(task)
 
     # ---- the API -----------------------------------------------------------------------------------------
     async def create_cache(self, spec: CacheCreate) -> dict[str, Any]:

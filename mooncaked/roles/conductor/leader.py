@@ -8,7 +8,8 @@
    load = the larger of the measured step time / TBT SLO and the batch's fill. It feeds `SwitchPlanner`
    (sched/pd_switch.py: pd_ratio with hysteresis, confirmation and dwell time), and when that names an
    instance, sends it SWITCH and waits for the reply (the instance drains, switches, registers again).
-3. `stop()` cancels the loop; the candidacy goes with the lease when the membership stops.
+3. `stop()` cancels the loop (a supervised task: an unexpected exception is logged and the loop restarts); the
+   candidacy goes with the lease when the membership stops.
 
 Owns the planner, the loop task and the record of switches this conductor ordered. Borrows the view, the peer
 clients and the membership.
@@ -28,6 +29,7 @@ from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.view.cluster import ClusterView, WorkerState
 from mooncaked.roles.worker.switch_messages import SWITCH, SwitchRequest
 from mooncaked.rpc import RpcError
+from mooncaked.runtime.supervised import start_supervised, stop_task
 from mooncaked.sched.pd_ratio import PdRatioConfig
 from mooncaked.sched.pd_switch import SwitchCandidate, SwitchPlan, SwitchPlanner
 
@@ -74,13 +76,11 @@ class PdController:
 
     async def start(self) -> None:
         await self.membership.campaign()
-        self._task = asyncio.create_task(self._run(), name="pd-controller")
+        self._task = start_supervised("pd-controller", self._run)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        task, self._task = self._task, None
+        await stop_task(task)
 
     def describe(self) -> dict[str, Any]:
         decision = self.planner.last_decision

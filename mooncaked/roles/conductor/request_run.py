@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
@@ -44,6 +45,13 @@ from mooncaked.runtime.metrics import Metrics
 from mooncaked.sched.types import Placement
 
 logger = logging.getLogger(__name__)
+
+
+def attempt_id(request_id: str, num_migrations: int) -> str:
+    """The id an attempt goes by on the instances (reservation, KV pages, in-flight work): unique per attempt,
+    since the request id may be the client's own `X-Request-Id`, which other live requests may share. It starts
+    with the request id so that the instances' logs still name the client's."""
+    return f"{request_id}~{num_migrations}.{secrets.token_hex(8)}"
 
 
 class RunServices(Protocol):
@@ -118,7 +126,7 @@ class RequestRun:
         prepared, output = self.prepared, tuple(self.state.output_ids)
         sampling = dataclasses.replace(self.sampling, max_tokens=prepared.max_tokens - len(output),
                                        num_sampled=len(output))
-        leg_id = self.request_id if not self.num_migrations else f"{self.request_id}~{self.num_migrations}"
+        leg_id = attempt_id(self.request_id, self.num_migrations)
         token_ids = prepared.prompt_token_ids + output
         namespace = isolated_namespace(self.backend.namespace, prepared.key_isolation)
         keys = prepared.block_keys if not output else tuple(

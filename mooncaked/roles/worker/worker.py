@@ -99,7 +99,7 @@ class Worker:
         self.runner: ModelRunner | TensorParallelRunner | None = None
         self.tp: TensorParallelRunner | None = None  # model.tensor_parallel_size > 1: the ranks (tp_worker.py)
         self.rank_watch: RankWatch | None = None
-        self.failure: str | None = None  # why the instance cannot serve any more (a rank exited)
+        self.failure: str | None = None  # why the instance cannot serve any more (a rank exited, a loop failed)
         self.failed = asyncio.Event()  # set with `failure`: the role stops and exits non-zero
         self.copier: KVCopier | None = None
         self.sampler: Sampler | None = None
@@ -159,10 +159,11 @@ class Worker:
                                                        layers)
         assert tp.shard is not None
         self.tp, self.runner, self.loaded, self.kv_sizing = tp, tp, tp.shard.loaded, sizing
-        self.rank_watch = RankWatch(tp, self._fail)
+        self.rank_watch = RankWatch(tp, self.fail)
 
-    def _fail(self, reason: str) -> None:
-        """The instance cannot serve any more (a rank exited): its role stops and exits non-zero."""
+    def fail(self, reason: str) -> None:
+        """The instance cannot serve any more (a rank exited, a background loop failed): it reports unhealthy, and
+        its role stops and exits non-zero, so the process supervisor restarts it."""
         if self.failure is None:
             self.failure = reason
             logger.error("%s failed: %s; the instance stops", self.instance.name, reason)

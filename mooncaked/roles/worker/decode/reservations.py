@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import os
@@ -242,12 +241,15 @@ class ReservationBook:
 
     async def _end_store_handles(self, handle_ids: list[int], lease_id: int, delay_s: float) -> None:
         store = self.worker.local_store
-        with contextlib.suppress(Exception):  # else the store reclaims them at lease expiry
+        try:
             if lease_id:
                 await store.release([lease_id])
             await asyncio.sleep(delay_s)  # a cancelled prefill's writes in flight land in reserved space
             if handle_ids:
                 await store.abort(handle_ids)
+        except Exception as exc:
+            logger.warning("ending a reservation's store lease and %d handles failed (%s: %s); the store reclaims "
+                           "them when their lease expires", len(handle_ids), type(exc).__name__, exc)
 
     async def close(self) -> None:
         """Drop every reservation; deferred aborts are cancelled (the store reclaims those at lease expiry)."""
