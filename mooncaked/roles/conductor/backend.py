@@ -20,8 +20,8 @@ from mooncaked.config import Config
 from mooncaked.kv.keys import block_keys, isolated_namespace, model_namespace
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.class_metrics import ClassMetrics
-from mooncaked.roles.conductor.frontend import (ConductorRequest, ModelFrontend, generation_state, key_isolation,
-                                                prompt_token_ids, sampling_spec)
+from mooncaked.roles.conductor.frontend import (ConductorRequest, ModelFrontend, check_sampling_token_ids,
+                                                generation_state, key_isolation, prompt_token_ids, sampling_spec)
 from mooncaked.roles.conductor.leader import PdController
 from mooncaked.roles.conductor.request_run import RequestRun
 from mooncaked.roles.conductor.view.cluster import ClusterView
@@ -64,6 +64,7 @@ class ConductorBackend:
             if len(token_ids) + 1 > context:
                 raise context_too_long(len(token_ids), context)
             max_tokens = self._max_tokens(request, len(token_ids), context)
+            check_sampling_token_ids(self.model, request)
         except ApiError:
             self.metrics.requests.requests_total.labels(status="invalid").inc()
             raise
@@ -76,7 +77,11 @@ class ConductorBackend:
         room = context - num_prompt_tokens
         requested = request.sampling.max_tokens
         if requested is None:
-            return min(room, self.config.conductor.default_max_tokens)
+            max_tokens = min(room, self.config.conductor.default_max_tokens)
+            if request.sampling.min_tokens > max_tokens:
+                raise invalid_field("min_tokens", f"min_tokens ({request.sampling.min_tokens}) is more than the "
+                                    f"{max_tokens} tokens this request may generate; set max_tokens")
+            return max_tokens
         if requested > room:
             raise invalid_field("max_tokens", f"this model's maximum context length is {context} tokens and the "
                                 f"prompt has {num_prompt_tokens}, so max_tokens can be at most {room}; "

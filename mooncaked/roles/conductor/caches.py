@@ -28,7 +28,8 @@ from typing import Any
 
 from mooncaked.api.cache_routes import CacheCreate, cache_not_found
 from mooncaked.api.errors import ApiError, context_too_long, invalid_field, unavailable
-from mooncaked.api.requests import ChatRequest, CompletionRequest, SamplingOptions
+from mooncaked.api.requests import ChatRequest, CompletionRequest
+from mooncaked.api.sampling_options import SamplingOptions
 from mooncaked.config import Config
 from mooncaked.kv.keys import block_keys, isolated_namespace
 from mooncaked.roles.base import PeerClients

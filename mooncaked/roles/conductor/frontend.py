@@ -15,10 +15,10 @@ from mooncaked.api.errors import invalid_field
 from mooncaked.api.requests import ChatRequest, CompletionRequest
 from mooncaked.kv.keys import isolation_tag
 from mooncaked.model.chat_template import ChatTemplate, ChatTemplateError
-from mooncaked.model.sampler import SamplingParams
+from mooncaked.model.sampling_params import SamplingParams
 from mooncaked.model.stopping import GenerationState
 from mooncaked.model.tokenizer import TextTokenizer
-from mooncaked.roles.worker.messages import SamplingSpec
+from mooncaked.roles.worker.messages import SamplingSpec, TokenBias
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ def prompt_token_ids(model: ModelFrontend, request: CompletionRequest | ChatRequ
     """The token ids of a chat (rendered with the model's template) or of a prompt (text, or ids checked against
     the vocabulary); ApiError 400 naming the field at fault."""
     if isinstance(request, ChatRequest):
-        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        messages = [m.as_template_dict() for m in request.messages]
         try:
             text = model.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
         except ChatTemplateError as exc:
@@ -67,17 +67,33 @@ def key_isolation(request: CompletionRequest | ChatRequest) -> bytes:
                          cache_salt=request.cache_salt)
 
 
+def check_sampling_token_ids(model: ModelFrontend, request: CompletionRequest | ChatRequest) -> None:
+    """ApiError 400 naming `logit_bias` or `stop_token_ids` when they name a token outside the vocabulary."""
+    options = request.sampling
+    for name, token_ids in (("logit_bias", [t for t, _ in options.logit_bias]),
+                            ("stop_token_ids", list(options.stop_token_ids))):
+        bad = [t for t in token_ids if t >= model.vocab_size]
+        if bad:
+            raise invalid_field(name, f"token id {bad[0]} is outside the vocabulary [0, {model.vocab_size})")
+
+
 def sampling_spec(prepared: ConductorRequest, max_tokens: int) -> SamplingSpec:
     options = prepared.request.sampling
     return SamplingSpec(max_tokens=max_tokens, temperature=options.temperature, top_p=options.top_p,
-                        top_k=options.top_k, seed=options.seed, ignore_eos=options.ignore_eos,
-                        num_logprobs=prepared.request.num_logprobs, priority=prepared.request.priority,
-                        is_batch=prepared.request.is_batch)
+                        top_k=options.top_k, seed=options.seed, stop_token_ids=list(options.stop_token_ids),
+                        ignore_eos=options.ignore_eos, num_logprobs=prepared.request.num_logprobs,
+                        priority=prepared.request.priority, is_batch=prepared.request.is_batch,
+                        presence_penalty=options.presence_penalty, frequency_penalty=options.frequency_penalty,
+                        repetition_penalty=options.repetition_penalty, min_p=options.min_p,
+                        logit_bias=[TokenBias(t, b) for t, b in options.logit_bias], min_tokens=options.min_tokens)
 
 
 def generation_state(model: ModelFrontend, prepared: ConductorRequest) -> GenerationState:
     options = prepared.request.sampling
     params = SamplingParams(max_tokens=prepared.max_tokens, temperature=options.temperature, top_k=options.top_k,
                             top_p=options.top_p, seed=options.seed, stop=options.stop,
-                            ignore_eos=options.ignore_eos, logprobs=prepared.request.num_logprobs)
+                            stop_token_ids=options.stop_token_ids, ignore_eos=options.ignore_eos,
+                            logprobs=prepared.request.num_logprobs, min_tokens=options.min_tokens,
+                            include_stop_str_in_output=options.include_stop_str_in_output,
+                            skip_special_tokens=options.skip_special_tokens)
     return GenerationState(model.tokenizer, params, prepared.prompt_token_ids, model.eos_token_ids)

@@ -30,6 +30,14 @@ FINISH_LENGTH = "length"  # max_tokens reached
 
 
 @dataclass(frozen=True)
+class TokenBias(Message):
+    """One `logit_bias` entry: added to the token's logit before sampling."""
+
+    token_id: int
+    bias: float
+
+
+@dataclass(frozen=True)
 class SamplingSpec(Message):
     max_tokens: int
     temperature: float = 1.0
@@ -42,6 +50,14 @@ class SamplingSpec(Message):
     num_sampled: int = 0  # output tokens sampled before this leg (a migrated request's seed state)
     priority: int = 0  # lower first within its class (sched/priority.py orders the queues)
     is_batch: bool = False  # the batch class: behind every interactive request in the queues
+    # the sampling controls (model/logits_processing.py); penalties and min_tokens read the request's history: the
+    # leg's token_ids are the prompt followed by its last num_sampled tokens, the output streamed before this leg
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: list[TokenBias] = field(default_factory=list)
+    min_tokens: int = 0  # the request's, counted over its whole output (num_sampled included)
 
 
 @dataclass(frozen=True)

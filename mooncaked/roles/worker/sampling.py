@@ -1,8 +1,11 @@
 """From wire sampling specs to the model's sampler and back: the worker side of token selection.
 
-1. `to_params(spec)` builds the sampler's SamplingParams (its validation names the bad parameter).
-2. `sample_rows(worker, logits, params, generators)` samples one token per row on the compute thread and
-   returns wire `TokenSample`s with logprobs when asked.
+1. `to_params(spec, vocab_size)` builds the sampler's SamplingParams (its validation names the bad parameter;
+   a logit bias outside the vocabulary is refused too).
+2. `sample_rows(worker, logits, params, generators, histories)` samples one token per row on the compute thread
+   and returns wire `TokenSample`s with logprobs when asked. A row whose controls read the request's history
+   (penalties, min_tokens) gets it from `history_of`: a leg's token ids are the prompt followed by the
+   `num_sampled` tokens streamed before the leg, so every instance, after any migration, sees the whole output.
 3. A seeded request's k-th output token is sampled from a generator seeded by (seed, k) (`generator_at`,
    `reseed`), so sampling does not depend on which instance, or how many, produced the tokens before it:
    a request migrated mid-stream samples on exactly as it would have.
@@ -14,19 +17,38 @@ from collections.abc import Sequence
 
 import torch
 
-from mooncaked.model.sampler import SamplingParams, make_generator
+from mooncaked.model.logits_processing import TokenHistory
+from mooncaked.model.sampler import make_generator
+from mooncaked.model.sampling_params import SamplingParams
 from mooncaked.roles.worker.messages import SamplingSpec, TokenSample
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import InvalidArgument
 
 
-def to_params(spec: SamplingSpec) -> SamplingParams:
+def to_params(spec: SamplingSpec, vocab_size: int) -> SamplingParams:
     try:
-        return SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature, top_k=spec.top_k,
-                              top_p=spec.top_p, seed=spec.seed, stop_token_ids=tuple(spec.stop_token_ids),
-                              ignore_eos=spec.ignore_eos, logprobs=spec.num_logprobs)
+        params = SamplingParams(
+            max_tokens=spec.max_tokens, temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p,
+            seed=spec.seed, stop_token_ids=tuple(spec.stop_token_ids), ignore_eos=spec.ignore_eos,
+            logprobs=spec.num_logprobs, presence_penalty=spec.presence_penalty,
+            frequency_penalty=spec.frequency_penalty, repetition_penalty=spec.repetition_penalty, min_p=spec.min_p,
+            logit_bias=tuple((b.token_id, b.bias) for b in spec.logit_bias), min_tokens=spec.min_tokens)
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from None
+    outside = [t for t, _ in params.logit_bias] + list(params.stop_token_ids)
+    if any(t >= vocab_size for t in outside):
+        raise InvalidArgument(f"logit_bias and stop_token_ids must name token ids in [0, {vocab_size})")
+    return params
+
+
+def history_of(token_ids: Sequence[int], params: SamplingParams, num_sampled: int) -> TokenHistory | None:
+    """What the controls of a row after `token_ids` read: its last `num_sampled` tokens are output (None when
+    the request's controls read no history)."""
+    if not params.needs_history:
+        return None
+    if not 0 <= num_sampled <= len(token_ids):
+        raise InvalidArgument(f"num_sampled {num_sampled} does not fit the leg's {len(token_ids)} tokens")
+    return TokenHistory(token_ids, len(token_ids) - num_sampled)
 
 
 def seed_for_token(seed: int, index: int) -> int:
@@ -50,10 +72,11 @@ def generator_at(params: SamplingParams, index: int) -> torch.Generator | None:
 
 
 def sample_rows(worker: Worker, logits: torch.Tensor, params: Sequence[SamplingParams],
-                generators: Sequence[torch.Generator | None]) -> list[TokenSample]:
+                generators: Sequence[torch.Generator | None],
+                histories: Sequence[TokenHistory | None] | None = None) -> list[TokenSample]:
     """logits fp32 [S, vocab] -> S samples (compute thread)."""
     assert worker.sampler is not None
-    output = worker.sampler.sample(logits, params, generators)
+    output = worker.sampler.sample(logits, params, generators, histories)
     samples = []
     for token_id, logprobs in zip(output.token_ids, output.logprobs):
         if logprobs is None:

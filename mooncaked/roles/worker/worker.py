@@ -126,7 +126,7 @@ class Worker:
             self.kv_pages, self.instance.name, lambda name, data: self.engine.register(name, data, placement.location),
             self.engine.unregister, numa_node=placement.numa_node)
         self._register_pages(placement.location)
-        self.sampler = Sampler(seed=model.seed, device=self.loaded.device)
+        self.sampler = Sampler(seed=model.seed, device=self.loaded.device, eos_token_ids=self.loaded.eos_token_ids)
         self.namespace = model_namespace(self.loaded.model_id, model.dtype, block_size)
         self.local_store_name = await self._find_local_store()
         await self.store_client(self.local_store_name)
@@ -266,6 +266,11 @@ class Worker:
     @property
     def block_size(self) -> int:
         return self.config.kv.block_size
+
+    @property
+    def vocab_size(self) -> int:
+        assert self.loaded is not None, "start() first"
+        return self.loaded.args.vocab_size
 
     @property
     def num_pages(self) -> int:

@@ -61,6 +61,8 @@ async def test_prepare_tokenizes_resolves_max_tokens_and_keys(tmp_path: Path) ->
     ({"prompt": [5] * 1000, "max_tokens": 30}, 400, "max_tokens"),
     ({"prompt": [5, 400]}, 400, "prompt"),  # the tiny model's vocabulary has 320 tokens
     ({"prompt": []}, 400, "prompt"),
+    ({"prompt": [5], "logit_bias": {"320": 1}}, 400, "logit_bias"),
+    ({"prompt": [5], "stop_token_ids": [3, 320]}, 400, "stop_token_ids"),
 ])
 async def test_prepare_rejects_what_cannot_run(tmp_path: Path, body: dict[str, object], status: int,
                                                param: str) -> None:
@@ -69,6 +71,14 @@ async def test_prepare_rejects_what_cannot_run(tmp_path: Path, body: dict[str, o
         await backend.prepare(parse_completion_request(body, request_id="x", model_ids=backend.model_ids()))
     assert raised.value.status == status and raised.value.param == param
 
+
+
+async def test_min_tokens_beyond_the_default_max_tokens_is_a_400_naming_it(tmp_path: Path) -> None:
+    backend = make_backend(make_config(tmp_path, conductor={"default_max_tokens": 7}))
+    body = {"messages": [{"role": "user", "content": "hi"}], "min_tokens": 8}
+    with pytest.raises(ApiError) as raised:
+        await backend.prepare(parse_chat_request(body, request_id="x", model_ids=backend.model_ids()))
+    assert raised.value.status == 400 and raised.value.param == "min_tokens"
 
 
 def test_prompt_token_ids_of_a_generation_and_of_a_context_differ_by_the_generation_prompt(tmp_path: Path) -> None:

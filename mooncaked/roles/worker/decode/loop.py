@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 import torch
 
 from mooncaked.engine.batch import DecodeSeq, build_decode_batch
-from mooncaked.model.sampler import SamplingParams
+from mooncaked.model.sampling_params import SamplingParams
 from mooncaked.roles.worker.kv.request_kv import RequestKv
 from mooncaked.roles.worker.messages import FINISH_EOS, FINISH_LENGTH, TokenSample
-from mooncaked.roles.worker.sampling import reseed, sample_rows
+from mooncaked.roles.worker.sampling import history_of, reseed, sample_rows
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import Unavailable
 from mooncaked.runtime.supervised import start_supervised, stop_task
@@ -169,7 +169,8 @@ class DecodeLoop:
         logits = worker.runner.decode(decode_batch)
         for seq in batch:
             reseed(seq.generator, seq.params, seq.num_sampled_before + seq.num_generated)
-        samples = sample_rows(worker, logits, [s.params for s in batch], [s.generator for s in batch])
+        histories = [history_of(s.token_ids, s.params, s.num_sampled_before + s.num_generated) for s in batch]
+        samples = sample_rows(worker, logits, [s.params for s in batch], [s.generator for s in batch], histories)
         return samples, time.monotonic() - started
 
     def _deliver(self, batch: list[RunningSeq], samples: list[TokenSample]) -> None:

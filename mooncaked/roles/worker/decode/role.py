@@ -36,7 +36,7 @@ from mooncaked.roles.worker.messages import (DECODE, DecodeItem, DecodeRequest, 
                                              UnreserveReply, UnreserveRequest)
 from mooncaked.roles.worker.prefill.forward import run_prefill_forward
 from mooncaked.roles.worker.profiler import profile
-from mooncaked.roles.worker.sampling import to_params
+from mooncaked.roles.worker.sampling import history_of, to_params
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import CallContext, InvalidArgument, NotFound, ResourceExhausted
 from mooncaked.runtime.logs import request_id_var
@@ -233,7 +233,8 @@ class DecodeRole:
     # ---- 3. stream -------------------------------------------------------------------------------------
     async def _decode(self, request: DecodeRequest, ctx: CallContext) -> AsyncIterator[DecodeItem]:
         request_id_var.set(request.request_id)
-        params = to_params(request.sampling)
+        params = to_params(request.sampling, self.worker.vocab_size)
+        history_of(request.token_ids, params, request.sampling.num_sampled)
         reservation = self._claim(request)
         reservation.is_claimed = True
         num_cached_tokens = 0

@@ -34,7 +34,7 @@ from mooncaked.roles.worker.group.messages import (CPP_ABORT, CPP_CHUNK, CPP_STA
                                                    StageAbort, StageAbortReply, StageItem, StageRequest)
 from mooncaked.roles.worker.group.stage_job import StageFailed, StageJob, check_request, num_prefix_tokens, open_job
 from mooncaked.roles.worker.prefill.forward import PrefillCancelled
-from mooncaked.roles.worker.sampling import generator_at, sample_rows, to_params
+from mooncaked.roles.worker.sampling import generator_at, history_of, sample_rows, to_params
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import CallContext, Cancelled, InvalidArgument, RpcError, Unavailable
 from mooncaked.runtime.logs import request_id_var
@@ -275,9 +275,10 @@ class StageService:
         if job.sender is not None:
             job.sender.send(index, out)
         elif is_last_chunk:
-            params = to_params(job.request.sampling)
-            job.first_token = sample_rows(self.worker, out, [params],
-                                          [generator_at(params, job.request.sampling.num_sampled)])[0]
+            spec = job.request.sampling
+            params = to_params(spec, self.worker.vocab_size)
+            job.first_token = sample_rows(self.worker, out, [params], [generator_at(params, spec.num_sampled)],
+                                          [history_of(job.request.token_ids, params, spec.num_sampled)])[0]
 
 
 def _segment(request: ChunkRequest) -> SegmentRef:

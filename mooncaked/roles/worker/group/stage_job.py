@@ -20,7 +20,7 @@ from mooncaked.roles.worker.group.forward import ChunkSender
 from mooncaked.roles.worker.group.messages import StageRequest
 from mooncaked.roles.worker.kv.request_kv import RequestKv
 from mooncaked.roles.worker.messages import TokenSample
-from mooncaked.roles.worker.sampling import to_params
+from mooncaked.roles.worker.sampling import history_of, to_params
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import Internal, InvalidArgument, ResourceExhausted
 
@@ -93,7 +93,12 @@ def check_request(worker: Worker, stage: GroupStage, request: StageRequest, open
         worker.store_instance(span.store_name)
     if any(i >= request.num_prefix_blocks for s in request.sources for i in s.block_indices):
         raise InvalidArgument("sources name blocks beyond the reused prefix")
-    to_params(request.sampling)
+    params = to_params(request.sampling, worker.vocab_size)
+    if stage.is_last and params.needs_history:
+        if len(request.token_ids) != request.num_tokens:
+            raise InvalidArgument(f"the last stage samples with penalties or min_tokens: it needs the prompt's "
+                                  f"{request.num_tokens} token ids, got {len(request.token_ids)}")
+        history_of(request.token_ids, params, request.sampling.num_sampled)
 
 
 def open_job(worker: Worker, request: StageRequest, deadline: float) -> StageJob:

@@ -22,7 +22,7 @@ from mooncaked.engine.batch import build_prefill_batch, split_prefill_chunks
 from mooncaked.roles.worker.kv.plan import KvPlan
 from mooncaked.roles.worker.kv.request_kv import RequestKv
 from mooncaked.roles.worker.messages import SamplingSpec, TokenSample
-from mooncaked.roles.worker.sampling import generator_at, sample_rows, to_params
+from mooncaked.roles.worker.sampling import generator_at, history_of, sample_rows, to_params
 from mooncaked.roles.worker.worker import Worker
 
 
@@ -51,8 +51,9 @@ def run_prefill_forward(worker: Worker, plans: Sequence[KvPlan], specs: Sequence
             before_layer=lambda i: before_layer(worker, plans, i, is_first),
             after_layer=lambda i: after_layer(worker, plans, i, is_last))
     assert logits is not None
-    params = [to_params(spec) for spec in specs]
-    return sample_rows(worker, logits, params, [generator_at(p, s.num_sampled) for p, s in zip(params, specs)])
+    params = [to_params(spec, worker.vocab_size) for spec in specs]
+    return sample_rows(worker, logits, params, [generator_at(p, s.num_sampled) for p, s in zip(params, specs)],
+                       [history_of(plan.token_ids, p, s.num_sampled) for plan, p, s in zip(plans, params, specs)])
 
 
 class PrefillCancelled(Exception):

@@ -41,7 +41,7 @@ from mooncaked.roles.worker.prefill.forward import PrefillCancelled, run_prefill
 from mooncaked.roles.worker.prefill.load import PrefillLoad
 from mooncaked.roles.worker.prefill.queue import PrefillJob
 from mooncaked.roles.worker.profiler import profile
-from mooncaked.roles.worker.sampling import to_params
+from mooncaked.roles.worker.sampling import history_of, to_params
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import CallContext, InvalidArgument, RpcError, Unavailable
 from mooncaked.runtime.logs import request_id_var
@@ -197,7 +197,8 @@ class PrefillRole:
         if stage is not None and not stage.is_first:
             raise InvalidArgument(f"{self.instance.name} is {stage.describe()}; send PREFILL to its first stage "
                                   f"{stage.group.members[0]}")
-        to_params(request.sampling)  # invalid sampling parameters fail here, not inside a batch
+        params = to_params(request.sampling, self.worker.vocab_size)  # invalid ones fail here, not inside a batch
+        history_of(request.token_ids, params, request.sampling.num_sampled)
         plan = await plan_prompt_kv(self.worker, request.request_id, request.token_ids, request.block_keys,
                                     fetch_store=request.fetch_store, num_fetch_blocks=request.num_fetch_blocks,
                                     decode_store=request.decode_store, destinations=request.destinations,

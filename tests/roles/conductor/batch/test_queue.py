@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from mooncaked.api.requests import CompletionRequest, SamplingOptions
+from mooncaked.api.requests import CompletionRequest
+from mooncaked.api.sampling_options import SamplingOptions
 from mooncaked.roles.conductor.batch.lines import BatchLine
 from mooncaked.roles.conductor.batch.queue import BatchQueue, QueuedLine
 from mooncaked.roles.conductor.class_metrics import ClassMetrics

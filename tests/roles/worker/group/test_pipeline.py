@@ -27,6 +27,7 @@ from mooncaked.roles.worker.prefill.role import PrefillRole
 from mooncaked.runtime.lifecycle import Role
 from mooncaked.store.client import StoreClient
 from tests.roles.cluster_fixtures import cluster_config, instance, running_roles
+from tests.model.sampling_reference import reference_adjust
 from tests.roles.engine_reference import greedy_tokens
 
 GREEDY = SamplingSpec(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -159,6 +160,28 @@ async def test_greedy_decode_after_a_group_prefill_equals_the_reference(tmp_path
                                         timeout_s=30):
             out.extend(t.token_id for t in item.tokens)
         assert out == expected
+        assert_nothing_held(roles)
+
+
+async def test_the_last_stage_samples_with_penalties_over_the_request_history(tmp_path: Path) -> None:
+    """A migrated leg's prompt ends with the output streamed before it: the last stage, which alone samples, gets the
+    token ids and counts that output (frequency, presence) and the whole history (repetition) like one instance."""
+    config = group_config(tmp_path, 24)
+    tokens = prompt(9, 60)
+    num_output = 12
+    spec = SamplingSpec(max_tokens=1, temperature=0.0, ignore_eos=True, num_sampled=num_output,
+                        frequency_penalty=2.0, presence_penalty=1.0, repetition_penalty=1.5)
+
+    def adjust(row: list[float], output: list[int]) -> list[float]:
+        return reference_adjust(row, prompt=tokens[:-num_output], output=tokens[-num_output:] + output,
+                                repetition_penalty=1.5, frequency_penalty=2.0, presence_penalty=1.0)
+
+    expected = greedy_tokens(load_model("random:tiny"), tokens, 1, adjust=adjust)
+    async with cluster(config) as (roles, clients):
+        replies = [await clients.for_instance(config.instance_named(name)).call(
+            PREFILL, PrefillRequest(f"r-{name}", tokens, keys_for(config, tokens), spec), timeout_s=30)
+            for name in ("g0", "p2")]
+        assert [reply.first_token.token_id for reply in replies] == expected * 2
         assert_nothing_held(roles)
 
 
