@@ -115,6 +115,7 @@ def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
         state["lm_head.weight"] = _dense(model.lm_head)
     for i, layer in enumerate(model.layers):
         assert isinstance(layer, LlamaDecoderLayer)
+        assert layer.gate_up_proj is not None and layer.down_proj is not None, "a dense model's layers"
         p = f"model.layers.{i}."
         q, k, v = _dense(layer.qkv_proj).split([args.q_size, args.kv_size, args.kv_size])
         gate, up = _dense(layer.gate_up_proj).split(args.intermediate_size)

@@ -34,6 +34,8 @@ class ModelSection:
     cpu_packed_gemm: bool = True
     cuda_graphs: bool = False
     tensor_parallel_size: int = bounded(1, min=1, max=64, doc="ranks (processes; one GPU each on CUDA) per instance")
+    expert_parallel: bool = bounded(False, doc="MoE models with ranks: each rank holds n_experts / N whole experts "
+                                    "(else a slice of every expert)")
     share_weights: bool = True
     weight_cache_dir: Optional[str] = bounded(None, doc="null: $XDG_CACHE_HOME/mooncaked/weights, resolved at start")
     max_model_len: int = bounded(2048, min=16)

@@ -14,8 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from mooncaked.model.moe_args import MoEArgs
+
 # Hugging Face model_type of each supported family (model.families holds their differences).
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class ModelArgs:
     sliding_window: int | None = None  # keys a query sees in windowed layers (itself included); None: all
     full_attention_layers: tuple[int, ...] = ()  # layers exempt from sliding_window (Qwen's max_window_layers)
     rope_freq_factors: tuple[float, ...] | None = None  # per-frequency divisors (a GGUF's rope_freqs tensor)
+    moe: MoEArgs | None = None  # the sparse MLP of the layers moe.sparse_layers names (Qwen3-MoE); None: all dense
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -84,7 +87,7 @@ class ModelArgs:
             raise ValueError(f"model config: a {self.family} model cannot have qkv_bias={self.qkv_bias}, "
                              f"o_bias={self.o_bias}, mlp_bias={self.mlp_bias}, qk_norm={self.qk_norm}, "
                              f"sliding_window={self.sliding_window}, full_attention_layers="
-                             f"{self.full_attention_layers}")
+                             f"{self.full_attention_layers}, moe={self.moe}")
         if self.rope_freq_factors is not None and (len(self.rope_freq_factors) != self.head_dim // 2 or not all(
                 math.isfinite(f) and f > 0 for f in self.rope_freq_factors)):
             raise ValueError(f"model config: rope_freq_factors must be {self.head_dim // 2} positive numbers")
@@ -101,6 +104,9 @@ class ModelArgs:
         if any(not 0 <= i < self.num_layers for i in self.full_attention_layers):
             raise ValueError(f"model config: full_attention_layers {self.full_attention_layers} must be layer "
                              f"indices below num_layers ({self.num_layers})")
+        if self.moe is not None and any(i >= self.num_layers for i in self.moe.sparse_layers):
+            raise ValueError(f"model config: MoE layers {self.moe.sparse_layers} must be below num_layers "
+                             f"({self.num_layers})")
 
     @property
     def q_size(self) -> int:
@@ -146,20 +152,33 @@ class ModelArgs:
                        for i in range(self.num_layers)]
         options: dict[str, Any] = {"use_sliding_window": self.sliding_window is not None,
                                    "sliding_window": self.sliding_window, "layer_types": layer_types}
-        if self.family == "qwen3":
+        if self.family in ("qwen3", "qwen3_moe"):
             options["attention_bias"] = self.qkv_bias
+        if self.moe is not None:
+            options.update(_hf_moe_options(self.moe, self.num_layers))
         return options
+
+
+def _hf_moe_options(moe: MoEArgs, num_layers: int) -> dict[str, Any]:
+    """Qwen3-MoE's fields for `moe` (sparse layers given as mlp_only_layers, the complement)."""
+    return {"num_experts": moe.num_experts, "num_experts_per_tok": moe.num_experts_per_token,
+            "moe_intermediate_size": moe.intermediate_size, "norm_topk_prob": moe.norm_topk_prob,
+            "decoder_sparse_step": 1, "mlp_only_layers": [i for i in range(num_layers) if not moe.is_sparse(i)]}
 
 
 # What each family's transformers class can express (so to_hf_config is exact).
 _FAMILY_RULES: dict[str, Callable[[ModelArgs], bool]] = {
-    "llama": lambda a: a.o_bias == a.qkv_bias and not a.qk_norm and a.sliding_window is None,
-    "mistral": lambda a: not (a.qkv_bias or a.o_bias or a.mlp_bias or a.qk_norm or a.full_attention_layers),
-    "qwen2": lambda a: a.qkv_bias and not (a.o_bias or a.mlp_bias or a.qk_norm),
-    "qwen3": lambda a: a.qk_norm and a.o_bias == a.qkv_bias and not a.mlp_bias,
+    "llama": lambda a: a.o_bias == a.qkv_bias and not a.qk_norm and a.sliding_window is None and a.moe is None,
+    "mistral": lambda a: not (a.qkv_bias or a.o_bias or a.mlp_bias or a.qk_norm or a.full_attention_layers
+                              or a.moe),
+    "qwen2": lambda a: a.qkv_bias and not (a.o_bias or a.mlp_bias or a.qk_norm or a.moe),
+    "qwen3": lambda a: a.qk_norm and a.o_bias == a.qkv_bias and not a.mlp_bias and a.moe is None,
+    "qwen3_moe": lambda a: a.qk_norm and a.o_bias == a.qkv_bias and not a.mlp_bias and a.moe is not None and (
+        a.moe.scoring == "softmax" and a.moe.num_groups == 1 and a.moe.num_shared_experts == 0
+        and a.moe.routed_scaling_factor == 1.0 and not a.moe.has_correction_bias),
 }
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM"}
+                  "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -180,11 +199,21 @@ class ShardShape:
     vocab_size: int | None = None  # output head rows of this shard; None: every one (not split)
     vocab_offset: int = 0  # first output head row of this shard
     num_ranks: int = 1  # ranks the layer is split across; > 1: row-parallel outputs are all-reduced
+    num_experts: int = 0  # routed experts this shard holds (MoE layers)
+    expert_offset: int = 0  # first of them
+    expert_intermediate_size: int = 0  # columns of each held expert's MLP
+    expert_intermediate_offset: int = 0
+    shared_intermediate_size: int = 0  # columns of the shared experts' MLP
+    shared_intermediate_offset: int = 0
+    is_expert_parallel: bool = False  # experts partitioned across the ranks (else column-sharded)
 
     @classmethod
     def whole(cls, args: ModelArgs) -> ShardShape:
+        moe = args.moe
         return cls(num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
-                   intermediate_size=args.intermediate_size)
+                   intermediate_size=args.intermediate_size, num_experts=moe.num_experts if moe else 0,
+                   expert_intermediate_size=moe.intermediate_size if moe else 0,
+                   shared_intermediate_size=moe.shared_intermediate_size if moe else 0)
 
     @property
     def q_size(self) -> int:

@@ -1,12 +1,13 @@
 """Hugging Face `config.json` -> ModelArgs for the supported families, refusing what they cannot run.
 
 1. `args_from_hf_config(config)` reads the model_type and picks the family: llama (Llama 2/3/3.1/3.2),
-   mistral, qwen2 (Qwen2/2.5), qwen3 (dense). An architecture or option outside what the model definition
-   runs (another model_type, a MoE class, quantization, rope types other than llama3, activations other
+   mistral, qwen2 (Qwen2/2.5), qwen3 (dense), qwen3_moe (Qwen3-MoE). An architecture or option outside what the
+   model definition runs (another model_type, quantization, rope types other than llama3, activations other
    than SiLU, partial rotary) raises UnsupportedModel naming it.
 2. Every field is type-checked on the way (ConfigError names the key), so a hostile config.json gives a
    ValueError with a message, never a KeyError or TypeError.
-3. Each family's small differences (biases, q/k norm, sliding window layers) become ModelArgs fields.
+3. Each family's small differences (biases, q/k norm, sliding window layers, the experts and their router)
+   become ModelArgs fields.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from mooncaked.model.config import ModelArgs, RopeScaling
+from mooncaked.model.moe_args import MoEArgs
 from mooncaked.runtime.errors import StartupError
 
 # model_type -> the transformers class whose checkpoints we load
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 _SUPPORTED = ", ".join(f"{t} ({a})" for t, a in ARCHITECTURES.items())
 
 
@@ -119,6 +121,26 @@ def _qwen3_options(config: Mapping[str, Any], num_layers: int) -> dict[str, Any]
             **_qwen_window(config, num_layers)}
 
 
+def _qwen3_moe_options(config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """Qwen3's attention; layer i's MLP is sparse unless in mlp_only_layers, when (i + 1) % decoder_sparse_step
+    is 0 (transformers' rule); routing is softmax top-k, renormalized with norm_topk_prob."""
+    num_experts = _int(config, "num_experts") if "num_experts" in config else _int(config, "num_local_experts")
+    mlp_only = config.get("mlp_only_layers", [])
+    if not isinstance(mlp_only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in mlp_only):
+        raise ConfigError(f"config.json: mlp_only_layers must be a list of layer indices, got {mlp_only!r}")
+    step = _int(config, "decoder_sparse_step", 1)
+    if step <= 0:
+        raise ConfigError(f"config.json: decoder_sparse_step must be positive, got {step}")
+    sparse = tuple(i for i in range(num_layers) if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0)
+    if not sparse:
+        raise UnsupportedModel("config.json: no layer of this qwen3_moe model has experts (num_experts, "
+                               "decoder_sparse_step, mlp_only_layers); serve it as a dense qwen3 checkpoint")
+    moe = MoEArgs(num_experts=num_experts, num_experts_per_token=_int(config, "num_experts_per_tok"),
+                  intermediate_size=_int(config, "moe_intermediate_size"), sparse_layers=sparse,
+                  norm_topk_prob=_bool(config, "norm_topk_prob", False))
+    return {**_qwen3_options(config, num_layers), "moe": moe}
+
+
 def _qwen_window(config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
     """Qwen: a window only with use_sliding_window, on the layers layer_types (or max_window_layers) marks."""
     if not _bool(config, "use_sliding_window", False):
@@ -143,6 +165,7 @@ def _qwen_window(config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
 
 _FAMILY_OPTIONS: dict[str, Callable[[Mapping[str, Any], int], dict[str, Any]]] = {
     "llama": _llama_options, "mistral": _mistral_options, "qwen2": _qwen2_options, "qwen3": _qwen3_options,
+    "qwen3_moe": _qwen3_moe_options,
 }
 
 

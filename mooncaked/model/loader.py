@@ -55,7 +55,6 @@ from mooncaked.model.memory_fit import check_fits
 from mooncaked.model.packed_gemm import Packing
 from mooncaked.model.tensor_parallel import Slice, check_shardable, shard_shape
 from mooncaked.model.tokenizer import TextTokenizer, byte_level_test_tokenizer
-from mooncaked.model.weight_names import num_parameters as num_parameters  # the conductor's import path
 from mooncaked.model.weight_names import random_hf_state_dict
 from mooncaked.model.weights_gguf import GGUFModelFile
 from mooncaked.model.weights_hf import SafetensorsCheckpoint, read_hf_config
@@ -184,14 +183,14 @@ def _checked_placement(args: ModelArgs, placement: Placement, source: str) -> Pl
     if layers is not None and layers.num_layers != args.num_layers:
         raise ModelLoadError(f"{source} has {args.num_layers} layers, not the {layers.num_layers} its pipeline "
                              "stage was split from")
-    if shard is not None and shard != shard_shape(args, shard.rank, shard.num_ranks):
+    if shard is not None and shard != shard_shape(args, shard.rank, shard.num_ranks, shard.is_expert_parallel):
         raise ModelLoadError(f"{source}: the tensor-parallel shard {shard} does not match the model's heads")
     return placement
 
 
 def _build(args: ModelArgs, weights: WeightSource, dtype: torch.dtype, device: str, cache_dir: str | None,
            placement: Placement, packing: Packing) -> LlamaForCausalLM:
-    check_shardable(args, placement.num_ranks)
+    check_shardable(args, placement.num_ranks, placement.shard is not None and placement.shard.is_expert_parallel)
     check_fits(args, dtype, torch.device(device), packing, placement.label(weights.label), layers=placement.layers,
                num_ranks=placement.num_ranks)
     placement = _checked_placement(args, placement, weights.label)

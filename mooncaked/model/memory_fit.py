@@ -51,7 +51,8 @@ def weight_bytes(args: ModelArgs, dtype: torch.dtype, packing: Packing = "plain"
 
 
 def _is_sharded(name: str) -> bool:
-    return ("self_attn." in name or "mlp." in name) and "norm" not in name
+    """Split across tensor-parallel ranks (column- or row-wise, or whole experts); the MoE router is replicated."""
+    return ("self_attn." in name or "mlp." in name) and "norm" not in name and "mlp.gate." not in name
 
 
 def projection_bytes(args: ModelArgs, dtype: torch.dtype, layers: LayerRange | None = None) -> int:
@@ -67,9 +68,15 @@ def projection_bytes(args: ModelArgs, dtype: torch.dtype, layers: LayerRange | N
 def activation_bytes(args: ModelArgs, num_tokens: int, num_logit_rows: int, dtype: torch.dtype) -> int:
     """Transient bytes of a forward over `num_tokens` tokens producing `num_logit_rows` rows of logits: per token
     the residual stream, its normed copy and the attention output (3 x hidden), q/k/v before and after RoPE
-    (2 x qkv), the MLP's gate/up and product (3 x intermediate); fp32 logits and their softmax."""
+    (2 x qkv), the MLP's gate/up and product (3 x intermediate; a MoE layer's per chosen expert, plus its gathered
+    input and output rows); fp32 logits and their softmax."""
     qkv = args.q_size + 2 * args.kv_size
-    per_token = 3 * args.hidden_size + 2 * qkv + 3 * args.intermediate_size
+    mlp = 3 * args.intermediate_size
+    if args.moe is not None:
+        moe = args.moe
+        routed = moe.num_experts_per_token * (3 * moe.intermediate_size + 2 * args.hidden_size)
+        mlp = max(mlp, routed + 3 * moe.shared_intermediate_size)
+    per_token = 3 * args.hidden_size + 2 * qkv + mlp
     return num_tokens * per_token * dtype.itemsize + 2 * num_logit_rows * args.vocab_size * 4
 
 

@@ -54,7 +54,7 @@ def test_transformers_4_style_config() -> None:
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}, "model_type 'qwen3_moe'"),
+    ({"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}, "model_type 'mixtral'"),
     ({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}, "model_type 'gemma2'"),
     ({"model_type": None}, "model_type None"),
     ({"architectures": ["LlamaForSequenceClassification"]}, "LlamaForSequenceClassification"),
@@ -91,6 +91,23 @@ def test_bad_values_are_named(overrides: dict[str, Any], message: str) -> None:
         args_from_hf_config(_saved_config("llama", **overrides))
 
 
+@pytest.mark.parametrize("overrides, message", [
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok \\(9\\) exceeds the number of experts \\(8\\)"),
+    ({"moe_intermediate_size": 0}, "moe_intermediate_size must be positive"),
+    ({"mlp_only_layers": "1"}, "mlp_only_layers must be a list"),
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step must be positive"),
+    ({"num_experts_per_tok": None}, "num_experts_per_tok must be an integer"),
+])
+def test_bad_moe_values_are_named(overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        args_from_hf_config(_saved_config("qwen3_moe", **overrides))
+
+
+def test_moe_model_without_sparse_layers_is_refused() -> None:
+    with pytest.raises(UnsupportedModel, match="no layer of this qwen3_moe model has experts"):
+        args_from_hf_config(_saved_config("qwen3_moe", mlp_only_layers=[0, 1, 2]))
+
+
 def test_missing_required_key_is_named() -> None:
     config = _saved_config("mistral")
     del config["intermediate_size"]
@@ -106,7 +123,7 @@ _JSON_VALUES = st.recursive(
 
 
 @settings(max_examples=300, deadline=None)
-@given(model_type=st.sampled_from(["llama", "mistral", "qwen2", "qwen3"]), data=st.data())
+@given(model_type=st.sampled_from(["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"]), data=st.data())
 def test_hostile_configs_raise_value_errors_with_a_message(model_type: str, data: st.DataObject) -> None:
     config = copy.deepcopy(_saved_config(model_type))
     for _ in range(data.draw(st.integers(min_value=1, max_value=3))):
