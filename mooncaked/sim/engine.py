@@ -44,9 +44,9 @@ from collections.abc import Callable
 from typing import Any
 
 from mooncaked.sched.algorithm import SchedulerPolicy, prefill_model
-from mooncaked.sched.decode_admission import (WAITING_POLICIES, StepLimit, capacity_refusal, refusal_after_prefill,
-                                              rejection_reason, reserve_refusal)
-from mooncaked.sched.decode_memory import DecodeHold, forecast_refusal, num_pages_for
+from mooncaked.sched.decode_admission import (WAITING_POLICIES, capacity_refusal, refusal_after_prefill,
+                                              rejection_reason)
+from mooncaked.sched.decode_memory import num_pages_for
 from mooncaked.sched.inline import place
 from mooncaked.sched.prefill_batch import take_batch
 from mooncaked.sched.shadow_index import ShadowIndex
@@ -56,6 +56,7 @@ from mooncaked.sim.cluster import (DecodeInstance, DecodeSeq, HostStore, Prefill
 from mooncaked.sim.config import SimConfig
 from mooncaked.sim.costs import CostModel, build_cost_model
 from mooncaked.sim.decode_batch import admit_waiting, advance_one_token, kv_ready_at
+from mooncaked.sim.decode_reserve import DecodeReserve
 from mooncaked.sim.output_forecast import OutputForecast
 from mooncaked.sim.pool import PoolPolicies
 from mooncaked.sim.prefix_fetch import finish_fetch, reusable_blocks_at_start, start_fetch
@@ -73,6 +74,7 @@ class Simulator:
     def __init__(self, config: SimConfig, requests: list[TraceRequest]) -> None:
         self.config = config
         self.costs: CostModel = build_cost_model(config)
+        self.reserve = DecodeReserve(config, self.costs)
         self.policy = SchedulerPolicy(config.scheduler, self.costs.predictors)
         self.requests = requests
         self.index = ShadowIndex()
@@ -179,7 +181,7 @@ class Simulator:
         record = self.records[request.index]
         decode.reserved_pages[request.index] = num_pages_for(record.input_length, record.output_length,
                                                              decode.block_size)
-        decode.decode_s[request.index] = self._decode_s(decode, predicted)
+        decode.decode_s[request.index] = self.reserve.decode_s(decode, predicted)
         if predicted:
             self.predicted_tokens[request.index] = predicted
         if placement.prefill_instance:
@@ -205,30 +207,8 @@ class Simulator:
 
     def _reserve_refusal(self, decode: DecodeInstance, record: RequestRecord, placement: Placement, predicted: int,
                          now: float) -> str:
-        """The decode role's RESERVE rule ("" when it takes the request): under `early_rejection_predicted` the
-        forecast at the request's decode start (its pages then come as they free: the decode instance's page
-        queue), else its load now."""
-        config = self.config.scheduler
-        num_pages = num_pages_for(record.input_length, record.output_length, decode.block_size)
-        if config.admission == "early_rejection_predicted":
-            starts_at = now + placement.predicted_ttft_s
-            new = DecodeHold(num_pages, starts_at, starts_at + self._decode_s(decode, predicted))
-            return forecast_refusal(new, self._page_holds(decode, now), decode.num_pages, decode.max_num_running)
-        return reserve_refusal(config.admission, decode.load_now(), num_pages, record.input_length,
-                               decode.max_num_running, self._step_limit())
-
-    def _page_holds(self, decode: DecodeInstance, now: float) -> tuple[DecodeHold, ...]:
-        step_s = self.costs.predictors.decode.predict(len(decode.running) + 1, decode.num_context_tokens)
-        return decode.page_holds(now, self.predicted_tokens, step_s)
-
-    def _decode_s(self, decode: DecodeInstance, predicted: int) -> float:
-        """A request's predicted decode time there: its predicted output at the step now (t_d without one)."""
-        if not predicted:
-            return self.config.scheduler.decode_time_s
-        return predicted * self.costs.predictors.decode.predict(len(decode.running) + 1, decode.num_context_tokens)
-
-    def _step_limit(self) -> StepLimit:
-        return StepLimit(self.costs.predictors.decode, 0.0, self.config.scheduler.tbt_slo_s)
+        return self.reserve.refusal(decode, record.input_length, record.output_length, placement.predicted_ttft_s,
+                                    predicted, self.predicted_tokens, now)
 
     def _decode_view(self, decode: DecodeInstance, is_predicted: bool, now: float) -> DecodeInstanceView:
         if not self.forecast.is_enabled:
@@ -238,7 +218,8 @@ class Simulator:
             view = decode.view(is_predicted, self.predicted_tokens, step_s)
         if not is_predicted:
             return view
-        return dataclasses.replace(view, num_pages=decode.num_pages, page_holds=self._page_holds(decode, now))
+        page_holds = self.reserve.page_holds(decode, now, self.predicted_tokens)
+        return dataclasses.replace(view, num_pages=decode.num_pages, page_holds=page_holds)
 
     def _place(self, now: float, request: TraceRequest, placement: Placement, record: RequestRecord) -> None:
         instance = self.prefill_by_id[placement.prefill_instance]
@@ -323,7 +304,7 @@ class Simulator:
             self._finish(record, now, 0.0)
             return
         refusal = refusal_after_prefill(self.config.scheduler.admission, len(decode.running),
-                                        decode.num_context_tokens, job.num_prompt_tokens, self._step_limit())
+                                        decode.num_context_tokens, job.num_prompt_tokens, self.reserve.step_limit())
         if refusal:  # admission `baseline`: the decode instance checks its load only now; the prefill is wasted
             record.rejection_reason = REASON_DECODE_REFUSED
             record.wasted_prefill = True

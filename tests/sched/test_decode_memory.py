@@ -39,3 +39,12 @@ def test_the_forecast_refuses_exactly_when_some_moment_of_the_new_hold_overflows
     peak_pages, peak_seqs = peak_use(holds, float(start), float(start + duration))
     assert peak_pages == max(sum(h.num_pages for h in m) for m in moments)
     assert peak_seqs == max(len(m) for m in moments)
+
+
+def test_the_conductor_the_decode_role_and_the_simulator_forecast_with_this_rule() -> None:
+    from mooncaked.roles.worker.decode import admission as decode_admission
+    from mooncaked.sched import admission
+    from mooncaked.sim import decode_reserve
+
+    assert admission.forecast_refusal is forecast_refusal  # select_decode's room, which the conductor runs
+    assert decode_admission.forecast_refusal is forecast_refusal and decode_reserve.forecast_refusal is forecast_refusal
