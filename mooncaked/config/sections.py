@@ -195,6 +195,11 @@ class PdControllerSection:
     num_confirm: int = bounded(3, min=1, max=1000)
     dwell_s: float = bounded(10.0, min=0.0)
     switch_timeout_s: float = bounded(30.0, min=0.1)
+    horizon_s: float = bounded(60.0, min=0.1)
+    gain_margin: float = bounded(2.0, min=0.0)
+    switch_cost_s: float = bounded(5.0, min=0.0)
+    dwell_per_cost: float = bounded(3.0, min=0.0)
+    reversal_factor: float = bounded(2.0, min=1.0)
 
 
 class ConfigError(StartupError):
