@@ -6,7 +6,9 @@
 2. While a connection is idle, its first byte starts the request's clock: the request's headers must be complete
    (the app's `middleware` sees the request) within `client_timeout_s`, or the connection is closed.
 3. Handlers read the body with `read_body`, which gives up at the same deadline: a 408, written at once, and the
-   connection closes (aiohttp would otherwise linger, reading the rest of the body).
+   connection closes (aiohttp would otherwise linger, reading the rest of the body). A body read as a stream (an
+   upload) goes through `read_step` instead: each step (the next part, the next chunk) must arrive within
+   `client_timeout_s` of the previous one, so a large upload may take long but never stall.
 4. When the response is done the connection is idle again; bytes that arrived meanwhile (a pipelined request)
    start the next clock at once.
 Each cut-off and refusal is logged with the client's address, at most once per address and reason every
@@ -24,7 +26,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from aiohttp import web
 
@@ -35,6 +37,7 @@ logger = logging.getLogger(__name__)
 LOG_INTERVAL_S = 10.0
 CLOSE_LINGER_S = 1.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+T = TypeVar("T")
 
 
 @dataclass
@@ -99,12 +102,26 @@ class ClientGuard:
             async with asyncio.timeout_at(deadline):
                 return await request.read()
         except TimeoutError:
+            raise self._cut_off(connection, "did not arrive within") from None
+
+    async def read_step(self, request: web.Request, step: Awaitable[T]) -> T:
+        """One step of a body read as a stream; a 408 (the connection closes) when it takes over client_timeout_s."""
+        try:
+            async with asyncio.timeout(self.client_timeout_s):
+                return await step
+        except TimeoutError:
+            connection = self._connections.get(request.transport) if request.transport is not None else None
+            raise self._cut_off(connection, "made no progress for") from None
+
+    def _cut_off(self, connection: _Connection | None, how: str) -> ApiError:
+        address = connection.address if connection is not None else "a client"
+        if connection is not None:
             connection.is_cut_off = True
-            self.num_cut_off += 1
-            self._log(connection.address, "body", "conductor: cut off %s: its request body did not arrive within "
-                      "conductor.client_timeout_s (%.1f s)", connection.address, self.client_timeout_s)
-            raise ApiError(408, f"The request body did not arrive within {self.client_timeout_s:g} s; send it "
-                           "faster.", code="request_timeout") from None
+        self.num_cut_off += 1
+        self._log(address, "body", "conductor: cut off %s: its request body %s conductor.client_timeout_s (%.1f s)",
+                  address, how, self.client_timeout_s)
+        return ApiError(408, f"The request body {how} {self.client_timeout_s:g} s; send it faster.",
+                        code="request_timeout")
 
     # ---- the connection's side ----------------------------------------------------------------------------
     def _admit(self, connection: _Connection, transport: asyncio.BaseTransport) -> bool:
