@@ -80,7 +80,7 @@ class CacheRegistry:
 
     # ---- the API -----------------------------------------------------------------------------------------
     async def create_cache(self, spec: CacheCreate) -> dict[str, Any]:
-        token_ids = prompt_token_ids(self.model, spec.context, add_generation_prompt=False)
+        token_ids = await prompt_token_ids(self.model, spec.context, add_generation_prompt=False)
         block_size = self.config.kv.block_size
         if len(token_ids) < block_size:
             raise invalid_field("messages" if isinstance(spec.context, ChatRequest) else "prompt",
