@@ -12,7 +12,9 @@
 4. When the response is done the connection is idle again; bytes that arrived meanwhile (a pipelined request)
    start the next clock at once.
 Each cut-off and refusal is logged with the client's address, at most once per address and reason every
-LOG_INTERVAL_S (with the number left unlogged), so a flood of slow clients cannot flood the log.
+LOG_INTERVAL_S (with the number left unlogged), so a flood of slow clients cannot flood the log; an address not
+logged for LOG_INTERVAL_S is forgotten (its unlogged count, if any, logged then), so the bookkeeping holds only
+recent addresses however many clients come and go.
 
 Owner: the conductor role owns one ClientGuard; the guard owns the per-connection states (by transport).
 """
@@ -56,7 +58,8 @@ class _Connection:
 class ClientGuard:
     """See the module docstring."""
 
-    def __init__(self, *, client_timeout_s: float, max_connections_per_client: int) -> None:
+    def __init__(self, *, client_timeout_s: float, max_connections_per_client: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if not client_timeout_s > 0 or max_connections_per_client < 1:
             raise ValueError("client_timeout_s must be > 0 and max_connections_per_client >= 1")
         self.client_timeout_s = client_timeout_s
@@ -65,8 +68,10 @@ class ClientGuard:
         self.num_cut_off = 0
         self.num_refused = 0
         self._connections: dict[asyncio.BaseTransport, _Connection] = {}
+        self._clock = clock
         self._last_logged: dict[tuple[str, str], float] = {}
         self._num_unlogged: Counter[tuple[str, str]] = Counter()
+        self._last_swept = clock()
 
     def wrap(self, inner: asyncio.Protocol) -> asyncio.Protocol:
         return _Guarded(self, inner)
@@ -165,7 +170,8 @@ class ClientGuard:
         connection.protocol.abort()
 
     def _log(self, address: str, reason: str, message: str, *args: Any) -> None:
-        now, key = time.monotonic(), (address, reason)
+        now, key = self._clock(), (address, reason)
+        self._forget_quiet_addresses(now)
         if now - self._last_logged.get(key, -LOG_INTERVAL_S) < LOG_INTERVAL_S:
             self._num_unlogged[key] += 1
             return
@@ -173,6 +179,18 @@ class ClientGuard:
         unlogged = self._num_unlogged.pop(key, 0)
         suffix = f" ({unlogged} more like it in the last {LOG_INTERVAL_S:g} s)" if unlogged else ""
         logger.warning(message + suffix, *args)
+
+    def _forget_quiet_addresses(self, now: float) -> None:
+        """Once per LOG_INTERVAL_S: drop addresses logged longer ago than that, reporting what they left unlogged."""
+        if now - self._last_swept < LOG_INTERVAL_S:
+            return
+        self._last_swept = now
+        for key in [key for key, logged_at in self._last_logged.items() if now - logged_at >= LOG_INTERVAL_S]:
+            del self._last_logged[key]
+            num_unlogged = self._num_unlogged.pop(key, 0)
+            if num_unlogged:
+                logger.warning("conductor: %d more cut-offs or refusals (%s) of %s were not logged", num_unlogged,
+                               key[1], key[0])
 
 
 class _Guarded(asyncio.Protocol):

@@ -26,6 +26,7 @@ MAX_STOP_SEQUENCES = 16
 MAX_LOGPROBS = 20
 MAX_CACHE_SALT_CHARS = 1024
 MAX_SEED = 2**63 - 1  # a torch generator's seed
+MAX_TOP_K = 1 << 20  # more than any vocabulary holds: a larger top_k would mean nothing more
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1  # `priority` is an int32, as vLLM's
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -187,7 +188,7 @@ def _read_model(body: Mapping[str, Any], model_ids: Sequence[str]) -> str:
 
 
 def _read_sampling(body: Mapping[str, Any], max_tokens: int | None) -> SamplingOptions:
-    top_k = read_int(body, "top_k", 0, lo=-1)
+    top_k = read_int(body, "top_k", 0, lo=-1, hi=MAX_TOP_K)
     return SamplingOptions(
         max_tokens=max_tokens,
         temperature=read_float(body, "temperature", 1.0, lo=0.0, hi=2.0),
