@@ -190,13 +190,13 @@ class _SteadyPart:
         self.request = request
         self.part = part
 
-    async def read_chunk(self, size: int = BodyPartReader.chunk_size) -> bytes:
+    async def next_chunk(self, size: int) -> bytes:
         return await read_body_step(self.request, self.part.read_chunk(size))
 
 
 async def _read_field(part: _SteadyPart, name: str | None) -> str:
     data = bytearray()
-    while chunk := await part.read_chunk(MAX_FIELD_BYTES):
+    while chunk := await part.next_chunk(MAX_FIELD_BYTES):
         data += chunk
         if len(data) > MAX_FIELD_BYTES:
             raise invalid_field(name or "form", f"a form field may hold at most {MAX_FIELD_BYTES} bytes")

@@ -100,11 +100,11 @@ class ClientGuard:
     async def read_body(self, request: web.Request) -> bytes:
         """The request body, or a 408 (the connection closes) once the request's deadline has passed."""
         connection = self._connections.get(request.transport) if request.transport is not None else None
-        if connection is None or connection.request_started_at is None:
-            return await request.read()
-        deadline = connection.request_started_at + self.client_timeout_s
+        started_at = connection.request_started_at if connection is not None else None
+        if started_at is None:  # a request the guard's protocol did not clock: its clock starts now
+            started_at = asyncio.get_running_loop().time()
         try:
-            async with asyncio.timeout_at(deadline):
+            async with asyncio.timeout_at(started_at + self.client_timeout_s):
                 return await request.read()
         except TimeoutError:
             raise self._cut_off(connection, "did not arrive within") from None
