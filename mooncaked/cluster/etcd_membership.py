@@ -32,6 +32,7 @@ import logging
 import random
 import time
 
+from mooncaked.cluster.etcd_access import etcd_auth, etcd_ssl_context
 from mooncaked.cluster.etcd_client import EtcdClient, EtcdError, KeyValue, WatchEvent
 from mooncaked.cluster.membership import Listener, MemberRecord, MemberState, MembershipStatus, MemberTable
 from mooncaked.config import Config, InstanceConfig
@@ -46,7 +47,8 @@ class EtcdMembership:
     def __init__(self, config: Config, me: InstanceConfig | None) -> None:
         self.etcd_config = config.cluster.etcd
         self.me = me
-        self.client = EtcdClient(self.etcd_config.endpoints, self.etcd_config.call_timeout_s)
+        self.client = EtcdClient(self.etcd_config.endpoints, self.etcd_config.call_timeout_s,
+                                 ssl_context=etcd_ssl_context(self.etcd_config), auth=etcd_auth(self.etcd_config))
         base = f"{self.etcd_config.prefix.rstrip('/')}/{config.cluster.id}/"
         self.instances_prefix = (base + "instances/").encode()
         self.election_prefix = (base + "election/").encode()

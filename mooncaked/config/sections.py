@@ -76,6 +76,7 @@ class TransferSection:
     tcp_frame_bytes: int = bounded(16 << 20, min=4096)
     tcp_send_buffer_bytes: int = bounded(256 << 10, min=0)
     io_timeout_s: float = bounded(10.0, min=0.01)
+    idle_timeout_s: float = bounded(300.0, min=1.0, max=86_400.0)
     timeout_s: float = bounded(30.0, min=0.01)
     sysfs_root: str = "/sys"
     topology: Optional[dict[str, Any]] = None

@@ -63,6 +63,7 @@ class StoreServiceConfig:
     ssd_dir: str | None = None
     ssd_bytes: int = 0
     max_lease_ms: int = 600_000
+    max_pin_ms: int = 86_400_000  # longest PIN (a context cache's longest TTL: conductor.max_cache_ttl_s)
     max_events: int = 100_000
     maintenance_interval_s: float = 0.5
     stop_timeout_s: float = 5.0
@@ -196,6 +197,8 @@ class StoreService:
         return msg.ReleaseReply(self.core.release(request.lease_ids))
 
     async def pin(self, request: msg.PinRequest, ctx: object) -> msg.PinReply:
+        if not 0 < request.ttl_ms <= self.config.max_pin_ms:
+            raise InvalidArgument(f"ttl_ms must be in 1..{self.config.max_pin_ms}, got {request.ttl_ms}")
         return msg.PinReply(self._call(lambda: self.core.pin(request.keys, request.ttl_ms, self.clock())))
 
     async def unpin(self, request: msg.UnpinRequest, ctx: object) -> msg.UnpinReply:

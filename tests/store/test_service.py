@@ -139,6 +139,9 @@ async def test_bad_requests_map_to_rpc_errors(tmp_path: Path) -> None:
     await service.start()
     with pytest.raises(InvalidArgument, match="lease_ms"):
         await service.allocate(msg.AllocateRequest([key(1)], BLOCK, 0), Ctx(0))
+    for ttl_ms in (0, 10**15):  # a pin held for ever is a leak
+        with pytest.raises(InvalidArgument, match=r"ttl_ms must be in 1\.\.86400000"):
+            await service.pin(msg.PinRequest([key(1)], ttl_ms), Ctx(0))
     with pytest.raises(InvalidArgument, match="16 bytes"):
         await service.lookup(msg.LookupRequest([b"x"]), Ctx(0))
     with pytest.raises(NotFound, match="not outstanding"):

@@ -57,7 +57,7 @@ class ConductorBackend:
         arrival_time = time.monotonic()
         request_id_var.set(request.request_id)
         try:
-            token_ids = prompt_token_ids(self.model, request, add_generation_prompt=True)
+            token_ids = await prompt_token_ids(self.model, request, add_generation_prompt=True)
             if not token_ids:  # only a prompt of no token ids: text and chats always have some
                 raise invalid_field("prompt", "the prompt has no tokens")
             context = self.model.context_length

@@ -64,6 +64,7 @@ from mooncaked.runtime.numa import allowed_memory_nodes
 from mooncaked.sched.perf_model import PerformanceModel
 from mooncaked.store.client import StoreClient
 from mooncaked.store.move_ends import Staging
+from mooncaked.store.shm_pool import pool_path
 
 logger = logging.getLogger(__name__)
 
@@ -242,8 +243,15 @@ class Worker:
                 peer = self.store_instance(store_name)
                 rpc = self.peers.for_instance(peer)
                 self._stores[store_name] = await StoreClient.connect(
-                    rpc, host=self.instance.host, engine=self.engine, timeout_s=self.config.transfer.timeout_s)
+                    rpc, host=self.instance.host, pool_path=self.pool_path_of(peer), engine=self.engine,
+                    timeout_s=self.config.transfer.timeout_s)
             return self._stores[store_name]
+
+    def pool_path_of(self, store: InstanceConfig) -> str:
+        """Where the store's pool file is on its host, from this worker's own config (never from the store): its
+        entry in cluster.instances with its settings, else the common store section."""
+        configured = next((i for i in self.config.cluster.instances if i.name == store.name), store)
+        return pool_path(self.config.cluster.id, store.name, self.config.role_section(configured).shm_dir)
 
     def store_instance(self, store_name: str) -> InstanceConfig:
         """The configured store called `store_name`; InvalidArgument for anything else (it came off the wire)."""
