@@ -252,5 +252,5 @@ def _loaded(model: LlamaForCausalLM, tokenizer: TextTokenizer, template: ChatTem
             eos_ids: tuple[int, ...], model_id: str) -> LoadedModel:
     unique_eos = tuple(dict.fromkeys(eos_ids + tokenizer.eos_token_ids))
     return LoadedModel(model=model, args=model.args, tokenizer=tokenizer, chat_template=template,
-                       eos_token_ids=unique_eos, context_length=model.args.max_position_embeddings,
+                       eos_token_ids=unique_eos, context_length=model.args.context_length,
                        model_id=model_id, dtype=model.dtype, device=model.device)
