@@ -2,8 +2,9 @@
 
 1. `args_from_hf_config(config)` reads the model_type and picks the family: llama (Llama 2/3/3.1/3.2),
    mistral, qwen2 (Qwen2/2.5), qwen3 (dense), qwen3_moe (Qwen3-MoE). An architecture or option outside what the
-   model definition runs (another model_type, quantization, rope types other than llama3, yarn, linear and
-   dynamic, activations other than SiLU, partial rotary) raises UnsupportedModel naming it.
+   model definition runs (another model_type, quantization but block FP8 (model.fp8_blocks), rope types other
+   than llama3, yarn, linear and dynamic, activations other than SiLU, partial rotary) raises UnsupportedModel
+   naming it.
 2. Every field is type-checked on the way (ConfigError names the key), so a hostile config.json gives a
    ValueError with a message, never a KeyError or TypeError.
 3. Each family's small differences (biases, q/k norm, sliding window layers, the experts and their router)
@@ -16,6 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from mooncaked.model.config import ModelArgs
+from mooncaked.model.fp8_blocks import Fp8FormatError, fp8_format
 from mooncaked.model.moe_args import MoEArgs
 from mooncaked.model.rope_scaling import DynamicScaling, Llama3Scaling, LinearScaling, RopeScaling, YarnScaling
 from mooncaked.runtime.errors import StartupError
@@ -60,8 +62,13 @@ def _refuse_unsupported_options(config: Mapping[str, Any]) -> None:
     if config.get("quantization_config") is not None:
         quant = config["quantization_config"]
         method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
-        raise UnsupportedModel(f"quantization_config (quant_method {method!r}) is not supported; serve an "
-                               "unquantized (bf16/fp16/fp32) checkpoint or a GGUF file")
+        if method != "fp8" or not isinstance(quant, Mapping):
+            raise UnsupportedModel(f"quantization_config (quant_method {method!r}) is not supported; serve an "
+                                   "unquantized (bf16/fp16/fp32) or FP8 block-quantized checkpoint, or a GGUF file")
+        try:
+            fp8_format(quant)
+        except Fp8FormatError as exc:
+            raise UnsupportedModel(str(exc)) from exc
     activation = config.get("hidden_act", "silu")
     if activation != "silu":
         raise UnsupportedModel(f"hidden_act {activation!r} is not supported; only 'silu'")
