@@ -15,28 +15,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mooncaked.model.moe_args import MoEArgs
+from mooncaked.model.rope_scaling import DynamicScaling, Llama3Scaling, LinearScaling, RopeScaling, YarnScaling
 
 # Hugging Face model_type of each supported family (model.families holds their differences).
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Llama-3 style frequency scaling (`rope_type: llama3`); other types are rejected at parse time."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-
-    def __post_init__(self) -> None:
-        if not (self.factor > 0 and 0 < self.low_freq_factor < self.high_freq_factor):
-            raise ValueError(f"model config: llama3 rope scaling needs factor > 0 and 0 < low_freq_factor < "
-                             f"high_freq_factor, got {self}")
-        if not (self.original_max_position_embeddings > 0 and all(map(math.isfinite, (
-                self.factor, self.low_freq_factor, self.high_freq_factor)))):
-            raise ValueError(f"model config: llama3 rope scaling needs finite factors and "
-                             f"original_max_position_embeddings > 0, got {self}")
 
 
 @dataclass(frozen=True)
@@ -116,6 +98,15 @@ class ModelArgs:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def context_length(self) -> int:
+        """Positions the model serves: max_position_embeddings, or YaRN's extended context where that is longer
+        (Qwen2.5/Qwen3 long-context configs keep max_position_embeddings at the original length)."""
+        s = self.rope_scaling
+        if isinstance(s, YarnScaling):
+            return max(self.max_position_embeddings, int(s.factor * s.original_max_position_embeddings))
+        return self.max_position_embeddings
+
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         """The attention window of layer `layer_idx` (None: it sees every earlier token)."""
         return None if layer_idx in self.full_attention_layers else self.sliding_window
@@ -135,12 +126,7 @@ class ModelArgs:
         }
         config.update(self._hf_family_options())
         if self.rope_scaling is not None:
-            s = self.rope_scaling
-            config["rope_scaling"] = {
-                "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-                "high_freq_factor": s.high_freq_factor,
-                "original_max_position_embeddings": s.original_max_position_embeddings,
-            }
+            config["rope_scaling"] = _hf_rope_scaling(self.rope_scaling)
         return config
 
     def _hf_family_options(self) -> dict[str, Any]:
@@ -157,6 +143,22 @@ class ModelArgs:
         if self.moe is not None:
             options.update(_hf_moe_options(self.moe, self.num_layers))
         return options
+
+
+def _hf_rope_scaling(s: RopeScaling) -> dict[str, Any]:
+    if isinstance(s, Llama3Scaling):
+        return {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_position_embeddings}
+    if isinstance(s, YarnScaling):
+        optional = {"mscale": s.mscale, "mscale_all_dim": s.mscale_all_dim, "attention_factor": s.attention_factor}
+        return {"rope_type": "yarn", "factor": s.factor,
+                "original_max_position_embeddings": s.original_max_position_embeddings, "beta_fast": s.beta_fast,
+                "beta_slow": s.beta_slow, "truncate": s.truncate,
+                **{key: value for key, value in optional.items() if value is not None}}
+    rope_type = "linear" if isinstance(s, LinearScaling) else "dynamic"
+    assert isinstance(s, (LinearScaling, DynamicScaling))
+    return {"rope_type": rope_type, "factor": s.factor}
 
 
 def _hf_moe_options(moe: MoEArgs, num_layers: int) -> dict[str, Any]:

@@ -2,8 +2,9 @@
 
 1. `args_from_hf_config(config)` reads the model_type and picks the family: llama (Llama 2/3/3.1/3.2),
    mistral, qwen2 (Qwen2/2.5), qwen3 (dense), qwen3_moe (Qwen3-MoE). An architecture or option outside what the
-   model definition runs (another model_type, quantization, rope types other than llama3, activations other
-   than SiLU, partial rotary) raises UnsupportedModel naming it.
+   model definition runs (another model_type, quantization but block FP8 (model.fp8_blocks), rope types other
+   than llama3, yarn, linear and dynamic, activations other than SiLU, partial rotary) raises UnsupportedModel
+   naming it.
 2. Every field is type-checked on the way (ConfigError names the key), so a hostile config.json gives a
    ValueError with a message, never a KeyError or TypeError.
 3. Each family's small differences (biases, q/k norm, sliding window layers, the experts and their router)
@@ -15,8 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from mooncaked.model.config import ModelArgs, RopeScaling
+from mooncaked.model.config import ModelArgs
+from mooncaked.model.fp8_blocks import Fp8FormatError, fp8_format
 from mooncaked.model.moe_args import MoEArgs
+from mooncaked.model.rope_scaling import DynamicScaling, Llama3Scaling, LinearScaling, RopeScaling, YarnScaling
 from mooncaked.runtime.errors import StartupError
 
 # model_type -> the transformers class whose checkpoints we load
@@ -51,7 +54,7 @@ def args_from_hf_config(config: Mapping[str, Any]) -> ModelArgs:
         return _build(model_type, config)
     except (ConfigError, UnsupportedModel):
         raise
-    except ValueError as exc:  # ModelArgs / RopeScaling validation
+    except ValueError as exc:  # ModelArgs / MoEArgs / rope scaling validation
         raise ConfigError(str(exc)) from exc
 
 
@@ -59,8 +62,13 @@ def _refuse_unsupported_options(config: Mapping[str, Any]) -> None:
     if config.get("quantization_config") is not None:
         quant = config["quantization_config"]
         method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
-        raise UnsupportedModel(f"quantization_config (quant_method {method!r}) is not supported; serve an "
-                               "unquantized (bf16/fp16/fp32) checkpoint or a GGUF file")
+        if method != "fp8" or not isinstance(quant, Mapping):
+            raise UnsupportedModel(f"quantization_config (quant_method {method!r}) is not supported; serve an "
+                                   "unquantized (bf16/fp16/fp32) or FP8 block-quantized checkpoint, or a GGUF file")
+        try:
+            fp8_format(quant)
+        except Fp8FormatError as exc:
+            raise UnsupportedModel(str(exc)) from exc
     activation = config.get("hidden_act", "silu")
     if activation != "silu":
         raise UnsupportedModel(f"hidden_act {activation!r} is not supported; only 'silu'")
@@ -81,6 +89,7 @@ def _build(model_type: str, config: Mapping[str, Any]) -> ModelArgs:
     num_layers = _int(config, "num_hidden_layers")
     num_kv_heads = _optional_int(config, "num_key_value_heads")
     rope = _rope_parameters(config)
+    max_positions = _int(config, "max_position_embeddings", 2048)
     return ModelArgs(
         vocab_size=_int(config, "vocab_size"),
         hidden_size=hidden_size,
@@ -91,8 +100,8 @@ def _build(model_type: str, config: Mapping[str, Any]) -> ModelArgs:
         head_dim=head_dim,
         rms_norm_eps=_float(config, "rms_norm_eps", 1e-6),
         rope_theta=_rope_theta(config, rope),
-        rope_scaling=_rope_scaling(rope),
-        max_position_embeddings=_int(config, "max_position_embeddings", 2048),
+        rope_scaling=_rope_scaling(rope, max_positions),
+        max_position_embeddings=max_positions,
         tie_word_embeddings=_bool(config, "tie_word_embeddings", False),
         bos_token_id=_optional_int(config, "bos_token_id"),
         eos_token_ids=_token_ids(config, "eos_token_id"),
@@ -186,15 +195,36 @@ def _rope_theta(config: Mapping[str, Any], rope: Mapping[str, Any]) -> float:
     return _float(rope, "rope_theta", 10000.0)
 
 
-def _rope_scaling(rope: Mapping[str, Any]) -> RopeScaling | None:
+ROPE_TYPES = ("default", "llama3", "yarn", "linear", "dynamic")
+
+
+def _rope_scaling(rope: Mapping[str, Any], max_positions: int) -> RopeScaling | None:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise UnsupportedModel(f"rope_scaling type {rope_type!r} is not supported; only {', '.join(ROPE_TYPES)}")
     if rope_type == "default":
         return None
-    if rope_type != "llama3":
-        raise UnsupportedModel(f"rope_scaling type {rope_type!r} is not supported; only 'default' and 'llama3'")
-    return RopeScaling(factor=_float(rope, "factor"), low_freq_factor=_float(rope, "low_freq_factor", 1.0),
-                       high_freq_factor=_float(rope, "high_freq_factor", 4.0),
-                       original_max_position_embeddings=_int(rope, "original_max_position_embeddings", 8192))
+    if rope_type == "llama3":
+        return Llama3Scaling(factor=_float(rope, "factor"), low_freq_factor=_float(rope, "low_freq_factor", 1.0),
+                             high_freq_factor=_float(rope, "high_freq_factor", 4.0),
+                             original_max_position_embeddings=_int(rope, "original_max_position_embeddings", 8192))
+    if rope_type == "yarn":
+        return _yarn(rope, max_positions)
+    if rope_type == "linear":
+        return LinearScaling(_float(rope, "factor"))
+    return DynamicScaling(_float(rope, "factor"))
+
+
+def _yarn(rope: Mapping[str, Any], max_positions: int) -> YarnScaling:
+    """transformers' defaults: beta_fast 32, beta_slow 1 (also for null or 0), truncate true; factor null:
+    max_position_embeddings / original_max_position_embeddings (DeepSeek-V3's reading)."""
+    original = _int(rope, "original_max_position_embeddings")
+    factor = max_positions / original if rope.get("factor") is None else _float(rope, "factor")
+    optional = {name: _optional_float(rope, name) for name in ("mscale", "mscale_all_dim", "attention_factor")}
+    return YarnScaling(factor=factor, original_max_position_embeddings=original,
+                       beta_fast=_optional_float(rope, "beta_fast") or 32.0,
+                       beta_slow=_optional_float(rope, "beta_slow") or 1.0, truncate=_bool(rope, "truncate", True),
+                       **optional)
 
 
 _MISSING = object()
@@ -223,6 +253,10 @@ def _float(config: Mapping[str, Any], key: str, default: Any = _MISSING) -> floa
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"config.json: {key} must be a number, got {value!r}")
     return float(value)
+
+
+def _optional_float(config: Mapping[str, Any], key: str) -> float | None:
+    return None if config.get(key) is None else _float(config, key)
 
 
 def _bool(config: Mapping[str, Any], key: str, default: bool) -> bool:

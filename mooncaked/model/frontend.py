@@ -106,7 +106,7 @@ def _frontend(args: ModelArgs, tokenizer: TextTokenizer, template_source: str, e
     template = ChatTemplate(template_source, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
     unique_eos = tuple(dict.fromkeys(tuple(eos_ids) + tokenizer.eos_token_ids))
     return ModelFrontendInfo(args=args, tokenizer=tokenizer, chat_template=template, eos_token_ids=unique_eos,
-                             context_length=args.max_position_embeddings, model_id=model_id)
+                             context_length=args.context_length, model_id=model_id)
 
 
 def generation_config_eos(model_dir: Path) -> list[int]:

@@ -108,6 +108,9 @@ CASES = [
                template_in_tokenizer_config=True),
     FamilyCase("qwen3-qk-norm-tied", "qwen3", {**_BASE, "head_dim": 32, "tie_word_embeddings": True},
                CHATML_TOOLS_TEMPLATE, extra_template_kwargs={"enable_thinking": False}),
+    FamilyCase("qwen2.5-yarn-long-context", "qwen2", {**_BASE, "max_position_embeddings": 128, "rope_parameters": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "rope_theta": 1e6}},
+               CHATML_TOOLS_TEMPLATE),
     FamilyCase("qwen3-moe-mlp-only-layer", "qwen3_moe", {**_BASE, **QWEN3_MOE}, CHATML_TOOLS_TEMPLATE,
                extra_template_kwargs={"enable_thinking": False}),
 ]

@@ -153,7 +153,7 @@ def _profile_decode(worker: Worker, deadline: float) -> int:
     num_samples = 0
     last_s = 0.0
     assert worker.loaded is not None
-    max_positions = min(worker.config.model.max_model_len, worker.loaded.args.max_position_embeddings)
+    max_positions = min(worker.config.model.max_model_len, worker.loaded.args.context_length)
     batch_sizes = [b for b in (4**i for i in range(6)) if b < worker.section.max_batch_size]
     for batch_size in [*batch_sizes, worker.section.max_batch_size]:
         for context in DECODE_CONTEXTS:
