@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from mooncaked.api.requests import ChatRequest, CompletionRequest
 
-FINISH_REASONS = frozenset({"stop", "length", "abort"})
+FINISH_REASONS = frozenset({"stop", "length", "abort", "tool_calls"})
 
 
 @dataclass(frozen=True)
@@ -45,17 +45,28 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class ToolCallOut:
+    """A tool call the model made, whole (OpenAI's streaming lets arguments come in one piece)."""
+
+    index: int  # its place among the answer's calls
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+
+@dataclass(frozen=True)
 class GenerationChunk:
     """New tokens of one request; several tokens per chunk when the decode step batches them."""
 
     token_ids: tuple[int, ...]
     text: str  # the text delta these tokens add (stop strings already removed)
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token when logprobs were asked for
-    finish_reason: str | None = None  # None | "stop" | "length" | "abort"; set on the last chunk only
+    finish_reason: str | None = None  # None | "stop" | "length" | "abort" | "tool_calls"; on the last chunk only
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the cache
     predicted_ttft_s: float | None = None  # first chunk: the scheduler's predictions at placement
     predicted_tbt_s: float | None = None
+    tool_calls: tuple[ToolCallOut, ...] = ()  # calls completed by this chunk (chat with tools); `text` is content
 
     def prediction_headers(self) -> dict[str, str]:
         """X-Mooncaked-Predicted-TTFT-Ms / -TBT-Ms for a response that starts with this chunk (benchmarks read them)."""

@@ -1,10 +1,10 @@
-"""The `messages` of a chat request: roles, text content, names.
+"""The `messages` of a chat request: roles, text content, names, tool calls and the answers to them.
 
 1. `read_messages(body)` checks every message and returns them as frozen `ChatMessage`s; the first bad member
    raises a 400 naming it (`messages[2].content[0].type`).
 2. Content is a string or a list of text parts (joined with newlines); other part types (images, audio, files)
-   and members this server cannot render (tool calls, before tool calling is supported) are refused, never
-   dropped.
+   and members this server cannot render are refused, never dropped. An assistant message may carry
+   `tool_calls` (tools.py), a tool message the `tool_call_id` it answers; the chat template renders both.
 """
 
 from __future__ import annotations
@@ -15,13 +15,12 @@ from typing import Any
 
 from mooncaked.api.errors import invalid_field
 from mooncaked.api.fields import check_text, json_type
+from mooncaked.api.tools import ToolCall, read_tool_calls
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-MESSAGE_FIELDS = frozenset({"role", "content", "name"})
+MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
 UNRENDERED_FIELDS = {  # members OpenAI defines that no message here may carry (null is fine)
-    "tool_calls": "tool calling is not supported",
-    "tool_call_id": "tool calling is not supported",
-    "function_call": "the deprecated function calling is not supported",
+    "function_call": "the deprecated function calling is not supported: send tool_calls",
     "audio": "audio is not supported",
     "refusal": "a refusal cannot be rendered into the prompt; put it in content",
 }
@@ -32,11 +31,17 @@ class ChatMessage:
     role: str
     content: str
     name: str = ""  # a participant's name ("" for none); the chat template may render it
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant turn's calls
+    tool_call_id: str = ""  # a tool message: the call it answers
 
-    def as_template_dict(self) -> dict[str, str]:
-        entry = {"role": self.role, "content": self.content}
+    def as_template_dict(self) -> dict[str, Any]:
+        entry: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.name:
             entry["name"] = self.name
+        if self.tool_calls:
+            entry["tool_calls"] = [call.as_template_dict() for call in self.tool_calls]
+        if self.tool_call_id:
+            entry["tool_call_id"] = self.tool_call_id
         return entry
 
 
@@ -61,11 +66,17 @@ def _read_message(message: object, param: str) -> ChatMessage:
     name = message.get("name")
     if name is not None and not isinstance(name, str):
         raise invalid_field(f"{param}.name", f"expected a string, got {json_type(name)}")
+    calls = message.get("tool_calls")
+    if calls is not None and role != "assistant":
+        raise invalid_field(f"{param}.tool_calls", "only an assistant message carries tool calls")
+    call_id = message.get("tool_call_id")
+    if call_id is not None and (role != "tool" or not isinstance(call_id, str)):
+        raise invalid_field(f"{param}.tool_call_id", "a tool message's tool_call_id is the string id it answers")
     content = message.get("content")
-    if content is None and role == "assistant":
-        return ChatMessage(role=role, content="", name=check_text(name or "", f"{param}.name"))
-    return ChatMessage(role=role, content=_read_content(content, f"{param}.content"),
-                       name=check_text(name or "", f"{param}.name"))
+    text = "" if content is None and role == "assistant" else _read_content(content, f"{param}.content")
+    return ChatMessage(role=role, content=text, name=check_text(name or "", f"{param}.name"),
+                       tool_calls=() if calls is None else read_tool_calls(calls, f"{param}.tool_calls"),
+                       tool_call_id=check_text(call_id or "", f"{param}.tool_call_id"))
 
 
 def _read_content(content: object, param: str) -> str:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mooncaked.api.errors import invalid_field
-from mooncaked.api.fields import read_bool, read_str
+from mooncaked.api.fields import read_str
 
 COMPLETIONS = "completions"
 CHAT = "chat"
@@ -64,16 +64,15 @@ FIELDS: dict[str, FieldUse] = {
     "max_completion_tokens": _on(CHAT, HONOURED),
     "metadata": _on(CHAT, ACCEPTED),
     "modalities": _on(CHAT, PARTLY),
-    "parallel_tool_calls": _on(CHAT, ACCEPTED),
+    "parallel_tool_calls": _on(CHAT, HONOURED),
     "prediction": _on(CHAT, REFUSED),
     "prompt_cache_key": _on(CHAT, ACCEPTED),
     "reasoning_effort": _on(CHAT, REFUSED),
-    "response_format": _on(CHAT, PARTLY),
     "safety_identifier": _on(CHAT, ACCEPTED),
     "service_tier": _on(CHAT, PARTLY),
     "store": _on(CHAT, PARTLY),
-    "tool_choice": _on(CHAT, PARTLY),
-    "tools": _on(CHAT, REFUSED),
+    "tool_choice": _on(CHAT, HONOURED),
+    "tools": _on(CHAT, HONOURED),
     "top_logprobs": _on(CHAT, HONOURED),
     "verbosity": _on(CHAT, PARTLY),
     "web_search_options": _on(CHAT, REFUSED),
@@ -88,6 +87,13 @@ FIELDS: dict[str, FieldUse] = {
     "skip_special_tokens": _on(BOTH, HONOURED),
     "priority": _on(BOTH, HONOURED),
     "cache_salt": _on(BOTH, HONOURED),
+    # structured outputs (structured.py): OpenAI's response_format, also on completions as vLLM takes it, and vLLM's
+    "response_format": _on(BOTH, HONOURED),
+    "guided_json": _on(BOTH, HONOURED),
+    "guided_regex": _on(BOTH, HONOURED),
+    "guided_choice": _on(BOTH, HONOURED),
+    "guided_grammar": _on(BOTH, HONOURED),
+    "structured_outputs": _on(BOTH, HONOURED),
 }
 
 
@@ -115,22 +121,18 @@ def refuse_set(body: Mapping[str, Any], name: str, why: str) -> None:
 def check_chat_options(body: Mapping[str, Any]) -> None:
     """The chat fields that change nothing this server does, or only in part: refused, partly, accepted."""
     for name, why in (("audio", "audio output is not supported; ask for text"),
-                      ("function_call", "the deprecated function calling is not supported"),
-                      ("functions", "the deprecated function calling is not supported"),
+                      ("function_call", "the deprecated function calling is not supported: send tool_choice"),
+                      ("functions", "the deprecated function calling is not supported: send tools"),
                       ("prediction", "predicted outputs are not supported"),
                       ("reasoning_effort", "the served model has no reasoning effort setting"),
-                      ("web_search_options", "web search is not supported"),
-                      ("tools", "tool calling is not supported")):
+                      ("web_search_options", "web search is not supported")):
         refuse_set(body, name, why)
     _check_one_of(body, "modalities", (["text"],), "only text output is supported: send [\"text\"] or leave it out")
-    _check_one_of(body, "response_format", ({"type": "text"},), "only {\"type\": \"text\"} is supported")
     _check_one_of(body, "service_tier", ("auto", "default"), "only \"auto\" and \"default\" are served")
     _check_one_of(body, "store", (False,), "completions are not stored: send false or leave it out")
-    _check_one_of(body, "tool_choice", ("none",), "no tools can be called: send \"none\" or leave it out")
     _check_one_of(body, "verbosity", ("medium",), "only the default \"medium\" is served")
     for name in ("prompt_cache_key", "safety_identifier"):
         read_str(body, name)
-    read_bool(body, "parallel_tool_calls", True)
     metadata = body.get("metadata")
     if metadata is not None:
         if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_KEYS:

@@ -21,7 +21,9 @@ from mooncaked.api.errors import ApiError, invalid_field, model_not_found
 from mooncaked.api.fields import check_text, is_int, json_type, read_bool, read_int, read_str, read_token_ids
 from mooncaked.api.request_fields import CHAT, COMPLETIONS, check_chat_options, check_known_fields, refuse_set
 from mooncaked.api.sampling_options import SamplingOptions, read_sampling
+from mooncaked.api.structured import OutputConstraint, read_constraint
 from mooncaked.api.tenants import Tenant
+from mooncaked.api.tools import ToolUse, read_tools
 
 MAX_LOGPROBS = 20
 MAX_CACHE_SALT_CHARS = 1024
@@ -44,6 +46,7 @@ class CompletionRequest:
     tenant: Tenant | None = None  # the caller's tenant (None: tenants are not configured)
     priority: int = 0  # lower runs first within its class (vLLM's `priority`)
     is_batch: bool = False  # a Batch API line (the batch class), never an HTTP request
+    constraint: OutputConstraint | None = None  # structured outputs: what the output must match
 
     @property
     def num_logprobs(self) -> int | None:
@@ -65,6 +68,8 @@ class ChatRequest:
     tenant: Tenant | None = None  # the caller's tenant (None: tenants are not configured)
     priority: int = 0  # lower runs first within its class (vLLM's `priority`)
     is_batch: bool = False  # a Batch API line (the batch class), never an HTTP request
+    constraint: OutputConstraint | None = None  # structured outputs: what the output must match
+    tool_use: ToolUse = ToolUse()  # the tools it may call, and how
 
     @property
     def num_logprobs(self) -> int | None:
@@ -107,6 +112,7 @@ def parse_completion_request(
         cache_salt=_read_cache_salt(body),
         tenant=tenant,
         priority=_read_priority(body),
+        constraint=read_constraint(body),
     )
 
 
@@ -122,6 +128,10 @@ def parse_chat_request(body: Mapping[str, Any], *, request_id: str, model_ids: S
     top_logprobs = read_int(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
     if top_logprobs is not None and not logprobs:
         raise invalid_field("top_logprobs", "top_logprobs needs logprobs set to true")
+    tool_use, constraint = read_tools(body), read_constraint(body)
+    if tool_use.is_enabled and constraint is not None:
+        raise invalid_field(constraint.param, "an output constraint and tools cannot both shape one answer; send "
+                            "tool_choice \"none\" or leave one out")
     return ChatRequest(
         request_id=request_id,
         model=_read_model(body, model_ids),
@@ -135,6 +145,8 @@ def parse_chat_request(body: Mapping[str, Any], *, request_id: str, model_ids: S
         cache_salt=_read_cache_salt(body),
         tenant=tenant,
         priority=_read_priority(body),
+        constraint=constraint,
+        tool_use=tool_use,
     )
 
 

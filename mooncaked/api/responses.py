@@ -5,7 +5,9 @@
    streaming) and accumulates text, logprobs, finish reason and token counts.
 3. At the end: `usage_chunk()` (streaming with `include_usage`) or `final_response()` (not streaming).
 The shapes follow OpenAI's (and vLLM's): ids `cmpl-...` / `chatcmpl-...`, objects `text_completion`,
-`chat.completion.chunk`, `chat.completion`; the first chat chunk carries `role: assistant`.
+`chat.completion.chunk`, `chat.completion`; the first chat chunk carries `role: assistant`. A chat answer's tool
+calls go out as `delta.tool_calls` (each whole: id, name and arguments in one delta) and `message.tool_calls`, its
+content then null when it has none.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from mooncaked.api.backend import GenerationChunk, TokenLogprob
+from mooncaked.api.backend import GenerationChunk, TokenLogprob, ToolCallOut
 from mooncaked.api.requests import ChatRequest, CompletionRequest
 
 
@@ -36,6 +38,7 @@ class ResponseBuilder:
         self.num_cached_tokens = 0
         self.finish_reason: str | None = None
         self.is_role_sent = False
+        self.tool_calls: list[dict[str, Any]] = []
 
     def add(self, chunk: GenerationChunk) -> dict[str, Any]:
         """Accumulate `chunk`; return its streaming JSON."""
@@ -48,7 +51,11 @@ class ResponseBuilder:
         self.num_text_chars += len(chunk.text)
         choice: dict[str, Any] = {"index": 0}
         if self.is_chat:
-            delta: dict[str, Any] = {"content": chunk.text}
+            delta: dict[str, Any] = {"content": chunk.text} if chunk.text or not chunk.tool_calls else {}
+            if chunk.tool_calls:
+                calls = [_tool_call_json(call) for call in chunk.tool_calls]
+                self.tool_calls.extend(calls)
+                delta["tool_calls"] = [{"index": call.index, **json} for call, json in zip(chunk.tool_calls, calls)]
             if not self.is_role_sent:
                 delta = {"role": "assistant", **delta}
                 self.is_role_sent = True
@@ -79,7 +86,9 @@ class ResponseBuilder:
         text = "".join(self.text_parts)
         choice: dict[str, Any] = {"index": 0}
         if self.is_chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = {"role": "assistant", "content": text or (None if self.tool_calls else "")}
+            if self.tool_calls:
+                choice["message"]["tool_calls"] = self.tool_calls
             logprobs: Any = {"content": self.logprob_items}
         else:
             choice["text"] = text
@@ -116,6 +125,10 @@ class ResponseBuilder:
         for key, values in part.items():
             self.completion_logprobs[key].extend(values)
         return part
+
+
+def _tool_call_json(call: ToolCallOut) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def _chat_logprob(item: TokenLogprob) -> dict[str, Any]:

@@ -2,14 +2,17 @@
 
 1. `TokenHistory(token_ids, num_prompt_tokens)` is what a row's controls read: the request's prompt followed by
    every token it generated so far, wherever they were sampled (a migrated request's earlier output included).
-2. `adjust_logits(logits, params, history, stop_token_ids)` applies, in vLLM's order:
+2. `adjust_logits(logits, params, history, stop_token_ids, grammar_mask)` applies, in vLLM's order:
    - `logit_bias`: each listed token's bias is added to its logit;
    - `min_tokens`: while fewer output tokens than that exist, the stop tokens (`stop_token_ids`, and EOS unless
      `ignore_eos`) get -inf;
    - `repetition_penalty` r (Hugging Face's, vLLM's): a token of the prompt or the output with logit x gets x / r
      when x > 0, else x * r;
    - `frequency_penalty` f and `presence_penalty` p (OpenAI's): a token generated c times gets
-     x - c * f - (p if c > 0 else 0); prompt tokens do not count.
+     x - c * f - (p if c > 0 else 0); prompt tokens do not count;
+   - `grammar_mask` (model/grammar.py: 0 for the tokens a grammar allows, -inf for the others) is added. Where the
+     controls left no allowed token finite (min_tokens holding back the EOS a finished grammar needs), the grammar
+     wins over them.
    Greedy requests take the argmax of the adjusted row; the others draw from it (sampler.py).
 3. `keep_min_p(scores, min_p)` runs after temperature: it removes every token whose probability is below `min_p`
    times the most likely token's.
@@ -41,10 +44,21 @@ class TokenHistory:
 
 
 def adjust_logits(logits: torch.Tensor, params: SamplingParams, history: TokenHistory | None,
-                  stop_token_ids: Sequence[int]) -> torch.Tensor:
+                  stop_token_ids: Sequence[int], grammar_mask: torch.Tensor | None = None) -> torch.Tensor:
     """logits [vocab] -> a new fp32 row with the request's controls applied; `history` is needed when
-    `params.needs_history`."""
-    scores = logits.float().clone()
+    `params.needs_history`; `grammar_mask` (fp32 [vocab], 0 or -inf) is a grammar's."""
+    scores = _apply_controls(logits.float().clone(), params, history, stop_token_ids)
+    if grammar_mask is None:
+        return scores
+    mask = grammar_mask.to(scores.device)
+    constrained = scores.add_(mask)
+    if not params.is_adjusted or bool(constrained.max() > float("-inf")):
+        return constrained
+    return logits.float() + mask
+
+
+def _apply_controls(scores: torch.Tensor, params: SamplingParams, history: TokenHistory | None,
+                    stop_token_ids: Sequence[int]) -> torch.Tensor:
     device = scores.device
     if params.logit_bias:
         ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=device)

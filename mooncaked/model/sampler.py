@@ -52,13 +52,15 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                generators: Sequence[torch.Generator | None] | None = None,
-               histories: Sequence[TokenHistory | None] | None = None) -> SampleOutput:
-        """logits fp32 [S, vocab] -> one token per row; `histories[i]` is needed when `params[i].needs_history`."""
+               histories: Sequence[TokenHistory | None] | None = None,
+               masks: Sequence[torch.Tensor | None] | None = None) -> SampleOutput:
+        """logits fp32 [S, vocab] -> one token per row; `histories[i]` is needed when `params[i].needs_history`;
+        `masks[i]` (a grammar's logit mask: fp32 [vocab], 0 or -inf) restricts row i to its allowed tokens."""
         num_rows = logits.shape[0]
         if len(params) != num_rows:
             raise ValueError(f"got {len(params)} sampling params for {num_rows} logit rows")
         gens = list(generators) if generators is not None else [None] * num_rows
-        scores = self.adjusted(logits, params, histories)
+        scores = self.adjusted(logits, params, histories, masks)
         if all(p.is_greedy for p in params):
             token_ids = scores.argmax(dim=-1).tolist()
         else:
@@ -66,16 +68,18 @@ class Sampler:
         return SampleOutput(token_ids=token_ids, logprobs=_logprobs(logits, token_ids, params))
 
     def adjusted(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                 histories: Sequence[TokenHistory | None] | None = None) -> torch.Tensor:
-        """logits [S, vocab] with each row's logit bias, min_tokens and penalties applied (the input itself when
-        no row has any)."""
-        rows = [i for i, p in enumerate(params) if p.is_adjusted]
+                 histories: Sequence[TokenHistory | None] | None = None,
+                 masks: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
+        """logits [S, vocab] with each row's logit bias, min_tokens, penalties and grammar mask applied (the input
+        itself when no row has any)."""
+        row_masks = list(masks) if masks is not None else [None] * len(params)
+        rows = [i for i, p in enumerate(params) if p.is_adjusted or row_masks[i] is not None]
         if not rows:
             return logits
         scores = logits.float().clone()
         for i in rows:
             history = histories[i] if histories is not None else None
-            scores[i] = adjust_logits(logits[i], params[i], history, self.stop_token_ids(params[i]))
+            scores[i] = adjust_logits(logits[i], params[i], history, self.stop_token_ids(params[i]), row_masks[i])
         return scores
 
     def stop_token_ids(self, params: SamplingParams) -> tuple[int, ...]:

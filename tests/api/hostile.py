@@ -14,7 +14,8 @@ COMPLETION_FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "t
 CHAT_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
                "stop", "stream", "stream_options", "logprobs", "top_logprobs", "n", "tools", "ignore_eos", "user")
 SAMPLING_CONTROLS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias",
-                     "stop_token_ids", "min_tokens")
+                     "stop_token_ids", "min_tokens", "response_format", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar", "structured_outputs")
 
 any_text = st.text(st.characters(codec=None), max_size=24)  # every code point, lone surrogates included
 scalars = (st.none() | st.booleans() | st.integers() | st.integers(-2**70, 2**70)

@@ -6,6 +6,7 @@ import pytest
 
 from mooncaked.api.chat_messages import ChatMessage, read_messages
 from mooncaked.api.errors import ApiError
+from mooncaked.api.tools import ToolCall
 
 
 def test_names_reach_the_template_and_null_members_are_nothing() -> None:
@@ -18,8 +19,14 @@ def test_names_reach_the_template_and_null_members_are_nothing() -> None:
 
 
 @pytest.mark.parametrize(("message", "param"), [
-    ({"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]}, "messages[0].tool_calls"),
-    ({"role": "tool", "content": "42", "tool_call_id": "c1"}, "messages[0].tool_call_id"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]}, "messages[0].tool_calls[0].function"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}}]},
+     "messages[0].tool_calls[0].id"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": {}}}]},
+     "messages[0].tool_calls[0].function.arguments"),
+    ({"role": "user", "content": "hi", "tool_calls": []}, "messages[0].tool_calls"),
+    ({"role": "user", "content": "42", "tool_call_id": "c1"}, "messages[0].tool_call_id"),
+    ({"role": "assistant", "content": None, "function_call": {"name": "f"}}, "messages[0].function_call"),
     ({"role": "assistant", "content": "no", "refusal": "no"}, "messages[0].refusal"),
     ({"role": "user", "content": "hi", "colour": "red"}, "messages[0].colour"),
     ({"role": "user", "content": "hi", "name": 3}, "messages[0].name"),
@@ -29,3 +36,14 @@ def test_members_that_cannot_be_rendered_are_refused_by_name(message: dict[str, 
     with pytest.raises(ApiError) as raised:
         read_messages({"messages": [message]})
     assert raised.value.status == 400 and raised.value.param == param
+
+
+def test_a_tool_call_turn_and_its_answer_reach_the_template() -> None:
+    messages = read_messages({"messages": [
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "content": "2", "tool_call_id": "c1"}]})
+    assert messages[0].tool_calls == (ToolCall("c1", "f", '{"a": 1}'),)
+    assert messages[0].as_template_dict()["tool_calls"] == [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]
+    assert messages[1].as_template_dict() == {"role": "tool", "content": "2", "tool_call_id": "c1"}

@@ -28,18 +28,21 @@ SERVED: dict[str, Any] = {
     "stream": False, "stream_options": None, "logprobs": None, "top_logprobs": None, "n": 1, "best_of": 1,
     "echo": False, "frequency_penalty": 0.5, "presence_penalty": -0.5, "logit_bias": {"5": -100},
     "user": "u-1", "metadata": {"k": "v"}, "modalities": ["text"], "parallel_tool_calls": False,
-    "prompt_cache_key": "k", "response_format": {"type": "text"}, "safety_identifier": "s", "service_tier": "auto",
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    "prompt_cache_key": "k", "safety_identifier": "s", "service_tier": "auto",
     "store": False, "tool_choice": "none", "verbosity": "medium", "top_k": 5, "min_p": 0.1,
     "repetition_penalty": 1.1, "min_tokens": 1, "stop_token_ids": [5], "ignore_eos": True,
     "include_stop_str_in_output": True, "skip_special_tokens": False, "priority": -1, "cache_salt": "salt",
+    "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}},
+    "guided_json": {"type": "object"}, "guided_regex": "[a-z]+", "guided_choice": ["yes", "no"],
+    "guided_grammar": 'start: "x"', "structured_outputs": {"choice": ["a", "b"]},
 }
 REFUSED_VALUES: dict[str, Any] = {
     "prompt": ["one", "two"], "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
     "stream_options": {"include_obfuscation": True}, "n": 2, "best_of": 2, "echo": True, "suffix": "end",
     "audio": {"voice": "alloy", "format": "wav"}, "function_call": "auto", "functions": [{"name": "f"}],
     "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low",
-    "response_format": {"type": "json_object"}, "service_tier": "flex", "store": True, "tool_choice": "auto",
-    "tools": [{"type": "function", "function": {"name": "f"}}], "verbosity": "high",
+    "service_tier": "flex", "store": True, "verbosity": "high",
     "web_search_options": {},
 }
 # values a partly served field is served with besides the one above (both kinds of its shape)
@@ -47,6 +50,8 @@ MORE_SERVED: dict[str, list[Any]] = {
     "stream_options": [{"include_usage": True, "include_obfuscation": False}],
     "logprobs": [2],  # chat: true
     "top_logprobs": [2],
+    "response_format": [{"type": "text"}, {"type": "json_object"}],
+    "tool_choice": ["auto", "required", {"type": "function", "function": {"name": "f"}}],
 }
 
 
@@ -82,6 +87,8 @@ def shaped(name: str, route: str, value: Any) -> dict[str, Any]:
         body["stream"] = True
     if name == "top_logprobs":
         body["logprobs"] = True
+    if name in ("tool_choice", "parallel_tool_calls"):
+        body["tools"] = SERVED["tools"]
     if name == "logprobs" and value is not None:
         body[name] = value if route == COMPLETIONS else bool(value)
     return body
@@ -129,7 +136,7 @@ async def test_a_refused_value_is_a_400_naming_the_field(client: TestClient[web.
 async def test_a_field_the_route_does_not_know_is_a_400_naming_it(client: TestClient[web.Request, web.Application],
                                                                   route: str) -> None:
     other = "suffix" if route == CHAT else "tools"  # the other route's field
-    for name in ("guided_json", other):
+    for name in ("guided_decoding_backend", other):
         response = await client.post(ROUTE_PATHS[route], json={**base(route), name: {"type": "object"}})
         error = (await response.json())["error"]
         assert response.status == 400 and error["param"] == name, error

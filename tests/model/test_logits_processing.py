@@ -113,3 +113,24 @@ def test_logprobs_come_from_the_unadjusted_distribution() -> None:
     assert out.logprobs[0] is not None
     assert out.logprobs[0].logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[2]))
     assert math.isfinite(out.logprobs[0].top[0][1]) and out.logprobs[0].top[0][0] == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases(), st.data())
+def test_a_grammar_mask_leaves_only_its_tokens_after_the_controls(
+        case: tuple[list[float], SamplingParams, list[int], list[int]], data: st.DataObject) -> None:
+    logits, params, prompt, output = case
+    allowed = data.draw(st.lists(st.booleans(), min_size=len(logits), max_size=len(logits)).filter(any))
+    sampler = Sampler(seed=0, eos_token_ids=list(EOS))
+    history = TokenHistory(prompt + output, len(prompt))
+    mask = torch.zeros(len(logits)).masked_fill(~torch.tensor(allowed), float("-inf"))
+    got = sampler.adjusted(torch.tensor([logits]), [params], [history], [mask])[0].tolist()
+    controlled = _reference(logits, params, prompt, output)
+    if not any(a and c != float("-inf") for a, c in zip(allowed, controlled)):
+        controlled = logits  # the controls left nothing the grammar allows: the grammar wins
+    expected = [c if a else float("-inf") for a, c in zip(allowed, controlled)]
+    assert all((g == e == float("-inf")) or g == pytest.approx(e, rel=1e-5, abs=1e-4) for g, e in zip(got, expected))
+    token = sampler.sample(torch.tensor([logits]), [SamplingParams(temperature=1.0, **{
+        k: getattr(params, k) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty")})],
+        None, [history], [mask]).token_ids[0]
+    assert allowed[token]

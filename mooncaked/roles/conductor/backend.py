@@ -1,9 +1,11 @@
 """The conductor's `GenerationBackend`: requests in, generated chunks out (docs/design.md section 3).
 
 1. `prepare`: chat template or prompt, tokenization, 413 when the prompt leaves no room in the context,
-   max_tokens resolved against the context (vLLM's rules), block keys under the cluster's model namespace.
+   max_tokens resolved against the context (vLLM's rules), the output constraint (or a required tool call's
+   grammar) compiled (grammars.py, tool_output.py), block keys under the cluster's model namespace.
 2. `generate`: a `RequestRun` (request_run.py) per request places it and drives its legs; closing the
-   iterator (finish, error, client gone) cancels the open leg and frees what the request held.
+   iterator (finish, error, client gone) cancels the open leg and frees what the request held. A chat with
+   tools has its text split into content and tool calls on the way out (tool_output.py).
 3. `health`, `cluster_info` and `metrics_text` answer the HTTP layer from the cluster view and the metrics.
 """
 
@@ -16,14 +18,17 @@ from typing import Any
 from mooncaked.api.backend import GenerationChunk, PreparedRequest
 from mooncaked.api.errors import ApiError, context_too_long, invalid_field
 from mooncaked.api.requests import ChatRequest, CompletionRequest
+from mooncaked.api.structured import OutputConstraint
 from mooncaked.config import Config
 from mooncaked.kv.keys import block_keys, isolated_namespace, model_namespace
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.class_metrics import ClassMetrics
 from mooncaked.roles.conductor.frontend import (ConductorRequest, ModelFrontend, check_sampling_token_ids,
                                                 generation_state, key_isolation, prompt_token_ids, sampling_spec)
+from mooncaked.roles.conductor.grammars import GrammarCache
 from mooncaked.roles.conductor.leader import PdController
 from mooncaked.roles.conductor.request_run import RequestRun
+from mooncaked.roles.conductor.tool_output import tool_grammar, with_tool_calls
 from mooncaked.roles.conductor.view.cluster import ClusterView
 from mooncaked.roles.conductor.view.cluster_info import describe_cluster
 from mooncaked.roles.conductor.view.prediction_errors import PredictionErrors
@@ -47,6 +52,7 @@ class ConductorBackend:
         self.namespace = model_namespace(model.model_id, config.model.dtype, config.kv.block_size)
         self.num_active = 0
         self.prediction_errors = PredictionErrors(metrics.predictions)
+        self.grammars = GrammarCache(model.grammar_tokenizer)
         self.class_metrics = ClassMetrics(metrics)
         self.on_interactive_rejection: Callable[[], None] = lambda: None  # set by the batch manager: yield
 
@@ -65,13 +71,23 @@ class ConductorBackend:
                 raise context_too_long(len(token_ids), context)
             max_tokens = self._max_tokens(request, len(token_ids), context)
             check_sampling_token_ids(self.model, request)
+            grammar = self._grammar(request)
         except ApiError:
             self.metrics.requests.requests_total.labels(status="invalid").inc()
             raise
         isolation = key_isolation(request)
         keys = block_keys(token_ids, self.config.kv.block_size, isolated_namespace(self.namespace, isolation))
         return ConductorRequest(request.request_id, request, tuple(token_ids), max_tokens, tuple(keys), arrival_time,
-                                isolation)
+                                isolation, grammar)
+
+    def _grammar(self, request: CompletionRequest | ChatRequest) -> str:
+        """The compiled grammar the answer follows: its output constraint's, or its forced tool calls' ("")."""
+        if request.constraint is not None:
+            return self.grammars.grammar_text(request.constraint)
+        if isinstance(request, ChatRequest) and request.tool_use.is_enabled and request.tool_use.is_forced:
+            lark = tool_grammar(self.model, request.tool_use)
+            return self.grammars.grammar_text(OutputConstraint("grammar", lark, "tools"))
+        return ""
 
     def _max_tokens(self, request: CompletionRequest | ChatRequest, num_prompt_tokens: int, context: int) -> int:
         room = context - num_prompt_tokens
@@ -90,8 +106,12 @@ class ConductorBackend:
 
     def generate(self, prepared: PreparedRequest) -> AsyncIterator[GenerationChunk]:
         assert isinstance(prepared, ConductorRequest), "prepare() makes every request this backend generates"
-        return RequestRun(self, prepared, generation_state(self.model, prepared),
-                          sampling_spec(prepared, prepared.max_tokens)).chunks()
+        chunks = RequestRun(self, prepared, generation_state(self.model, prepared),
+                            sampling_spec(prepared, prepared.max_tokens)).chunks()
+        request = prepared.request
+        if isinstance(request, ChatRequest) and request.tool_use.is_enabled:
+            return with_tool_calls(chunks, self.model)
+        return chunks
 
     async def health(self) -> dict[str, Any]:
         """Status, counts of instances up, and per instance: up or not, outages in the last

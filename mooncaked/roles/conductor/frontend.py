@@ -11,16 +11,19 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from mooncaked.api.backend import PreparedRequest
 from mooncaked.api.errors import invalid_field, text_too_long
 from mooncaked.api.requests import ChatRequest, CompletionRequest
 from mooncaked.kv.keys import isolation_tag
 from mooncaked.model.chat_template import ChatTemplate, ChatTemplateError
+from mooncaked.model.grammar import GrammarTokenizer
 from mooncaked.model.sampling_params import SamplingParams
 from mooncaked.model.stopping import GenerationState
 from mooncaked.model.tokenizer import TextTokenizer
+from mooncaked.model.tool_formats import HERMES, ToolCallFormat
 from mooncaked.roles.worker.messages import SamplingSpec, TokenBias
 
 
@@ -38,6 +41,10 @@ class ModelFrontend:
     eos_token_ids: tuple[int, ...]
     vocab_size: int
     context_length: int  # the model's, already capped by model.max_model_len
+    grammar_tokenizer: GrammarTokenizer  # llguidance's view of the vocabulary: structured outputs' checks
+    tool_format: ToolCallFormat = HERMES  # how the model writes tool calls (model/tool_formats.py)
+    tool_marker_ids: Mapping[str, int] = field(default_factory=dict)  # its markers that are one token each
+    are_tool_markers_special: bool = False  # some are special tokens: a chat with tools keeps them in its text
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,7 @@ class ConductorRequest(PreparedRequest):
     block_keys: tuple[bytes, ...] = ()
     arrival_time: float = 0.0  # time.monotonic()
     key_isolation: bytes = b""  # who may share its KV (kv/keys.py isolation_tag): b"" everyone
+    grammar: str = ""  # its output constraint compiled (grammars.py): llguidance's grammar text; "" for none
 
 
 async def prompt_token_ids(model: ModelFrontend, request: CompletionRequest | ChatRequest, *,
@@ -76,8 +84,10 @@ def _token_ids(model: ModelFrontend, request: CompletionRequest | ChatRequest, a
                ) -> list[int]:
     if isinstance(request, ChatRequest):
         messages = [m.as_template_dict() for m in request.messages]
+        tool_use = request.tool_use
+        tools = [tool.as_template_dict() for tool in tool_use.tools] if tool_use.is_enabled else None
         try:
-            text = model.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+            text = model.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         except ChatTemplateError as exc:
             raise invalid_field("messages", f"the model's chat template rejected them: {exc}") from None
         return model.tokenizer.encode(text, add_special_tokens=False)
@@ -114,15 +124,19 @@ def sampling_spec(prepared: ConductorRequest, max_tokens: int) -> SamplingSpec:
                         priority=prepared.request.priority, is_batch=prepared.request.is_batch,
                         presence_penalty=options.presence_penalty, frequency_penalty=options.frequency_penalty,
                         repetition_penalty=options.repetition_penalty, min_p=options.min_p,
-                        logit_bias=[TokenBias(t, b) for t, b in options.logit_bias], min_tokens=options.min_tokens)
+                        logit_bias=[TokenBias(t, b) for t, b in options.logit_bias], min_tokens=options.min_tokens,
+                        grammar=prepared.grammar)
 
 
 def generation_state(model: ModelFrontend, prepared: ConductorRequest) -> GenerationState:
     options = prepared.request.sampling
+    request = prepared.request
+    keeps_markers = (model.are_tool_markers_special and isinstance(request, ChatRequest)
+                     and request.tool_use.is_enabled)  # the tool-call parser reads them
     params = SamplingParams(max_tokens=prepared.max_tokens, temperature=options.temperature, top_k=options.top_k,
                             top_p=options.top_p, seed=options.seed, stop=options.stop,
                             stop_token_ids=options.stop_token_ids, ignore_eos=options.ignore_eos,
-                            logprobs=prepared.request.num_logprobs, min_tokens=options.min_tokens,
+                            logprobs=request.num_logprobs, min_tokens=options.min_tokens,
                             include_stop_str_in_output=options.include_stop_str_in_output,
-                            skip_special_tokens=options.skip_special_tokens)
+                            skip_special_tokens=options.skip_special_tokens and not keeps_markers)
     return GenerationState(model.tokenizer, params, prepared.prompt_token_ids, model.eos_token_ids)

@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import signal
+from collections.abc import Sequence
 from pathlib import Path
 
 from aiohttp import web
@@ -37,7 +38,10 @@ from mooncaked.cluster.membership import Membership, StaticMembership
 from mooncaked.config import Config, ConfigError, InstanceConfig
 from mooncaked.config.schema import ConfigIssue
 from mooncaked.model.frontend import ModelFrontendInfo, load_frontend
+from mooncaked.model.grammar import GrammarTokenizer
 from mooncaked.model.loader import resolve_dtype
+from mooncaked.model.tokenizer import TextTokenizer
+from mooncaked.model.tool_formats import tool_format_for
 from mooncaked.model.weight_names import num_active_parameters
 from mooncaked.roles.base import PeerClients, RoleEndpoint
 from mooncaked.roles.conductor.backend import ConductorBackend
@@ -90,7 +94,7 @@ class ConductorRole:
         config = self.config
         model = config.model
         loaded = await asyncio.to_thread(load_frontend, model.source)
-        frontend = model_frontend(config, loaded)
+        frontend = await asyncio.to_thread(model_frontend, config, loaded)  # the grammar tokenizer takes ~0.4 s
         predictors = LivePredictors(default_predictors(config, loaded))
         self.view = ClusterView(config, self.peers, policy_config(config), predictors, view_settings(config),
                                 self.membership)
@@ -177,10 +181,22 @@ def _bound_port(runner: web.AppRunner) -> int:
 
 def model_frontend(config: Config, loaded: ModelFrontendInfo) -> ModelFrontend:
     names = tuple(dict.fromkeys((config.model.name, loaded.model_id)))
+    tool_format = tool_format_for(loaded.chat_template.source)
+    marker_ids = single_token_ids(loaded.tokenizer, tool_format.markers)
+    is_special = any(not loaded.tokenizer.decode([token_id]) for token_id in marker_ids.values())
     return ModelFrontend(model_id=loaded.model_id, served_names=names, tokenizer=loaded.tokenizer,
                          chat_template=loaded.chat_template, eos_token_ids=loaded.eos_token_ids,
                          vocab_size=loaded.args.vocab_size,
-                         context_length=min(loaded.context_length, config.model.max_model_len))
+                         context_length=min(loaded.context_length, config.model.max_model_len),
+                         grammar_tokenizer=GrammarTokenizer(loaded.tokenizer, loaded.args.vocab_size,
+                                                            loaded.eos_token_ids),
+                         tool_format=tool_format, tool_marker_ids=marker_ids, are_tool_markers_special=is_special)
+
+
+def single_token_ids(tokenizer: TextTokenizer, texts: Sequence[str]) -> dict[str, int]:
+    """The texts the vocabulary holds as one token each (a grammar names them by id), with their ids."""
+    ids = {text: tokenizer.encode(text, add_special_tokens=False) for text in texts}
+    return {text: token_ids[0] for text, token_ids in ids.items() if len(token_ids) == 1}
 
 
 def policy_config(config: Config) -> PolicyConfig:

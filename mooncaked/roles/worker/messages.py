@@ -58,6 +58,9 @@ class SamplingSpec(Message):
     min_p: float = 0.0
     logit_bias: list[TokenBias] = field(default_factory=list)
     min_tokens: int = 0  # the request's, counted over its whole output (num_sampled included)
+    # constrained decoding: llguidance's grammar text (model/grammar.py grammar_for; "" for none); each instance
+    # rebuilds the matcher from the request's output so far (the leg's last num_sampled tokens)
+    grammar: str = ""
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@
    and returns wire `TokenSample`s with logprobs when asked. A row whose controls read the request's history
    (penalties, min_tokens) gets it from `history_of`: a leg's token ids are the prompt followed by the
    `num_sampled` tokens streamed before the leg, so every instance, after any migration, sees the whole output.
+   A row with a grammar (grammar.py) is drawn from the tokens it allows, and the grammar advances by the token.
 3. A seeded request's k-th output token is sampled from a generator seeded by (seed, k) (`generator_at`,
    `reseed`), so sampling does not depend on which instance, or how many, produced the tokens before it:
    a request migrated mid-stream samples on exactly as it would have.
@@ -17,9 +18,11 @@ from collections.abc import Sequence
 
 import torch
 
+from mooncaked.model.grammar import GrammarState
 from mooncaked.model.logits_processing import TokenHistory
 from mooncaked.model.sampler import make_generator
 from mooncaked.model.sampling_params import SamplingParams
+from mooncaked.roles.worker.grammar import Masks
 from mooncaked.roles.worker.messages import SamplingSpec, TokenSample
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import InvalidArgument
@@ -73,10 +76,18 @@ def generator_at(params: SamplingParams, index: int) -> torch.Generator | None:
 
 def sample_rows(worker: Worker, logits: torch.Tensor, params: Sequence[SamplingParams],
                 generators: Sequence[torch.Generator | None],
-                histories: Sequence[TokenHistory | None] | None = None) -> list[TokenSample]:
-    """logits fp32 [S, vocab] -> S samples (compute thread)."""
-    assert worker.sampler is not None
-    output = worker.sampler.sample(logits, params, generators, histories)
+                histories: Sequence[TokenHistory | None] | None = None,
+                grammars: Sequence[GrammarState | None] | None = None,
+                masks: Masks | None = None) -> list[TokenSample]:
+    """logits fp32 [S, vocab] -> S samples (compute thread). Rows with a grammar are drawn from its allowed tokens
+    (`masks`: their masks already under way on the mask thread) and advance it by the token drawn."""
+    assert worker.sampler is not None and worker.grammar is not None
+    if grammars is not None and masks is None:
+        masks = worker.grammar.masks(grammars)
+    output = worker.sampler.sample(logits, params, generators, histories, None if masks is None else masks.result())
+    for grammar, token_id in zip(grammars or (), output.token_ids):
+        if grammar is not None:
+            grammar.advance(token_id)
     samples = []
     for token_id, logprobs in zip(output.token_ids, output.logprobs):
         if logprobs is None:

@@ -5,7 +5,7 @@
    the host's shared weight file; prefill keeps plain projections, decode packed ones in their place, a switchable
    worker both: memory_plan.worker_packing), size the KV pages from the memory budget (engine.kv_budget; a budget too
    small for one max-length request fails here), allocate them (for its layers), build the runner, copier, staging pool
-   (pinned on the GPU's NUMA node) and sampler, register the pages as a transfer-engine segment (host pages, which
+   (pinned on the GPU's NUMA node), sampler and grammar tokenizer (grammar.py), register the pages as a transfer-engine segment (host pages, which
    every move then reaches straight; GPU pages as "cuda:N" where RDMA can map them), connect to this host's store
    (mapping its pool). With N > 1 tensor-parallel ranks (tp_worker.py) the model is rank 0's shard, the runner
    drives the ranks, and the KV pages are every rank's (mapped here; moves copy each rank's heads:
@@ -55,6 +55,7 @@ from mooncaked.model.frontend import load_frontend
 from mooncaked.model.loader import LoadedModel
 from mooncaked.model.sampler import Sampler
 from mooncaked.roles.base import PeerClients, make_transfer_engine
+from mooncaked.roles.worker.grammar import WorkerGrammar
 from mooncaked.roles.worker.kv.placement import register_kv_pages, staging_placement
 from mooncaked.roles.worker.local_replica import load_replica
 from mooncaked.roles.worker.tp_worker import RankWatch, start_ranks
@@ -104,6 +105,7 @@ class Worker:
         self.failed = asyncio.Event()  # set with `failure`: the role stops and exits non-zero
         self.copier: KVCopier | None = None
         self.sampler: Sampler | None = None
+        self.grammar: WorkerGrammar | None = None  # constrained decoding (grammar.py), built at start
         self.namespace = b""
         self.perf = PerformanceModel()
         self.local_store_name = ""
@@ -128,6 +130,8 @@ class Worker:
             self.engine.unregister, numa_node=placement.numa_node)
         self._register_pages(placement.location)
         self.sampler = Sampler(seed=model.seed, device=self.loaded.device, eos_token_ids=self.loaded.eos_token_ids)
+        self.grammar = await asyncio.to_thread(WorkerGrammar.build, self.loaded.tokenizer, self.vocab_size,
+                                               self.loaded.eos_token_ids)
         self.namespace = model_namespace(self.loaded.model_id, model.dtype, block_size)
         self.local_store_name = await self._find_local_store()
         await self.store_client(self.local_store_name)
@@ -219,6 +223,8 @@ class Worker:
         # off the event loop: a forward still running may need the loop (its writes) to reach its end
         await asyncio.to_thread(self._executor.shutdown, True, cancel_futures=True)
         await asyncio.to_thread(self.copy_thread.shutdown, True, cancel_futures=True)
+        if self.grammar is not None:
+            await asyncio.to_thread(self.grammar.close)
         if self.rank_watch is not None:  # ranks stopping now is no failure
             self.rank_watch.close()
         if self.tp is not None:

@@ -14,7 +14,8 @@ KEY = bytes(range(16))
 SPEC = m.SamplingSpec(max_tokens=8, temperature=0.5, top_p=0.9, top_k=4, seed=3, stop_token_ids=[2],
                       ignore_eos=True, num_logprobs=1, num_sampled=2, priority=-3, is_batch=True,
                       presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.2, min_p=0.05,
-                      logit_bias=[m.TokenBias(5, -100.0), m.TokenBias(9, 2.5)], min_tokens=3)
+                      logit_bias=[m.TokenBias(5, -100.0), m.TokenBias(9, 2.5)], min_tokens=3,
+                      grammar='{"grammars": []}')
 SAMPLE = m.TokenSample(7, -0.5, [7, 8], [-0.5, -1.5])
 DESTINATION = m.Destination(1, WriteHandle(4, KEY, 8192, 1 << 16))
 
@@ -43,7 +44,7 @@ def test_round_trip_through_msgpack(message: Message) -> None:
 def test_an_older_sender_without_the_new_fields_decodes_to_their_defaults() -> None:
     wire = encode_message(SPEC)
     new_fields = ("priority", "is_batch", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
-                  "logit_bias", "min_tokens")
+                  "logit_bias", "min_tokens", "grammar")
     for name in new_fields:
         del wire[name]
     defaults = m.SamplingSpec(max_tokens=1)

@@ -2,7 +2,8 @@
 
 1. `add(seq)` puts a sequence (its KV already in pages, its first token sampled) into the running batch;
    the loop wakes up. A sequence joins between steps, never inside one.
-2. A step runs on the compute thread: one decode forward over the whole batch, then one sample per row.
+2. A step runs on the compute thread: one decode forward over the whole batch (the grammar masks of constrained
+   sequences computed meanwhile on the mask thread), then one sample per row.
    Each sequence gets its token through its own queue; finished sequences leave the batch. The step's time
    (batch size, context) is a live sample of the worker's performance model.
 3. `remove(seq)` takes a sequence out (finished, or its client went away); it returns once no step uses the
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mooncaked.engine.batch import DecodeSeq, build_decode_batch
+from mooncaked.model.grammar import GrammarState
 from mooncaked.model.sampling_params import SamplingParams
 from mooncaked.roles.worker.kv.request_kv import RequestKv
 from mooncaked.roles.worker.messages import FINISH_EOS, FINISH_LENGTH, TokenSample
@@ -50,6 +52,7 @@ class RunningSeq:
     finish_reason: str = ""
     num_sampled_before: int = 0  # output tokens sampled before this leg (the request's seed state)
     predicted_num_tokens: int = 0  # output tokens the conductor predicted for this leg (0: none)
+    grammar: GrammarState | None = None  # constrained decoding: advanced by the loop's compute step
 
     @property
     def num_generated(self) -> int:
@@ -60,6 +63,8 @@ def finish_reason_for(seq: RunningSeq, token_id: int, eos_token_ids: tuple[int, 
     """Why `seq` ends after `token_id` was appended ("" if it goes on)."""
     params = seq.params
     if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
+        return FINISH_EOS
+    if seq.grammar is not None and seq.grammar.is_done:  # the constrained output is complete
         return FINISH_EOS
     if seq.num_generated >= params.max_tokens or len(seq.token_ids) >= max_model_len:
         return FINISH_LENGTH
@@ -162,6 +167,8 @@ class DecodeLoop:
         started = time.monotonic()
         worker = self.worker
         assert worker.runner is not None and worker.kv_pages is not None
+        assert worker.grammar is not None
+        masks = worker.grammar.masks([s.grammar for s in batch])  # computed while the forward runs
         seqs = [DecodeSeq(token_id=s.token_ids[-1], num_cached_tokens=len(s.token_ids) - 1, page_ids=s.kv.page_ids)
                 for s in batch]
         decode_batch = build_decode_batch(seqs, block_size=worker.block_size, num_pages=worker.kv_pages.num_pages,
@@ -170,7 +177,8 @@ class DecodeLoop:
         for seq in batch:
             reseed(seq.generator, seq.params, seq.num_sampled_before + seq.num_generated)
         histories = [history_of(s.token_ids, s.params, s.num_sampled_before + s.num_generated) for s in batch]
-        samples = sample_rows(worker, logits, [s.params for s in batch], [s.generator for s in batch], histories)
+        samples = sample_rows(worker, logits, [s.params for s in batch], [s.generator for s in batch], histories,
+                              [s.grammar for s in batch], masks)
         return samples, time.monotonic() - started
 
     def _deliver(self, batch: list[RunningSeq], samples: list[TokenSample]) -> None:

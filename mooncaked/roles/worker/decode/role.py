@@ -23,11 +23,13 @@ from collections.abc import AsyncIterator
 
 from mooncaked.cluster.membership import Membership
 from mooncaked.config import Config, InstanceConfig
+from mooncaked.model.grammar import GrammarState
 from mooncaked.model.sampler import make_generator
 from mooncaked.roles.base import RoleEndpoint
 from mooncaked.roles.worker.decode.admission import ReserveAdmission
 from mooncaked.roles.worker.decode.loop import DecodeLoop, RunningSeq, finish_reason_for
 from mooncaked.roles.worker.decode.reservations import Reservation, ReservationBook
+from mooncaked.roles.worker.grammar import follow_first_token
 from mooncaked.roles.worker.kv.plan import KvPlan, check_block_keys, plan_prompt_kv
 from mooncaked.roles.worker.kv.request_kv import RequestKv
 from mooncaked.roles.worker.kv.spans import StoreBlocks, num_blocks_for
@@ -203,8 +205,8 @@ class DecodeRole:
             raise
         return kv
 
-    async def _prefill_inline(self, request: DecodeRequest, reservation: Reservation,
-                              ctx: CallContext) -> tuple[RequestKv, TokenSample, int]:
+    async def _prefill_inline(self, request: DecodeRequest, reservation: Reservation, ctx: CallContext,
+                              grammar: GrammarState | None) -> tuple[RequestKv, TokenSample, int]:
         """Prefill on this instance. Its forward is a sample of the prefill model; the rest of its time but the wait
         for the compute thread (planning, writes) is the inline overhead LOAD reports. The conductor predicts the
         wait itself (the running decode step's remainder and the inline prefills queued ahead), so it is left out
@@ -217,7 +219,8 @@ class DecodeRole:
         self._num_prefilling += 1
         try:
             submitted = time.monotonic()
-            samples, forward_start, forward_s = await worker.compute(_timed_forward, worker, plan, request.sampling)
+            samples, forward_start, forward_s = await worker.compute(_timed_forward, worker, plan, request.sampling,
+                                                                     grammar)
             await plan.kv.wait_writes(self.config.transfer.timeout_s)
             await plan.close_store(commit=True)
         except BaseException:
@@ -235,6 +238,8 @@ class DecodeRole:
         request_id_var.set(request.request_id)
         params = to_params(request.sampling, self.worker.vocab_size)
         history_of(request.token_ids, params, request.sampling.num_sampled)
+        assert self.worker.grammar is not None
+        grammar = self.worker.grammar.state_for(request.sampling, request.token_ids)
         reservation = self._claim(request)
         reservation.is_claimed = True
         num_cached_tokens = 0
@@ -246,14 +251,16 @@ class DecodeRole:
             if refusal and request.first_token is not None:
                 raise ResourceExhausted(refusal)
             if request.first_token is None:
-                kv, first, num_cached_tokens = await self._prefill_inline(request, reservation, ctx)
+                kv, first, num_cached_tokens = await self._prefill_inline(request, reservation, ctx, grammar)
             else:
+                if grammar is not None:
+                    follow_first_token(grammar, request.first_token.token_id)
                 kv, first = await self._load_prefilled(request, reservation), request.first_token
         finally:
             await self.reservations.drop(request.request_id)
         seq = RunningSeq(request.request_id, kv, list(request.token_ids) + [first.token_id], len(request.token_ids),
                          params, make_generator(params), num_sampled_before=request.sampling.num_sampled,
-                         predicted_num_tokens=reservation.request.predicted_output_tokens)
+                         predicted_num_tokens=reservation.request.predicted_output_tokens, grammar=grammar)
         try:
             assert self.worker.loaded is not None
             reason = finish_reason_for(seq, first.token_id, self.worker.loaded.eos_token_ids,
@@ -303,8 +310,9 @@ class DecodeRole:
             yield DecodeItem(tokens=tokens)
 
 
-def _timed_forward(worker: Worker, plan: KvPlan, sampling: SamplingSpec) -> tuple[list[TokenSample], float, float]:
+def _timed_forward(worker: Worker, plan: KvPlan, sampling: SamplingSpec,
+                   grammar: GrammarState | None) -> tuple[list[TokenSample], float, float]:
     """Compute thread: an inline prefill's forward, when it started and its own time (no wait for the thread)."""
     started = time.monotonic()
-    samples = run_prefill_forward(worker, [plan], [sampling])
+    samples = run_prefill_forward(worker, [plan], [sampling], [grammar])
     return samples, started, time.monotonic() - started

@@ -278,7 +278,8 @@ class StageService:
             spec = job.request.sampling
             params = to_params(spec, self.worker.vocab_size)
             job.first_token = sample_rows(self.worker, out, [params], [generator_at(params, spec.num_sampled)],
-                                          [history_of(job.request.token_ids, params, spec.num_sampled)])[0]
+                                          [history_of(job.request.token_ids, params, spec.num_sampled)],
+                                          [job.grammar])[0]
 
 
 def _segment(request: ChunkRequest) -> SegmentRef:

@@ -8,7 +8,8 @@
    queues layer i's new KV for its destinations (copied and sent off this thread) and the next layer starts.
    A cancelled plan, or one whose loading failed, sends nothing more; when no plan is left the forward stops
    at the next layer boundary. A failed plan's rows compute on stale pages and its reply is the failure.
-3. The last chunk's logits give every prompt its first token.
+3. The last chunk's logits give every prompt its first token; the masks of prompts with a grammar are computed on
+   the mask thread while the forward runs.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Protocol
 import torch
 
 from mooncaked.engine.batch import build_prefill_batch, split_prefill_chunks
+from mooncaked.model.grammar import GrammarState
 from mooncaked.roles.worker.kv.plan import KvPlan
 from mooncaked.roles.worker.kv.request_kv import RequestKv
 from mooncaked.roles.worker.messages import SamplingSpec, TokenSample
@@ -35,9 +37,12 @@ class ForwardPlan(Protocol):
     def store_layer(self, layer: int) -> None: ...
 
 
-def run_prefill_forward(worker: Worker, plans: Sequence[KvPlan], specs: Sequence[SamplingSpec]) -> list[TokenSample]:
+def run_prefill_forward(worker: Worker, plans: Sequence[KvPlan], specs: Sequence[SamplingSpec],
+                        grammars: Sequence[GrammarState | None] | None = None) -> list[TokenSample]:
+    """`grammars[i]`: prompt i's grammar state (its output so far consumed), advanced by the first token."""
     runner, kv_pages = worker.runner, worker.kv_pages
-    assert runner is not None and kv_pages is not None
+    assert runner is not None and kv_pages is not None and worker.grammar is not None
+    masks = worker.grammar.masks(grammars) if grammars is not None else None  # under way during the forward
     seqs = [plan.prefill_seq() for plan in plans]
     chunks = split_prefill_chunks(seqs[0], worker.section.prefill_chunk) if len(plans) == 1 else [seqs[0]]
     logits: torch.Tensor | None = None
@@ -53,7 +58,8 @@ def run_prefill_forward(worker: Worker, plans: Sequence[KvPlan], specs: Sequence
     assert logits is not None
     params = [to_params(spec, worker.vocab_size) for spec in specs]
     return sample_rows(worker, logits, params, [generator_at(p, s.num_sampled) for p, s in zip(params, specs)],
-                       [history_of(plan.token_ids, p, s.num_sampled) for plan, p, s in zip(plans, params, specs)])
+                       [history_of(plan.token_ids, p, s.num_sampled) for plan, p, s in zip(plans, params, specs)],
+                       grammars, masks)
 
 
 class PrefillCancelled(Exception):

@@ -199,13 +199,15 @@ class PrefillRole:
                                   f"{stage.group.members[0]}")
         params = to_params(request.sampling, self.worker.vocab_size)  # invalid ones fail here, not inside a batch
         history_of(request.token_ids, params, request.sampling.num_sampled)
+        assert self.worker.grammar is not None
+        grammar = self.worker.grammar.state_for(request.sampling, request.token_ids)
         plan = await plan_prompt_kv(self.worker, request.request_id, request.token_ids, request.block_keys,
                                     fetch_store=request.fetch_store, num_fetch_blocks=request.num_fetch_blocks,
                                     decode_store=request.decode_store, destinations=request.destinations,
                                     timeout_s=max(ctx.deadline - time.monotonic(), 0.001),
                                     key_isolation=request.key_isolation, tenant=request.tenant)
         job = PrefillJob(request, plan, arrived_at, time.monotonic(), asyncio.get_running_loop().create_future(),
-                         deadline=ctx.deadline)
+                         deadline=ctx.deadline, grammar=grammar)
         job.idle.set()
         try:
             self._queue.append(job)
@@ -296,5 +298,6 @@ class PrefillRole:
             raise
 
     def _forward(self, batch: list[PrefillJob]) -> list[TokenSample]:
-        return run_prefill_forward(self.worker, [job.plan for job in batch], [job.request.sampling for job in batch])
+        return run_prefill_forward(self.worker, [job.plan for job in batch], [job.request.sampling for job in batch],
+                                   [job.grammar for job in batch])
 

@@ -10,6 +10,7 @@ store s2, its prefill_chunk equal to the group's cpp_chunk_tokens so both cut th
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -28,6 +29,7 @@ from mooncaked.runtime.lifecycle import Role
 from mooncaked.store.client import StoreClient
 from mooncaked.store.shm_pool import pool_path
 from tests.roles.cluster_fixtures import cluster_config, instance, running_roles
+from mooncaked.model.grammar import grammar_for
 from tests.model.sampling_reference import reference_adjust
 from tests.roles.engine_reference import greedy_tokens
 
@@ -184,6 +186,24 @@ async def test_the_last_stage_samples_with_penalties_over_the_request_history(tm
             PREFILL, PrefillRequest(f"r-{name}", tokens, keys_for(config, tokens), spec), timeout_s=30)
             for name in ("g0", "p2")]
         assert [reply.first_token.token_id for reply in replies] == expected * 2
+        assert_nothing_held(roles)
+
+
+async def test_the_last_stage_samples_under_the_request_grammar(tmp_path: Path) -> None:
+    """A migrated leg under a grammar: the last stage rebuilds it from the output in the prompt's tail."""
+    config = group_config(tmp_path, 24)
+    tokenizer = load_model("random:tiny").tokenizer
+    choices = ["alpha-7", "alps-2", "beta"]
+    tokens = prompt(4, 50) + tokenizer.encode("alp", add_special_tokens=False)
+    spec = SamplingSpec(max_tokens=1, temperature=0.0, ignore_eos=True, num_sampled=3,
+                        grammar=grammar_for("choice", json.dumps(choices)))
+    allowed = {tokenizer.encode(text, add_special_tokens=False)[0] for text in ("h", "s")}
+    async with cluster(config) as (roles, clients):
+        replies = [await clients.for_instance(config.instance_named(name)).call(
+            PREFILL, PrefillRequest(f"r-{name}", tokens, keys_for(config, tokens), spec), timeout_s=30)
+            for name in ("g0", "p2")]
+        assert replies[0].first_token.token_id == replies[1].first_token.token_id
+        assert replies[0].first_token.token_id in allowed
         assert_nothing_held(roles)
 
 
