@@ -1,7 +1,8 @@
 """One attempt at serving a request: place it, RESERVE, PREFILL, DECODE, and give back what it held.
 
 1. `LegWork` is what the attempt serves: the prompt (a migrated request's prompt plus the tokens it already
-   streamed), its block keys, the tokens left and the seed state; `leg_id` names it on the instances.
+   streamed), its block keys, the tokens left and the seed state; `leg_id` (`attempt_id`: unique per attempt)
+   names it on the instances.
 2. `place()` runs Algorithm 1 (a Rejection becomes a 429 or 503), leaving out instances this request saw fail.
 3. `reserve()`, `prefill()`, `open_decode()` and `next_item()` drive the legs, each with its deadline. A leg
    that fails in a way another instance can fix (unreachable, stopping, past its deadline) raises `LegFailed`
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -36,6 +38,13 @@ logger = logging.getLogger(__name__)
 UNRESERVE_TIMEOUT_S = 2.0  # cleanup only: an unclaimed reservation also ends with its lease
 MIGRATION_CAUSES = frozenset({f"{leg}_{kind}" for leg in ("reserve", "prefill", "decode")
                               for kind in ("lost", "deadline")} | {"decode_pages"})
+
+
+def attempt_id(request_id: str, num_migrations: int) -> str:
+    """The id an attempt goes by on the instances (reservation, KV pages, in-flight work): unique per attempt,
+    since the request id may be the client's own `X-Request-Id`, which other live requests may share. It starts
+    with the request id so that the instances' logs still name the client's."""
+    return f"{request_id}~{num_migrations}.{secrets.token_hex(8)}"
 
 
 @dataclass(frozen=True)

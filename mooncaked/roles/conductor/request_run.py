@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
@@ -36,7 +35,7 @@ from mooncaked.model.stopping import FINISH_LENGTH, FINISH_STOP, GenerationState
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.class_metrics import ClassMetrics
 from mooncaked.roles.conductor.frontend import ConductorRequest, ModelFrontend
-from mooncaked.roles.conductor.leg import Leg, LegFailed, LegWork, Rejected
+from mooncaked.roles.conductor.leg import Leg, LegFailed, LegWork, Rejected, attempt_id
 from mooncaked.roles.conductor.view.cluster import ClusterView
 from mooncaked.roles.conductor.view.prediction_errors import PredictionErrors, PredictionRecord
 from mooncaked.roles.worker.messages import FINISH_EOS, PrefillReply, SamplingSpec, StoreTenant, TokenSample
@@ -45,13 +44,6 @@ from mooncaked.runtime.metrics import Metrics
 from mooncaked.sched.types import Placement
 
 logger = logging.getLogger(__name__)
-
-
-def attempt_id(request_id: str, num_migrations: int) -> str:
-    """The id an attempt goes by on the instances (reservation, KV pages, in-flight work): unique per attempt,
-    since the request id may be the client's own `X-Request-Id`, which other live requests may share. It starts
-    with the request id so that the instances' logs still name the client's."""
-    return f"{request_id}~{num_migrations}.{secrets.token_hex(8)}"
 
 
 class RunServices(Protocol):
