@@ -1,5 +1,5 @@
 """`mooncaked bench model`: CPU greedy decode, ours vs transformers `generate`, plus layer-callback overhead
-(`--tp N`: tensor-parallel speedups instead, bench.model_tp).
+(`--tp N`: tensor-parallel speedups instead, bench.model_tp; `--model moe`: a MoE model, bench.model_moe).
 
 Stages:
   1. Load our model (fp32) with the projections a decode instance keeps (`--packing`, default `packed`: the
@@ -54,8 +54,9 @@ TARGET_CALLBACK_OVERHEAD = 0.02
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
-    parser.add_argument("--model", default=None, help="model source (loader syntax); default: embedded:smollm2, "
-                        f"with --tp > 1 {model_tp.TP_MODEL}")
+    parser.add_argument("--model", default=None, help="model source (loader syntax), or `moe`: a small MoE model "
+                        "against transformers and a dense model of equal active parameters (bench.model_moe); "
+                        f"default: embedded:smollm2, with --tp > 1 {model_tp.TP_MODEL}")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (with --tp: 1 per side)")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per sequence")
     parser.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
@@ -256,6 +257,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.model == "moe":
+        from mooncaked.bench import model_moe  # it imports this module's helpers
+
+        return model_moe.run(args)
     hf = build_hf_model(load_model(args.model, dtype="float32", device="cpu", packing="plain"))
     loaded = load_model(args.model, dtype="float32", device="cpu", packing=args.packing)
     longest = max(len(p) for p in chat_prompts(loaded, max(args.batch_sizes)))

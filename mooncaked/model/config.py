@@ -293,6 +293,17 @@ _PRESETS: dict[str, ModelArgs] = {
                                     num_heads=8, num_kv_heads=4, head_dim=64, rms_norm_eps=1e-5,
                                     rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
                                     bos_token_id=1, eos_token_ids=(2,)),
+    # `bench model --model moe`: Qwen3-MoE-shaped (experts 0.375 x hidden wide, as Qwen3-30B-A3B's 768 / 2048),
+    # 16 experts of 192 columns, top-4 renormalized, every layer sparse; and a dense model of the same active
+    # parameters (one MLP of 4 x 192 columns)
+    "moe-512": ModelArgs(vocab_size=320, hidden_size=512, intermediate_size=768, num_layers=4, num_heads=8,
+                         num_kv_heads=4, head_dim=64, rms_norm_eps=1e-6, max_position_embeddings=4096, bos_token_id=1,
+                         eos_token_ids=(2,), family="qwen3_moe", qk_norm=True,
+                         moe=MoEArgs(num_experts=16, num_experts_per_token=4, intermediate_size=192,
+                                     sparse_layers=(0, 1, 2, 3), norm_topk_prob=True)),
+    "moe-512-dense": ModelArgs(vocab_size=320, hidden_size=512, intermediate_size=768, num_layers=4, num_heads=8,
+                               num_kv_heads=4, head_dim=64, rms_norm_eps=1e-6, max_position_embeddings=4096,
+                               bos_token_id=1, eos_token_ids=(2,), family="qwen3", qk_norm=True),
 }
 
 
