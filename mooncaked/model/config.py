@@ -99,6 +99,25 @@ class ModelArgs:
         return self.num_kv_heads * self.head_dim
 
     @property
+    def num_kv_planes(self) -> int:
+        """Tensors the KV cache holds per layer: K and V."""
+        return 2
+
+    @property
+    def kv_head_dim(self) -> int:
+        """Width of one KV head in the cache."""
+        return self.head_dim
+
+    @property
+    def rope_head_dim(self) -> int:
+        """Dimensions RoPE rotates per head (the cos/sin tables' width)."""
+        return self.head_dim
+
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        """KV cache bytes of one token over every layer and KV head (what a store object holds per token)."""
+        return self.num_layers * self.num_kv_planes * self.num_kv_heads * self.kv_head_dim * itemsize
+
+    @property
     def context_length(self) -> int:
         """Positions the model serves: max_position_embeddings, or YaRN's extended context where that is longer
         (Qwen2.5/Qwen3 long-context configs keep max_position_embeddings at the original length)."""
