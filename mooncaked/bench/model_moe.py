@@ -7,7 +7,7 @@ Stages:
      router). Ours loads both fp32 with `--packing` projections; the MoE weights are also written as a Hugging Face
      checkpoint (config.json and safetensors, per-expert tensors) into a temporary directory, which transformers
      loads with `from_pretrained` (its CPU experts implementation as it chooses by default).
-  2. Decode at each batch size exactly as `bench model` does (bench.model.measure_decode: chat prompts, EOS
+  2. Decode at each batch size exactly as `bench model` does (bench.decode_compare.measure_decode: chat prompts, EOS
      suppressed on both sides, prefill included, runs alternating, best of `--repeats`): `ours_tok_s_bN`,
      `hf_tok_s_bN`, `ratio_bN`, `tokens_match_bN`.
   3. Decode steps alone (the same prompts prefilled untimed, then `--new-tokens` steps) on ours for the MoE and
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from mooncaked.bench.model import OursGenerator, Timing, chat_prompts, measure_decode
+from mooncaked.bench.decode_compare import OursGenerator, Timing, chat_prompts, measure_decode
 from mooncaked.bench.report import report
 from mooncaked.engine.batch import DecodeSeq, PrefillSeq, build_decode_batch, build_prefill_batch
 from mooncaked.model.config import ModelArgs
