@@ -1,7 +1,7 @@
 """Hyperparameters of the supported decoder families (ModelArgs) and the slice of them one device holds.
 
 1. ModelArgs come from a Hugging Face `config.json` (model.families), GGUF metadata (model.weights_gguf) or a
-   named preset for seeded random models (`random_preset`).
+   named preset for seeded random models (model.presets).
 2. Validation in `__post_init__`: shapes that cannot form the model raise ValueError naming the field.
 3. The frozen ModelArgs is read by the modules, the weight loaders and the engine (KV page shapes); the
    modules take their head and column counts from a ShardShape (`ShardShape.whole(args)` on one device).
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from mooncaked.model.moe_args import MoEArgs
@@ -97,6 +97,25 @@ class ModelArgs:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def num_kv_planes(self) -> int:
+        """Tensors the KV cache holds per layer: K and V."""
+        return 2
+
+    @property
+    def kv_head_dim(self) -> int:
+        """Width of one KV head in the cache."""
+        return self.head_dim
+
+    @property
+    def rope_head_dim(self) -> int:
+        """Dimensions RoPE rotates per head (the cos/sin tables' width)."""
+        return self.head_dim
+
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        """KV cache bytes of one token over every layer and KV head (what a store object holds per token)."""
+        return self.num_layers * self.num_kv_planes * self.num_kv_heads * self.kv_head_dim * itemsize
 
     @property
     def context_length(self) -> int:
@@ -273,31 +292,3 @@ def split_layers(num_layers: int, num_stages: int, splits: list[int] | None = No
         raise ValueError(f"{num_stages} stages need {num_stages - 1} layer splits, got {splits}")
     bounds = [0, *splits, num_layers]
     return [LayerRange(bounds[i], bounds[i + 1], num_layers) for i in range(num_stages)]
-
-
-# Random-weight presets for tests and benchmarks. Vocabulary 320 covers the 256 byte tokens plus specials of
-# the byte-level test tokenizer (tokenizer.byte_level_test_tokenizer).
-_PRESETS: dict[str, ModelArgs] = {
-    "tiny": ModelArgs(vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, max_position_embeddings=4096, bos_token_id=1,
-                      eos_token_ids=(2,)),
-    "small": ModelArgs(vocab_size=320, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8,
-                       num_kv_heads=2, head_dim=32, max_position_embeddings=8192, bos_token_id=1,
-                       eos_token_ids=(2,)),
-    "smollm2-135m": ModelArgs(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                              num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
-                              max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1,
-                              eos_token_ids=(2,)),
-    # SmolLM2-135M's size and shape with heads two ranks can split (8 query, 4 KV): tensor-parallel benchmarks
-    "smollm2-135m-8q4kv": ModelArgs(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                                    num_heads=8, num_kv_heads=4, head_dim=64, rms_norm_eps=1e-5,
-                                    rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
-                                    bos_token_id=1, eos_token_ids=(2,)),
-}
-
-
-def random_preset(name: str, **overrides: Any) -> ModelArgs:
-    """A named preset for `random:<name>` models, optionally with fields replaced."""
-    if name not in _PRESETS:
-        raise ValueError(f"unknown random model preset {name!r}; choose one of {sorted(_PRESETS)}")
-    return replace(_PRESETS[name], **overrides)

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from mooncaked.model.chat_template import CHATML_TEMPLATE, ChatTemplate
-from mooncaked.model.config import ModelArgs, random_preset
+from mooncaked.model.config import ModelArgs
+from mooncaked.model.presets import random_preset
 from mooncaked.model.tokenizer import TextTokenizer, byte_level_test_tokenizer, read_tokenizer_config
 from mooncaked.model.weights_gguf import GGUFModelFile
 from mooncaked.model.weights_hf import read_hf_config

@@ -155,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
             self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, weight_device)
             # a transposed copy even when tied to the embedding: the embedding lookup needs [vocab, hidden] rows
             self.lm_head = Linear(args.hidden_size, self.shape.vocab_size or args.vocab_size, dtype, weight_device)
-        self.rope = RopeCache(args.head_dim, args.rope_theta, args.rope_scaling, args.context_length,
+        self.rope = RopeCache(args.rope_head_dim, args.rope_theta, args.rope_scaling, args.context_length,
                               dtype, device, args.rope_freq_factors)
 
     def pack_for_cpu(self, is_replacing: bool = False) -> int:

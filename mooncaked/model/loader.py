@@ -46,7 +46,7 @@ import torch
 
 from mooncaked.model.build import WeightSource, build_model
 from mooncaked.model.chat_template import CHATML_TEMPLATE, ChatTemplate
-from mooncaked.model.config import LayerRange, ModelArgs, ShardShape, random_preset
+from mooncaked.model.config import LayerRange, ModelArgs, ShardShape
 from mooncaked.model.frontend import (EMBEDDED_SMOLLM2, SMOLLM2_MODEL_ID, ModelLoadError, embedded_smollm2_path,
                                       generation_config_eos, hf_chat_template, unknown_source)
 from mooncaked.model.heap import release_free_heap
@@ -54,6 +54,7 @@ from mooncaked.model.llama import LlamaForCausalLM
 from mooncaked.model.load_progress import LoadProgress
 from mooncaked.model.memory_fit import check_fits
 from mooncaked.model.packed_gemm import Packing
+from mooncaked.model.presets import random_preset
 from mooncaked.model.tensor_parallel import Slice, check_shardable, shard_shape
 from mooncaked.model.tokenizer import TextTokenizer, byte_level_test_tokenizer
 from mooncaked.model.weight_names import random_hf_state_dict

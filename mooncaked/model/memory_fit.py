@@ -35,7 +35,7 @@ def weight_bytes(args: ModelArgs, dtype: torch.dtype, packing: Packing = "plain"
     rank (its share of the layers' projections and of the output head; embedding and norms replicated)."""
     layers = layers or LayerRange.whole(args)
     shapes = hf_tensor_shapes(args, layers)
-    num_elements = sum(_numel(shape) for shape in shapes.values()) + 2 * args.context_length * args.head_dim
+    num_elements = sum(_numel(shape) for shape in shapes.values()) + 2 * args.context_length * args.rope_head_dim
     sharded = sum(_numel(shape) for name, shape in shapes.items() if _is_sharded(name))
     num_elements -= sharded - sharded // num_ranks
     embedding = args.vocab_size * args.hidden_size

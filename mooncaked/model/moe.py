@@ -90,14 +90,30 @@ def run_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
     x [T, H]; weights fp32 [T, K]; expert_ids int64 [T, K] in [0, num_experts); gate_up [E_local, H, 2I];
     down [E_local, I, H] -> [T, H] in x's dtype.
     """
-    if expert_offset == 0 and gate_up.shape[0] == num_experts and is_grouped_mm_supported(x, gate_up):
-        return _run_experts_grouped(x, weights, expert_ids, gate_up, down)
-    return run_experts_reference(x, weights, expert_ids, gate_up, down, expert_offset, num_experts)
+    if not is_grouped_mm_supported(x, gate_up):
+        return run_experts_reference(x, weights, expert_ids, gate_up, down, expert_offset, num_experts)
+    inter = gate_up.shape[2] // 2
+    num_local = gate_up.shape[0]
+    groups = group_by_expert(expert_ids, num_experts)
+    order, tokens, local_counts = groups.order, groups.token_of_row, groups.rows_per_expert
+    if num_local != num_experts:  # expert-parallel: this shard's experts' rows only (one host read)
+        first_row = int(local_counts[:expert_offset].sum())
+        local_counts = local_counts[expert_offset:expert_offset + num_local]
+        rows_here = slice(first_row, first_row + int(local_counts.sum()))
+        order, tokens = order[rows_here], tokens[rows_here]
+    offsets = torch.cumsum(local_counts, dim=0, dtype=torch.int32)  # [E_local]: end row of each expert
+    rows = x.index_select(0, tokens)  # [R, H]
+    gate, up = torch._grouped_mm(rows, gate_up, offs=offsets).split(inter, dim=-1)  # [R, I] each
+    out = torch._grouped_mm(F.silu(gate).mul_(up), down, offs=offsets)  # [R, H]
+    row_weights = weights.flatten()[order].unsqueeze(1)  # [R, 1] fp32
+    out.mul_(row_weights if out.dtype == torch.float32 else row_weights.to(out.dtype))
+    return torch.zeros_like(x).index_add_(0, tokens, out)
 
 
 def run_experts_reference(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor,
                           down: torch.Tensor, expert_offset: int, num_experts: int) -> torch.Tensor:
-    """`run_experts` as one GEMM pair per expert that got rows (the CPU path, and the CUDA path's reference)."""
+    """`run_experts` as one GEMM pair per expert that got rows: the reference of the grouped path, and the path
+    where torch._grouped_mm does not take the dtype."""
     num_local, _, inter2 = gate_up.shape
     inter = inter2 // 2
     groups = group_by_expert(expert_ids, num_experts)
@@ -124,20 +140,11 @@ def run_experts_reference(x: torch.Tensor, weights: torch.Tensor, expert_ids: to
     return result.index_add_(0, tokens, out)
 
 
-def _run_experts_grouped(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor,
-                         down: torch.Tensor) -> torch.Tensor:
-    """Every expert's rows in two grouped GEMMs (every expert held here; no host synchronisation)."""
-    inter = gate_up.shape[2] // 2
-    groups = group_by_expert(expert_ids, gate_up.shape[0])
-    offsets = torch.cumsum(groups.rows_per_expert, dim=0).to(torch.int32)  # [E]: end row of each expert
-    rows = x.index_select(0, groups.token_of_row)  # [T * K, H]
-    gate, up = torch._grouped_mm(rows, gate_up, offs=offsets).split(inter, dim=-1)
-    out = torch._grouped_mm(F.silu(gate).mul_(up), down, offs=offsets)  # [T * K, H]
-    out.mul_(weights.flatten().index_select(0, groups.order).unsqueeze(1).to(out.dtype))
-    return torch.zeros_like(x).index_add_(0, groups.token_of_row, out)
-
-
 def is_grouped_mm_supported(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
-    """torch._grouped_mm on CUDA takes bf16 operands whose rows are whole 16-byte units."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and x.shape[1] % 8 == 0 and gate_up.shape[2] % 16 == 0)
+    """torch._grouped_mm runs on CPU (it skips groups without rows: an expert without tokens is never read) and, on
+    CUDA, takes bf16 operands whose rows are whole 16-byte units."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if not x.is_cuda:
+        return x.dtype in (torch.float32, torch.bfloat16)
+    return x.dtype == torch.bfloat16 and x.shape[1] % 8 == 0 and gate_up.shape[2] % 16 == 0

@@ -20,9 +20,11 @@ def route(logits: torch.Tensor, moe: MoEArgs,
     """logits [T, E] -> (weights fp32 [T, K], expert ids int64 [T, K]); K = moe.num_experts_per_token."""
     logits = logits.float()
     if moe.scoring == "softmax":
-        weights, expert_ids = torch.topk(torch.softmax(logits, dim=-1), moe.num_experts_per_token, dim=-1)
-        if moe.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if moe.norm_topk_prob:  # softmax renormalized over the top k = softmax of the top k logits (2 ops, not 4)
+            top_logits, expert_ids = torch.topk(logits, moe.num_experts_per_token, dim=-1)
+            weights = torch.softmax(top_logits, dim=-1)
+        else:
+            weights, expert_ids = torch.topk(torch.softmax(logits, dim=-1), moe.num_experts_per_token, dim=-1)
         return weights * moe.routed_scaling_factor if moe.routed_scaling_factor != 1.0 else weights, expert_ids
     scores = torch.sigmoid(logits)  # [T, E]
     choice = scores if correction_bias is None else scores + correction_bias.float()

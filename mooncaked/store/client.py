@@ -17,7 +17,7 @@
    move with an earlier run's offsets raises StaleOffsets and touches no byte, so a worker keeps working across
    a store restart and never reads or writes another run's blocks.
 
-A block is `[layer][k|v][token][kv_head][head_dim]`; one layer's slice is `layer_bytes` long at
+A block is `[layer][plane: k|v, or one MLA latent][token][kv_head][head_dim]`; one layer's slice is `layer_bytes` long at
 `layer_index * layer_bytes` inside the block (docs/design.md section 5). The ends of a move and its spans: move_ends.py.
 """
 

@@ -13,9 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mooncaked.model.config import ModelArgs, random_preset
+from mooncaked.model.config import ModelArgs
 from mooncaked.model.families import ConfigError, UnsupportedModel, args_from_hf_config
 from mooncaked.model.loader import load_model
+from mooncaked.model.presets import random_preset
 from mooncaked.model.rope_scaling import Llama3Scaling
 from tests.model.family_checkpoints import CASES, hf_config
 

@@ -9,7 +9,7 @@ from mooncaked.engine.batch import DecodeSeq, PrefillSeq, build_decode_batch, bu
 from mooncaked.engine.kv_pages import KVPages, PageAllocator
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.model import packed_gemm
-from mooncaked.model.config import random_preset
+from mooncaked.model.presets import random_preset
 from mooncaked.model.rope_scaling import Llama3Scaling
 from mooncaked.model.llama import LlamaForCausalLM
 from mooncaked.model.weight_names import random_hf_state_dict

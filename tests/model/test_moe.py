@@ -4,6 +4,7 @@ whole experts) add up to the whole, and the modules equal transformers' Qwen3-Mo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -12,12 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from mooncaked.model.config import ShardShape
-from mooncaked.model.moe import SparseMoE, run_experts
+from mooncaked.model.moe import SparseMoE, run_experts, run_experts_reference
 from mooncaked.model.moe_args import MoEArgs
 from mooncaked.model.moe_routing import route
 
 transformers = pytest.importorskip("transformers")
 
+RunExperts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int], torch.Tensor]
 HIDDEN = 32
 SOFTMAX = MoEArgs(num_experts=8, num_experts_per_token=2, intermediate_size=16, sparse_layers=(0,),
                   norm_topk_prob=True)
@@ -141,25 +143,31 @@ def _experts(num_experts: int, inter: int, seed: int) -> tuple[torch.Tensor, tor
                                                                                    generator=gen)
 
 
+EXPERT_PATHS = [run_experts, run_experts_reference]
+PATH_IDS = ["grouped-gemm", "per-expert-loop"]
+
+
+@pytest.mark.parametrize("run", EXPERT_PATHS, ids=PATH_IDS)
 @pytest.mark.parametrize("num_tokens", [1, 3, 40])
-def test_grouped_experts_equal_dense_reference_and_shards_add_up(num_tokens: int) -> None:
+def test_grouped_experts_equal_dense_reference_and_shards_add_up(num_tokens: int, run: RunExperts) -> None:
     gen = torch.Generator().manual_seed(num_tokens)
     x = torch.randn(num_tokens, HIDDEN, generator=gen)
     weights, ids = route(torch.randn(num_tokens, 8, generator=gen), SOFTMAX)
     gate_up, down = _experts(8, 16, seed=5)
-    whole = run_experts(x, weights, ids, gate_up, down, 0, 8)
+    whole = run(x, weights, ids, gate_up, down, 0, 8)
     torch.testing.assert_close(whole, _dense_reference(x, weights, ids, gate_up, down), atol=1e-4, rtol=1e-5)
     # expert-parallel: ranks holding experts 0-3 and 4-7 whole
-    ranks = [run_experts(x, weights, ids, gate_up[r * 4:(r + 1) * 4], down[r * 4:(r + 1) * 4], r * 4, 8)
+    ranks = [run(x, weights, ids, gate_up[r * 4:(r + 1) * 4], down[r * 4:(r + 1) * 4], r * 4, 8)
              for r in range(2)]
     torch.testing.assert_close(ranks[0] + ranks[1], whole, atol=1e-4, rtol=1e-5)
     # tensor-parallel: ranks holding columns 0-7 and 8-15 of every expert
-    columns = [run_experts(x, weights, ids, torch.cat([gate_up[..., c:c + 8], gate_up[..., 16 + c:24 + c]], -1),
+    columns = [run(x, weights, ids, torch.cat([gate_up[..., c:c + 8], gate_up[..., 16 + c:24 + c]], -1),
                            down[:, c:c + 8], 0, 8) for c in (0, 8)]
     torch.testing.assert_close(columns[0] + columns[1], whole, atol=1e-4, rtol=1e-5)
 
 
-def test_experts_no_token_chose_are_never_read() -> None:
+@pytest.mark.parametrize("run", EXPERT_PATHS, ids=PATH_IDS)
+def test_experts_no_token_chose_are_never_read(run: RunExperts) -> None:
     """NaN weights in every expert but the chosen ones: a dense pass (even masked by zero weights) would give NaN."""
     gate_up, down = _experts(8, 16, seed=6)
     x = torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(7))
@@ -167,7 +175,7 @@ def test_experts_no_token_chose_are_never_read() -> None:
     weights = torch.full((4, 2), 0.5)
     unused = [e for e in range(8) if e not in (1, 6)]
     gate_up[unused], down[unused] = float("nan"), float("nan")
-    out = run_experts(x, weights, ids, gate_up, down, 0, 8)
+    out = run(x, weights, ids, gate_up, down, 0, 8)
     assert torch.isfinite(out).all() and out.abs().sum() > 0
 
 

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from mooncaked.model.config import random_preset
 from mooncaked.model.families import args_from_hf_config
+from mooncaked.model.presets import random_preset
 from mooncaked.model.rope_scaling import Llama3Scaling, YarnScaling
 from mooncaked.model.rope import RopeCache, apply_rope, inverse_frequencies
 

@@ -12,11 +12,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mooncaked.model.config import random_preset
 from mooncaked.model.families import args_from_hf_config
 from mooncaked.model.llama import LlamaDecoderLayer
 from mooncaked.model.loader import load_model, model_args
 from mooncaked.model.memory_fit import weight_bytes
+from mooncaked.model.presets import random_preset
 from mooncaked.model.tensor_parallel import TensorParallelError, check_shardable, shard_shape
 from tests.model.family_checkpoints import CASES, hf_config, write_checkpoint
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mooncaked.model.config import random_preset
 from mooncaked.model.llama import LlamaForCausalLM
 from mooncaked.model.load_progress import LoadProgress
 from mooncaked.model.loader import load_model
 from mooncaked.model.memory_fit import ModelDoesNotFit, check_fits, projection_bytes, weight_bytes
+from mooncaked.model.presets import random_preset
 from mooncaked.model.weight_names import CheckpointError, num_active_parameters, num_parameters
 from mooncaked.model.weights_hf import SafetensorsCheckpoint
 from tests.model.family_checkpoints import CASES, write_checkpoint

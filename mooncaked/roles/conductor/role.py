@@ -226,7 +226,7 @@ def default_predictors(config: Config, loaded: ModelFrontendInfo) -> Predictors:
     device = "cuda" if config.model.device.startswith("cuda") else "cpu"
     itemsize = resolve_dtype(config.model.dtype, config.model.device).itemsize
     weight_bytes = num_active_parameters(loaded.args) * itemsize  # a MoE step reads its chosen experts only
-    kv_bytes_per_token = args.num_layers * 2 * args.num_kv_heads * args.head_dim * itemsize
+    kv_bytes_per_token = args.kv_bytes_per_token(itemsize)  # an MLA latent is several times smaller than GQA K/V
     prefill = PrefillTimePredictor.from_model(num_layers=args.num_layers, hidden_size=args.hidden_size,
                                               gpu_flops=section.device_flops or DEFAULT_FLOPS[device])
     decode = DecodeStepPredictor.from_model(weight_bytes=weight_bytes, kv_bytes_per_token=kv_bytes_per_token,
