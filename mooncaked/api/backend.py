@@ -67,6 +67,7 @@ class GenerationChunk:
     predicted_ttft_s: float | None = None  # first chunk: the scheduler's predictions at placement
     predicted_tbt_s: float | None = None
     tool_calls: tuple[ToolCallOut, ...] = ()  # calls completed by this chunk (chat with tools); `text` is content
+    reasoning: str = ""  # a thinking model's reasoning text of this chunk (chat); `text` is the answer's
 
     def prediction_headers(self) -> dict[str, str]:
         """X-Mooncaked-Predicted-TTFT-Ms / -TBT-Ms for a response that starts with this chunk (benchmarks read them)."""

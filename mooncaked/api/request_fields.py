@@ -94,6 +94,8 @@ FIELDS: dict[str, FieldUse] = {
     "guided_choice": _on(BOTH, HONOURED),
     "guided_grammar": _on(BOTH, HONOURED),
     "structured_outputs": _on(BOTH, HONOURED),
+    # vLLM's, chat only
+    "chat_template_kwargs": _on(CHAT, HONOURED),
 }
 
 

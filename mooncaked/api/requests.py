@@ -28,6 +28,7 @@ from mooncaked.api.tools import ToolUse, read_tools
 MAX_LOGPROBS = 20
 MAX_CACHE_SALT_CHARS = 1024
 STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1  # `priority` is an int32, as vLLM's
 
@@ -70,6 +71,7 @@ class ChatRequest:
     is_batch: bool = False  # a Batch API line (the batch class), never an HTTP request
     constraint: OutputConstraint | None = None  # structured outputs: what the output must match
     tool_use: ToolUse = ToolUse()  # the tools it may call, and how
+    template_kwargs: tuple[tuple[str, Any], ...] = ()  # vLLM's chat_template_kwargs: more variables for the template
 
     @property
     def num_logprobs(self) -> int | None:
@@ -147,7 +149,23 @@ def parse_chat_request(body: Mapping[str, Any], *, request_id: str, model_ids: S
         priority=_read_priority(body),
         constraint=constraint,
         tool_use=tool_use,
+        template_kwargs=read_template_kwargs(body),
     )
+
+
+def read_template_kwargs(body: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """vLLM's `chat_template_kwargs`: variables the chat template reads (`enable_thinking: false`), JSON values; the
+    names the server itself sets are refused."""
+    value = body.get("chat_template_kwargs")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise invalid_field("chat_template_kwargs", f"expected an object, got {json_type(value)}")
+    for name in value:
+        if name in RESERVED_TEMPLATE_NAMES or not name.isidentifier():
+            raise invalid_field(f"chat_template_kwargs.{name}", "not a variable a request may set; the server sets "
+                                f"{sorted(RESERVED_TEMPLATE_NAMES)}")
+    return tuple(sorted(value.items()))
 
 
 def _read_cache_salt(body: Mapping[str, Any]) -> str | None:

@@ -7,7 +7,8 @@
 The shapes follow OpenAI's (and vLLM's): ids `cmpl-...` / `chatcmpl-...`, objects `text_completion`,
 `chat.completion.chunk`, `chat.completion`; the first chat chunk carries `role: assistant`. A chat answer's tool
 calls go out as `delta.tool_calls` (each whole: id, name and arguments in one delta) and `message.tool_calls`, its
-content then null when it has none.
+content then null when it has none; a thinking model's reasoning as `delta.reasoning_content` and
+`message.reasoning_content`, as vLLM and SGLang send it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class ResponseBuilder:
         self.finish_reason: str | None = None
         self.is_role_sent = False
         self.tool_calls: list[dict[str, Any]] = []
+        self.reasoning_parts: list[str] = []
 
     def add(self, chunk: GenerationChunk) -> dict[str, Any]:
         """Accumulate `chunk`; return its streaming JSON."""
@@ -51,7 +53,11 @@ class ResponseBuilder:
         self.num_text_chars += len(chunk.text)
         choice: dict[str, Any] = {"index": 0}
         if self.is_chat:
-            delta: dict[str, Any] = {"content": chunk.text} if chunk.text or not chunk.tool_calls else {}
+            delta: dict[str, Any] = {"content": chunk.text} if chunk.text or not (chunk.tool_calls or chunk.reasoning) \
+                else {}
+            if chunk.reasoning:
+                delta["reasoning_content"] = chunk.reasoning
+                self.reasoning_parts.append(chunk.reasoning)
             if chunk.tool_calls:
                 calls = [_tool_call_json(call) for call in chunk.tool_calls]
                 self.tool_calls.extend(calls)
@@ -86,9 +92,12 @@ class ResponseBuilder:
         text = "".join(self.text_parts)
         choice: dict[str, Any] = {"index": 0}
         if self.is_chat:
-            choice["message"] = {"role": "assistant", "content": text or (None if self.tool_calls else "")}
+            choice["message"] = {"role": "assistant",
+                                 "content": text or (None if self.tool_calls or self.reasoning_parts else "")}
             if self.tool_calls:
                 choice["message"]["tool_calls"] = self.tool_calls
+            if self.reasoning_parts:
+                choice["message"]["reasoning_content"] = "".join(self.reasoning_parts)
             logprobs: Any = {"content": self.logprob_items}
         else:
             choice["text"] = text

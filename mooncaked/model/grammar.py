@@ -65,6 +65,15 @@ def grammar_for(kind: str, value: str) -> str:
     raise GrammarError(f"unknown constraint kind {kind!r}; one of {GRAMMAR_KINDS}")
 
 
+def after_prefix(prefix_lark: str, grammar: str) -> str:
+    """A grammar that runs `prefix_lark` (Lark whose `start` refers to `@answer`, model/reasoning.py) and then
+    `grammar` (llguidance's grammar text: its JSON document, or Lark)."""
+    document = json.loads(grammar) if grammar.lstrip().startswith("{") else {"grammars": [{"lark_grammar": grammar}]}
+    answer, *others = document["grammars"]
+    return json.dumps({**document, "grammars": [{"lark_grammar": prefix_lark}, {**answer, "name": "answer"},
+                                                 *others]}, ensure_ascii=False)
+
+
 class GrammarTokenizer:
     """Immutable after construction; shared by every grammar state of a process."""
 
@@ -83,7 +92,7 @@ class GrammarState:
 
     def __init__(self, tokenizer: GrammarTokenizer, grammar: str, output_ids: Sequence[int] = ()) -> None:
         self.vocab_size = tokenizer.vocab_size
-        self._matcher = llguidance.LLMatcher(tokenizer.lltokenizer, grammar)
+        self._matcher = llguidance.LLMatcher(tokenizer.lltokenizer, grammar, log_level=0)  # errors: is_error()
         self._bits = torch.zeros((tokenizer.vocab_size + 31) // 32, dtype=torch.int32)
         if self._matcher.is_error():
             raise GrammarError(self._matcher.get_error())

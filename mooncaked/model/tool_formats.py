@@ -187,7 +187,7 @@ def _mistral_grammar(tools: Sequence[ToolDef], is_parallel: bool, marker: Callab
     return f'start: {marker("[TOOL_CALLS]")} {_json(schema)}'
 
 
-# ---- DeepSeek-V3: <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGS\n```<｜tool▁call▁end｜> ----------
+# ---- DeepSeek-V3: <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGS\n```<｜tool▁call▁end｜> ---
 DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DS_CALL_BEGIN, DS_SEP, DS_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
 _DS_CALL = re.compile(re.escape(DS_CALL_BEGIN) + r"(?:function" + re.escape(DS_SEP) + r"(?P<name>[^\n]+)\n```json\n"

@@ -39,7 +39,7 @@ class ToolCallParser:
             content, self.section, self.pending = self.pending[:start], self.pending[start:], ""
             self.is_in_section = True
             return content, self._take()
-        held = _prefix_len(self.pending, self.format.start)
+        held = marker_prefix_len(self.pending, self.format.start)
         content, self.pending = self.pending[: len(self.pending) - held], self.pending[len(self.pending) - held:]
         return content, []
 
@@ -80,7 +80,7 @@ def _without_markers(text: str, markers: tuple[str, ...]) -> str:
     return text
 
 
-def _prefix_len(text: str, marker: str) -> int:
+def marker_prefix_len(text: str, marker: str) -> int:
     """The length of the longest suffix of `text` that is a proper prefix of `marker`."""
     for length in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:length]):

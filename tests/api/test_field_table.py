@@ -36,6 +36,7 @@ SERVED: dict[str, Any] = {
     "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}},
     "guided_json": {"type": "object"}, "guided_regex": "[a-z]+", "guided_choice": ["yes", "no"],
     "guided_grammar": 'start: "x"', "structured_outputs": {"choice": ["a", "b"]},
+    "chat_template_kwargs": {"enable_thinking": False},
 }
 REFUSED_VALUES: dict[str, Any] = {
     "prompt": ["one", "two"], "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],

@@ -97,8 +97,9 @@ def test_completion_errors(body: dict[str, object], status: int, param: str) -> 
 
 @pytest.mark.parametrize("parse", [parse_completion_request, parse_chat_request])
 def test_sampling_controls_read_on_both_routes(parse: object) -> None:
-    body = {**minimal_body(parse), "max_tokens": 8, "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2, "min_p": 0.1,
-            "logit_bias": {"50256": -100, "7": 2.5}, "stop_token_ids": [3, 4], "min_tokens": 8}
+    body = {**minimal_body(parse), "max_tokens": 8, "presence_penalty": 0.5, "frequency_penalty": -1,
+            "repetition_penalty": 1.2, "min_p": 0.1, "logit_bias": {"50256": -100, "7": 2.5}, "stop_token_ids": [3, 4],
+            "min_tokens": 8}
     assert callable(parse)
     sampling = parse(body, request_id="r", model_ids=MODELS).sampling
     assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty) == (0.5, -1.0, 1.2)
@@ -151,3 +152,14 @@ def test_priority_is_an_int32_lower_first_and_never_set_to_batch_by_a_client(par
         with pytest.raises(ApiError) as error:
             parse({**body, "priority": bad}, request_id="r", model_ids=MODELS)  # type: ignore[operator]
         assert error.value.status == 400 and error.value.param == "priority"
+
+
+def test_chat_template_kwargs_are_variables_the_server_does_not_set() -> None:
+    body = {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"enable_thinking": False, "b": 1}}
+    assert parse_chat_request(body, request_id="r", model_ids=MODELS).template_kwargs == (("b", 1),
+                                                                                        ("enable_thinking", False))
+    for bad, param in (({"messages": []}, "chat_template_kwargs.messages"), ([1], "chat_template_kwargs"),
+                       ({"not a name": 1}, "chat_template_kwargs.not a name")):
+        with pytest.raises(ApiError) as raised:
+            parse_chat_request({**body, "chat_template_kwargs": bad}, request_id="r", model_ids=MODELS)
+        assert raised.value.param == param

@@ -11,9 +11,9 @@ from mooncaked.api.errors import ApiError
 from mooncaked.api.requests import parse_chat_request
 from mooncaked.api.tools import ToolSpec, ToolUse, read_tools
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-                                            "strict": True}}
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+WEATHER = {"type": "function",
+           "function": {"name": "get_weather", "description": "the weather", "parameters": CITY, "strict": True}}
 BARE = {"type": "function", "function": {"name": "now"}}
 
 
@@ -42,7 +42,8 @@ def test_tools_and_the_default_choice() -> None:
     ({"tools": [BARE, BARE]}, "tools"),
     ({"tools": [BARE], "tool_choice": "sometimes"}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": [BARE], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice.function.name"),
+    ({"tools": [BARE], "tool_choice": {"type": "function", "function": {"name": "other"}}},
+     "tool_choice.function.name"),
     ({"tools": [BARE], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
 ])
 def test_a_bad_member_is_a_400_naming_it(body: dict[str, Any], param: str) -> None:

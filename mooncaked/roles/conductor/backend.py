@@ -21,12 +21,14 @@ from mooncaked.api.requests import ChatRequest, CompletionRequest
 from mooncaked.api.structured import OutputConstraint
 from mooncaked.config import Config
 from mooncaked.kv.keys import block_keys, isolated_namespace, model_namespace
+from mooncaked.model.reasoning import CLOSED, reasoning_lark, reasoning_mode
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.class_metrics import ClassMetrics
 from mooncaked.roles.conductor.frontend import (ConductorRequest, ModelFrontend, check_sampling_token_ids,
                                                 generation_state, key_isolation, prompt_token_ids, sampling_spec)
 from mooncaked.roles.conductor.grammars import GrammarCache
 from mooncaked.roles.conductor.leader import PdController
+from mooncaked.roles.conductor.reasoning_output import with_reasoning
 from mooncaked.roles.conductor.request_run import RequestRun
 from mooncaked.roles.conductor.tool_output import tool_grammar, with_tool_calls
 from mooncaked.roles.conductor.view.cluster import ClusterView
@@ -35,6 +37,9 @@ from mooncaked.roles.conductor.view.prediction_errors import PredictionErrors
 from mooncaked.runtime.logs import request_id_var
 from mooncaked.runtime.metrics import Metrics
 from mooncaked.sched.types import REASON_NO_DECODE, REASON_NO_PREFILL
+
+
+PROMPT_TAIL_TOKENS = 32  # the prompt's end a thinking model's template may open or close its block in
 
 
 class ConductorBackend:
@@ -71,22 +76,35 @@ class ConductorBackend:
                 raise context_too_long(len(token_ids), context)
             max_tokens = self._max_tokens(request, len(token_ids), context)
             check_sampling_token_ids(self.model, request)
-            grammar = self._grammar(request)
+            mode = self._reasoning_mode(request, token_ids)
+            grammar = self._grammar(request, mode)
         except ApiError:
             self.metrics.requests.requests_total.labels(status="invalid").inc()
             raise
         isolation = key_isolation(request)
         keys = block_keys(token_ids, self.config.kv.block_size, isolated_namespace(self.namespace, isolation))
         return ConductorRequest(request.request_id, request, tuple(token_ids), max_tokens, tuple(keys), arrival_time,
-                                isolation, grammar)
+                                isolation, grammar, mode)
 
-    def _grammar(self, request: CompletionRequest | ChatRequest) -> str:
-        """The compiled grammar the answer follows: its output constraint's, or its forced tool calls' ("")."""
+    def _reasoning_mode(self, request: CompletionRequest | ChatRequest, token_ids: list[int]) -> str:
+        """Where a thinking model's chat answer starts (model/reasoning.py), read off the prompt's end; "" else."""
+        fmt = self.model.reasoning_format
+        if fmt is None or not isinstance(request, ChatRequest):
+            return ""
+        tail = self.model.tokenizer.decode(token_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+        mode = reasoning_mode(tail, fmt)
+        return "" if mode == CLOSED else mode
+
+    def _grammar(self, request: CompletionRequest | ChatRequest, reasoning: str) -> str:
+        """The compiled grammar the answer follows: its output constraint's, or its forced tool calls' ("" none);
+        a thinking model reasons freely before it."""
+        fmt = self.model.reasoning_format
+        prefix = reasoning_lark(fmt, reasoning, self.model.reasoning_marker_ids) if fmt and reasoning else ""
         if request.constraint is not None:
-            return self.grammars.grammar_text(request.constraint)
+            return self.grammars.grammar_text(request.constraint, prefix)
         if isinstance(request, ChatRequest) and request.tool_use.is_enabled and request.tool_use.is_forced:
             lark = tool_grammar(self.model, request.tool_use)
-            return self.grammars.grammar_text(OutputConstraint("grammar", lark, "tools"))
+            return self.grammars.grammar_text(OutputConstraint("grammar", lark, "tools"), prefix)
         return ""
 
     def _max_tokens(self, request: CompletionRequest | ChatRequest, num_prompt_tokens: int, context: int) -> int:
@@ -109,8 +127,12 @@ class ConductorBackend:
         chunks = RequestRun(self, prepared, generation_state(self.model, prepared),
                             sampling_spec(prepared, prepared.max_tokens)).chunks()
         request = prepared.request
-        if isinstance(request, ChatRequest) and request.tool_use.is_enabled:
-            return with_tool_calls(chunks, self.model)
+        if not isinstance(request, ChatRequest):
+            return chunks
+        if prepared.reasoning_mode and self.model.reasoning_format is not None:
+            chunks = with_reasoning(chunks, self.model.reasoning_format, prepared.reasoning_mode)
+        if request.tool_use.is_enabled:
+            chunks = with_tool_calls(chunks, self.model)
         return chunks
 
     async def health(self) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from mooncaked.api.requests import ChatRequest, CompletionRequest
 from mooncaked.kv.keys import isolation_tag
 from mooncaked.model.chat_template import ChatTemplate, ChatTemplateError
 from mooncaked.model.grammar import GrammarTokenizer
+from mooncaked.model.reasoning import ReasoningFormat
 from mooncaked.model.sampling_params import SamplingParams
 from mooncaked.model.stopping import GenerationState
 from mooncaked.model.tokenizer import TextTokenizer
@@ -45,6 +46,9 @@ class ModelFrontend:
     tool_format: ToolCallFormat = HERMES  # how the model writes tool calls (model/tool_formats.py)
     tool_marker_ids: Mapping[str, int] = field(default_factory=dict)  # its markers that are one token each
     are_tool_markers_special: bool = False  # some are special tokens: a chat with tools keeps them in its text
+    reasoning_format: ReasoningFormat | None = None  # a thinking model's block (model/reasoning.py)
+    reasoning_marker_ids: Mapping[str, int] = field(default_factory=dict)  # its markers that are one token each
+    are_reasoning_markers_special: bool = False  # its markers are special tokens: a chat keeps them in its text
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ class ConductorRequest(PreparedRequest):
     arrival_time: float = 0.0  # time.monotonic()
     key_isolation: bytes = b""  # who may share its KV (kv/keys.py isolation_tag): b"" everyone
     grammar: str = ""  # its output constraint compiled (grammars.py): llguidance's grammar text; "" for none
+    reasoning_mode: str = ""  # a thinking model's chat: where its output starts (model/reasoning.py); "" none
 
 
 async def prompt_token_ids(model: ModelFrontend, request: CompletionRequest | ChatRequest, *,
@@ -87,7 +92,8 @@ def _token_ids(model: ModelFrontend, request: CompletionRequest | ChatRequest, a
         tool_use = request.tool_use
         tools = [tool.as_template_dict() for tool in tool_use.tools] if tool_use.is_enabled else None
         try:
-            text = model.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+            text = model.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                              **dict(request.template_kwargs))
         except ChatTemplateError as exc:
             raise invalid_field("messages", f"the model's chat template rejected them: {exc}") from None
         return model.tokenizer.encode(text, add_special_tokens=False)
@@ -131,8 +137,9 @@ def sampling_spec(prepared: ConductorRequest, max_tokens: int) -> SamplingSpec:
 def generation_state(model: ModelFrontend, prepared: ConductorRequest) -> GenerationState:
     options = prepared.request.sampling
     request = prepared.request
-    keeps_markers = (model.are_tool_markers_special and isinstance(request, ChatRequest)
-                     and request.tool_use.is_enabled)  # the tool-call parser reads them
+    keeps_markers = isinstance(request, ChatRequest) and (  # the parsers read them
+        (model.are_tool_markers_special and request.tool_use.is_enabled)
+        or (model.are_reasoning_markers_special and prepared.reasoning_mode != ""))
     params = SamplingParams(max_tokens=prepared.max_tokens, temperature=options.temperature, top_k=options.top_k,
                             top_p=options.top_p, seed=options.seed, stop=options.stop,
                             stop_token_ids=options.stop_token_ids, ignore_eos=options.ignore_eos,

@@ -14,7 +14,7 @@ from collections import OrderedDict
 
 from mooncaked.api.errors import invalid_field
 from mooncaked.api.structured import OutputConstraint
-from mooncaked.model.grammar import GrammarError, GrammarTokenizer, grammar_for
+from mooncaked.model.grammar import GrammarError, GrammarTokenizer, after_prefix, grammar_for
 
 CACHE_SIZE = 256
 
@@ -24,14 +24,15 @@ class GrammarCache:
 
     def __init__(self, tokenizer: GrammarTokenizer) -> None:
         self.tokenizer = tokenizer
-        self._answers: OrderedDict[tuple[str, str], tuple[str, str]] = OrderedDict()  # -> (grammar, error)
+        self._answers: OrderedDict[tuple[str, str, str], tuple[str, str]] = OrderedDict()  # -> (grammar, error)
         self.num_compiled = 0
 
-    def grammar_text(self, constraint: OutputConstraint) -> str:
-        key = (constraint.kind, constraint.value)
+    def grammar_text(self, constraint: OutputConstraint, prefix_lark: str = "") -> str:
+        """`prefix_lark`: Lark run before the constraint (a thinking model's free reasoning: model/reasoning.py)."""
+        key = (constraint.kind, constraint.value, prefix_lark)
         answer = self._answers.get(key)
         if answer is None:
-            answer = self._compile(constraint)
+            answer = self._compile(constraint, prefix_lark)
             self._answers[key] = answer
             if len(self._answers) > CACHE_SIZE:
                 self._answers.popitem(last=False)
@@ -42,11 +43,13 @@ class GrammarCache:
             raise invalid_field(constraint.param, f"the output constraint cannot be served: {error}")
         return grammar
 
-    def _compile(self, constraint: OutputConstraint) -> tuple[str, str]:
+    def _compile(self, constraint: OutputConstraint, prefix_lark: str) -> tuple[str, str]:
         self.num_compiled += 1
         try:
             grammar = grammar_for(constraint.kind, constraint.value)
         except GrammarError as exc:
             return "", str(exc)
+        if prefix_lark:
+            grammar = after_prefix(prefix_lark, grammar)
         error = self.tokenizer.check(grammar)
         return ("", error.strip()) if error else (grammar, "")

@@ -30,7 +30,8 @@ def tool_grammar(model: ModelFrontend, tool_use: ToolUse) -> str:
     return model.tool_format.grammar(tools, tool_use.is_parallel, model.tool_marker_ids)
 
 
-async def with_tool_calls(chunks: AsyncIterator[GenerationChunk], model: ModelFrontend) -> AsyncIterator[GenerationChunk]:
+async def with_tool_calls(chunks: AsyncIterator[GenerationChunk],
+                          model: ModelFrontend) -> AsyncIterator[GenerationChunk]:
     parser = ToolCallParser(model.tool_format)
     try:
         async for chunk in chunks:

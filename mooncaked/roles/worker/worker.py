@@ -5,11 +5,11 @@
    the host's shared weight file; prefill keeps plain projections, decode packed ones in their place, a switchable
    worker both: memory_plan.worker_packing), size the KV pages from the memory budget (engine.kv_budget; a budget too
    small for one max-length request fails here), allocate them (for its layers), build the runner, copier, staging pool
-   (pinned on the GPU's NUMA node), sampler and grammar tokenizer (grammar.py), register the pages as a transfer-engine segment (host pages, which
-   every move then reaches straight; GPU pages as "cuda:N" where RDMA can map them), connect to this host's store
-   (mapping its pool). With N > 1 tensor-parallel ranks (tp_worker.py) the model is rank 0's shard, the runner
-   drives the ranks, and the KV pages are every rank's (mapped here; moves copy each rank's heads:
-   roles/worker/request_kv.py), so the rest of the worker is the same at any degree.
+   (pinned on the GPU's NUMA node), sampler and grammar tokenizer (grammar.py), register the pages as a
+   transfer-engine segment (host pages, which every move then reaches straight; GPU pages as "cuda:N" where RDMA
+   can map them), connect to this host's store (mapping its pool). With N > 1 tensor-parallel ranks (tp_worker.py)
+   the model is rank 0's shard, the runner drives the ranks, and the KV pages are every rank's (mapped here; moves
+   copy each rank's heads: roles/worker/request_kv.py), so the rest of the worker is the same at any degree.
 2. `await compute(fn, *args)` runs model work on the single compute thread, keeping the event loop free for RPC,
    transfers and heartbeats. KV copies between pages and staging run on the single copy thread
    (`copy_thread`), so a layer's store or load never runs on the compute thread; each thread may be pinned to
