@@ -11,10 +11,10 @@ A request's life in the simulator:
    and announces the request to its decode instance as incoming.
 2. FETCH_DONE: the fetched blocks are in the job's pages; they are committed to the prefill host's store where
    they find room (hot-spot replication; prefix_fetch.py).
-3. Prefill: each forward takes the jobs `sched.prefill_batch.take_batch` picks (the prefill role's rule: by class,
-   priority and arrival, within `cluster.max_batch_tokens`; a prompt longer than `cluster.prefill_chunk` alone);
-   it starts when the instance is free and every job's fetch is done, and takes the sum of the cost model's
-   times for each job's (prompt, reused prefix). A prefill group
+3. Prefill (prefill_side.py): each forward takes the jobs `sched.prefill_batch.take_batch` picks (the prefill
+   role's rule: by class, priority and arrival, within `cluster.max_batch_tokens`; a prompt longer than
+   `cluster.prefill_chunk` alone); it starts when the instance is free and every job's fetch is done, and takes
+   the sum of the cost model's times for each job's (prompt, reused prefix). A prefill group
    (`cluster.num_prefill_groups`) is one instance whose time follows its pipeline (sched/pipeline.py: fill,
    steady state, drain) over stages that each take an equal share of the cost model's layers, as the conductor
    predicts a group whose stages have not reported fits. PREFILL_DONE commits every block of the prompt to the
@@ -43,23 +43,21 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mooncaked.sched.algorithm import SchedulerPolicy, prefill_model
+from mooncaked.sched.algorithm import SchedulerPolicy
 from mooncaked.sched.decode_admission import (WAITING_POLICIES, capacity_refusal, refusal_after_prefill,
                                               rejection_reason)
 from mooncaked.sched.decode_memory import num_pages_for
 from mooncaked.sched.inline import place
-from mooncaked.sched.prefill_batch import take_batch
 from mooncaked.sched.shadow_index import ShadowIndex
 from mooncaked.sched.types import REASON_DECODE_REFUSED, DecodeInstanceView, Placement, RequestInfo
-from mooncaked.sim.cluster import (DecodeInstance, DecodeSeq, HostStore, PrefillInstance, PrefillJob,
-                                   build_instances)
+from mooncaked.sim.cluster import DecodeInstance, DecodeSeq, PrefillJob, build_instances
 from mooncaked.sim.config import SimConfig
 from mooncaked.sim.costs import CostModel, build_cost_model
 from mooncaked.sim.decode_batch import admit_waiting, advance_one_token, kv_ready_at
 from mooncaked.sim.decode_reserve import DecodeReserve
 from mooncaked.sim.output_forecast import OutputForecast
 from mooncaked.sim.pool import PoolPolicies
-from mooncaked.sim.prefix_fetch import finish_fetch, reusable_blocks_at_start, start_fetch
+from mooncaked.sim.prefill_side import PrefillSide
 from mooncaked.sim.results import LoadSample, RequestRecord, SimResult, tbt_of
 from mooncaked.sim.trace import TraceRequest
 
@@ -106,6 +104,9 @@ class Simulator:
         self.store_by_id = {p.store.store_id: p.store for p in self.prefill}
         self.store_by_id.update({d.store.store_id: d.store for d in self.decode})
         self._busy_at_last_sample = [0.0] * len(self.prefill)
+        self.prefill_side = PrefillSide(self.config, self.costs, self.policy, self.pool, self.records,
+                                        self.prefill_by_id, self.store_by_id, self.rng, self._push,
+                                        (FETCH_DONE, PREFILL_DONE), self._hand_to_decode)
 
     def _push(self, at: float, kind: int, payload: Any) -> None:
         self._seq += 1
@@ -117,7 +118,7 @@ class Simulator:
             self._push(request.arrival_s, ARRIVAL, request)
         if self.requests:
             self._push(self.config.run.sample_interval_s, SAMPLE, None)
-        handlers = (self._on_arrival, self._on_fetch_done, self._on_prefill_done,
+        handlers = (self._on_arrival, self.prefill_side.on_fetch_done, self.prefill_side.on_prefill_done,
                     self._on_decode_ready, self._on_decode_step, self._on_sample)
         num_done = 0
         now = 0.0
@@ -222,80 +223,10 @@ class Simulator:
         return dataclasses.replace(view, num_pages=decode.num_pages, page_holds=page_holds)
 
     def _place(self, now: float, request: TraceRequest, placement: Placement, record: RequestRecord) -> None:
-        instance = self.prefill_by_id[placement.prefill_instance]
-        keys = request.hash_ids
-        self.pool.note_use(instance.store.store_id, keys, placement.num_prefix_blocks, now)
-        record.prefill_instance = placement.prefill_instance
-        record.is_pipelined = instance.pipeline is not None
-        record.decode_instance = placement.decode_instance
-        record.prefix_blocks = placement.num_prefix_blocks
-        record.local_prefix_blocks = placement.num_local_prefix_blocks
-        num_prefix_tokens = min(placement.num_prefix_blocks * self.config.scheduler.block_size,
-                                request.input_length - 1)
-        job = PrefillJob(request.index, placement, keys, request.input_length, now, False,
-                         num_new_tokens=request.input_length - num_prefix_tokens, enqueued_at=now)
-        job.locked_keys = list(keys[: placement.num_local_prefix_blocks])
-        instance.store.cache.lock(job.locked_keys)
-        if placement.fetch_from_store is not None and placement.num_fetch_blocks > 0:
-            record.fetched_blocks = placement.num_fetch_blocks
-            record.fetch_source = placement.fetch_from_store
-            job.fetch_done_at = self._start_fetch(now, instance.store, placement)
-            job.is_fetch_pending = True
-            self._push(job.fetch_done_at, FETCH_DONE, job)
-        instance.queue.append(job)
-        instance.queued_prefill_s += placement.predicted_prefill_s
-        tokens = request.input_length
-        self.decode_by_id[placement.decode_instance].incoming[request.index] = (now + placement.predicted_ttft_s, tokens)
-        self._try_start_prefill(now, instance)
-
-    def _start_fetch(self, now: float, destination: HostStore, placement: Placement) -> float:
-        source = self.store_by_id[placement.fetch_from_store or ""]
-        keys = self.requests[int(placement.request_id)].hash_ids
-        return start_fetch(now, source, destination, placement, keys, self.costs.predictors.transfer)
-
-    def _on_fetch_done(self, now: float, job: PrefillJob) -> None:
-        placement = job.placement
-        instance = self.prefill_by_id[placement.prefill_instance]
-        finish_fetch(now, job, instance.store, self.store_by_id[placement.fetch_from_store or ""])
-
-    def _try_start_prefill(self, now: float, instance: PrefillInstance) -> None:
-        if instance.running or not instance.queue:
-            return
-        cluster = self.config.cluster
-        batch = take_batch(instance.queue, cluster.max_batch_tokens, cluster.prefill_chunk,
-                           is_one_at_a_time=instance.pipeline is not None)
-        model = prefill_model(instance.view(), self.policy)  # a group's follows its pipeline
-        start = now
-        for job in batch:
-            instance.queued_prefill_s = max(0.0, instance.queued_prefill_s - job.placement.predicted_prefill_s)
-            job.started_at = now
-            num_prefix_blocks = reusable_blocks_at_start(instance.store, job)
-            self.records[job.request_index].prefix_blocks = num_prefix_blocks
-            prefix_tokens = min(num_prefix_blocks * self.config.scheduler.block_size, job.num_prompt_tokens - 1)
-            job.compute_s = self._noisy(model.predict(job.num_prompt_tokens, max(prefix_tokens, 0)))
-            start = max(start, job.fetch_done_at)
-        instance.running = batch
-        instance.busy_until = start + sum(job.compute_s for job in batch)
-        self._push(instance.busy_until, PREFILL_DONE, instance)
-
-    def _noisy(self, compute_s: float) -> float:
-        """A true prefill time: the prediction times `run.prefill_noise`'s log-normal factor."""
-        noise = self.config.run.prefill_noise
-        return compute_s * self.rng.lognormvariate(0.0, noise) if noise > 0 else compute_s
-
-    def _on_prefill_done(self, now: float, instance: PrefillInstance) -> None:
-        batch = instance.running
-        instance.busy_time_done += now - batch[0].started_at
-        instance.running = []
-        for job in batch:
-            instance.store.put(job.keys, now)
-            instance.store.cache.unlock(job.locked_keys)
-            record = self.records[job.request_index]
-            record.prefill_compute_s = job.compute_s
-            record.ttft_s = now - record.arrival_s
-        self._try_start_prefill(now, instance)
-        for job in batch:
-            self._hand_to_decode(now, job, self.records[job.request_index])
+        """A placement with a prefill instance: its job there, and the request incoming on its decode instance."""
+        decode = self.decode_by_id[placement.decode_instance]
+        decode.incoming[request.index] = (now + placement.predicted_ttft_s, request.input_length)
+        self.prefill_side.place(now, request, placement, record)
 
     def _hand_to_decode(self, now: float, job: PrefillJob, record: RequestRecord) -> None:
         decode = self.decode_by_id[job.placement.decode_instance]
@@ -356,7 +287,7 @@ class Simulator:
         record.is_inline = True
         record.prefix_blocks = record.local_prefix_blocks = placement.num_prefix_blocks
         decode.incoming[request.index] = (now + placement.predicted_ttft_s, request.input_length)
-        decode.inline.append((request.index, self._noisy(placement.predicted_prefill_s)))
+        decode.inline.append((request.index, self.prefill_side.noisy(placement.predicted_prefill_s)))
         if not decode.is_stepping:
             self._start_step(now, decode)
 
