@@ -160,7 +160,10 @@ def _oracle_switch(config: PdStudyConfig, fleet: Fleet, demand: dict[str, float]
     """At a phase boundary: move to the coming phase's best split at once, every moved instance paying its time."""
     num_prefill = sum(1 for role in fleet.roles.values() if role == "prefill")
     wanted = best_split(config, demand)
-    from_role, num_moved = ("prefill", num_prefill - wanted) if wanted < num_prefill else ("decode", wanted - num_prefill)
+    if wanted < num_prefill:
+        from_role, num_moved = "prefill", num_prefill - wanted
+    else:
+        from_role, num_moved = "decode", wanted - num_prefill
     to_role = "decode" if from_role == "prefill" else "prefill"
     movers = [name for name, role in fleet.roles.items() if role == from_role][:num_moved]
     for name in movers:
