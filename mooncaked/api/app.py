@@ -31,7 +31,7 @@ from mooncaked.api.backend import GenerationBackend
 from mooncaked.api.client_guard import ClientGuard
 from mooncaked.api.errors import ApiError, error_response, internal_error
 from mooncaked.api.generation import request_log, serve_generation
-from mooncaked.api.requests import decode_json_body, parse_chat_request, parse_completion_request
+from mooncaked.api.requests import decode_json_body, parse_chat_request, parse_completion_requests
 from mooncaked.api.tenant_gate import TenantGate
 from mooncaked.api.tenants import Tenant, from_api_keys
 
@@ -175,19 +175,21 @@ class _Routes:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = decode_json_body(await read_request_body(request))
-        api_request = parse_completion_request(
+        api_requests = parse_completion_requests(
             body, request_id=request[REQUEST_ID_KEY], model_ids=self.backend.model_ids(),
             client_id=request.get(CLIENT_ID_KEY, ""), tenant=request.get(TENANT_KEY)
         )
-        with self.gate.admit(api_request.tenant):
-            return await serve_generation(request, api_request, self.backend, timeout_s=self.request_timeout_s)
+        with self.gate.admit(api_requests[0].tenant):
+            return await serve_generation(request, api_requests, self.backend, timeout_s=self.request_timeout_s,
+                                          request_id=request[REQUEST_ID_KEY])
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = decode_json_body(await read_request_body(request))
         api_request = parse_chat_request(body, request_id=request[REQUEST_ID_KEY], model_ids=self.backend.model_ids(),
                                          client_id=request.get(CLIENT_ID_KEY, ""), tenant=request.get(TENANT_KEY))
         with self.gate.admit(api_request.tenant):
-            return await serve_generation(request, api_request, self.backend, timeout_s=self.request_timeout_s)
+            return await serve_generation(request, [api_request], self.backend, timeout_s=self.request_timeout_s,
+                                          request_id=request[REQUEST_ID_KEY])
 
     async def models(self, request: web.Request) -> web.Response:
         created = int(time.time())

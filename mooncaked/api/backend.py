@@ -45,6 +45,18 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class PromptLogprob:
+    """One prompt token's log-probability given the tokens before it (None for the first) and the most likely
+    alternatives at its position."""
+
+    token_id: int
+    token: str
+    logprob: float | None
+    rank: int | None = None  # 1: the most likely token there
+    top: tuple[tuple[int, str, float], ...] = ()  # (token id, token, logprob), most likely first
+
+
+@dataclass(frozen=True)
 class ToolCallOut:
     """A tool call the model made, whole (OpenAI's streaming lets arguments come in one piece)."""
 
@@ -68,6 +80,9 @@ class GenerationChunk:
     predicted_tbt_s: float | None = None
     tool_calls: tuple[ToolCallOut, ...] = ()  # calls completed by this chunk (chat with tools); `text` is content
     reasoning: str = ""  # a thinking model's reasoning text of this chunk (chat); `text` is the answer's
+    prompt_logprobs: tuple[PromptLogprob, ...] | None = None  # the first chunk, when the request asked for them
+    echo_text: str = ""  # the first chunk of a completion with echo: the prompt's text
+    index: int = 0  # the choice it belongs to (a request of several prompts, or n > 1)
 
     def prediction_headers(self) -> dict[str, str]:
         """X-Mooncaked-Predicted-TTFT-Ms / -TBT-Ms for a response that starts with this chunk (benchmarks read them)."""

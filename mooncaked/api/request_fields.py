@@ -42,7 +42,7 @@ FIELDS: dict[str, FieldUse] = {
     "logit_bias": _on(BOTH, HONOURED),
     "logprobs": _on(BOTH, HONOURED),
     "max_tokens": _on(BOTH, HONOURED),
-    "n": _on(BOTH, PARTLY),
+    "n": _on(BOTH, HONOURED),
     "presence_penalty": _on(BOTH, HONOURED),
     "seed": _on(BOTH, HONOURED),
     "stop": _on(BOTH, HONOURED),
@@ -52,9 +52,9 @@ FIELDS: dict[str, FieldUse] = {
     "top_p": _on(BOTH, HONOURED),
     "user": _on(BOTH, ACCEPTED),
     # OpenAI's completions only
-    "prompt": _on(COMPLETIONS, PARTLY),
-    "best_of": _on(COMPLETIONS, PARTLY),
-    "echo": _on(COMPLETIONS, PARTLY),
+    "prompt": _on(COMPLETIONS, HONOURED),
+    "best_of": _on(COMPLETIONS, HONOURED),
+    "echo": _on(COMPLETIONS, HONOURED),
     "suffix": _on(COMPLETIONS, REFUSED),
     # OpenAI's chat only
     "messages": _on(CHAT, PARTLY),
@@ -96,6 +96,7 @@ FIELDS: dict[str, FieldUse] = {
     "structured_outputs": _on(BOTH, HONOURED),
     # vLLM's, chat only
     "chat_template_kwargs": _on(CHAT, HONOURED),
+    "prompt_logprobs": _on(BOTH, HONOURED),
 }
 
 

@@ -11,6 +11,7 @@ Fields keep their wire names (`stream`, `include_usage`, `logprobs`) so they rea
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from mooncaked.api.tools import ToolUse, read_tools
 MAX_LOGPROBS = 20
 MAX_CACHE_SALT_CHARS = 1024
 STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})
+MAX_PROMPTS = 256  # prompts in one completion request
+MAX_N = 16  # n and best_of: sequences sampled from one prompt
 RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1  # `priority` is an int32, as vLLM's
@@ -48,10 +51,24 @@ class CompletionRequest:
     priority: int = 0  # lower runs first within its class (vLLM's `priority`)
     is_batch: bool = False  # a Batch API line (the batch class), never an HTTP request
     constraint: OutputConstraint | None = None  # structured outputs: what the output must match
+    echo: bool = False  # the answer starts with the prompt (and its logprobs, with `logprobs`)
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs with this many alternatives
+    n: int = 1  # choices answering the prompt (parallel sampling: one prefill)
+    best_of: int | None = None  # sequences sampled, the n best of which are returned (None: n)
 
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def num_sequences(self) -> int:
+        return max(self.n, self.best_of or self.n)
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token the prefill must compute (None: no prompt logprobs)."""
+        asked = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        return max(asked) if asked else None
 
 
 @dataclass(frozen=True)
@@ -72,10 +89,20 @@ class ChatRequest:
     constraint: OutputConstraint | None = None  # structured outputs: what the output must match
     tool_use: ToolUse = ToolUse()  # the tools it may call, and how
     template_kwargs: tuple[tuple[str, Any], ...] = ()  # vLLM's chat_template_kwargs: more variables for the template
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs with this many alternatives
+    n: int = 1  # choices (parallel sampling: one prefill)
 
     @property
     def num_logprobs(self) -> int | None:
         return self.top_logprobs if self.logprobs else None
+
+    @property
+    def num_sequences(self) -> int:
+        return self.n
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
 
 
 def decode_json_body(raw: bytes) -> dict[str, Any]:
@@ -91,22 +118,41 @@ def decode_json_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
+def parse_completion_requests(
+    body: Mapping[str, Any], *, request_id: str, model_ids: Sequence[str], client_id: str = "",
+    tenant: Tenant | None = None
+) -> list[CompletionRequest]:
+    """One request per prompt of `prompt` (a list of several prompts: one choice each, as OpenAI and vLLM take
+    it); several get the ids `<request_id>-<i>`."""
+    prompts = _read_prompts(body)
+    first = parse_completion_request({**body, "prompt": prompts[0]}, request_id=request_id, model_ids=model_ids,
+                                     client_id=client_id, tenant=tenant)
+    if len(prompts) == 1:
+        return [first]
+    return [dataclasses.replace(first, request_id=f"{request_id}-{i}",
+                                prompt=_read_prompt({"prompt": prompt}, f"prompt[{i}]"))
+            for i, prompt in enumerate(prompts)]
+
+
 def parse_completion_request(
     body: Mapping[str, Any], *, request_id: str, model_ids: Sequence[str], client_id: str = "",
     tenant: Tenant | None = None
 ) -> CompletionRequest:
     check_known_fields(body, COMPLETIONS)
     _reject_unsupported(body)
-    read_int(body, "best_of", 1, lo=1, hi=1)
-    if body.get("echo") not in (None, False):
-        raise invalid_field("echo", "echo is not supported")
     refuse_set(body, "suffix", "suffix is not supported")
     stream = read_bool(body, "stream", False)
+    n = _read_n(body)
+    best_of = read_int(body, "best_of", None, lo=n, hi=MAX_N)
+    if best_of is not None and best_of > n and stream:
+        raise invalid_field("best_of", "best_of more than n cannot be streamed (the best are known at the end)")
+    echo = read_bool(body, "echo", False)
+    max_tokens = read_int(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, lo=0 if echo else 1)
     return CompletionRequest(
         request_id=request_id,
         model=_read_model(body, model_ids),
         prompt=_read_prompt(body),
-        sampling=read_sampling(body, read_int(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, lo=1)),
+        sampling=read_sampling(body, max_tokens),
         stream=stream,
         include_usage=_read_include_usage(body, stream),
         logprobs=read_int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS),
@@ -115,6 +161,10 @@ def parse_completion_request(
         tenant=tenant,
         priority=_read_priority(body),
         constraint=read_constraint(body),
+        echo=echo,
+        prompt_logprobs=read_int(body, "prompt_logprobs", None, lo=0, hi=MAX_LOGPROBS),
+        n=n,
+        best_of=best_of,
     )
 
 
@@ -150,6 +200,8 @@ def parse_chat_request(body: Mapping[str, Any], *, request_id: str, model_ids: S
         constraint=constraint,
         tool_use=tool_use,
         template_kwargs=read_template_kwargs(body),
+        prompt_logprobs=read_int(body, "prompt_logprobs", None, lo=0, hi=MAX_LOGPROBS),
+        n=_read_n(body),
     )
 
 
@@ -177,8 +229,13 @@ def _read_cache_salt(body: Mapping[str, Any]) -> str | None:
 
 
 def _reject_unsupported(body: Mapping[str, Any]) -> None:
-    read_int(body, "n", 1, lo=1, hi=1)
     read_str(body, "user")
+
+
+def _read_n(body: Mapping[str, Any]) -> int:
+    n = read_int(body, "n", 1, lo=1, hi=MAX_N)
+    assert n is not None
+    return n
 
 
 def _read_priority(body: Mapping[str, Any]) -> int:
@@ -214,18 +271,29 @@ def _read_include_usage(body: Mapping[str, Any], stream: bool) -> bool:
     return read_bool(options, "include_usage", False, param="stream_options.include_usage")
 
 
-def _read_prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
+def _read_prompts(body: Mapping[str, Any]) -> list[Any]:
+    """`prompt` as a list of prompts: one string or token-id list, or a list of several of them."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise invalid_field("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}")
+        return list(prompt)
+    return [prompt]
+
+
+def _read_prompt(body: Mapping[str, Any], param: str = "prompt") -> str | tuple[int, ...]:
     prompt = body.get("prompt")
     if prompt is None:
-        raise invalid_field("prompt", "the prompt is required")
+        raise invalid_field(param, "the prompt is required")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one prompt
     if isinstance(prompt, str):
         if not prompt:
-            raise invalid_field("prompt", "the prompt is empty")
-        return check_text(prompt, "prompt")
+            raise invalid_field(param, "the prompt is empty")
+        return check_text(prompt, param)
     if isinstance(prompt, list):
         if prompt and not all(is_int(item) for item in prompt):
-            raise invalid_field("prompt", "one prompt per request: a string or a list of token ids")
-        return read_token_ids(prompt, "prompt")
-    raise invalid_field("prompt", f"expected a string or a list of token ids, got {json_type(prompt)}")
+            raise invalid_field(param, "a prompt is a string or a list of token ids; several prompts are a list "
+                                "of those")
+        return read_token_ids(prompt, param)
+    raise invalid_field(param, f"expected a string or a list of token ids, got {json_type(prompt)}")

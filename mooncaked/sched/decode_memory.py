@@ -27,6 +27,7 @@ class DecodeHold:
     num_pages: int
     starts_at: float
     ends_at: float
+    num_seqs: int = 1  # batch slots: a parallel sampling's sequences
 
     def is_held_at(self, at_time: float) -> bool:
         return self.starts_at <= at_time < self.ends_at
@@ -44,7 +45,7 @@ def peak_use(holds: Sequence[DecodeHold], starts_at: float, ends_at: float) -> t
     for at_time in times:
         held = [h for h in holds if h.is_held_at(at_time)]
         peak_pages = max(peak_pages, sum(h.num_pages for h in held))
-        peak_seqs = max(peak_seqs, len(held))
+        peak_seqs = max(peak_seqs, sum(h.num_seqs for h in held))
     return peak_pages, peak_seqs
 
 
@@ -55,6 +56,6 @@ def forecast_refusal(new: DecodeHold, holds: Sequence[DecodeHold], num_pages: in
     if peak_pages + new.num_pages > num_pages:
         return (f"memory: needs {new.num_pages} KV pages at its predicted decode start, {num_pages - peak_pages} "
                 f"of {num_pages} predicted free")
-    if peak_seqs + 1 > max_num_seqs:
+    if peak_seqs + new.num_seqs > max_num_seqs:
         return f"batch: {peak_seqs} sequences predicted at its decode start (max {max_num_seqs})"
     return ""

@@ -23,10 +23,10 @@ ROUTE_PATHS = {COMPLETIONS: "/v1/completions", CHAT: "/v1/chat/completions"}
 # a value each served field is served with (beside the base body), and one each refused or partly served field is
 # refused with; a row of the table without its example here fails the walk
 SERVED: dict[str, Any] = {
-    "model": MODEL_ID, "prompt": [[1, 2, 3]], "messages": [{"role": "user", "content": "hi", "name": "ann"}],
+    "model": MODEL_ID, "prompt": [[1, 2, 3]], "prompt_logprobs": 2, "messages": [{"role": "user", "content": "hi", "name": "ann"}],
     "max_tokens": 3, "max_completion_tokens": 3, "temperature": 0.5, "top_p": 0.9, "seed": 7, "stop": ["x"],
-    "stream": False, "stream_options": None, "logprobs": None, "top_logprobs": None, "n": 1, "best_of": 1,
-    "echo": False, "frequency_penalty": 0.5, "presence_penalty": -0.5, "logit_bias": {"5": -100},
+    "stream": False, "stream_options": None, "logprobs": None, "top_logprobs": None, "n": 2, "best_of": 2,
+    "echo": True, "frequency_penalty": 0.5, "presence_penalty": -0.5, "logit_bias": {"5": -100},
     "user": "u-1", "metadata": {"k": "v"}, "modalities": ["text"], "parallel_tool_calls": False,
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
     "prompt_cache_key": "k", "safety_identifier": "s", "service_tier": "auto",
@@ -39,8 +39,8 @@ SERVED: dict[str, Any] = {
     "chat_template_kwargs": {"enable_thinking": False},
 }
 REFUSED_VALUES: dict[str, Any] = {
-    "prompt": ["one", "two"], "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
-    "stream_options": {"include_obfuscation": True}, "n": 2, "best_of": 2, "echo": True, "suffix": "end",
+    "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+    "stream_options": {"include_obfuscation": True}, "suffix": "end",
     "audio": {"voice": "alloy", "format": "wav"}, "function_call": "auto", "functions": [{"name": "f"}],
     "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low",
     "service_tier": "flex", "store": True, "verbosity": "high",
@@ -53,6 +53,7 @@ MORE_SERVED: dict[str, list[Any]] = {
     "top_logprobs": [2],
     "response_format": [{"type": "text"}, {"type": "json_object"}],
     "tool_choice": ["auto", "required", {"type": "function", "function": {"name": "f"}}],
+    "prompt": [["one", "two"], "one"],
 }
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mooncaked.api.errors import ApiError
 from mooncaked.api.chat_messages import ChatMessage
+from mooncaked.api.errors import ApiError
 from mooncaked.api.requests import decode_json_body, parse_chat_request, parse_completion_request
 from mooncaked.api.sampling_options import MAX_TOP_K
 
@@ -66,8 +66,10 @@ def test_chat_fields_read() -> None:
 
 @pytest.mark.parametrize(("body", "status", "param"), [
     ({"prompt": "x", "model": "nope"}, 404, "model"),
-    ({"prompt": "x", "best_of": 2}, 400, "best_of"),
-    ({"prompt": "x", "echo": True}, 400, "echo"),
+    ({"prompt": "x", "n": 2, "best_of": 1}, 400, "best_of"),
+    ({"prompt": "x", "echo": "yes"}, 400, "echo"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
     ({"prompt": "x", "top_k": -2}, 400, "top_k"),
     ({"prompt": "x", "top_k": 10**30}, 400, "top_k"),  # not even an int64 on the wire
     ({"prompt": "x", "top_k": MAX_TOP_K + 1}, 400, "top_k"),

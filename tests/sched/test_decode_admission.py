@@ -21,6 +21,9 @@ def test_hard_limits_are_refused_under_every_policy(admission: str) -> None:
     assert reserve_refusal(admission, no_pages, 4, 100, 8, LIMIT).startswith("memory")
     full = DecodeLoadNow(num_free_pages=100, num_seqs=8, num_context_tokens=0)
     assert reserve_refusal(admission, full, 4, 100, 8, LIMIT).startswith("batch")
+    room_for_one = DecodeLoadNow(num_free_pages=100, num_seqs=7, num_context_tokens=0)
+    assert not reserve_refusal(admission, room_for_one, 4, 100, 8, LIMIT).startswith("batch")
+    assert reserve_refusal(admission, room_for_one, 4, 100, 8, LIMIT, num_seqs=4).startswith("batch")  # n = 4
 
 
 @pytest.mark.parametrize("admission", POLICIES)

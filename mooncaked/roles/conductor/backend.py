@@ -23,7 +23,9 @@ from mooncaked.config import Config
 from mooncaked.kv.keys import block_keys, isolated_namespace, model_namespace
 from mooncaked.model.reasoning import CLOSED, reasoning_lark, reasoning_mode
 from mooncaked.roles.base import PeerClients
+from mooncaked.roles.conductor.best_of import with_best_of
 from mooncaked.roles.conductor.class_metrics import ClassMetrics
+from mooncaked.roles.conductor.echo_output import with_echo
 from mooncaked.roles.conductor.frontend import (ConductorRequest, ModelFrontend, check_sampling_token_ids,
                                                 generation_state, key_isolation, prompt_token_ids, sampling_spec)
 from mooncaked.roles.conductor.grammars import GrammarCache
@@ -110,6 +112,8 @@ class ConductorBackend:
     def _max_tokens(self, request: CompletionRequest | ChatRequest, num_prompt_tokens: int, context: int) -> int:
         room = context - num_prompt_tokens
         requested = request.sampling.max_tokens
+        if requested == 0:  # echo only: the prefill samples one token anyway (with_echo leaves it out)
+            return 1
         if requested is None:
             max_tokens = min(room, self.config.conductor.default_max_tokens)
             if request.sampling.min_tokens > max_tokens:
@@ -124,11 +128,18 @@ class ConductorBackend:
 
     def generate(self, prepared: PreparedRequest) -> AsyncIterator[GenerationChunk]:
         assert isinstance(prepared, ConductorRequest), "prepare() makes every request this backend generates"
-        chunks = RequestRun(self, prepared, generation_state(self.model, prepared),
-                            sampling_spec(prepared, prepared.max_tokens)).chunks()
+        spec = sampling_spec(prepared, prepared.max_tokens)
+        states = [generation_state(self.model, prepared) for _ in range(spec.num_sequences)]
+        chunks = RequestRun(self, prepared, states, spec).chunks()
         request = prepared.request
-        if not isinstance(request, ChatRequest):
-            return chunks
+        if isinstance(request, CompletionRequest):
+            if request.num_sequences > request.n:
+                chunks = with_best_of(chunks, request.n)
+            if not request.echo and request.sampling.max_tokens != 0:
+                return chunks
+            text = request.prompt if isinstance(request.prompt, str) else self.model.tokenizer.decode(
+                list(request.prompt), skip_special_tokens=False)
+            return with_echo(chunks, text if request.echo else "", request.sampling.max_tokens == 0, request.n)
         if prepared.reasoning_mode and self.model.reasoning_format is not None:
             chunks = with_reasoning(chunks, self.model.reasoning_format, prepared.reasoning_mode)
         if request.tool_use.is_enabled:

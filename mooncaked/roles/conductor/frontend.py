@@ -123,15 +123,18 @@ def check_sampling_token_ids(model: ModelFrontend, request: CompletionRequest | 
 
 
 def sampling_spec(prepared: ConductorRequest, max_tokens: int) -> SamplingSpec:
-    options = prepared.request.sampling
+    request, options = prepared.request, prepared.request.sampling
+    is_ranked = isinstance(request, CompletionRequest) and request.num_sequences > request.n  # best_of: by logprob
+    num_logprobs = 0 if request.num_logprobs is None and is_ranked else request.num_logprobs
     return SamplingSpec(max_tokens=max_tokens, temperature=options.temperature, top_p=options.top_p,
                         top_k=options.top_k, seed=options.seed, stop_token_ids=list(options.stop_token_ids),
-                        ignore_eos=options.ignore_eos, num_logprobs=prepared.request.num_logprobs,
+                        ignore_eos=options.ignore_eos, num_logprobs=num_logprobs,
                         priority=prepared.request.priority, is_batch=prepared.request.is_batch,
                         presence_penalty=options.presence_penalty, frequency_penalty=options.frequency_penalty,
                         repetition_penalty=options.repetition_penalty, min_p=options.min_p,
                         logit_bias=[TokenBias(t, b) for t, b in options.logit_bias], min_tokens=options.min_tokens,
-                        grammar=prepared.grammar)
+                        grammar=prepared.grammar, num_prompt_logprobs=prepared.request.num_prompt_logprobs,
+                        num_sequences=prepared.request.num_sequences)
 
 
 def generation_state(model: ModelFrontend, prepared: ConductorRequest) -> GenerationState:

@@ -132,7 +132,8 @@ class Leg:
                                  is_inline_prefill=not placement.prefill_instance, tenant=work.tenant,
                                  priority=work.sampling.priority, is_batch=work.sampling.is_batch,
                                  conductor_run=self.view.run_id, decode_start_s=placement.predicted_ttft_s,
-                                 predicted_output_tokens=self.predicted_output_tokens)
+                                 predicted_output_tokens=self.predicted_output_tokens,
+                                 num_sequences=work.sampling.num_sequences)
         self.may_hold_reservation = True  # from here a cancel or a lost reply may leave one behind
         waits = self.config.scheduler.admission in ("none", "baseline")  # RESERVE waits for room there
         timeout_s = conductor.prefill_timeout_s if waits else self.config.rpc.call_timeout_s
@@ -167,11 +168,13 @@ class Leg:
         self.view.flights.prefill_done(work.leg_id)
         return reply
 
-    def open_decode(self, first_token: TokenSample | None, max_tokens: int) -> None:
+    def open_decode(self, first_tokens: list[TokenSample], max_tokens: int) -> None:
+        """`first_tokens`: every sequence's, from the prefill ([]: prefill inline on the decode instance)."""
         placement, work, conductor = self._placed(), self.work, self.config.conductor
         request = DecodeRequest(work.leg_id, list(work.token_ids), list(work.block_keys),
-                                dataclasses.replace(work.sampling, max_tokens=max_tokens), first_token,
-                                key_isolation=work.key_isolation, tenant=work.tenant)
+                                dataclasses.replace(work.sampling, max_tokens=max_tokens),
+                                first_tokens[0] if first_tokens else None, key_isolation=work.key_isolation,
+                                tenant=work.tenant, more_first_tokens=first_tokens[1:])
         stream_s = conductor.first_token_timeout_s + max_tokens * conductor.token_timeout_s
         self.decode_stream = self._client(placement.decode_instance).stream(DECODE, request, timeout_s=stream_s)
         self.view.flights.decode_started(work.leg_id, time.monotonic())

@@ -18,9 +18,10 @@ from mooncaked.runtime.aio import aclose
 
 async def with_reasoning(chunks: AsyncIterator[GenerationChunk], fmt: ReasoningFormat,
                          mode: str) -> AsyncIterator[GenerationChunk]:
-    parser = ReasoningParser(fmt, mode)
+    parsers: dict[int, ReasoningParser] = {}  # per choice (n > 1)
     try:
         async for chunk in chunks:
+            parser = parsers.setdefault(chunk.index, ReasoningParser(fmt, mode))
             reasoning, answer = parser.feed(chunk.text)
             if chunk.finish_reason is not None:
                 more_reasoning, more_answer = parser.finish()

@@ -32,9 +32,10 @@ def tool_grammar(model: ModelFrontend, tool_use: ToolUse) -> str:
 
 async def with_tool_calls(chunks: AsyncIterator[GenerationChunk],
                           model: ModelFrontend) -> AsyncIterator[GenerationChunk]:
-    parser = ToolCallParser(model.tool_format)
+    parsers: dict[int, ToolCallParser] = {}  # per choice (n > 1)
     try:
         async for chunk in chunks:
+            parser = parsers.setdefault(chunk.index, ToolCallParser(model.tool_format))
             content, calls = parser.feed(chunk.text)
             if chunk.finish_reason is not None:
                 rest, last = parser.finish()

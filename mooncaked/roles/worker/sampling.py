@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -21,11 +22,13 @@ import torch
 from mooncaked.model.grammar import GrammarState
 from mooncaked.model.logits_processing import TokenHistory
 from mooncaked.model.sampler import make_generator
-from mooncaked.model.sampling_params import SamplingParams
+from mooncaked.model.sampling_params import MAX_LOGPROBS, SamplingParams
 from mooncaked.roles.worker.grammar import Masks
 from mooncaked.roles.worker.messages import SamplingSpec, TokenSample
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import InvalidArgument
+
+MAX_SEQUENCES = 64  # parallel sampling: sequences per request (the API's n and best_of are within it)
 
 
 def to_params(spec: SamplingSpec, vocab_size: int) -> SamplingParams:
@@ -38,6 +41,10 @@ def to_params(spec: SamplingSpec, vocab_size: int) -> SamplingParams:
             logit_bias=tuple((b.token_id, b.bias) for b in spec.logit_bias), min_tokens=spec.min_tokens)
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from None
+    if not 1 <= spec.num_sequences <= MAX_SEQUENCES:
+        raise InvalidArgument(f"num_sequences must be in [1, {MAX_SEQUENCES}], got {spec.num_sequences}")
+    if spec.num_prompt_logprobs is not None and not 0 <= spec.num_prompt_logprobs <= MAX_LOGPROBS:
+        raise InvalidArgument(f"num_prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {spec.num_prompt_logprobs}")
     outside = [t for t, _ in params.logit_bias] + list(params.stop_token_ids)
     if any(t >= vocab_size for t in outside):
         raise InvalidArgument(f"logit_bias and stop_token_ids must name token ids in [0, {vocab_size})")
@@ -52,6 +59,14 @@ def history_of(token_ids: Sequence[int], params: SamplingParams, num_sampled: in
     if not 0 <= num_sampled <= len(token_ids):
         raise InvalidArgument(f"num_sampled {num_sampled} does not fit the leg's {len(token_ids)} tokens")
     return TokenHistory(token_ids, len(token_ids) - num_sampled)
+
+
+def sequence_params(params: SamplingParams, sequence: int) -> SamplingParams:
+    """Sequence `sequence`'s parameters in a parallel sampling: its own seed stream (sequence 0 keeps the request's
+    seed, so n = 1 and choice 0 of a seeded n > 1 sample alike)."""
+    if sequence == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=seed_for_token(params.seed, -1 - sequence))
 
 
 def seed_for_token(seed: int, index: int) -> int:

@@ -50,12 +50,12 @@ class ReserveAdmission:
             now, step_s = time.monotonic(), self.step_s()
             starts_at = now + request.decode_start_s
             num_tokens = request.predicted_output_tokens or request.max_tokens
-            new = DecodeHold(num_pages, starts_at, starts_at + max(num_tokens, 1) * step_s)
+            new = DecodeHold(num_pages, starts_at, starts_at + max(num_tokens, 1) * step_s, request.num_sequences)
             return forecast_refusal(new, self.holds(now, step_s), pages.num_pages, section.max_batch_size)
-        load = DecodeLoadNow(pages.num_free - book.num_queued_pages(), len(self.loop.running) + len(book),
+        load = DecodeLoadNow(pages.num_free - book.num_queued_pages(), len(self.loop.running) + book.num_sequences(),
                              self.loop.num_context_tokens + book.num_prompt_tokens())
         return reserve_refusal(self.config.scheduler.admission, load, num_pages, request.num_prompt_tokens,
-                               section.max_batch_size, self.step_limit())
+                               section.max_batch_size, self.step_limit(), request.num_sequences)
 
     def step_s(self) -> float:
         """The predicted decode step now (the TBT SLO before anything was measured: a conservative guess)."""

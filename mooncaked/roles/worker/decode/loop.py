@@ -38,6 +38,9 @@ from mooncaked.runtime.supervised import start_supervised, stop_task
 logger = logging.getLogger(__name__)
 
 
+Outbox = asyncio.Queue[tuple[int, TokenSample, str] | BaseException]  # (sequence, token, finish reason) or failure
+
+
 @dataclass
 class RunningSeq:
     """One sequence in the batch; its token list is appended to only by the loop."""
@@ -48,11 +51,12 @@ class RunningSeq:
     num_prompt_tokens: int
     params: SamplingParams
     generator: torch.Generator | None
-    outbox: asyncio.Queue[tuple[TokenSample, str] | BaseException] = field(default_factory=asyncio.Queue)
+    outbox: Outbox = field(default_factory=asyncio.Queue)  # a parallel sampling's sequences share their call's
     finish_reason: str = ""
     num_sampled_before: int = 0  # output tokens sampled before this leg (the request's seed state)
     predicted_num_tokens: int = 0  # output tokens the conductor predicted for this leg (0: none)
     grammar: GrammarState | None = None  # constrained decoding: advanced by the loop's compute step
+    sequence: int = 0  # its place in a parallel sampling
 
     @property
     def num_generated(self) -> int:
@@ -190,7 +194,7 @@ class DecodeLoop:
                 continue  # removed during the step: its token is dropped
             seq.token_ids.append(sample.token_id)
             reason = finish_reason_for(seq, sample.token_id, loaded.eos_token_ids, max_model_len)
-            seq.outbox.put_nowait((sample, reason))
+            seq.outbox.put_nowait((seq.sequence, sample, reason))
             if reason:
                 seq.finish_reason = reason
                 self.running.remove(seq)

@@ -126,7 +126,10 @@ class ReservationBook:
         return sum(r.num_pages for r in self.by_id.values() if not r.granted.is_set())
 
     def num_prompt_tokens(self) -> int:
-        return sum(r.request.num_prompt_tokens for r in self.by_id.values())
+        return sum(r.request.num_prompt_tokens * r.request.num_sequences for r in self.by_id.values())
+
+    def num_sequences(self) -> int:
+        return sum(r.request.num_sequences for r in self.by_id.values())
 
     def next_expiry(self, default: float) -> float:
         return min((r.expires_at for r in self.by_id.values()), default=default)
@@ -149,13 +152,15 @@ class ReservationBook:
     def grant(self) -> None:
         """Pages and batch slots to queued reservations, in queue order; the first that does not fit stops it."""
         pages = self._pages()
-        num_seqs = self.num_running() + sum(1 for r in self.by_id.values() if r.granted.is_set())
+        num_seqs = self.num_running() + sum(r.request.num_sequences for r in self.by_id.values()
+                                            if r.granted.is_set())
         for reservation in sorted((r for r in self.by_id.values() if not r.granted.is_set()), key=lambda r: r.rank):
-            if reservation.num_pages > pages.num_free or num_seqs >= self.worker.section.max_batch_size:
+            num_more = reservation.request.num_sequences
+            if reservation.num_pages > pages.num_free or num_seqs + num_more > self.worker.section.max_batch_size:
                 return
             pages.allocate(reservation.num_pages, owner=reservation.owner)
             reservation.granted.set()
-            num_seqs += 1
+            num_seqs += num_more
 
     async def wait_granted(self, reservation: Reservation, deadline: float) -> bool:
         """Whether the reservation's pages were granted by `deadline` (time.monotonic())."""
@@ -176,7 +181,8 @@ class ReservationBook:
         for r in self.by_id.values():
             starts_at = now if r.is_claimed else max(r.decode_start_at, now)
             num_tokens = r.request.predicted_output_tokens or r.request.max_tokens
-            holds.append(DecodeHold(r.num_pages, starts_at, starts_at + max(num_tokens, 1) * step_s))
+            holds.append(DecodeHold(r.num_pages, starts_at, starts_at + max(num_tokens, 1) * step_s,
+                                    r.request.num_sequences))
         return holds
 
     def _pages(self) -> PageAllocator:

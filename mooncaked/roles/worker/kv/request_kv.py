@@ -68,7 +68,7 @@ class RequestKv:
         self.num_blocks = num_blocks_for(num_tokens, worker.block_size)
         self.num_full_blocks = num_tokens // worker.block_size
         num_pages = num_blocks_for(num_tokens + num_extra_tokens, worker.block_size)
-        reserved = worker.pages.transfer(reserved_by, request_id) if reserved_by else []
+        reserved = worker.pages.transfer(reserved_by, request_id, num_pages) if reserved_by else []
         try:
             more = worker.pages.allocate(max(num_pages - len(reserved), 0), owner=request_id)
         except BaseException:

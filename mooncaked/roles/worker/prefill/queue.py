@@ -27,7 +27,7 @@ class PrefillJob:
     future: asyncio.Future[PrefillReply]
     deadline: float = 0.0  # the PREFILL call's (time.monotonic())
     is_running: bool = False
-    grammar: GrammarState | None = None  # its constrained decoding, rebuilt when the request arrived
+    grammars: list[GrammarState | None] = field(default_factory=list)  # per sequence, rebuilt on arrival
     started_at: float = 0.0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
