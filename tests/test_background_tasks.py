@@ -18,7 +18,8 @@ SHORT_LIVED = {
     "runtime/lifecycle.py": 2,  # waits on the stop and failure events, cancelled when either is set
     "rpc/client.py": 1,  # one connection slot's reconnect, ends once connected or when the client closes
     "rpc/server_conn.py": 1,  # one call's handler, ends with the call (its deadline)
-    "api/generation.py": 2,  # one request's work and its client-gone watch, end with the request
+    "api/generation.py": 3,  # one request's work, its client-gone watch and a parallel sampling's stream feeders,
+    # end with the request
     "roles/worker/group/head.py": 2,  # one prompt's stage followers and its forward, end with the prompt
     "roles/worker/prefill/role.py": 1,  # one batch's forward on the compute thread, awaited by the batch loop
     "roles/worker/decode/loop.py": 1,  # one step on the compute thread, awaited by the decode loop

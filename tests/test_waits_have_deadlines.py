@@ -43,6 +43,7 @@ ALLOWED = {
     ("rpc/client_conn.py", "ClientConnection._next_handshake_frame"): "RpcClient's connect_timeout_s",
     ("rpc/frames.py", "FramedProtocol.drain"): "the server cancels a stream's handler at its deadline",
     ("api/generation.py", "serve_generation"): "the work's every step has request_timeout_s; the watch polls",
+    ("api/generation.py", "merge_choices"): "each feeder's stream ends by its own deadlines (first-token, token)",
     ("roles/worker/decode/reservations.py", "ReservationBook.drop"): "its store calls' deadlines (no delay here)",
     ("cluster/etcd_membership.py", "EtcdMembership._session"): "its watch and keep-alive calls' deadlines",
     ("cluster/etcd_client.py", "EtcdClient.watch_prefix"): "aiohttp's sock_read (watch_renew_s) per read",

@@ -22,7 +22,8 @@ NUM_PAGES = 24
 MAX_BATCH_SIZE = 4
 
 OPS = st.lists(st.one_of(
-    st.tuples(st.just("reserve"), st.integers(1, NUM_PAGES), st.booleans(), st.integers(-1, 1)),
+    st.tuples(st.just("reserve"), st.integers(1, NUM_PAGES // 2), st.booleans(), st.integers(-1, 1),
+              st.integers(1, 2)),
     st.tuples(st.just("claim"), st.integers(0, 30)),
     st.tuples(st.just("finish"), st.integers(0, 30)),
     st.tuples(st.just("cancel"), st.integers(0, 30)),
@@ -39,11 +40,11 @@ def _check(book: ReservationBook, pages: PageAllocator, running: list[str]) -> N
         else:
             assert not held
             waiting.append(reservation)
-    num_seqs = len(running) + sum(1 for r in book.by_id.values() if r.granted.is_set())
+    num_seqs = len(running) + sum(r.request.num_sequences for r in book.by_id.values() if r.granted.is_set())
     assert num_seqs <= MAX_BATCH_SIZE
     if waiting:  # the head of the queue is waiting only because it does not fit now
         head = min(waiting, key=lambda r: r.rank)
-        assert head.num_pages > pages.num_free or num_seqs >= MAX_BATCH_SIZE
+        assert head.num_pages > pages.num_free or num_seqs + head.request.num_sequences > MAX_BATCH_SIZE
 
 
 @settings(max_examples=60, deadline=None)
@@ -64,19 +65,23 @@ async def _run(ops: list[tuple[Any, ...]]) -> None:
     try:
         for op in ops:
             if op[0] == "reserve":
-                _, num_pages, is_batch, priority = op
+                _, num_pages, is_batch, priority, num_sequences = op
                 request_id = f"r{len(made)}"
                 made.append(request_id)
                 request = ReserveRequest(request_id, [], num_pages * 16 - 8, 8, 600_000, is_inline_prefill=True,
-                                         priority=priority, is_batch=is_batch)
-                book.add(request, num_pages)
+                                         priority=priority, is_batch=is_batch, num_sequences=num_sequences)
+                book.add(request, num_pages * num_sequences)  # each sequence its own pages
             elif op[0] == "claim" and made:
                 reservation = book.get(made[op[1] % len(made)])
                 if reservation is not None and reservation.granted.is_set() and not reservation.is_claimed:
                     reservation.is_claimed = True
-                    pages.transfer(reservation.owner, reservation.request.request_id)  # as RequestKv takes them
-                    await book.drop(reservation.request.request_id)  # its KV is loaded
-                    running.append(reservation.request.request_id)
+                    request_id = reservation.request.request_id
+                    num_each = reservation.num_pages // reservation.request.num_sequences
+                    for sequence in range(reservation.request.num_sequences):  # as each sequence's RequestKv does
+                        sequence_id = request_id if not sequence else f"{request_id}#{sequence}"
+                        assert len(pages.transfer(reservation.owner, sequence_id, num_each)) == num_each
+                        running.append(sequence_id)
+                    await book.drop(request_id)  # its KV is loaded
             elif op[0] == "finish" and running:
                 request_id = running.pop(op[1] % len(running))
                 pages.free_owner(request_id)
