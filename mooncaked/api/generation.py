@@ -7,8 +7,10 @@
    prompt, prepared in order and generated side by side; their chunks are merged as they come, each renumbered
    to its prompt's choice (`merge_choices`).
 3. Streaming: the first chunk is awaited before the 200 headers go out, so an error up to then is a plain
-   HTTP error; later errors become a final `data: {"error": ...}` event, then `data: [DONE]`.
-   Not streaming: chunks are aggregated into one JSON response.
+   HTTP error; later errors become a final `data: {"error": ...}` event, then `data: [DONE]`. Every write has
+   the same no-progress deadline: a client that stops reading is cut off (its connection aborted), which ends
+   the request and frees its tenant's concurrency slot. Not streaming: chunks are aggregated into one JSON
+   response.
 4. The backend's iterator is always closed (`aclose`) when reading stops, whatever the reason.
 """
 
@@ -140,11 +142,28 @@ async def _stream(
                                         extra_headers=chunk.prediction_headers())
     try:
         await _relay(response, chunk, chunks, builder, timeout_s)
-        await response.write(DONE_EVENT)
-        await response.write_eof()
-    except ConnectionError:
+        await _write(response, DONE_EVENT, timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await response.write_eof()
+    except ClientNotReading as stalled:
+        log.warning("%s after %d tokens: the connection is aborted", stalled, builder.num_completion_tokens)
+        if http_request.transport is not None:
+            http_request.transport.abort()
+    except (ConnectionError, TimeoutError):
         log.info("client disconnected mid-stream after %d tokens", builder.num_completion_tokens)
     return response
+
+
+class ClientNotReading(ConnectionError):
+    """The client took none of a streamed event within the no-progress deadline."""
+
+
+async def _write(response: web.StreamResponse, data: bytes, timeout_s: float) -> None:
+    try:
+        async with asyncio.timeout(timeout_s):
+            await response.write(data)
+    except TimeoutError:
+        raise ClientNotReading(f"the client read nothing for {timeout_s:g} s") from None
 
 
 async def _relay(
@@ -157,23 +176,23 @@ async def _relay(
     log = request_log(builder.request_id)
     try:
         while True:
-            await response.write(encode_event(builder.add(chunk)))
+            await _write(response, encode_event(builder.add(chunk)), timeout_s)
             if builder.is_done:
                 break
             chunk = await _next_chunk(chunks, timeout_s)
     except ApiError as error:
         log.warning("error after %d streamed tokens: %r", builder.num_completion_tokens, error)
-        await response.write(encode_event(error.to_json()))
+        await _write(response, encode_event(error.to_json()), timeout_s)
         return
     except ConnectionError:
         raise
     except Exception:
         log.exception("backend failed mid-stream")
-        await response.write(encode_event(internal_error("The backend failed mid-stream.").to_json()))
+        await _write(response, encode_event(internal_error("The backend failed mid-stream.").to_json()), timeout_s)
         return
     log.info("finished: %s, %d tokens", builder.finish_reason, builder.num_completion_tokens)
     if builder.request.include_usage:
-        await response.write(encode_event(builder.usage_chunk()))
+        await _write(response, encode_event(builder.usage_chunk()), timeout_s)
 
 
 async def merge_choices(streams: Sequence[AsyncIterator[GenerationChunk]],

@@ -17,6 +17,7 @@ MAX_STOP_SEQUENCES = 16
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_SEED = 2**63 - 1  # a torch generator's seed
+MAX_TOP_K = 1 << 20  # more than any vocabulary holds: a larger top_k would mean nothing more
 MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty: OpenAI's range [-2, 2]
 MAX_REPETITION_PENALTY = 2.0  # repetition_penalty: (0, 2], 1 disables it
 
@@ -42,7 +43,7 @@ class SamplingOptions:
 
 
 def read_sampling(body: Mapping[str, Any], max_tokens: int | None) -> SamplingOptions:
-    top_k = read_int(body, "top_k", 0, lo=-1)
+    top_k = read_int(body, "top_k", 0, lo=-1, hi=MAX_TOP_K)
     min_tokens = read_int(body, "min_tokens", 0, lo=0)
     assert min_tokens is not None
     if max_tokens is not None and min_tokens > max_tokens:

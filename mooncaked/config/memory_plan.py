@@ -100,7 +100,7 @@ def _plan_worker(config: Config, args: ModelArgs, instance: InstanceConfig, runt
         return ProcessMemory(name, role, host, num_ranks * runtime, weights, (), kv, num_ranks * workspace)
     projections = projection_bytes(args, dtype, layers)
     held = weight_bytes(args, dtype, layers=layers)  # every plain weight (of the stage) and the RoPE tables
-    rope = 2 * args.max_position_embeddings * args.head_dim * dtype.itemsize
+    rope = 2 * args.context_length * args.rope_head_dim * dtype.itemsize
     resident = held - rope - projections
     if not model.share_weights:
         private = held + (projections if packing == "both" else 0)

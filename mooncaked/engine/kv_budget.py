@@ -72,8 +72,9 @@ class KVSizing:
 
 
 def page_nbytes(args: ModelArgs, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
-    """Bytes of one page: block_size tokens of every layer's K and V (of `num_layers` on a pipeline stage)."""
-    return (args.num_layers if num_layers is None else num_layers) * 2 * block_size * args.num_kv_heads * args.head_dim * dtype.itemsize
+    """Bytes of one page: block_size tokens of every layer's KV planes (of `num_layers` on a pipeline stage)."""
+    layers = args.num_layers if num_layers is None else num_layers
+    return layers * args.num_kv_planes * block_size * args.num_kv_heads * args.kv_head_dim * dtype.itemsize
 
 
 def size_kv(budget: KVBudget, *, args: ModelArgs, block_size: int, dtype: torch.dtype, device_type: str,

@@ -1,7 +1,8 @@
 """Whole-block KV copies between device pages and a staging buffer in the store's object layout.
 
-Layout (docs/design.md section 5): staging [N, num_layers, 2, block_size, model's kv_heads, head_dim]; block n is one
-store object, and one layer's slice of it (`staging[n, layer]`, K then V) is one contiguous byte range at
+Layout (docs/design.md section 5): staging [N, num_layers, planes, block_size, model's kv_heads, head_dim] (planes: K
+and V, or one MLA latent); block n is one store object, and one layer's slice of it (`staging[n, layer]`, its
+planes in order) is one contiguous byte range at
 `layer_byte_range(kv_pages, layer)`. Staging may live in host memory (pinned, or a shared-memory pool mapped
 as a tensor) or on the device.
 
@@ -35,12 +36,12 @@ from mooncaked.engine.kv_pages import KVPages
 
 def staging_shape(kv_pages: KVPages, num_blocks: int) -> tuple[int, ...]:
     """Staging rows hold every KV head of the model (a rank's pages copy their heads' slice of them)."""
-    return (num_blocks, kv_pages.num_layers, 2, kv_pages.block_size, kv_pages.num_model_kv_heads,
+    return (num_blocks, kv_pages.num_layers, kv_pages.num_planes, kv_pages.block_size, kv_pages.num_model_kv_heads,
             kv_pages.head_dim)
 
 
 def layer_byte_range(kv_pages: KVPages, layer: int) -> tuple[int, int]:
-    """(offset, length) in bytes of one layer's K and V inside one store object."""
+    """(offset, length) in bytes of one layer's planes inside one store object."""
     if not 0 <= layer < kv_pages.num_layers:
         raise ValueError(f"layer {layer} out of range [0, {kv_pages.num_layers})")
     return layer * kv_pages.layer_block_nbytes, kv_pages.layer_block_nbytes
@@ -180,30 +181,30 @@ class KVCopier:
     def _load(self, layer: int, staging: torch.Tensor, pages: KVPages, ids: torch.Tensor) -> None:
         heads = _heads(pages, staging)
         if staging.device == pages.device:
-            src = staging[:, layer, :, :, heads]  # [N, 2, B, Hp, D]
+            src = staging[:, layer, :, :, heads]  # [N, planes, B, Hp, D]
         elif heads == slice(None):  # host -> device per block: each source range is contiguous, so the copies
             src = torch.empty((staging.shape[0], *staging.shape[2:]), dtype=staging.dtype, device=pages.device)
             for n in range(staging.shape[0]):  # stay asynchronous
                 src[n].copy_(staging[n, layer], non_blocking=True)
         else:  # a rank's heads of each block: gathered on the host, then one copy
             src = staging[:, layer, :, :, heads].contiguous().to(pages.device)
-        kernels.scatter_blocks(src[:, 0], pages.k_pages[layer], ids, self.backend)
-        kernels.scatter_blocks(src[:, 1], pages.v_pages[layer], ids, self.backend)
+        for plane, plane_pages in enumerate(pages.plane_pages):
+            kernels.scatter_blocks(src[:, plane], plane_pages[layer], ids, self.backend)
 
     def _store(self, layer: int, staging: torch.Tensor, pages: KVPages, ids: torch.Tensor) -> None:
         heads = _heads(pages, staging)
-        k = kernels.gather_blocks(pages.k_pages[layer], ids, self.backend)  # [N, B, Hp, D]
-        v = kernels.gather_blocks(pages.v_pages[layer], ids, self.backend)
-        if staging.device == k.device:
-            staging[:, layer, 0, :, heads].copy_(k)
-            staging[:, layer, 1, :, heads].copy_(v)
+        planes = [kernels.gather_blocks(plane_pages[layer], ids, self.backend)  # [N, B, Hp, D] each
+                  for plane_pages in pages.plane_pages]
+        if staging.device == planes[0].device:
+            for plane, blocks in enumerate(planes):
+                staging[:, layer, plane, :, heads].copy_(blocks)
             return
-        both = torch.stack([k, v], dim=1)  # [N, 2, B, Hp, D]
+        every = torch.stack(planes, dim=1)  # [N, planes, B, Hp, D]
         if heads != slice(None):  # a rank's heads: one copy to the host, then into each block's head columns
-            staging[:, layer, :, :, heads].copy_(both.cpu())
+            staging[:, layer, :, :, heads].copy_(every.cpu())
             return
-        for n in range(both.shape[0]):  # device -> host per block: each destination range is contiguous
-            staging[n, layer].copy_(both[n], non_blocking=True)
+        for n in range(every.shape[0]):  # device -> host per block: each destination range is contiguous
+            staging[n, layer].copy_(every[n], non_blocking=True)
 
 
 def _run_parts(work: _Work, parts: Sequence[KVPages], ids: torch.Tensor) -> None:

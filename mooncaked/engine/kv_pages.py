@@ -1,19 +1,21 @@
 """Device KV pages and the allocator of their page ids.
 
 1. `KVPages.for_model(args, num_pages, block_size, dtype, device)` allocates, once at start-up, one buffer
-   [layers, 2, num_pages, block_size, kv_heads, head_dim] (one allocation, so it registers with the transfer
+   [layers, planes, num_pages, block_size, kv_heads, head_dim] (one allocation, so it registers with the transfer
    engine as one segment) and views it per layer as k_pages[layer] and v_pages[layer], each contiguous
-   [num_pages, block_size, kv_heads, head_dim].
+   [num_pages, block_size, kv_heads, head_dim]. The geometry is the model's (ModelArgs.num_kv_planes,
+   num_kv_heads, kv_head_dim): 2 planes, K and V, of the KV heads (GQA); or one plane of one latent "head" (MLA:
+   the compressed KV and the shared rope key), which k_pages and v_pages then both view.
 2. Requests take whole pages from one `PageAllocator(num_pages)` of the pages (`allocate(n, owner)`; a worker's
    is `Worker.pages`), and name them in block tables; token t of a sequence lives in page
    block_table[t // block_size] at offset t % block_size.
 3. When a request ends (or fails) its owner frees its pages (`free` / `free_owner`); the page contents are left
    as they are and simply overwritten by the next owner.
 
-A store object has the pages' layout, [model layers, 2, block_size, model kv_heads, head_dim] (docs/design.md section
-5): it always holds every KV head of the model, so it is the same bytes whatever the tensor-parallel degree of the
-instance that wrote it; a rank's KV heads of one layer's K (or V) are the strided slice [:, heads] of it
-(engine/tp_copy.py and engine/kv_copy.py copy them). Staging rows are whole objects' layers: [layers, 2,
+A store object has the pages' layout, [model layers, planes, block_size, model kv_heads, head_dim] (docs/design.md
+section 5): it always holds every KV head of the model, so it is the same bytes whatever the tensor-parallel degree
+of the instance that wrote it; a rank's KV heads of one layer's K (or V) are the strided slice [:, heads] of it
+(engine/tp/copy.py and engine/kv_copy.py copy them). Staging rows are whole objects' layers: [layers, planes,
 block_size, kv_heads, head_dim].
 """
 
@@ -78,6 +80,20 @@ class PageAllocator:
         if pages and not held:
             del self._pages_of[owner]
 
+    def transfer(self, from_owner: str, to_owner: str, num_pages: int | None = None) -> list[int]:
+        """Up to `num_pages` (None: all) of the pages `from_owner` holds now belong to `to_owner` (a reservation's
+        pages to its request's sequences)."""
+        held = self._pages_of.get(from_owner, {})
+        pages = list(held)[:num_pages]
+        for page in pages:
+            del held[page]
+            self._owner_of[page] = to_owner
+        if not held:
+            self._pages_of.pop(from_owner, None)
+        if pages:
+            self._pages_of.setdefault(to_owner, {}).update(dict.fromkeys(pages))
+        return pages
+
     def free_owner(self, owner: str) -> int:
         """Free every page `owner` holds (cleanup after an abort); returns how many."""
         pages = list(self._pages_of.get(owner, ()))
@@ -100,9 +116,13 @@ class KVPages:
     def __init__(self, *, num_layers: int, num_pages: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, first_layer: int = 0,
                  num_model_layers: int | None = None, kv_head_offset: int = 0,
-                 num_model_kv_heads: int | None = None, buffer: torch.Tensor | None = None) -> None:
+                 num_model_kv_heads: int | None = None, buffer: torch.Tensor | None = None,
+                 num_planes: int = 2) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if num_planes not in (1, 2):
+            raise ValueError(f"num_planes must be 2 (K and V) or 1 (an MLA latent), got {num_planes}")
+        self.num_planes = num_planes
         self.kv_head_offset = kv_head_offset
         self.num_model_kv_heads = num_kv_heads if num_model_kv_heads is None else num_model_kv_heads
         if not 0 <= kv_head_offset <= self.num_model_kv_heads - num_kv_heads:
@@ -120,13 +140,15 @@ class KVPages:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_layers, 2, num_pages, block_size, num_kv_heads, head_dim)
+        shape = (num_layers, num_planes, num_pages, block_size, num_kv_heads, head_dim)
         if buffer is None:
             self.buffer = torch.zeros(shape, dtype=dtype, device=device)
-        else:  # memory shared with another process (a tensor-parallel rank's pages, engine/tp_pages.py)
+        else:  # memory shared with another process (a tensor-parallel rank's pages, engine/tp/pages.py)
             self.buffer = buffer.view(dtype).view(shape)
-        self.k_pages = [self.buffer[layer, 0] for layer in range(num_layers)]
-        self.v_pages = [self.buffer[layer, 1] for layer in range(num_layers)]
+        # plane_pages[plane][layer]: what a store object's plane of that layer is copied to and from
+        self.plane_pages = [[self.buffer[layer, plane] for layer in range(num_layers)] for plane in range(num_planes)]
+        self.k_pages = self.plane_pages[0]
+        self.v_pages = self.plane_pages[-1]  # one plane: the latent is both the keys and (its first columns) values
 
     @classmethod
     def for_model(cls, args: ModelArgs, *, num_pages: int, block_size: int, dtype: torch.dtype,
@@ -137,16 +159,17 @@ class KVPages:
         layers = layers or LayerRange.whole(args)
         shard = shard or ShardShape.whole(args)
         return cls(num_layers=layers.size, num_pages=num_pages, block_size=block_size,
-                   num_kv_heads=shard.num_kv_heads, head_dim=args.head_dim, dtype=dtype, device=device,
+                   num_kv_heads=shard.num_kv_heads, head_dim=args.kv_head_dim, dtype=dtype, device=device,
                    first_layer=layers.start, num_model_layers=args.num_layers, kv_head_offset=shard.kv_head_offset,
-                   num_model_kv_heads=args.num_kv_heads, buffer=buffer)
+                   num_model_kv_heads=args.num_kv_heads, buffer=buffer, num_planes=args.num_kv_planes)
 
     @staticmethod
     def nbytes_for(args: ModelArgs, shard: ShardShape, num_pages: int, block_size: int, dtype: torch.dtype,
                    layers: LayerRange | None = None) -> int:
         """Bytes of the pages of `layers` (default all) for `shard`'s KV heads."""
         num_layers = args.num_layers if layers is None else layers.size
-        return num_layers * 2 * num_pages * block_size * shard.num_kv_heads * args.head_dim * dtype.itemsize
+        return (num_layers * args.num_kv_planes * num_pages * block_size * shard.num_kv_heads * args.kv_head_dim
+                * dtype.itemsize)
 
     def copy_parts(self) -> list[tuple[KVPages, int, bool]]:
         """(pages, their first KV head in an object, whether stores read them): the pages an object's bytes are
@@ -164,27 +187,28 @@ class KVPages:
 
     @property
     def page_nbytes(self) -> int:
-        """Bytes of one page of one layer, K or V."""
+        """Bytes of one page of one layer, of one plane (K, V, or an MLA latent)."""
         return self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
-    def page_byte_offset(self, layer: int, kind: int, page_id: int) -> int:
-        """Where page `page_id` of `layer`'s K (kind 0) or V (kind 1) starts in `buffer`, in bytes."""
-        return ((layer * 2 + kind) * self.num_pages + page_id) * self.page_nbytes
+    def page_byte_offset(self, layer: int, plane: int, page_id: int) -> int:
+        """Where page `page_id` of `layer`'s plane `plane` (K 0, V 1; an MLA latent 0) starts in `buffer`, in
+        bytes."""
+        return ((layer * self.num_planes + plane) * self.num_pages + page_id) * self.page_nbytes
 
     @property
     def layer_block_nbytes(self) -> int:
-        """Bytes of one layer's K and V for one block, every model KV head (one contiguous range of a store
+        """Bytes of one layer's planes for one block, every model KV head (one contiguous range of a store
         object, and a staging row's layer slice)."""
-        return 2 * self.block_size * self.num_model_kv_heads * self.head_dim * self.dtype.itemsize
+        return self.num_planes * self.block_size * self.num_model_kv_heads * self.head_dim * self.dtype.itemsize
 
     @property
     def block_nbytes(self) -> int:
-        """Bytes of this instance's layers' K and V of one block (one staging row)."""
+        """Bytes of this instance's layers' planes of one block (one staging row)."""
         return self.num_layers * self.layer_block_nbytes
 
     @property
     def object_nbytes(self) -> int:
-        """Bytes of one store object: all model layers' K and V of one block (docs/design.md section 5)."""
+        """Bytes of one store object: all model layers' planes of one block (docs/design.md section 5)."""
         return self.num_model_layers * self.layer_block_nbytes
 
     def object_layer_offset(self, layer: int) -> int:
@@ -197,5 +221,4 @@ class KVPages:
     @staticmethod
     def num_pages_fitting(memory_bytes: int, args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
         """How many pages `memory_bytes` holds for this model (for sizing from a memory budget)."""
-        per_page = args.num_layers * 2 * block_size * args.num_kv_heads * args.head_dim * dtype.itemsize
-        return memory_bytes // per_page
+        return memory_bytes // (args.kv_bytes_per_token(dtype.itemsize) * block_size)

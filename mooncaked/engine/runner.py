@@ -38,8 +38,9 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_pages: KVPages, backend: str = "auto", *,
                  cuda_graphs: bool = False, max_batch_size: int = 32, max_seq_len: int = 2048) -> None:
         args, layers = model.args, model.layer_range
-        if (kv_pages.num_layers, kv_pages.first_layer, kv_pages.num_kv_heads, kv_pages.head_dim) != (
-                layers.size, layers.start, model.shape.num_kv_heads, args.head_dim):
+        if (kv_pages.num_layers, kv_pages.first_layer, kv_pages.num_kv_heads, kv_pages.head_dim,
+                kv_pages.num_planes) != (layers.size, layers.start, model.shape.num_kv_heads, args.kv_head_dim,
+                                         args.num_kv_planes):
             raise ValueError("KV pages do not match the model (layers, this shard's num_kv_heads, head_dim)")
         if kv_pages.device != model.device:
             raise ValueError(f"KV pages on {kv_pages.device} but model on {model.device}")

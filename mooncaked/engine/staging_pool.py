@@ -70,7 +70,7 @@ class StagingPool:
         return buffer
 
     def view(self, buffer: StagingBuffer, num_blocks: int) -> torch.Tensor:
-        """[num_blocks, layers, 2, block_size, kv_heads, head_dim] over the buffer's first bytes."""
+        """[num_blocks, layers, planes, block_size, kv_heads, head_dim] over the buffer's first bytes."""
         return staging_view(buffer.data, self.kv_pages, num_blocks)
 
     def release(self, buffer: StagingBuffer, is_reusable: bool = True) -> None:

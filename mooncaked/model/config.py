@@ -1,7 +1,7 @@
 """Hyperparameters of the supported decoder families (ModelArgs) and the slice of them one device holds.
 
 1. ModelArgs come from a Hugging Face `config.json` (model.families), GGUF metadata (model.weights_gguf) or a
-   named preset for seeded random models (`random_preset`).
+   named preset for seeded random models (model.presets).
 2. Validation in `__post_init__`: shapes that cannot form the model raise ValueError naming the field.
 3. The frozen ModelArgs is read by the modules, the weight loaders and the engine (KV page shapes); the
    modules take their head and column counts from a ShardShape (`ShardShape.whole(args)` on one device).
@@ -11,30 +11,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
+from mooncaked.model.moe_args import MoEArgs
+from mooncaked.model.rope_scaling import DynamicScaling, Llama3Scaling, LinearScaling, RopeScaling, YarnScaling
+
 # Hugging Face model_type of each supported family (model.families holds their differences).
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Llama-3 style frequency scaling (`rope_type: llama3`); other types are rejected at parse time."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-
-    def __post_init__(self) -> None:
-        if not (self.factor > 0 and 0 < self.low_freq_factor < self.high_freq_factor):
-            raise ValueError(f"model config: llama3 rope scaling needs factor > 0 and 0 < low_freq_factor < "
-                             f"high_freq_factor, got {self}")
-        if not (self.original_max_position_embeddings > 0 and all(map(math.isfinite, (
-                self.factor, self.low_freq_factor, self.high_freq_factor)))):
-            raise ValueError(f"model config: llama3 rope scaling needs finite factors and "
-                             f"original_max_position_embeddings > 0, got {self}")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -61,6 +45,7 @@ class ModelArgs:
     sliding_window: int | None = None  # keys a query sees in windowed layers (itself included); None: all
     full_attention_layers: tuple[int, ...] = ()  # layers exempt from sliding_window (Qwen's max_window_layers)
     rope_freq_factors: tuple[float, ...] | None = None  # per-frequency divisors (a GGUF's rope_freqs tensor)
+    moe: MoEArgs | None = None  # the sparse MLP of the layers moe.sparse_layers names (Qwen3-MoE); None: all dense
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -84,7 +69,7 @@ class ModelArgs:
             raise ValueError(f"model config: a {self.family} model cannot have qkv_bias={self.qkv_bias}, "
                              f"o_bias={self.o_bias}, mlp_bias={self.mlp_bias}, qk_norm={self.qk_norm}, "
                              f"sliding_window={self.sliding_window}, full_attention_layers="
-                             f"{self.full_attention_layers}")
+                             f"{self.full_attention_layers}, moe={self.moe}")
         if self.rope_freq_factors is not None and (len(self.rope_freq_factors) != self.head_dim // 2 or not all(
                 math.isfinite(f) and f > 0 for f in self.rope_freq_factors)):
             raise ValueError(f"model config: rope_freq_factors must be {self.head_dim // 2} positive numbers")
@@ -101,6 +86,9 @@ class ModelArgs:
         if any(not 0 <= i < self.num_layers for i in self.full_attention_layers):
             raise ValueError(f"model config: full_attention_layers {self.full_attention_layers} must be layer "
                              f"indices below num_layers ({self.num_layers})")
+        if self.moe is not None and any(i >= self.num_layers for i in self.moe.sparse_layers):
+            raise ValueError(f"model config: MoE layers {self.moe.sparse_layers} must be below num_layers "
+                             f"({self.num_layers})")
 
     @property
     def q_size(self) -> int:
@@ -109,6 +97,34 @@ class ModelArgs:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def num_kv_planes(self) -> int:
+        """Tensors the KV cache holds per layer: K and V."""
+        return 2
+
+    @property
+    def kv_head_dim(self) -> int:
+        """Width of one KV head in the cache."""
+        return self.head_dim
+
+    @property
+    def rope_head_dim(self) -> int:
+        """Dimensions RoPE rotates per head (the cos/sin tables' width)."""
+        return self.head_dim
+
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        """KV cache bytes of one token over every layer and KV head (what a store object holds per token)."""
+        return self.num_layers * self.num_kv_planes * self.num_kv_heads * self.kv_head_dim * itemsize
+
+    @property
+    def context_length(self) -> int:
+        """Positions the model serves: max_position_embeddings, or YaRN's extended context where that is longer
+        (Qwen2.5/Qwen3 long-context configs keep max_position_embeddings at the original length)."""
+        s = self.rope_scaling
+        if isinstance(s, YarnScaling):
+            return max(self.max_position_embeddings, int(s.factor * s.original_max_position_embeddings))
+        return self.max_position_embeddings
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         """The attention window of layer `layer_idx` (None: it sees every earlier token)."""
@@ -129,12 +145,7 @@ class ModelArgs:
         }
         config.update(self._hf_family_options())
         if self.rope_scaling is not None:
-            s = self.rope_scaling
-            config["rope_scaling"] = {
-                "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-                "high_freq_factor": s.high_freq_factor,
-                "original_max_position_embeddings": s.original_max_position_embeddings,
-            }
+            config["rope_scaling"] = _hf_rope_scaling(self.rope_scaling)
         return config
 
     def _hf_family_options(self) -> dict[str, Any]:
@@ -146,20 +157,49 @@ class ModelArgs:
                        for i in range(self.num_layers)]
         options: dict[str, Any] = {"use_sliding_window": self.sliding_window is not None,
                                    "sliding_window": self.sliding_window, "layer_types": layer_types}
-        if self.family == "qwen3":
+        if self.family in ("qwen3", "qwen3_moe"):
             options["attention_bias"] = self.qkv_bias
+        if self.moe is not None:
+            options.update(_hf_moe_options(self.moe, self.num_layers))
         return options
+
+
+def _hf_rope_scaling(s: RopeScaling) -> dict[str, Any]:
+    if isinstance(s, Llama3Scaling):
+        return {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_position_embeddings}
+    if isinstance(s, YarnScaling):
+        optional = {"mscale": s.mscale, "mscale_all_dim": s.mscale_all_dim, "attention_factor": s.attention_factor}
+        return {"rope_type": "yarn", "factor": s.factor,
+                "original_max_position_embeddings": s.original_max_position_embeddings, "beta_fast": s.beta_fast,
+                "beta_slow": s.beta_slow, "truncate": s.truncate,
+                **{key: value for key, value in optional.items() if value is not None}}
+    rope_type = "linear" if isinstance(s, LinearScaling) else "dynamic"
+    assert isinstance(s, (LinearScaling, DynamicScaling))
+    return {"rope_type": rope_type, "factor": s.factor}
+
+
+def _hf_moe_options(moe: MoEArgs, num_layers: int) -> dict[str, Any]:
+    """Qwen3-MoE's fields for `moe` (sparse layers given as mlp_only_layers, the complement)."""
+    return {"num_experts": moe.num_experts, "num_experts_per_tok": moe.num_experts_per_token,
+            "moe_intermediate_size": moe.intermediate_size, "norm_topk_prob": moe.norm_topk_prob,
+            "decoder_sparse_step": 1, "mlp_only_layers": [i for i in range(num_layers) if not moe.is_sparse(i)]}
 
 
 # What each family's transformers class can express (so to_hf_config is exact).
 _FAMILY_RULES: dict[str, Callable[[ModelArgs], bool]] = {
-    "llama": lambda a: a.o_bias == a.qkv_bias and not a.qk_norm and a.sliding_window is None,
-    "mistral": lambda a: not (a.qkv_bias or a.o_bias or a.mlp_bias or a.qk_norm or a.full_attention_layers),
-    "qwen2": lambda a: a.qkv_bias and not (a.o_bias or a.mlp_bias or a.qk_norm),
-    "qwen3": lambda a: a.qk_norm and a.o_bias == a.qkv_bias and not a.mlp_bias,
+    "llama": lambda a: a.o_bias == a.qkv_bias and not a.qk_norm and a.sliding_window is None and a.moe is None,
+    "mistral": lambda a: not (a.qkv_bias or a.o_bias or a.mlp_bias or a.qk_norm or a.full_attention_layers
+                              or a.moe),
+    "qwen2": lambda a: a.qkv_bias and not (a.o_bias or a.mlp_bias or a.qk_norm or a.moe),
+    "qwen3": lambda a: a.qk_norm and a.o_bias == a.qkv_bias and not a.mlp_bias and a.moe is None,
+    "qwen3_moe": lambda a: a.qk_norm and a.o_bias == a.qkv_bias and not a.mlp_bias and a.moe is not None and (
+        a.moe.scoring == "softmax" and a.moe.num_groups == 1 and a.moe.num_shared_experts == 0
+        and a.moe.routed_scaling_factor == 1.0 and not a.moe.has_correction_bias),
 }
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM"}
+                  "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -180,11 +220,21 @@ class ShardShape:
     vocab_size: int | None = None  # output head rows of this shard; None: every one (not split)
     vocab_offset: int = 0  # first output head row of this shard
     num_ranks: int = 1  # ranks the layer is split across; > 1: row-parallel outputs are all-reduced
+    num_experts: int = 0  # routed experts this shard holds (MoE layers)
+    expert_offset: int = 0  # first of them
+    expert_intermediate_size: int = 0  # columns of each held expert's MLP
+    expert_intermediate_offset: int = 0
+    shared_intermediate_size: int = 0  # columns of the shared experts' MLP
+    shared_intermediate_offset: int = 0
+    is_expert_parallel: bool = False  # experts partitioned across the ranks (else column-sharded)
 
     @classmethod
     def whole(cls, args: ModelArgs) -> ShardShape:
+        moe = args.moe
         return cls(num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
-                   intermediate_size=args.intermediate_size)
+                   intermediate_size=args.intermediate_size, num_experts=moe.num_experts if moe else 0,
+                   expert_intermediate_size=moe.intermediate_size if moe else 0,
+                   shared_intermediate_size=moe.shared_intermediate_size if moe else 0)
 
     @property
     def q_size(self) -> int:
@@ -242,31 +292,3 @@ def split_layers(num_layers: int, num_stages: int, splits: list[int] | None = No
         raise ValueError(f"{num_stages} stages need {num_stages - 1} layer splits, got {splits}")
     bounds = [0, *splits, num_layers]
     return [LayerRange(bounds[i], bounds[i + 1], num_layers) for i in range(num_stages)]
-
-
-# Random-weight presets for tests and benchmarks. Vocabulary 320 covers the 256 byte tokens plus specials of
-# the byte-level test tokenizer (tokenizer.byte_level_test_tokenizer).
-_PRESETS: dict[str, ModelArgs] = {
-    "tiny": ModelArgs(vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, max_position_embeddings=4096, bos_token_id=1,
-                      eos_token_ids=(2,)),
-    "small": ModelArgs(vocab_size=320, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8,
-                       num_kv_heads=2, head_dim=32, max_position_embeddings=8192, bos_token_id=1,
-                       eos_token_ids=(2,)),
-    "smollm2-135m": ModelArgs(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                              num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
-                              max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1,
-                              eos_token_ids=(2,)),
-    # SmolLM2-135M's size and shape with heads two ranks can split (8 query, 4 KV): tensor-parallel benchmarks
-    "smollm2-135m-8q4kv": ModelArgs(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                                    num_heads=8, num_kv_heads=4, head_dim=64, rms_norm_eps=1e-5,
-                                    rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
-                                    bos_token_id=1, eos_token_ids=(2,)),
-}
-
-
-def random_preset(name: str, **overrides: Any) -> ModelArgs:
-    """A named preset for `random:<name>` models, optionally with fields replaced."""
-    if name not in _PRESETS:
-        raise ValueError(f"unknown random model preset {name!r}; choose one of {sorted(_PRESETS)}")
-    return replace(_PRESETS[name], **overrides)

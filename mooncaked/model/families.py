@@ -1,12 +1,14 @@
 """Hugging Face `config.json` -> ModelArgs for the supported families, refusing what they cannot run.
 
 1. `args_from_hf_config(config)` reads the model_type and picks the family: llama (Llama 2/3/3.1/3.2),
-   mistral, qwen2 (Qwen2/2.5), qwen3 (dense). An architecture or option outside what the model definition
-   runs (another model_type, a MoE class, quantization, rope types other than llama3, activations other
-   than SiLU, partial rotary) raises UnsupportedModel naming it.
+   mistral, qwen2 (Qwen2/2.5), qwen3 (dense), qwen3_moe (Qwen3-MoE). An architecture or option outside what the
+   model definition runs (another model_type, quantization but block FP8 (model.fp8_blocks), rope types other
+   than llama3, yarn, linear and dynamic, activations other than SiLU, partial rotary) raises UnsupportedModel
+   naming it.
 2. Every field is type-checked on the way (ConfigError names the key), so a hostile config.json gives a
    ValueError with a message, never a KeyError or TypeError.
-3. Each family's small differences (biases, q/k norm, sliding window layers) become ModelArgs fields.
+3. Each family's small differences (biases, q/k norm, sliding window layers, the experts and their router)
+   become ModelArgs fields.
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from mooncaked.model.config import ModelArgs, RopeScaling
+from mooncaked.model.config import ModelArgs
+from mooncaked.model.fp8_blocks import Fp8FormatError, fp8_format
+from mooncaked.model.moe_args import MoEArgs
+from mooncaked.model.rope_scaling import DynamicScaling, Llama3Scaling, LinearScaling, RopeScaling, YarnScaling
 from mooncaked.runtime.errors import StartupError
 
 # model_type -> the transformers class whose checkpoints we load
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 _SUPPORTED = ", ".join(f"{t} ({a})" for t, a in ARCHITECTURES.items())
 
 
@@ -49,7 +54,7 @@ def args_from_hf_config(config: Mapping[str, Any]) -> ModelArgs:
         return _build(model_type, config)
     except (ConfigError, UnsupportedModel):
         raise
-    except ValueError as exc:  # ModelArgs / RopeScaling validation
+    except ValueError as exc:  # ModelArgs / MoEArgs / rope scaling validation
         raise ConfigError(str(exc)) from exc
 
 
@@ -57,8 +62,13 @@ def _refuse_unsupported_options(config: Mapping[str, Any]) -> None:
     if config.get("quantization_config") is not None:
         quant = config["quantization_config"]
         method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
-        raise UnsupportedModel(f"quantization_config (quant_method {method!r}) is not supported; serve an "
-                               "unquantized (bf16/fp16/fp32) checkpoint or a GGUF file")
+        if method != "fp8" or not isinstance(quant, Mapping):
+            raise UnsupportedModel(f"quantization_config (quant_method {method!r}) is not supported; serve an "
+                                   "unquantized (bf16/fp16/fp32) or FP8 block-quantized checkpoint, or a GGUF file")
+        try:
+            fp8_format(quant)
+        except Fp8FormatError as exc:
+            raise UnsupportedModel(str(exc)) from exc
     activation = config.get("hidden_act", "silu")
     if activation != "silu":
         raise UnsupportedModel(f"hidden_act {activation!r} is not supported; only 'silu'")
@@ -79,6 +89,7 @@ def _build(model_type: str, config: Mapping[str, Any]) -> ModelArgs:
     num_layers = _int(config, "num_hidden_layers")
     num_kv_heads = _optional_int(config, "num_key_value_heads")
     rope = _rope_parameters(config)
+    max_positions = _int(config, "max_position_embeddings", 2048)
     return ModelArgs(
         vocab_size=_int(config, "vocab_size"),
         hidden_size=hidden_size,
@@ -89,8 +100,8 @@ def _build(model_type: str, config: Mapping[str, Any]) -> ModelArgs:
         head_dim=head_dim,
         rms_norm_eps=_float(config, "rms_norm_eps", 1e-6),
         rope_theta=_rope_theta(config, rope),
-        rope_scaling=_rope_scaling(rope),
-        max_position_embeddings=_int(config, "max_position_embeddings", 2048),
+        rope_scaling=_rope_scaling(rope, max_positions),
+        max_position_embeddings=max_positions,
         tie_word_embeddings=_bool(config, "tie_word_embeddings", False),
         bos_token_id=_optional_int(config, "bos_token_id"),
         eos_token_ids=_token_ids(config, "eos_token_id"),
@@ -119,6 +130,26 @@ def _qwen3_options(config: Mapping[str, Any], num_layers: int) -> dict[str, Any]
             **_qwen_window(config, num_layers)}
 
 
+def _qwen3_moe_options(config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """Qwen3's attention; layer i's MLP is sparse unless in mlp_only_layers, when (i + 1) % decoder_sparse_step
+    is 0 (transformers' rule); routing is softmax top-k, renormalized with norm_topk_prob."""
+    num_experts = _int(config, "num_experts") if "num_experts" in config else _int(config, "num_local_experts")
+    mlp_only = config.get("mlp_only_layers", [])
+    if not isinstance(mlp_only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in mlp_only):
+        raise ConfigError(f"config.json: mlp_only_layers must be a list of layer indices, got {mlp_only!r}")
+    step = _int(config, "decoder_sparse_step", 1)
+    if step <= 0:
+        raise ConfigError(f"config.json: decoder_sparse_step must be positive, got {step}")
+    sparse = tuple(i for i in range(num_layers) if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0)
+    if not sparse:
+        raise UnsupportedModel("config.json: no layer of this qwen3_moe model has experts (num_experts, "
+                               "decoder_sparse_step, mlp_only_layers); serve it as a dense qwen3 checkpoint")
+    moe = MoEArgs(num_experts=num_experts, num_experts_per_token=_int(config, "num_experts_per_tok"),
+                  intermediate_size=_int(config, "moe_intermediate_size"), sparse_layers=sparse,
+                  norm_topk_prob=_bool(config, "norm_topk_prob", False))
+    return {**_qwen3_options(config, num_layers), "moe": moe}
+
+
 def _qwen_window(config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
     """Qwen: a window only with use_sliding_window, on the layers layer_types (or max_window_layers) marks."""
     if not _bool(config, "use_sliding_window", False):
@@ -143,6 +174,7 @@ def _qwen_window(config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
 
 _FAMILY_OPTIONS: dict[str, Callable[[Mapping[str, Any], int], dict[str, Any]]] = {
     "llama": _llama_options, "mistral": _mistral_options, "qwen2": _qwen2_options, "qwen3": _qwen3_options,
+    "qwen3_moe": _qwen3_moe_options,
 }
 
 
@@ -163,15 +195,36 @@ def _rope_theta(config: Mapping[str, Any], rope: Mapping[str, Any]) -> float:
     return _float(rope, "rope_theta", 10000.0)
 
 
-def _rope_scaling(rope: Mapping[str, Any]) -> RopeScaling | None:
+ROPE_TYPES = ("default", "llama3", "yarn", "linear", "dynamic")
+
+
+def _rope_scaling(rope: Mapping[str, Any], max_positions: int) -> RopeScaling | None:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise UnsupportedModel(f"rope_scaling type {rope_type!r} is not supported; only {', '.join(ROPE_TYPES)}")
     if rope_type == "default":
         return None
-    if rope_type != "llama3":
-        raise UnsupportedModel(f"rope_scaling type {rope_type!r} is not supported; only 'default' and 'llama3'")
-    return RopeScaling(factor=_float(rope, "factor"), low_freq_factor=_float(rope, "low_freq_factor", 1.0),
-                       high_freq_factor=_float(rope, "high_freq_factor", 4.0),
-                       original_max_position_embeddings=_int(rope, "original_max_position_embeddings", 8192))
+    if rope_type == "llama3":
+        return Llama3Scaling(factor=_float(rope, "factor"), low_freq_factor=_float(rope, "low_freq_factor", 1.0),
+                             high_freq_factor=_float(rope, "high_freq_factor", 4.0),
+                             original_max_position_embeddings=_int(rope, "original_max_position_embeddings", 8192))
+    if rope_type == "yarn":
+        return _yarn(rope, max_positions)
+    if rope_type == "linear":
+        return LinearScaling(_float(rope, "factor"))
+    return DynamicScaling(_float(rope, "factor"))
+
+
+def _yarn(rope: Mapping[str, Any], max_positions: int) -> YarnScaling:
+    """transformers' defaults: beta_fast 32, beta_slow 1 (also for null or 0), truncate true; factor null:
+    max_position_embeddings / original_max_position_embeddings (DeepSeek-V3's reading)."""
+    original = _int(rope, "original_max_position_embeddings")
+    factor = max_positions / original if rope.get("factor") is None else _float(rope, "factor")
+    optional = {name: _optional_float(rope, name) for name in ("mscale", "mscale_all_dim", "attention_factor")}
+    return YarnScaling(factor=factor, original_max_position_embeddings=original,
+                       beta_fast=_optional_float(rope, "beta_fast") or 32.0,
+                       beta_slow=_optional_float(rope, "beta_slow") or 1.0, truncate=_bool(rope, "truncate", True),
+                       **optional)
 
 
 _MISSING = object()
@@ -200,6 +253,10 @@ def _float(config: Mapping[str, Any], key: str, default: Any = _MISSING) -> floa
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"config.json: {key} must be a number, got {value!r}")
     return float(value)
+
+
+def _optional_float(config: Mapping[str, Any], key: str) -> float | None:
+    return None if config.get(key) is None else _float(config, key)
 
 
 def _bool(config: Mapping[str, Any], key: str, default: bool) -> bool:

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from mooncaked.model.chat_template import CHATML_TEMPLATE, ChatTemplate
-from mooncaked.model.config import ModelArgs, random_preset
+from mooncaked.model.config import ModelArgs
+from mooncaked.model.presets import random_preset
 from mooncaked.model.tokenizer import TextTokenizer, byte_level_test_tokenizer, read_tokenizer_config
 from mooncaked.model.weights_gguf import GGUFModelFile
 from mooncaked.model.weights_hf import read_hf_config
@@ -106,7 +107,7 @@ def _frontend(args: ModelArgs, tokenizer: TextTokenizer, template_source: str, e
     template = ChatTemplate(template_source, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
     unique_eos = tuple(dict.fromkeys(tuple(eos_ids) + tokenizer.eos_token_ids))
     return ModelFrontendInfo(args=args, tokenizer=tokenizer, chat_template=template, eos_token_ids=unique_eos,
-                             context_length=args.max_position_embeddings, model_id=model_id)
+                             context_length=args.context_length, model_id=model_id)
 
 
 def generation_config_eos(model_dir: Path) -> list[int]:

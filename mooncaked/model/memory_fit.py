@@ -35,7 +35,7 @@ def weight_bytes(args: ModelArgs, dtype: torch.dtype, packing: Packing = "plain"
     rank (its share of the layers' projections and of the output head; embedding and norms replicated)."""
     layers = layers or LayerRange.whole(args)
     shapes = hf_tensor_shapes(args, layers)
-    num_elements = sum(_numel(shape) for shape in shapes.values()) + 2 * args.max_position_embeddings * args.head_dim
+    num_elements = sum(_numel(shape) for shape in shapes.values()) + 2 * args.context_length * args.rope_head_dim
     sharded = sum(_numel(shape) for name, shape in shapes.items() if _is_sharded(name))
     num_elements -= sharded - sharded // num_ranks
     embedding = args.vocab_size * args.hidden_size
@@ -51,7 +51,8 @@ def weight_bytes(args: ModelArgs, dtype: torch.dtype, packing: Packing = "plain"
 
 
 def _is_sharded(name: str) -> bool:
-    return ("self_attn." in name or "mlp." in name) and "norm" not in name
+    """Split across tensor-parallel ranks (column- or row-wise, or whole experts); the MoE router is replicated."""
+    return ("self_attn." in name or "mlp." in name) and "norm" not in name and "mlp.gate." not in name
 
 
 def projection_bytes(args: ModelArgs, dtype: torch.dtype, layers: LayerRange | None = None) -> int:
@@ -67,9 +68,15 @@ def projection_bytes(args: ModelArgs, dtype: torch.dtype, layers: LayerRange | N
 def activation_bytes(args: ModelArgs, num_tokens: int, num_logit_rows: int, dtype: torch.dtype) -> int:
     """Transient bytes of a forward over `num_tokens` tokens producing `num_logit_rows` rows of logits: per token
     the residual stream, its normed copy and the attention output (3 x hidden), q/k/v before and after RoPE
-    (2 x qkv), the MLP's gate/up and product (3 x intermediate); fp32 logits and their softmax."""
+    (2 x qkv), the MLP's gate/up and product (3 x intermediate; a MoE layer's per chosen expert, plus its gathered
+    input and output rows); fp32 logits and their softmax."""
     qkv = args.q_size + 2 * args.kv_size
-    per_token = 3 * args.hidden_size + 2 * qkv + 3 * args.intermediate_size
+    mlp = 3 * args.intermediate_size
+    if args.moe is not None:
+        moe = args.moe
+        routed = moe.num_experts_per_token * (3 * moe.intermediate_size + 2 * args.hidden_size)
+        mlp = max(mlp, routed + 3 * moe.shared_intermediate_size)
+    per_token = 3 * args.hidden_size + 2 * qkv + mlp
     return num_tokens * per_token * dtype.itemsize + 2 * num_logit_rows * args.vocab_size * 4
 
 

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from mooncaked.model.config import LayerRange, ModelArgs
+from mooncaked.model.moe_args import MoEArgs
 from mooncaked.runtime.errors import StartupError
 
 
@@ -35,11 +36,12 @@ def hf_tensor_shapes(args: ModelArgs, layers: LayerRange | None = None) -> dict[
         if not args.tie_word_embeddings:
             shapes["lm_head.weight"] = (args.vocab_size, h)
     for i in range(layers.start, layers.end):
-        shapes.update(_layer_shapes(args, f"model.layers.{i}.", h, inter))
+        shapes.update(_layer_shapes(args, i, h, inter))
     return shapes
 
 
-def _layer_shapes(args: ModelArgs, p: str, h: int, inter: int) -> dict[str, tuple[int, ...]]:
+def _layer_shapes(args: ModelArgs, layer_idx: int, h: int, inter: int) -> dict[str, tuple[int, ...]]:
+    p = f"model.layers.{layer_idx}."
     # The order of the first nine is the draw order of random_hf_state_dict (seeded presets stay the same).
     shapes: dict[str, tuple[int, ...]] = {
         p + "input_layernorm.weight": (h,),
@@ -48,10 +50,12 @@ def _layer_shapes(args: ModelArgs, p: str, h: int, inter: int) -> dict[str, tupl
         p + "self_attn.v_proj.weight": (args.kv_size, h),
         p + "self_attn.o_proj.weight": (h, args.q_size),
         p + "post_attention_layernorm.weight": (h,),
-        p + "mlp.gate_proj.weight": (inter, h),
-        p + "mlp.up_proj.weight": (inter, h),
-        p + "mlp.down_proj.weight": (h, inter),
     }
+    if args.moe is not None and args.moe.is_sparse(layer_idx):
+        shapes.update(_moe_shapes(args.moe, p, h))
+    else:
+        shapes.update({p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                       p + "mlp.down_proj.weight": (h, inter)})
     if args.qkv_bias:
         shapes.update({p + "self_attn.q_proj.bias": (args.q_size,), p + "self_attn.k_proj.bias": (args.kv_size,),
                        p + "self_attn.v_proj.bias": (args.kv_size,)})
@@ -64,6 +68,35 @@ def _layer_shapes(args: ModelArgs, p: str, h: int, inter: int) -> dict[str, tupl
         shapes.update({p + "mlp.gate_proj.bias": (inter,), p + "mlp.up_proj.bias": (inter,),
                        p + "mlp.down_proj.bias": (h,)})
     return shapes
+
+
+def _moe_shapes(moe: MoEArgs, p: str, h: int) -> dict[str, tuple[int, ...]]:
+    """A sparse layer's router, routed experts (one gate/up/down each) and shared experts."""
+    inter = moe.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {p + "mlp.gate.weight": (moe.num_experts, h)}
+    if moe.has_correction_bias:
+        shapes[p + "mlp.gate.e_score_correction_bias"] = (moe.num_experts,)
+    for e in range(moe.num_experts):
+        q = f"{p}mlp.experts.{e}."
+        shapes.update({q + "gate_proj.weight": (inter, h), q + "up_proj.weight": (inter, h),
+                       q + "down_proj.weight": (h, inter)})
+    if moe.num_shared_experts:
+        shared = moe.shared_intermediate_size
+        q = p + "mlp.shared_experts."
+        shapes.update({q + "gate_proj.weight": (shared, h), q + "up_proj.weight": (shared, h),
+                       q + "down_proj.weight": (h, shared)})
+    return shapes
+
+
+def num_active_parameters(args: ModelArgs) -> int:
+    """Weights one token's forward reads: num_parameters less the routed experts it does not use (the embedding
+    counted as for num_parameters)."""
+    total = num_parameters(args)
+    if args.moe is None:
+        return total
+    per_expert = 3 * args.moe.intermediate_size * args.hidden_size
+    unused = args.moe.num_experts - args.moe.num_experts_per_token
+    return total - len(args.moe.sparse_layers) * unused * per_expert
 
 
 def is_ignored(name: str, args: ModelArgs) -> bool:

@@ -36,34 +36,44 @@ class WeightTarget:
         self.dst.copy_(src)
 
 
-def layer_targets(p: str, s: ShardShape, projections: tuple[Linear, Linear, Linear, Linear],
+def layer_targets(p: str, s: ShardShape, projections: tuple[Linear, Linear, Linear | None, Linear | None],
                   norms: Mapping[str, torch.Tensor]) -> dict[str, WeightTarget]:
     """Targets of one layer's tensors (names `p` + ...): its (qkv, o, gate_up, down) projections and its norm
-    weights by Hugging Face name within the layer."""
+    weights by Hugging Face name within the layer; gate_up and down are None in a layer whose MLP is a Mixture of
+    Experts (model.moe maps those)."""
     qkv, o_proj, gate_up, down_proj = projections
-    q_end, k_end, inter = s.q_size, s.q_size + s.kv_size, s.intermediate_size
+    q_end, k_end = s.q_size, s.q_size + s.kv_size
     q_rows, kv_rows = (s.head_offset * s.head_dim, s.q_size), (s.kv_head_offset * s.head_dim, s.kv_size)
-    inter_rows = (s.intermediate_offset, inter)
     targets = {p + name: WeightTarget(weight) for name, weight in norms.items()}
     targets |= {
         p + "self_attn.q_proj.weight": WeightTarget(plain(qkv)[:, :q_end], True, (0, *q_rows)),
         p + "self_attn.k_proj.weight": WeightTarget(plain(qkv)[:, q_end:k_end], True, (0, *kv_rows)),
         p + "self_attn.v_proj.weight": WeightTarget(plain(qkv)[:, k_end:], True, (0, *kv_rows)),
         p + "self_attn.o_proj.weight": WeightTarget(plain(o_proj), True, (1, *q_rows)),
-        p + "mlp.gate_proj.weight": WeightTarget(plain(gate_up)[:, :inter], True, (0, *inter_rows)),
-        p + "mlp.up_proj.weight": WeightTarget(plain(gate_up)[:, inter:], True, (0, *inter_rows)),
-        p + "mlp.down_proj.weight": WeightTarget(plain(down_proj), True, (1, *inter_rows)),
     }
     if qkv.bias is not None:
         targets[p + "self_attn.q_proj.bias"] = WeightTarget(qkv.bias[:q_end], narrow=(0, *q_rows))
         targets[p + "self_attn.k_proj.bias"] = WeightTarget(qkv.bias[q_end:k_end], narrow=(0, *kv_rows))
         targets[p + "self_attn.v_proj.bias"] = WeightTarget(qkv.bias[k_end:], narrow=(0, *kv_rows))
+    if o_proj.bias is not None:  # row-parallel biases: rank 0 only
+        targets[p + "self_attn.o_proj.bias"] = WeightTarget(o_proj.bias)
+    if gate_up is not None and down_proj is not None:
+        targets |= _mlp_targets(p, s, gate_up, down_proj)
+    return targets
+
+
+def _mlp_targets(p: str, s: ShardShape, gate_up: Linear, down_proj: Linear) -> dict[str, WeightTarget]:
+    inter = s.intermediate_size
+    inter_rows = (s.intermediate_offset, inter)
+    targets = {
+        p + "mlp.gate_proj.weight": WeightTarget(plain(gate_up)[:, :inter], True, (0, *inter_rows)),
+        p + "mlp.up_proj.weight": WeightTarget(plain(gate_up)[:, inter:], True, (0, *inter_rows)),
+        p + "mlp.down_proj.weight": WeightTarget(plain(down_proj), True, (1, *inter_rows)),
+    }
     if gate_up.bias is not None:
         targets[p + "mlp.gate_proj.bias"] = WeightTarget(gate_up.bias[:inter], narrow=(0, *inter_rows))
         targets[p + "mlp.up_proj.bias"] = WeightTarget(gate_up.bias[inter:], narrow=(0, *inter_rows))
-    if o_proj.bias is not None:  # row-parallel biases: rank 0 only
-        targets[p + "self_attn.o_proj.bias"] = WeightTarget(o_proj.bias)
-    if down_proj.bias is not None:
+    if down_proj.bias is not None:  # row-parallel: rank 0 only
         targets[p + "mlp.down_proj.bias"] = WeightTarget(down_proj.bias)
     return targets
 

@@ -24,6 +24,8 @@ from mooncaked.sched.predictors import DecodeStepPredictor
 from mooncaked.sched.types import REASON_DECODE_REFUSED
 
 WAITING_POLICIES = ("none", "baseline")
+# A DECODE whose reservation got no pages by its deadline (a forecast was wrong): the conductor moves the request
+REASON_PAGES_NOT_FREED = "pages_not_freed"
 
 
 @dataclass(frozen=True)

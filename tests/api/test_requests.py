@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from mooncaked.api.errors import ApiError
 from mooncaked.api.chat_messages import ChatMessage
+from mooncaked.api.errors import ApiError
 from mooncaked.api.requests import decode_json_body, parse_chat_request, parse_completion_request
+from mooncaked.api.sampling_options import MAX_TOP_K
 
 MODELS = ["m1", "m2"]
 
@@ -70,6 +71,8 @@ def test_chat_fields_read() -> None:
     ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
     ({"prompt": "x", "top_k": -2}, 400, "top_k"),
+    ({"prompt": "x", "top_k": 10**30}, 400, "top_k"),  # not even an int64 on the wire
+    ({"prompt": "x", "top_k": MAX_TOP_K + 1}, 400, "top_k"),
     ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ({"prompt": "x", "stream": True, "stream_options": {"include_usage": "y"}}, 400, "stream_options.include_usage"),
     ({"prompt": "x", "user": 5}, 400, "user"),

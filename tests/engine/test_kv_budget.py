@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from mooncaked.engine.kv_budget import (DEFAULT_CPU_KV_BYTES, MIB, DeviceMemory, KVBudget, KVBudgetTooSmall,
                                         page_nbytes, size_kv)
 from mooncaked.engine.kv_pages import KVPages
-from mooncaked.model.config import random_preset
+from mooncaked.model.presets import random_preset
 
 ARGS = random_preset("smollm2-135m")  # SmolLM2's shapes: 30 layers, 3 KV heads of 64
 PER_PAGE = 30 * 2 * 64 * 3 * 64 * 4  # 64 tokens of every layer's K and V, fp32

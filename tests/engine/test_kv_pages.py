@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mooncaked.engine.kv_pages import KVPages, PageAllocator, PagesExhausted
-from mooncaked.model.config import random_preset
+from mooncaked.model.presets import random_preset
 
 
 def test_allocate_is_all_or_nothing_and_tracks_owners() -> None:

@@ -10,9 +10,10 @@ from hypothesis import strategies as st
 from mooncaked.engine.batch import PrefillSeq, build_prefill_batch, split_prefill_chunks
 from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.runner import ModelRunner
-from mooncaked.model.config import LayerRange, random_preset, split_layers
+from mooncaked.model.config import LayerRange, split_layers
 from mooncaked.model.llama import LlamaForCausalLM
 from mooncaked.model.memory_fit import weight_bytes
+from mooncaked.model.presets import random_preset
 from mooncaked.model.weight_names import CheckpointError, hf_tensor_shapes, random_hf_state_dict
 
 BLOCK = 8

@@ -12,9 +12,9 @@ from mooncaked.engine.batch import (DecodeSeq, PrefillSeq, build_decode_batch, b
                                     split_prefill_chunks)
 from mooncaked.engine.kv_pages import KVPages, PageAllocator
 from mooncaked.engine.runner import ModelRunner
-from mooncaked.model.config import random_preset
 from mooncaked.model.llama import LlamaForCausalLM
 from mooncaked.model.loader import LoadedModel, load_model
+from mooncaked.model.presets import random_preset
 from mooncaked.model.weight_names import random_hf_state_dict
 
 BLOCK = 8

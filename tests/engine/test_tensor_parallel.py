@@ -70,15 +70,19 @@ def started() -> Iterator[list[TensorParallelRunner]]:
         runner.stop()
 
 
-@pytest.mark.parametrize("case_id, slot_bytes, vocab_size", [(case_id, 8 << 20, 320) for case_id in TP_CASES] + [
-    ("mistral-sliding-window", 0, 320), ("qwen2.5-qkv-bias-tied", 1024, 320),
-    ("llama3.1-untied-rope-llama3", 8 << 20, 321), ("qwen3-qk-norm-tied", 0, 321)],
+@pytest.mark.parametrize("case_id, slot_bytes, vocab_size, is_expert_parallel", [
+    *[(case_id, 8 << 20, 320, False) for case_id in TP_CASES],
+    ("mistral-sliding-window", 0, 320, False), ("qwen2.5-qkv-bias-tied", 1024, 320, False),
+    ("llama3.1-untied-rope-llama3", 8 << 20, 321, False), ("qwen3-qk-norm-tied", 0, 321, False),
+    ("qwen3-moe-mlp-only-layer", 8 << 20, 320, False), ("qwen3-moe-mlp-only-layer", 8 << 20, 320, True)],
     ids=TP_CASES + ["mistral-gloo-only", "qwen2.5-prefill-gloo-decode-shared-memory",
-                    "llama3.1-replicated-head", "qwen3-tied-replicated-head-gloo-only"])
-def test_tp2_gives_the_tokens_of_tp1(case_id: str, slot_bytes: int, vocab_size: int, tmp_path: Path,
-                                     started: list[TensorParallelRunner]) -> None:
+                    "llama3.1-replicated-head", "qwen3-tied-replicated-head-gloo-only",
+                    "qwen3-moe-experts-column-sharded", "qwen3-moe-expert-parallel"])
+def test_tp2_gives_the_tokens_of_tp1(case_id: str, slot_bytes: int, vocab_size: int, is_expert_parallel: bool,
+                                     tmp_path: Path, started: list[TensorParallelRunner]) -> None:
     """All-reduces through shared memory, through gloo only, or both (prefill rows do not fit 1 KiB slots); the
-    output head split by vocabulary rows (320) or, where 2 does not divide the vocabulary (321), replicated."""
+    output head split by vocabulary rows (320) or, where 2 does not divide the vocabulary (321), replicated; a MoE
+    model's experts column-sharded or, expert-parallel, 4 whole experts per rank."""
     case = next(c for c in CASES if c.case_id == case_id)
     write_checkpoint(replace(case, config={**case.config, "vocab_size": vocab_size}), tmp_path, seed=7)
     loaded = load_model(str(tmp_path), packing="plain")
@@ -86,8 +90,11 @@ def test_tp2_gives_the_tokens_of_tp1(case_id: str, slot_bytes: int, vocab_size: 
     single = ModelRunner(loaded.model, kv, backend="torch")
     expected_tokens, expected_logits = _greedy(lambda b: single.prefill(b, return_all_logits=True), single.decode)
     spec = RankSpec(str(tmp_path), num_pages=NUM_PAGES, block_size=BLOCK, backend="torch", timeout_s=60.0,
-                    allreduce_slot_bytes=slot_bytes)
+                    allreduce_slot_bytes=slot_bytes, is_expert_parallel=is_expert_parallel)
     started.append(tp := TensorParallelRunner.start(spec, 2))
+    if loaded.args.moe is not None:
+        expected_experts = loaded.args.moe.num_experts // 2 if is_expert_parallel else loaded.args.moe.num_experts
+        assert tp.model.shape.num_experts == expected_experts
     assert tp.shard is not None and tp.shard.kv_pages.num_kv_heads == max(1, loaded.args.num_kv_heads // 2)
     assert (tp.reducer is not None) == (slot_bytes > 0)
     assert tp.model.shape.vocab_size == (None if vocab_size % 2 else vocab_size // 2)

@@ -87,6 +87,10 @@ _BASE = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 96, "num_hid
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 16, "rope_theta": 500000.0}
 
+# 8 experts of 32 columns, top-2 renormalized, on layers 0 and 2 (layer 1 is dense: mlp_only_layers)
+QWEN3_MOE = {"head_dim": 16, "num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 32, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [1]}
+
 CASES = [
     FamilyCase("llama2-mha", "llama", {**_BASE, "num_key_value_heads": 4}, INST_TEMPLATE,
                template_in_tokenizer_config=True),
@@ -104,6 +108,11 @@ CASES = [
                template_in_tokenizer_config=True),
     FamilyCase("qwen3-qk-norm-tied", "qwen3", {**_BASE, "head_dim": 32, "tie_word_embeddings": True},
                CHATML_TOOLS_TEMPLATE, extra_template_kwargs={"enable_thinking": False}),
+    FamilyCase("qwen2.5-yarn-long-context", "qwen2", {**_BASE, "max_position_embeddings": 128, "rope_parameters": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "rope_theta": 1e6}},
+               CHATML_TOOLS_TEMPLATE),
+    FamilyCase("qwen3-moe-mlp-only-layer", "qwen3_moe", {**_BASE, **QWEN3_MOE}, CHATML_TOOLS_TEMPLATE,
+               extra_template_kwargs={"enable_thinking": False}),
 ]
 CASE_IDS = [c.case_id for c in CASES]
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from mooncaked.model.config import random_preset
 from mooncaked.model.frontend import load_frontend
-from mooncaked.model.loader import load_model, num_parameters
+from mooncaked.model.loader import load_model
+from mooncaked.model.presets import random_preset
+from mooncaked.model.weight_names import num_parameters
 from mooncaked.model.weight_names import random_hf_state_dict
 
 

@@ -13,7 +13,7 @@ import torch
 from mooncaked.engine.batch import DecodeSeq, PrefillSeq, build_decode_batch, build_prefill_batch
 from mooncaked.engine.kv_pages import KVPages, PageAllocator
 from mooncaked.engine.runner import ModelRunner
-from mooncaked.model.config import RopeScaling
+from mooncaked.model.rope_scaling import Llama3Scaling
 from mooncaked.model.families import UnsupportedModel
 from mooncaked.model.frontend import load_frontend
 from mooncaked.model.loader import LoadedModel, load_model
@@ -32,7 +32,7 @@ def _llama3_rope_freqs(config: Any) -> np.ndarray:
     """What llama.cpp's converter stores for rope_type llama3: per-frequency divisors of the base frequencies."""
     rope = config.rope_parameters
     head_dim = config.hidden_size // config.num_attention_heads
-    scaling = RopeScaling(rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
+    scaling = Llama3Scaling(rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
                           rope["original_max_position_embeddings"])
     theta = float(rope["rope_theta"])
     return (inverse_frequencies(head_dim, theta, None) / inverse_frequencies(head_dim, theta, scaling)).numpy()

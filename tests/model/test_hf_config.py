@@ -13,9 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mooncaked.model.config import ModelArgs, RopeScaling, random_preset
+from mooncaked.model.config import ModelArgs
 from mooncaked.model.families import ConfigError, UnsupportedModel, args_from_hf_config
 from mooncaked.model.loader import load_model
+from mooncaked.model.presets import random_preset
+from mooncaked.model.rope_scaling import Llama3Scaling
 from tests.model.family_checkpoints import CASES, hf_config
 
 transformers = pytest.importorskip("transformers")
@@ -50,16 +52,16 @@ def test_transformers_4_style_config() -> None:
                "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
     args = args_from_hf_config(llama31)
-    assert args.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 8192) and args.eos_token_ids == (1, 2)
+    assert args.rope_scaling == Llama3Scaling(8.0, 1.0, 4.0, 8192) and args.eos_token_ids == (1, 2)
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}, "model_type 'qwen3_moe'"),
+    ({"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}, "model_type 'mixtral'"),
     ({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}, "model_type 'gemma2'"),
     ({"model_type": None}, "model_type None"),
     ({"architectures": ["LlamaForSequenceClassification"]}, "LlamaForSequenceClassification"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_scaling type 'yarn'"),
-    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling type 'dynamic'"),
+    ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}}, "rope_scaling type 'longrope'"),
+    ({"rope_scaling": {"type": "proportional", "factor": 2.0}}, "rope_scaling type 'proportional'"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quant_method 'awq'"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
@@ -85,10 +87,34 @@ def test_unknown_qwen_layer_type_is_named() -> None:
     ({"tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false"),
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0,
                           "rope_theta": 1e4}}, "low_freq_factor < high_freq_factor"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+     "no 'original_max_position_embeddings'"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": -4.0, "original_max_position_embeddings": 64}},
+     "rope scaling factor must be a positive finite number"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                          "mscale": "1"}}, "mscale must be a number"),
+    ({"rope_scaling": {"type": "linear"}}, "no 'factor'"),
 ])
 def test_bad_values_are_named(overrides: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         args_from_hf_config(_saved_config("llama", **overrides))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok \\(9\\) exceeds the number of experts \\(8\\)"),
+    ({"moe_intermediate_size": 0}, "moe_intermediate_size must be positive"),
+    ({"mlp_only_layers": "1"}, "mlp_only_layers must be a list"),
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step must be positive"),
+    ({"num_experts_per_tok": None}, "num_experts_per_tok must be an integer"),
+])
+def test_bad_moe_values_are_named(overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        args_from_hf_config(_saved_config("qwen3_moe", **overrides))
+
+
+def test_moe_model_without_sparse_layers_is_refused() -> None:
+    with pytest.raises(UnsupportedModel, match="no layer of this qwen3_moe model has experts"):
+        args_from_hf_config(_saved_config("qwen3_moe", mlp_only_layers=[0, 1, 2]))
 
 
 def test_missing_required_key_is_named() -> None:
@@ -106,7 +132,7 @@ _JSON_VALUES = st.recursive(
 
 
 @settings(max_examples=300, deadline=None)
-@given(model_type=st.sampled_from(["llama", "mistral", "qwen2", "qwen3"]), data=st.data())
+@given(model_type=st.sampled_from(["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"]), data=st.data())
 def test_hostile_configs_raise_value_errors_with_a_message(model_type: str, data: st.DataObject) -> None:
     config = copy.deepcopy(_saved_config(model_type))
     for _ in range(data.draw(st.integers(min_value=1, max_value=3))):

@@ -9,7 +9,8 @@ from mooncaked.engine.batch import DecodeSeq, PrefillSeq, build_decode_batch, bu
 from mooncaked.engine.kv_pages import KVPages, PageAllocator
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.model import packed_gemm
-from mooncaked.model.config import RopeScaling, random_preset
+from mooncaked.model.presets import random_preset
+from mooncaked.model.rope_scaling import Llama3Scaling
 from mooncaked.model.llama import LlamaForCausalLM
 from mooncaked.model.weight_names import random_hf_state_dict
 
@@ -31,7 +32,7 @@ def _pair(**overrides: object) -> tuple[LlamaForCausalLM, torch.nn.Module]:
 @pytest.mark.parametrize("overrides", [
     {},
     {"tie_word_embeddings": True, "num_kv_heads": 1, "rope_theta": 500000.0,
-     "rope_scaling": RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+     "rope_scaling": Llama3Scaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                  original_max_position_embeddings=16)},
 ], ids=["gqa2-untied", "mqa-tied-llama3-rope"])
 @pytest.mark.parametrize("is_packed", [False, True], ids=["plain-gemm", "mkl-packed-gemm"])

@@ -12,9 +12,9 @@ from mooncaked.engine.batch import DecodeSeq, PrefillSeq, build_decode_batch, bu
 from mooncaked.engine.kv_pages import KVPages, PageAllocator
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.model.chat_template import CHATML_TEMPLATE
-from mooncaked.model.config import random_preset
 from mooncaked.model.frontend import ModelLoadError, load_frontend
 from mooncaked.model.loader import LoadedModel, load_model
+from mooncaked.model.presets import random_preset
 from mooncaked.model.tokenizer import byte_level_test_tokenizer
 from mooncaked.model.weight_names import random_hf_state_dict
 from mooncaked.runtime.errors import StartupError

@@ -1,21 +1,24 @@
-"""Tensor-parallel shards: which heads and columns each rank holds, the refusal of degrees that do not divide the
-model, and a rank's shard read as slices from safetensors equals the same slice of the whole model."""
+"""Tensor-parallel shards: which heads, columns and experts each rank holds, the refusal of degrees that do not
+divide the model, and a rank's shard read as slices from safetensors equals the same slice of the whole model."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mooncaked.model.config import random_preset
+from mooncaked.model.families import args_from_hf_config
 from mooncaked.model.llama import LlamaDecoderLayer
 from mooncaked.model.loader import load_model, model_args
 from mooncaked.model.memory_fit import weight_bytes
+from mooncaked.model.presets import random_preset
 from mooncaked.model.tensor_parallel import TensorParallelError, check_shardable, shard_shape
-from tests.model.family_checkpoints import CASES, write_checkpoint
+from tests.model.family_checkpoints import CASES, hf_config, write_checkpoint
 
 pytest.importorskip("transformers")
 
@@ -108,3 +111,49 @@ def test_each_rank_has_a_weight_file_of_its_own(tmp_path: Path) -> None:
         for (name, a), (_, b) in zip(mapped.model.named_parameters(), private.model.named_parameters()):
             torch.testing.assert_close(a, b, msg=name)
     assert sorted(p.name.split("-")[-2] for p in (tmp_path / "w").glob("*.weights")) == ["tp0of2", "tp1of2"]
+
+
+def test_an_expert_parallel_rank_reads_only_its_experts(tmp_path: Path) -> None:
+    case = next(c for c in CASES if c.model_type == "qwen3_moe")  # 8 experts on layers 0 and 2
+    write_checkpoint(case, tmp_path, seed=5)
+    whole = load_model(str(tmp_path), packing="plain")
+    args = whole.args
+    assert args.moe is not None
+    full = whole.model.layers[2]
+    assert isinstance(full, LlamaDecoderLayer) and full.moe is not None
+    for rank in range(2):
+        shard = shard_shape(args, rank, 2, is_expert_parallel=True)
+        loaded = load_model(str(tmp_path), packing="plain", shard=shard)
+        slices = loaded.model.weight_slices()
+        held = range(4 * rank, 4 * rank + 4)
+        for e in range(8):
+            name = f"model.layers.2.mlp.experts.{e}.down_proj.weight"
+            # its own experts whole; another rank's an empty slice: none of their bytes are read
+            assert slices[name] == ((1, 0, args.moe.intermediate_size) if e in held else (0, 0, 0)), name
+        layer = loaded.model.layers[2]
+        assert isinstance(layer, LlamaDecoderLayer) and layer.moe is not None
+        torch.testing.assert_close(layer.moe.experts_down, full.moe.experts_down[held.start:held.stop])
+        torch.testing.assert_close(layer.moe.router.weight_t, full.moe.router.weight_t)  # replicated
+
+
+@pytest.mark.parametrize("overrides, num_ranks, is_expert_parallel, message", [
+    ({"num_experts": 6}, 4, True, r"expert_parallel: tensor_parallel_size 4 does not divide the model's 6 routed "
+                                  r"experts \(num_experts"),
+    ({"moe_intermediate_size": 30}, 4, False, r"moe_intermediate_size 30"),
+    ({}, 2, False, None),
+    ({}, 2, True, None),
+])
+def test_experts_the_degree_does_not_divide_are_named(overrides: dict[str, Any], num_ranks: int,
+                                                      is_expert_parallel: bool, message: str | None) -> None:
+    case = next(c for c in CASES if c.model_type == "qwen3_moe")
+    args = args_from_hf_config(hf_config(replace(case, config={**case.config, **overrides})).to_dict())
+    if message is None:
+        check_shardable(args, num_ranks, is_expert_parallel)
+        return
+    with pytest.raises(TensorParallelError, match=message):
+        check_shardable(args, num_ranks, is_expert_parallel)
+
+
+def test_expert_parallel_needs_experts() -> None:
+    with pytest.raises(TensorParallelError, match="model.expert_parallel is set but the model has no experts"):
+        check_shardable(random_preset("tiny"), 2, is_expert_parallel=True)

@@ -11,18 +11,19 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mooncaked.model.config import random_preset
 from mooncaked.model.llama import LlamaForCausalLM
 from mooncaked.model.load_progress import LoadProgress
 from mooncaked.model.loader import load_model
 from mooncaked.model.memory_fit import ModelDoesNotFit, check_fits, projection_bytes, weight_bytes
-from mooncaked.model.weight_names import CheckpointError, num_parameters
+from mooncaked.model.presets import random_preset
+from mooncaked.model.weight_names import CheckpointError, num_active_parameters, num_parameters
 from mooncaked.model.weights_hf import SafetensorsCheckpoint
 from tests.model.family_checkpoints import CASES, write_checkpoint
 
 pytest.importorskip("transformers")
 QWEN3 = next(c for c in CASES if c.model_type == "qwen3")
 LLAMA = next(c for c in CASES if c.case_id == "llama3.1-untied-rope-llama3")
+MOE = next(c for c in CASES if c.model_type == "qwen3_moe")  # 8 experts of 32 columns on layers 0 and 2
 
 
 @pytest.fixture
@@ -70,6 +71,25 @@ def _rewrite(path: Path, edit: dict[str, torch.Tensor | None]) -> None:
 def test_damaged_checkpoint_is_named_before_allocation(tmp_path: Path, edit: dict[str, torch.Tensor | None],
                                                        message: str) -> None:
     write_checkpoint(QWEN3, tmp_path, seed=4)
+    _rewrite(tmp_path / "model.safetensors", edit)
+    with pytest.raises(CheckpointError, match=message):
+        load_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"model.layers.2.mlp.experts.5.up_proj.weight": None},
+     "missing 1 tensor.*'model.layers.2.mlp.experts.5.up_proj.weight'"),
+    ({"model.layers.0.mlp.experts.1.down_proj.weight": torch.zeros(64, 16)},
+     r"'model.layers.0.mlp.experts.1.down_proj.weight' has shape \(64, 16\), config.json implies \(64, 32\)"),
+    ({"model.layers.0.mlp.experts.8.gate_proj.weight": torch.zeros(32, 64)},
+     "'model.layers.0.mlp.experts.8.gate_proj.weight' is not part"),  # a ninth expert
+    ({"model.layers.1.mlp.gate.weight": torch.zeros(8, 64)}, "'model.layers.1.mlp.gate.weight' is not part"),
+    ({"model.layers.0.mlp.experts.gate_up_proj": torch.zeros(8, 64, 64)}, "'model.layers.0.mlp.experts.gate_up_proj' "
+                                                                          "is not part"),  # fused in-memory layout
+], ids=["missing-expert", "mis-shaped-expert", "extra-expert", "router-on-a-dense-layer", "fused-experts"])
+def test_damaged_moe_checkpoint_is_named_before_allocation(tmp_path: Path, edit: dict[str, torch.Tensor | None],
+                                                           message: str) -> None:
+    write_checkpoint(MOE, tmp_path, seed=4)
     _rewrite(tmp_path / "model.safetensors", edit)
     with pytest.raises(CheckpointError, match=message):
         load_model(str(tmp_path))
@@ -123,6 +143,17 @@ def test_fit_check_counts_what_the_model_allocates() -> None:
     with pytest.raises(ModelDoesNotFit, match="model.cpu_packed_gemm: false"):
         check_fits(args, torch.float32, torch.device("cpu"), "both", "tiny", available=plain)
     check_fits(args, torch.float32, torch.device("cpu"), "packed", "tiny", available=plain)
+
+
+def test_fit_check_counts_a_moe_models_experts(tmp_path: Path) -> None:
+    write_checkpoint(MOE, tmp_path, seed=4)
+    loaded = load_model(str(tmp_path), packing="plain")
+    args = loaded.args
+    rope = 2 * args.max_position_embeddings * args.head_dim * 4
+    assert loaded.model.weight_nbytes()["plain"] == weight_bytes(args, torch.float32, "plain") - rope
+    assert num_parameters(args) * 4 == weight_bytes(args, torch.float32, "plain") - rope
+    per_expert = 3 * 32 * args.hidden_size
+    assert num_parameters(args) - num_active_parameters(args) == 2 * (8 - 2) * per_expert  # 2 sparse layers, top-2
 
 
 def test_progress_lines_only_when_loading_is_slow(caplog: pytest.LogCaptureFixture) -> None:

@@ -64,8 +64,8 @@ def test_the_reserve_rule_follows_its_definition(admission: str, free: int, seqs
 
 def test_the_decode_role_and_the_simulator_call_these_functions() -> None:
     from mooncaked.roles.worker.decode import admission, role
-    from mooncaked.sim import engine
+    from mooncaked.sim import decode_reserve, engine
 
-    assert admission.reserve_refusal is reserve_refusal and engine.reserve_refusal is reserve_refusal
+    assert admission.reserve_refusal is reserve_refusal and decode_reserve.reserve_refusal is reserve_refusal
     assert role.refusal_after_prefill is refusal_after_prefill and engine.refusal_after_prefill is refusal_after_prefill
     assert role.capacity_refusal is capacity_refusal and engine.capacity_refusal is capacity_refusal

@@ -1,11 +1,11 @@
 """Store moves of a tensor-parallel instance (CPU): whole objects' bytes <-> every rank's pages, strided copies.
 
 1. `RankPagesEnd(sharded_pages, page_ids)` is the local end of one request's moves: it takes the spans a staging
-   buffer would (`Span.staging_offset` is an offset in staging rows [N, layers, 2, block_size, kv_heads,
+   buffer would (`Span.staging_offset` is an offset in staging rows [N, layers, planes, block_size, kv_heads,
    head_dim], row n for the page `page_ids[n]`), so a move names its bytes the same way whichever end it has.
 2. `copy_spans(pool, op, spans)` (run on the worker's copy thread by StoreClient.move, for this host's store
-   whose pool the worker maps) copies each span, one layer of one object viewed as [2, block_size, kv_heads,
-   head_dim], to and from each rank's page [2, block_size, rank's heads, head_dim]: the object's slice
+   whose pool the worker maps) copies each span, one layer of one object viewed as [planes, block_size, kv_heads,
+   head_dim], to and from each rank's page [planes, block_size, rank's heads, head_dim]: the object's slice
    [:, :, heads] (`KVPages.copy_parts`). A READ fills every rank holding a head (replicas too), a WRITE reads
    each head from the first rank holding it. Objects and pages are token-major alike: no transpose.
 Moves through staging (another host's store; CUDA ranks) copy each rank's heads of the rows (engine/kv_copy.py).
@@ -35,7 +35,7 @@ class RankPagesEnd:
         self.page_ids = list(page_ids)
         self.parts = kv_pages.copy_parts()
         int_dtype = _SAME_SIZE_INTS[kv_pages.dtype.itemsize]
-        self.arrays = [part.buffer.view(int_dtype).numpy() for part, _, _ in self.parts]  # [L, 2, P, B, Hl, D]
+        self.arrays = [part.buffer.view(int_dtype).numpy() for part, _, _ in self.parts]  # [L, planes, P, B, Hl, D]
 
     def copy_spans(self, pool: np.ndarray, op: TransferOp, spans: Sequence[Span]) -> None:
         """READ: pool -> pages; WRITE: pages -> pool. `pool` is this host's store pool, mapped (flat uint8)."""
@@ -57,12 +57,12 @@ class RankPagesEnd:
             raise ValueError(f"span row {row} is outside the request's {len(self.page_ids)} pages")
 
     def _copy_layer(self, region: np.ndarray, op: TransferOp, layer: int, page_id: int) -> None:
-        """region: one layer of one object, [2 * B * Hkv * D] <-> each rank's heads of page `page_id`."""
+        """region: one layer of one object, [planes * B * Hkv * D] <-> each rank's heads of page `page_id`."""
         pages = self.kv_pages
-        in_object = region.reshape(2, pages.block_size, pages.num_kv_heads, pages.head_dim)
+        in_object = region.reshape(pages.num_planes, pages.block_size, pages.num_kv_heads, pages.head_dim)
         for (part, head, is_writer), array in zip(self.parts, self.arrays):
-            heads = in_object[:, :, head: head + part.num_kv_heads]  # [2, B, Hl, D], strided
-            in_page = array[layer, :, page_id]  # [2, B, Hl, D]
+            heads = in_object[:, :, head: head + part.num_kv_heads]  # [planes, B, Hl, D], strided
+            in_page = array[layer, :, page_id]  # [planes, B, Hl, D]
             if op is TransferOp.READ:
                 np.copyto(in_page, heads)
             elif is_writer:  # of a replicated KV head, the first rank holding it

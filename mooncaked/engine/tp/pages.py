@@ -93,11 +93,12 @@ class ShardedPages(KVPages):
         self.num_layers, self.first_layer, self.num_model_layers = (first.num_layers, first.first_layer,
                                                                     first.num_model_layers)
         self.num_pages, self.block_size, self.head_dim = first.num_pages, first.block_size, first.head_dim
+        self.num_planes = first.num_planes
         self.num_kv_heads = self.num_model_kv_heads = args.num_kv_heads
         self.kv_head_offset = 0
         self.dtype, self.device = first.dtype, first.device
         self.buffer = first.buffer
-        self.k_pages, self.v_pages = [], []  # per rank: see copy_parts
+        self.k_pages, self.v_pages, self.plane_pages = [], [], []  # per rank: see copy_parts
         seen: set[int] = set()
         self._parts: list[tuple[KVPages, int, bool]] = []
         for pages in ranks:  # the first rank holding a KV head writes it to the store

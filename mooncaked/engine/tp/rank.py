@@ -66,6 +66,7 @@ class RankSpec:
     allreduce_slot_bytes: int = 8 << 20  # CPU: all-reduces up to this size go through shared memory; 0: gloo only
     is_pages_shared: bool = False  # ranks' pages are mapped in rank 0 too (a worker instance's moves)
     layers: LayerRange | None = None  # a pipeline stage's layers (a prefill group member); None: every layer
+    is_expert_parallel: bool = False  # MoE experts partitioned whole across the ranks (else column-sharded)
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,7 @@ def _has_exited(sentinel: int | None) -> bool:
 
 
 def build_rank(spec: RankSpec, rank: int, num_ranks: int, pages_buffer: torch.Tensor | None = None) -> RankShard:
-    shard = shard_shape(model_args(spec.source), rank, num_ranks)
+    shard = shard_shape(model_args(spec.source), rank, num_ranks, spec.is_expert_parallel)
     device = rank_device(spec.device, rank)
     loaded = load_model(spec.source, dtype=spec.dtype, device=device, seed=spec.seed, packing=spec.packing,
                         layers=spec.layers, shard=shard)
@@ -183,7 +184,7 @@ def rank_main(spec: RankSpec, rank: int, num_ranks: int, port: int, sock: socket
 def pages_nbytes(spec: RankSpec, rank: int, num_ranks: int) -> int:
     args = model_args(spec.source)
     dtype = resolve_dtype(spec.dtype, spec.device)
-    return KVPages.nbytes_for(args, shard_shape(args, rank, num_ranks), spec.num_pages, spec.block_size, dtype,
+    return KVPages.nbytes_for(args, shard_shape(args, rank, num_ranks, spec.is_expert_parallel), spec.num_pages, spec.block_size, dtype,
                               spec.layers)
 
 

@@ -69,7 +69,7 @@ class TensorParallelRunner:
 
     @classmethod
     def start(cls, spec: RankSpec, num_ranks: int) -> TensorParallelRunner:
-        check_shardable(model_args(spec.source), num_ranks)
+        check_shardable(model_args(spec.source), num_ranks, spec.is_expert_parallel)
         check_devices(spec, num_ranks)
         if tensor_parallel.has_group():
             raise RuntimeError("this process already belongs to a tensor-parallel group; stop its runner first")
@@ -117,7 +117,8 @@ class TensorParallelRunner:
                    else [pages.tensor for pages in self.shared_pages])
         return [KVPages.for_model(args, num_pages=self.spec.num_pages, block_size=self.spec.block_size, dtype=dtype,
                                   device=buffer.device, layers=self.spec.layers,
-                                  shard=shard_shape(args, rank, self.num_ranks), buffer=buffer)
+                                  shard=shard_shape(args, rank, self.num_ranks, self.spec.is_expert_parallel),
+                                  buffer=buffer)
                 for rank, buffer in enumerate(buffers, start=1)]
 
     def _spawn(self, port: int) -> None:

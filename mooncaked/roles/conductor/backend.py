@@ -23,11 +23,11 @@ from mooncaked.config import Config
 from mooncaked.kv.keys import block_keys, isolated_namespace, model_namespace
 from mooncaked.model.reasoning import CLOSED, reasoning_lark, reasoning_mode
 from mooncaked.roles.base import PeerClients
+from mooncaked.roles.conductor.best_of import with_best_of
 from mooncaked.roles.conductor.class_metrics import ClassMetrics
+from mooncaked.roles.conductor.echo_output import with_echo
 from mooncaked.roles.conductor.frontend import (ConductorRequest, ModelFrontend, check_sampling_token_ids,
                                                 generation_state, key_isolation, prompt_token_ids, sampling_spec)
-from mooncaked.roles.conductor.best_of import with_best_of
-from mooncaked.roles.conductor.echo_output import with_echo
 from mooncaked.roles.conductor.grammars import GrammarCache
 from mooncaked.roles.conductor.leader import PdController
 from mooncaked.roles.conductor.reasoning_output import with_reasoning
@@ -70,7 +70,7 @@ class ConductorBackend:
         arrival_time = time.monotonic()
         request_id_var.set(request.request_id)
         try:
-            token_ids = prompt_token_ids(self.model, request, add_generation_prompt=True)
+            token_ids = await prompt_token_ids(self.model, request, add_generation_prompt=True)
             if not token_ids:  # only a prompt of no token ids: text and chats always have some
                 raise invalid_field("prompt", "the prompt has no tokens")
             context = self.model.context_length

@@ -1,18 +1,21 @@
 """What the conductor knows of the model and of a prepared request, shared by the backend and a request's run.
 
 1. `ModelFrontend` is built once at start from the model's tokenizer, template and shapes (no weights).
-2. `prompt_token_ids` turns a request's prompt or chat (a generation's, a context cache's) into token ids;
-   `ConductorBackend.prepare` makes a `ConductorRequest` per HTTP request (tokens, block keys, arrival time).
+2. `prompt_token_ids` turns a request's prompt or chat (a generation's, a context cache's) into token ids, on a
+   worker thread (the tokenizer releases the GIL, so the event loop stays free); text far longer than the
+   context can hold is refused first, without tokenizing it. `ConductorBackend.prepare` makes a
+   `ConductorRequest` per HTTP request (tokens, block keys, arrival time).
 3. `sampling_spec` and `generation_state` derive a request's wire sampling spec and its text state from it.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from mooncaked.api.backend import PreparedRequest
-from mooncaked.api.errors import invalid_field
+from mooncaked.api.errors import invalid_field, text_too_long
 from mooncaked.api.requests import ChatRequest, CompletionRequest
 from mooncaked.kv.keys import isolation_tag
 from mooncaked.model.chat_template import ChatTemplate, ChatTemplateError
@@ -23,6 +26,9 @@ from mooncaked.model.stopping import GenerationState
 from mooncaked.model.tokenizer import TextTokenizer
 from mooncaked.model.tool_formats import HERMES, ToolCallFormat
 from mooncaked.roles.worker.messages import SamplingSpec, TokenBias
+
+
+TEXT_SLACK = 2
 
 
 @dataclass(frozen=True)
@@ -54,10 +60,33 @@ class ConductorRequest(PreparedRequest):
     reasoning_mode: str = ""  # a thinking model's chat: where its output starts (model/reasoning.py); "" none
 
 
-def prompt_token_ids(model: ModelFrontend, request: CompletionRequest | ChatRequest, *,
-                     add_generation_prompt: bool) -> list[int]:
+async def prompt_token_ids(model: ModelFrontend, request: CompletionRequest | ChatRequest, *,
+                           add_generation_prompt: bool) -> list[int]:
     """The token ids of a chat (rendered with the model's template) or of a prompt (text, or ids checked against
-    the vocabulary); ApiError 400 naming the field at fault."""
+    the vocabulary), tokenized on a worker thread; ApiError 400 naming the field at fault, 413 for text far beyond
+    the context."""
+    check_text_fits(model, request)
+    if isinstance(request, CompletionRequest) and not isinstance(request.prompt, str):
+        return _token_ids(model, request, add_generation_prompt)
+    return await asyncio.to_thread(_token_ids, model, request, add_generation_prompt)
+
+
+def check_text_fits(model: ModelFrontend, request: CompletionRequest | ChatRequest) -> None:
+    """413 for text no tokenization of which fits the context: more characters than TEXT_SLACK times the context
+    filled with the vocabulary's longest token (the slack covers tokenizers that drop characters)."""
+    if isinstance(request, ChatRequest):
+        num_chars, param = sum(len(message.content) for message in request.messages), "messages"
+    elif isinstance(request.prompt, str):
+        num_chars, param = len(request.prompt), "prompt"
+    else:
+        return
+    max_chars = TEXT_SLACK * model.context_length * model.tokenizer.max_token_chars
+    if num_chars > max_chars:
+        raise text_too_long(num_chars, max_chars, model.context_length, param)
+
+
+def _token_ids(model: ModelFrontend, request: CompletionRequest | ChatRequest, add_generation_prompt: bool
+               ) -> list[int]:
     if isinstance(request, ChatRequest):
         messages = [m.as_template_dict() for m in request.messages]
         tool_use = request.tool_use

@@ -35,7 +35,7 @@ from mooncaked.model.stopping import FINISH_LENGTH, FINISH_STOP, GenerationState
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.class_metrics import ClassMetrics
 from mooncaked.roles.conductor.frontend import ConductorRequest, ModelFrontend
-from mooncaked.roles.conductor.leg import Leg, LegFailed, LegWork, Rejected
+from mooncaked.roles.conductor.leg import Leg, LegFailed, LegWork, Rejected, attempt_id
 from mooncaked.roles.conductor.logprobs import prompt_logprobs, token_logprobs
 from mooncaked.roles.conductor.view.cluster import ClusterView
 from mooncaked.roles.conductor.view.prediction_errors import PredictionErrors, PredictionRecord
@@ -123,7 +123,7 @@ class RequestRun:
         sampling = dataclasses.replace(self.sampling, max_tokens=prepared.max_tokens - len(output),
                                        num_sampled=len(output),
                                        num_prompt_logprobs=None if output else self.sampling.num_prompt_logprobs)
-        leg_id = self.request_id if not self.num_migrations else f"{self.request_id}~{self.num_migrations}"
+        leg_id = attempt_id(self.request_id, self.num_migrations)
         token_ids = prepared.prompt_token_ids + output
         namespace = isolated_namespace(self.backend.namespace, prepared.key_isolation)
         keys = prepared.block_keys if not output else tuple(
@@ -189,7 +189,8 @@ class RequestRun:
         """Settle the failed attempt; raise its error when the request may not move again."""
         assert self.leg is not None
         await self.leg.settle()
-        self.failed_instances.add(failure.instance)
+        if failure.cause != "decode_pages":  # short of pages, not failed: it may take the request again later
+            self.failed_instances.add(failure.instance)
         if self.num_migrations >= self.config.conductor.max_migrations or self.state.finish_reason is not None \
                 or len(self.states) > 1:  # a parallel sampling does not migrate: its sequences went apart
             logger.warning("%s; not migrating again (%d migrations)", failure, self.num_migrations)

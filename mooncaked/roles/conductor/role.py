@@ -39,10 +39,11 @@ from mooncaked.config import Config, ConfigError, InstanceConfig
 from mooncaked.config.schema import ConfigIssue
 from mooncaked.model.frontend import ModelFrontendInfo, load_frontend
 from mooncaked.model.grammar import GrammarTokenizer
+from mooncaked.model.loader import resolve_dtype
 from mooncaked.model.reasoning import reasoning_format_for
 from mooncaked.model.tokenizer import TextTokenizer
 from mooncaked.model.tool_formats import tool_format_for
-from mooncaked.model.loader import num_parameters, resolve_dtype
+from mooncaked.model.weight_names import num_active_parameters
 from mooncaked.roles.base import PeerClients, RoleEndpoint
 from mooncaked.roles.conductor.backend import ConductorBackend
 from mooncaked.roles.conductor.batch.batches import BatchManager
@@ -234,8 +235,8 @@ def default_predictors(config: Config, loaded: ModelFrontendInfo) -> Predictors:
     args, section = loaded.args, config.scheduler
     device = "cuda" if config.model.device.startswith("cuda") else "cpu"
     itemsize = resolve_dtype(config.model.dtype, config.model.device).itemsize
-    weight_bytes = num_parameters(loaded.args) * itemsize
-    kv_bytes_per_token = args.num_layers * 2 * args.num_kv_heads * args.head_dim * itemsize
+    weight_bytes = num_active_parameters(loaded.args) * itemsize  # a MoE step reads its chosen experts only
+    kv_bytes_per_token = args.kv_bytes_per_token(itemsize)  # an MLA latent is several times smaller than GQA K/V
     prefill = PrefillTimePredictor.from_model(num_layers=args.num_layers, hidden_size=args.hidden_size,
                                               gpu_flops=section.device_flops or DEFAULT_FLOPS[device])
     decode = DecodeStepPredictor.from_model(weight_bytes=weight_bytes, kv_bytes_per_token=kv_bytes_per_token,

@@ -152,11 +152,13 @@ def _profile_decode(worker: Worker, deadline: float) -> int:
     assert worker.kv_pages is not None
     num_samples = 0
     last_s = 0.0
+    assert worker.loaded is not None
+    max_positions = min(worker.config.model.max_model_len, worker.loaded.args.context_length)
     batch_sizes = [b for b in (4**i for i in range(6)) if b < worker.section.max_batch_size]
     for batch_size in [*batch_sizes, worker.section.max_batch_size]:
         for context in DECODE_CONTEXTS:
             pages_per_seq = -(-(context + 1) // worker.block_size)
-            if batch_size * pages_per_seq > worker.kv_pages.num_pages:
+            if batch_size * pages_per_seq > worker.kv_pages.num_pages or context >= max_positions:
                 continue
             if num_samples >= 3 and time.monotonic() + (DECODE_REPEATS + 1) * 2 * last_s > deadline:
                 return num_samples

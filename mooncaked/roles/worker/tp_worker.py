@@ -55,7 +55,7 @@ def start_ranks(config: Config, instance: InstanceConfig, section: WorkerSection
                     dtype=model.dtype, device=model.device, seed=model.seed,
                     packing=packing, backend=model.kernel_backend,
                     num_threads=config.runtime.num_threads, timeout_s=config.transfer.timeout_s,
-                    is_pages_shared=True, layers=layers)
+                    is_pages_shared=True, layers=layers, is_expert_parallel=model.expert_parallel)
     runner = TensorParallelRunner.start(spec, num_ranks)
     return runner, sizing, ShardedPages(runner.rank_pages, args)
 

@@ -65,6 +65,7 @@ from mooncaked.runtime.numa import allowed_memory_nodes
 from mooncaked.sched.perf_model import PerformanceModel
 from mooncaked.store.client import StoreClient
 from mooncaked.store.move_ends import Staging
+from mooncaked.store.shm_pool import pool_path
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ class Worker:
         self.runner: ModelRunner | TensorParallelRunner | None = None
         self.tp: TensorParallelRunner | None = None  # model.tensor_parallel_size > 1: the ranks (tp_worker.py)
         self.rank_watch: RankWatch | None = None
-        self.failure: str | None = None  # why the instance cannot serve any more (a rank exited)
+        self.failure: str | None = None  # why the instance cannot serve any more (a rank exited, a loop failed)
         self.failed = asyncio.Event()  # set with `failure`: the role stops and exits non-zero
         self.copier: KVCopier | None = None
         self.sampler: Sampler | None = None
@@ -163,10 +164,11 @@ class Worker:
                                                        layers)
         assert tp.shard is not None
         self.tp, self.runner, self.loaded, self.kv_sizing = tp, tp, tp.shard.loaded, sizing
-        self.rank_watch = RankWatch(tp, self._fail)
+        self.rank_watch = RankWatch(tp, self.fail)
 
-    def _fail(self, reason: str) -> None:
-        """The instance cannot serve any more (a rank exited): its role stops and exits non-zero."""
+    def fail(self, reason: str) -> None:
+        """The instance cannot serve any more (a rank exited, a background loop failed): it reports unhealthy, and
+        its role stops and exits non-zero, so the process supervisor restarts it."""
         if self.failure is None:
             self.failure = reason
             logger.error("%s failed: %s; the instance stops", self.instance.name, reason)
@@ -247,8 +249,15 @@ class Worker:
                 peer = self.store_instance(store_name)
                 rpc = self.peers.for_instance(peer)
                 self._stores[store_name] = await StoreClient.connect(
-                    rpc, host=self.instance.host, engine=self.engine, timeout_s=self.config.transfer.timeout_s)
+                    rpc, host=self.instance.host, pool_path=self.pool_path_of(peer), engine=self.engine,
+                    timeout_s=self.config.transfer.timeout_s)
             return self._stores[store_name]
+
+    def pool_path_of(self, store: InstanceConfig) -> str:
+        """Where the store's pool file is on its host, from this worker's own config (never from the store): its
+        entry in cluster.instances with its settings, else the common store section."""
+        configured = next((i for i in self.config.cluster.instances if i.name == store.name), store)
+        return pool_path(self.config.cluster.id, store.name, self.config.role_section(configured).shm_dir)
 
     def store_instance(self, store_name: str) -> InstanceConfig:
         """The configured store called `store_name`; InvalidArgument for anything else (it came off the wire)."""

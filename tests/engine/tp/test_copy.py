@@ -15,7 +15,7 @@ from mooncaked.engine.kv_copy import KVCopier, new_staging
 from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.tp.copy import RankPagesEnd
 from mooncaked.engine.tp.pages import ShardedPages
-from mooncaked.model.config import random_preset
+from mooncaked.model.presets import random_preset
 from mooncaked.model.tensor_parallel import shard_shape
 from mooncaked.store.client import _copy_spans
 from mooncaked.store.move_ends import Span

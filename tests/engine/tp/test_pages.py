@@ -17,8 +17,8 @@ from mooncaked.engine.runner import ModelRunner
 from mooncaked.engine.tp.pages import ShardedPages
 from mooncaked.engine.tp.rank import RankSpec
 from mooncaked.engine.tp.runner import TensorParallelRunner
-from mooncaked.model.config import random_preset
 from mooncaked.model.loader import load_model
+from mooncaked.model.presets import random_preset
 from mooncaked.model.tensor_parallel import shard_shape
 
 BLOCK = 8

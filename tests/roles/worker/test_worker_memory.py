@@ -13,9 +13,10 @@ from mooncaked.config import Config
 from mooncaked.config.memory_plan import RUNTIME_BYTES, plan_memory, worker_packing
 from mooncaked.engine.kv_budget import MIB, KVBudgetTooSmall, page_nbytes
 from mooncaked.model import packed_gemm
-from mooncaked.model.config import LayerRange, random_preset
+from mooncaked.model.config import LayerRange
 from mooncaked.model.llama import Linear
 from mooncaked.model.memory_fit import weight_bytes
+from mooncaked.model.presets import random_preset
 from mooncaked.roles import make_role
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.worker.decode.role import DecodeRole

@@ -10,12 +10,14 @@
    sequence's pages any more, so the caller may free them.
 4. `stop()` cancels the loop task and awaits it; sequences still running get a final Unavailable through their
    queues (the conductor migrates them: mid-stream failover).
+5. The loop task is supervised (runtime/supervised.py): an unexpected exception outside a step is logged, the
+   running sequences get Unavailable at once, and the worker is marked failed (the role stops, exits non-zero
+   and is restarted).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -31,6 +33,7 @@ from mooncaked.roles.worker.messages import FINISH_EOS, FINISH_LENGTH, TokenSamp
 from mooncaked.roles.worker.sampling import history_of, reseed, sample_rows
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import Unavailable
+from mooncaked.runtime.supervised import start_supervised, stop_task
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +54,7 @@ class RunningSeq:
     outbox: Outbox = field(default_factory=asyncio.Queue)  # a parallel sampling's sequences share their call's
     finish_reason: str = ""
     num_sampled_before: int = 0  # output tokens sampled before this leg (the request's seed state)
+    predicted_num_tokens: int = 0  # output tokens the conductor predicted for this leg (0: none)
     grammar: GrammarState | None = None  # constrained decoding: advanced by the loop's compute step
     sequence: int = 0  # its place in a parallel sampling
 
@@ -86,16 +90,21 @@ class DecodeLoop:
         self.num_steps = 0
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="decode-loop")
+        self._task = start_supervised("decode-loop", self._run, on_failure=self._loop_failed)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await stop_task(self._task)
+        self._task = None
+        self._end_running(f"{self.worker.instance.name} stopped decoding (stopping or switching role); continue the "
+                          "request elsewhere")
+
+    def _loop_failed(self, reason: str) -> None:
+        self.worker.fail(reason)
+        self._end_running(f"{self.worker.instance.name} failed ({reason}); continue the request elsewhere")
+
+    def _end_running(self, why: str) -> None:
         for seq in self.running:
-            seq.outbox.put_nowait(Unavailable(f"{self.worker.instance.name} stopped decoding (stopping or switching "
-                                              "role); continue the request elsewhere"))
+            seq.outbox.put_nowait(Unavailable(why))
         self.running = []
 
     def add(self, seq: RunningSeq) -> None:

@@ -47,7 +47,8 @@ from mooncaked.rpc import CallContext, InvalidArgument, NotFound, ResourceExhaus
 from mooncaked.runtime.logs import request_id_var
 from mooncaked.runtime.metrics import Metrics
 from mooncaked.runtime.metrics_http import MetricsEndpoint
-from mooncaked.sched.decode_admission import WAITING_POLICIES, capacity_refusal, refusal_after_prefill
+from mooncaked.sched.decode_admission import (REASON_PAGES_NOT_FREED, WAITING_POLICIES, capacity_refusal,
+                                              refusal_after_prefill)
 from mooncaked.sched.perf_model import RecentMean
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class DecodeRole:
         self.metrics_endpoint = MetricsEndpoint(instance.host, instance.metrics_port, self.metrics,
                                                 self._refresh_metrics)
         self.loop = DecodeLoop(self.worker, on_step=self._observe_step)
-        self.reservations = ReservationBook(self.worker)
+        self.reservations = ReservationBook(self.worker, lambda: len(self.loop.running))
         self.endpoint = RoleEndpoint(config, instance, extra_info=self._info,
                                      is_healthy=lambda: not self.worker.failed.is_set())
         self.endpoint.add_method(RESERVE, self._reserve)
@@ -114,6 +115,7 @@ class DecodeRole:
 
     def _refresh_metrics(self) -> None:
         self.metrics.queues.set_length("decode", len(self.reservations))
+        self.metrics.queues.set_length("decode_pages", self.reservations.num_queued())
 
     def _observe_step(self, num_seqs: int, step_s: float) -> None:
         self.metrics.engine.observe_step("decode", num_requests=num_seqs, num_tokens=num_seqs, step_s=step_s)
@@ -127,11 +129,12 @@ class DecodeRole:
         await self.reservations.drop_orphans(ctx.peer_instance, request.conductor_run)
         coefficients = self.worker.perf.coefficients()
         return LoadReply(role="decode", num_running=len(self.loop.running), num_waiting=len(self.reservations),
-                         num_queued_tokens=0, num_free_pages=pages.num_free - self.reservations.num_pages(),
+                         num_queued_tokens=0, num_free_pages=pages.num_free,
                          num_pages=pages.num_pages, step_time_s=self.loop.mean_step_s,
                          num_context_tokens=self.loop.num_context_tokens,
                          prefill_coefficients=list(coefficients.prefill), decode_coefficients=list(coefficients.decode),
-                         overhead_s=self.inline_overhead.value, kv_cache_bytes=self.worker.kv_cache_bytes)
+                         overhead_s=self.inline_overhead.value, kv_cache_bytes=self.worker.kv_cache_bytes,
+                         num_queued_pages=self.reservations.num_queued_pages())
 
     # ---- 1. reserve ------------------------------------------------------------------------------------
     async def _reserve(self, request: ReserveRequest, ctx: CallContext) -> ReserveReply:
@@ -152,6 +155,8 @@ class DecodeRole:
         if reason:
             return ReserveReply(is_accepted=False, reason=reason)
         reservation = self.reservations.add(request, num_pages, ctx.peer_instance)
+        if not reservation.granted.is_set():
+            self.metrics.reservations_waited_total.inc()
         if self.admission.waiting:
             await self.reservations.room.freed()  # the next in line may fit beside it
         if request.is_inline_prefill:
@@ -176,12 +181,14 @@ class DecodeRole:
         reservation = self.reservations.get(request.request_id)
         if reservation is None:
             raise NotFound(f"no reservation for request {request.request_id}: reserve first (or it expired)")
+        if reservation.is_claimed:
+            raise InvalidArgument(f"request {request.request_id} is already decoding")
         if len(request.token_ids) != reservation.request.num_prompt_tokens:
             raise InvalidArgument("token_ids do not match the reserved num_prompt_tokens")
         check_block_keys(self.worker, request.token_ids, request.block_keys, request.key_isolation)
         return reservation
 
-    async def _prefill_inline(self, request: DecodeRequest, ctx: CallContext,
+    async def _prefill_inline(self, request: DecodeRequest, reservation: Reservation, ctx: CallContext,
                               grammars: list[GrammarState | None]) -> tuple[RequestKv, ForwardResult, int]:
         """Prefill on this instance. Its forward is a sample of the prefill model; the rest of its time but the wait
         for the compute thread (planning, writes) is the inline overhead LOAD reports. The conductor predicts the
@@ -191,7 +198,8 @@ class DecodeRole:
         plan = await plan_prompt_kv(worker, request.request_id, list(request.token_ids), request.block_keys,
                                     timeout_s=max(ctx.deadline - time.monotonic(), 0.001),
                                     num_extra_tokens=request.sampling.max_tokens, key_isolation=request.key_isolation,
-                                    tenant=request.tenant, reuses_prefix=request.sampling.num_prompt_logprobs is None)
+                                    tenant=request.tenant, reuses_prefix=request.sampling.num_prompt_logprobs is None,
+                                    reserved_by=reservation.owner)
         self._num_prefilling += 1
         try:
             submitted = time.monotonic()
@@ -220,15 +228,17 @@ class DecodeRole:
         assert self.worker.grammar is not None
         grammars = [self.worker.grammar.state_for(spec, request.token_ids) for _ in range(num_seqs)]
         reservation = self._claim(request)
+        reservation.is_claimed = True
         num_cached_tokens, prompt_logprobs, kvs = 0, [], []
         try:
+            await self._wait_for_pages(reservation, ctx)
             refusal = refusal_after_prefill(self.config.scheduler.admission, len(self.loop.running),
                                             self.loop.num_context_tokens, len(request.token_ids),
                                             self.admission.step_limit())
             if refusal and request.first_token is not None:
                 raise ResourceExhausted(refusal)
             if request.first_token is None:
-                kv, result, num_cached_tokens = await self._prefill_inline(request, ctx, grammars)
+                kv, result, num_cached_tokens = await self._prefill_inline(request, reservation, ctx, grammars)
                 firsts = [result.first_tokens[0], *result.more_first_tokens[0]]
                 prompt_logprobs = result.prompt_logprobs[0]
             else:
@@ -239,7 +249,8 @@ class DecodeRole:
                 kv = await load_prefilled(self.worker, request, reservation)
             kvs.append(kv)
             for sequence in range(1, num_seqs):
-                kvs.append(await fork(self.worker, kv, f"{request.request_id}#{sequence}", spec.max_tokens))
+                kvs.append(await fork(self.worker, kv, f"{request.request_id}#{sequence}", spec.max_tokens,
+                                      reserved_by=reservation.owner))
         except BaseException:
             for kv in kvs:
                 await kv.release()
@@ -249,7 +260,8 @@ class DecodeRole:
         outbox: Outbox = asyncio.Queue()
         seqs = [RunningSeq(request.request_id, kv, list(request.token_ids) + [first.token_id], len(request.token_ids),
                            sequence_params(params, q), make_generator(sequence_params(params, q)), outbox,
-                           num_sampled_before=spec.num_sampled, grammar=grammars[q], sequence=q)
+                           num_sampled_before=spec.num_sampled, grammar=grammars[q], sequence=q,
+                           predicted_num_tokens=reservation.request.predicted_output_tokens)
                 for q, (kv, first) in enumerate(zip(kvs, firsts))]
         try:
             assert self.worker.loaded is not None
@@ -271,7 +283,21 @@ class DecodeRole:
             for seq in seqs:
                 await self.loop.remove(seq)
                 await seq.kv.release()
-            await self.reservations.room.freed()
+            await self.reservations.pages_freed()
+
+    async def _wait_for_pages(self, reservation: Reservation, ctx: CallContext) -> None:
+        """A reservation admitted on a forecast may still wait for its pages (a sequence ran longer than predicted):
+        until its page deadline. Past it the prompt's prefilled blocks are committed here (cache for the next
+        attempt) and the request is told to move (REASON_PAGES_NOT_FREED: the conductor migrates it)."""
+        if await self.reservations.wait_granted(reservation, min(reservation.page_deadline, ctx.deadline)):
+            return
+        self.metrics.page_wait_timeouts_total.inc()
+        if reservation.handles:
+            await self.worker.local_store.commit([h.handle_id for h in reservation.handles])
+            reservation.handles = []
+        free = self.worker.pages.num_free if self.worker.pages is not None else 0
+        raise ResourceExhausted(f"{REASON_PAGES_NOT_FREED}: {reservation.num_pages} KV pages were not freed by the "
+                                f"predicted decode start plus {self.worker.section.page_wait_s:g} s ({free} free)")
 
 
 def _timed_forward(worker: Worker, plan: KvPlan, sampling: SamplingSpec,

@@ -3,8 +3,9 @@
 1. `load_prefilled(worker, request, reservation)`: the prompt's blocks, from this host's store (the prefill
    instance wrote them), loaded into a request's pages layer by layer off the compute thread; the reserved full
    blocks are committed (cache on this host).
-2. `fork(worker, kv, request_id, max_tokens)`: a parallel sampling's further sequence: its own pages, starting as
-   a copy of the prompt's (the prompt was prefilled once; each sequence then writes its own tail and output).
+2. `fork(worker, kv, request_id, max_tokens)`: a parallel sampling's further sequence: its own pages (its share
+   of the reservation's), starting as a copy of the prompt's (the prompt was prefilled once; each sequence then
+   writes its own tail and output).
 3. `stream_items(outbox, num_running, timeout_s)`: the loop's tokens of the call's running sequences, as DECODE
    items (one per sequence per drain, several tokens when the consumer lags), until every sequence has finished.
 """
@@ -24,7 +25,8 @@ from mooncaked.roles.worker.worker import Worker
 
 async def load_prefilled(worker: Worker, request: DecodeRequest, reservation: Reservation) -> RequestKv:
     store = worker.local_store
-    kv = RequestKv(worker, request.request_id, len(request.token_ids), reservation.request.max_tokens)
+    kv = RequestKv(worker, request.request_id, len(request.token_ids), reservation.request.max_tokens,
+                   reserved_by=reservation.owner)
     try:
         index_of = {key: i for i, key in enumerate(request.block_keys)}
         blocks = [(index_of[loc.key], loc.offset) for loc in reservation.present]
@@ -43,10 +45,11 @@ async def load_prefilled(worker: Worker, request: DecodeRequest, reservation: Re
     return kv
 
 
-async def fork(worker: Worker, kv: RequestKv, request_id: str, max_tokens: int) -> RequestKv:
-    """A sequence of its own, its prompt pages copied from `kv`'s (on the copy thread: no forward reads them)."""
+async def fork(worker: Worker, kv: RequestKv, request_id: str, max_tokens: int, reserved_by: str = "") -> RequestKv:
+    """A sequence of its own, its prompt pages copied from `kv`'s (on the copy thread: no forward reads them);
+    `reserved_by`: the reservation whose pages it takes."""
     assert worker.kv_pages is not None
-    child = RequestKv(worker, request_id, kv.num_tokens, max_tokens)
+    child = RequestKv(worker, request_id, kv.num_tokens, max_tokens, reserved_by=reserved_by)
     try:
         await asyncio.get_running_loop().run_in_executor(
             worker.copy_thread, worker.kv_pages.copy_pages, kv.page_ids[: kv.num_blocks],

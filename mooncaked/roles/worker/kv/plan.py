@@ -109,7 +109,8 @@ async def plan_prompt_kv(worker: Worker, request_id: str, token_ids: list[int], 
                          timeout_s: float, num_extra_tokens: int = 0, fetch_store: str = "",
                          num_fetch_blocks: int = 0, decode_store: str = "",
                          destinations: Sequence[Destination] = (), key_isolation: bytes = b"",
-                         tenant: StoreTenant | None = None, reuses_prefix: bool = True) -> KvPlan:
+                         tenant: StoreTenant | None = None, reuses_prefix: bool = True,
+                         reserved_by: str = "") -> KvPlan:
     """Steps 1 of the module docstring; on failure everything taken so far is given back. Without
     `reuses_prefix` every token is computed (prompt logprobs need every row), cached blocks or not."""
     _check_prompt(worker, token_ids)
@@ -119,7 +120,7 @@ async def plan_prompt_kv(worker: Worker, request_id: str, token_ids: list[int], 
         if store_name:
             worker.store_instance(store_name)
     try:
-        kv = RequestKv(worker, request_id, len(token_ids), num_extra_tokens)
+        kv = RequestKv(worker, request_id, len(token_ids), num_extra_tokens, reserved_by)
     except RuntimeError as exc:
         raise ResourceExhausted(f"not enough KV pages for {len(token_ids)} tokens: {exc}") from None
     plan = KvPlan(kv, list(token_ids), owner=owner)

@@ -65,7 +65,7 @@ class StagingHold:
         self.pool = pool
         self.num_blocks = num_blocks
         self.buffer: StagingBuffer | None = None
-        self.view: torch.Tensor | None = None  # [num_blocks, layers, 2, kv_heads, block_size, head_dim]
+        self.view: torch.Tensor | None = None  # [num_blocks, layers, planes, block_size, kv_heads, head_dim]
         self.is_clean = True  # no move through the current buffer was abandoned
         self.is_closed = False
         self.num_users = 0

@@ -6,7 +6,8 @@ its staging rows, a store object).
 1. A prompt of `num_tokens` takes num_blocks_for(num_tokens, block_size) blocks (the partial tail included).
 2. A store object holds one block of every layer of the model in the pages' layout (docs/design.md section 5); a
    worker's layer i is the object's layer first_layer + i (KVPages.object_layer_offset).
-3. page_spans: straight between the pages and a pool: each block's K page and V page, two spans a block.
+3. page_spans: straight between the pages and a pool: each block's page of each plane (K and V, or an MLA
+   latent), one span a plane.
 4. staging_spans: through staging: row n holds block n's layers of this worker, one span a block.
 """
 
@@ -37,11 +38,11 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
 
 def page_spans(kv_pages: KVPages, page_ids: Sequence[int], indices: Sequence[int], offsets: Sequence[int],
                layer: int) -> list[Span]:
-    """Layer `layer` of blocks `indices` as K and V page ranges of the pages' buffer <-> pool `offsets`."""
+    """Layer `layer` of blocks `indices` as each plane's page ranges of the pages' buffer <-> pool `offsets`."""
     layer_offset, page_bytes = kv_pages.object_layer_offset(layer), kv_pages.page_nbytes
-    return [Span(offset + layer_offset + kind * page_bytes, kv_pages.page_byte_offset(layer, kind, page_ids[index]),
+    return [Span(offset + layer_offset + plane * page_bytes, kv_pages.page_byte_offset(layer, plane, page_ids[index]),
                  page_bytes)
-            for index, offset in zip(indices, offsets) for kind in (0, 1)]
+            for index, offset in zip(indices, offsets) for plane in range(kv_pages.num_planes)]
 
 
 def staging_spans(kv_pages: KVPages, indices: Sequence[int], offsets: Sequence[int], layer: int) -> list[Span]:

@@ -13,6 +13,9 @@ stream KV out.
    token, reply. Whatever happens, `finally` aborts uncommitted handles, ends leases and frees pages.
 5. Each batch's time, split per prompt by compute share, refits the instance's performance model (profiled at
    start); LOAD reports the model, the predicted work the instance holds and its per-request overhead.
+6. The batch loop is supervised (runtime/supervised.py): an unexpected exception outside a batch's own error
+   handling is logged, the queued prompts fail with Unavailable (the conductor places them again) and the
+   worker is marked failed (the role stops, exits non-zero and is restarted).
 A prefill group's member (cluster.prefill_groups) holds only its layers: the first stage takes PREFILL, runs its
 queue one prompt at a time and drives each through the group's pipeline (roles/worker/group/head.py), reporting the
 group's pipeline in LOAD (roles/worker/group/monitor.py); the later stages serve the pipeline's calls
@@ -22,7 +25,6 @@ group's pipeline in LOAD (roles/worker/group/monitor.py); the later stages serve
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
@@ -36,8 +38,8 @@ from mooncaked.roles.worker.kv.plan import plan_prompt_kv
 from mooncaked.roles.worker.messages import LOAD, PREFILL, LoadReply, LoadRequest, PrefillReply, PrefillRequest
 from mooncaked.roles.worker.messages import TokenSample
 from mooncaked.roles.worker.prefill.forward import ForwardResult, PrefillCancelled, run_prefill_forward
-from mooncaked.roles.worker.prefill.prompt_logprobs import wants_prompt_logprobs
 from mooncaked.roles.worker.prefill.load import PrefillLoad
+from mooncaked.roles.worker.prefill.prompt_logprobs import wants_prompt_logprobs
 from mooncaked.roles.worker.prefill.queue import PrefillJob
 from mooncaked.roles.worker.profiler import profile
 from mooncaked.roles.worker.sampling import history_of, to_params
@@ -46,6 +48,7 @@ from mooncaked.rpc import CallContext, InvalidArgument, RpcError, Unavailable
 from mooncaked.runtime.logs import request_id_var
 from mooncaked.runtime.metrics import Metrics
 from mooncaked.runtime.metrics_http import MetricsEndpoint
+from mooncaked.runtime.supervised import start_supervised, stop_task
 from mooncaked.sched.prefill_batch import take_batch
 
 logger = logging.getLogger(__name__)
@@ -123,18 +126,22 @@ class PrefillRole:
         if self.load is None:
             assert self.worker.loaded is not None
             self.load = PrefillLoad(self.worker.perf, self.worker.loaded.args.hidden_size)
-        self._loop_task = asyncio.create_task(self._batch_loop(), name="prefill-batch-loop")
+        self._loop_task = start_supervised("prefill-batch-loop", self._batch_loop, on_failure=self._loop_failed)
 
     async def deactivate(self) -> None:
         """Stop the batch loop and fail what is still queued (nothing, after a drain); the worker stays."""
         task, self._loop_task = self._loop_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_task(task)
+        self._fail_queued(f"{self.instance.name} stopped taking prefills")
+
+    def _loop_failed(self, reason: str) -> None:
+        self.worker.fail(reason)
+        self._fail_queued(f"{self.instance.name} failed ({reason}); place the prompt elsewhere")
+
+    def _fail_queued(self, why: str) -> None:
         for job in self._queue:
             if not job.future.done():
-                job.future.set_exception(Unavailable(f"{self.instance.name} stopped taking prefills"))
+                job.future.set_exception(Unavailable(why))
 
     @property
     def is_idle(self) -> bool:

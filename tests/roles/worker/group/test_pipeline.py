@@ -27,6 +27,7 @@ from mooncaked.roles.worker.messages import (DECODE, PREFILL, RESERVE, DecodeReq
 from mooncaked.roles.worker.prefill.role import PrefillRole
 from mooncaked.runtime.lifecycle import Role
 from mooncaked.store.client import StoreClient
+from mooncaked.store.shm_pool import pool_path
 from tests.roles.cluster_fixtures import cluster_config, instance, running_roles
 from mooncaked.model.grammar import grammar_for
 from tests.model.sampling_reference import reference_adjust
@@ -68,7 +69,8 @@ async def prefill(clients: PeerClients, config: Config, name: str, request_id: s
 async def stored_blocks(clients: PeerClients, config: Config, store: str, keys: list[bytes]) -> list[bytes]:
     """The bytes of every committed block of `keys` in `store` (read through its shared-memory pool)."""
     instance_config = config.instance_named(store)
-    client = await StoreClient.connect(clients.for_instance(instance_config), host=instance_config.host)
+    client = await StoreClient.connect(clients.for_instance(instance_config), host=instance_config.host,
+                                       pool_path=pool_path(config.cluster.id, store, config.store.shm_dir))
     try:
         found = await client.lookup(keys, lease_ms=10_000)
         assert client.pool is not None

@@ -13,7 +13,7 @@ import torch
 
 from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.staging_pool import StagingPool
-from mooncaked.model.config import random_preset
+from mooncaked.model.presets import random_preset
 from mooncaked.roles.worker.kv.request_memory import CopyTracker, StagingHold
 
 
