@@ -17,11 +17,11 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from mooncaked.bench.agent_schemas import json_schemas
 from mooncaked.config import Config
 from mooncaked.model.loader import load_model
 from mooncaked.roles.worker.decode.role import DecodeRole
 from tests.roles.cluster_fixtures import running_roles
-from tests.roles.json_schemas import json_schemas
 from tests.roles.test_conductor_flow import completion, make_config, url
 from tests.roles.test_failover import failover_config, metric, stream_interrupted
 

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from mooncaked.bench.agent_schemas import json_schemas
 from tests.roles.cluster_fixtures import running_roles
-from tests.roles.json_schemas import json_schemas
 from tests.roles.test_conductor_flow import make_config
 
 MESSAGES: list[Any] = [{"role": "user", "content": "What is the weather in Lisbon?"}]
