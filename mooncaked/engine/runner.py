@@ -26,7 +26,8 @@ from mooncaked import kernels
 from mooncaked.engine.batch import DecodeBatch, PrefillBatch
 from mooncaked.engine.cuda_graphs import DecodeGraphs
 from mooncaked.engine.kv_pages import KVPages
-from mooncaked.model.llama import AttendFn, LlamaForCausalLM
+from mooncaked.model.llama import LlamaForCausalLM
+from mooncaked.model.mla import AttendFn
 
 LayerCallback = Callable[[int], None]
 
@@ -48,7 +49,7 @@ class ModelRunner:
         self.model = model
         self.kv_pages = kv_pages
         self.backend = backend
-        self.scale = args.head_dim ** -0.5
+        self.scale = args.attention_scale
         self.first_layer = layers.start  # page layer of model layer i: i - first_layer
         self.layer_windows = [args.layer_sliding_window(i) for i in range(args.num_layers)]
         self.graphs: DecodeGraphs | None = None

@@ -32,6 +32,7 @@ class ModelFrontend:
     eos_token_ids: tuple[int, ...]
     vocab_size: int
     context_length: int  # the model's, already capped by model.max_model_len
+    kv_geometry: str  # ModelArgs.kv_geometry: part of the block keys' namespace
 
 
 @dataclass(frozen=True)

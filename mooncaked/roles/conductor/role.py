@@ -180,7 +180,8 @@ def model_frontend(config: Config, loaded: ModelFrontendInfo) -> ModelFrontend:
     return ModelFrontend(model_id=loaded.model_id, served_names=names, tokenizer=loaded.tokenizer,
                          chat_template=loaded.chat_template, eos_token_ids=loaded.eos_token_ids,
                          vocab_size=loaded.args.vocab_size,
-                         context_length=min(loaded.context_length, config.model.max_model_len))
+                         context_length=min(loaded.context_length, config.model.max_model_len),
+                         kv_geometry=loaded.args.kv_geometry)
 
 
 def policy_config(config: Config) -> PolicyConfig:

@@ -127,7 +127,7 @@ class Worker:
             self.engine.unregister, numa_node=placement.numa_node)
         self._register_pages(placement.location)
         self.sampler = Sampler(seed=model.seed, device=self.loaded.device)
-        self.namespace = model_namespace(self.loaded.model_id, model.dtype, block_size)
+        self.namespace = model_namespace(self.loaded.model_id, model.dtype, block_size, self.loaded.args.kv_geometry)
         self.local_store_name = await self._find_local_store()
         await self.store_client(self.local_store_name)
         logger.info("%s loaded %s%s; %s", self.instance.name, self.loaded.model_id,
