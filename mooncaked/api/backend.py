@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from mooncaked.api.requests import ChatRequest, CompletionRequest
 
-FINISH_REASONS = frozenset({"stop", "length", "abort"})
+FINISH_REASONS = frozenset({"stop", "length", "abort", "tool_calls"})
 
 
 @dataclass(frozen=True)
@@ -45,17 +45,44 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class PromptLogprob:
+    """One prompt token's log-probability given the tokens before it (None for the first) and the most likely
+    alternatives at its position."""
+
+    token_id: int
+    token: str
+    logprob: float | None
+    rank: int | None = None  # 1: the most likely token there
+    top: tuple[tuple[int, str, float], ...] = ()  # (token id, token, logprob), most likely first
+
+
+@dataclass(frozen=True)
+class ToolCallOut:
+    """A tool call the model made, whole (OpenAI's streaming lets arguments come in one piece)."""
+
+    index: int  # its place among the answer's calls
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+
+@dataclass(frozen=True)
 class GenerationChunk:
     """New tokens of one request; several tokens per chunk when the decode step batches them."""
 
     token_ids: tuple[int, ...]
     text: str  # the text delta these tokens add (stop strings already removed)
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token when logprobs were asked for
-    finish_reason: str | None = None  # None | "stop" | "length" | "abort"; set on the last chunk only
+    finish_reason: str | None = None  # None | "stop" | "length" | "abort" | "tool_calls"; on the last chunk only
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the cache
     predicted_ttft_s: float | None = None  # first chunk: the scheduler's predictions at placement
     predicted_tbt_s: float | None = None
+    tool_calls: tuple[ToolCallOut, ...] = ()  # calls completed by this chunk (chat with tools); `text` is content
+    reasoning: str = ""  # a thinking model's reasoning text of this chunk (chat); `text` is the answer's
+    prompt_logprobs: tuple[PromptLogprob, ...] | None = None  # the first chunk, when the request asked for them
+    echo_text: str = ""  # the first chunk of a completion with echo: the prompt's text
+    index: int = 0  # the choice it belongs to (a request of several prompts, or n > 1)
 
     def prediction_headers(self) -> dict[str, str]:
         """X-Mooncaked-Predicted-TTFT-Ms / -TBT-Ms for a response that starts with this chunk (benchmarks read them)."""

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from aiohttp import BodyPartReader, web
 
-from mooncaked.api.app import CLIENT_ID_KEY, TENANT_KEY
+from mooncaked.api.app import CLIENT_ID_KEY, TENANT_KEY, read_body_step, read_request_body
 from mooncaked.api.errors import ApiError, invalid_field
 from mooncaked.api.fields import json_type, read_str
 from mooncaked.api.file_store import FileStore, file_too_large
@@ -104,16 +104,17 @@ class BatchRoutes:
         file_id, num_bytes, filename, purpose = self.files.new_id(), -1, "", None
         try:
             reader = await request.multipart()
-            while (part := await reader.next()) is not None:
+            while (part := await read_body_step(request, reader.next())) is not None:
                 if not isinstance(part, BodyPartReader):
                     raise ApiError(400, "nested multipart bodies are not supported")
+                steady = _SteadyPart(request, part)
                 if part.name == "file" and num_bytes < 0:
                     filename = (part.filename or "upload.jsonl")[:255]
-                    num_bytes = await self.files.receive(part, file_id, self.max_file_bytes)
+                    num_bytes = await self.files.receive(steady, file_id, self.max_file_bytes)
                 elif part.name == "purpose":
-                    purpose = (await _read_field(part)).strip()
+                    purpose = (await _read_field(steady, part.name)).strip()
                 else:
-                    await _read_field(part)
+                    await _read_field(steady, part.name)
             if num_bytes < 0:
                 raise invalid_field("file", "the multipart body has no `file` part")
             if purpose != "batch":
@@ -142,7 +143,7 @@ class BatchRoutes:
 
     # ---- batches -----------------------------------------------------------------------------------------
     async def create_batch(self, request: web.Request) -> web.Response:
-        spec = parse_batch_create(decode_json_body(await request.read()), _owner(request))
+        spec = parse_batch_create(decode_json_body(await read_request_body(request)), _owner(request))
         tenant = request.get(TENANT_KEY)
         spec = dataclasses.replace(spec, tenant_id=tenant.id if tenant is not None else "")
         return web.json_response(await self.service.create_batch(spec))
@@ -182,12 +183,23 @@ def add_disabled_routes(app: web.Application) -> None:
         app.router.add_route("*", path, disabled)
 
 
-async def _read_field(part: BodyPartReader) -> str:
+class _SteadyPart:
+    """A multipart part whose every chunk must arrive within the body's no-progress deadline (read_body_step)."""
+
+    def __init__(self, request: web.Request, part: BodyPartReader) -> None:
+        self.request = request
+        self.part = part
+
+    async def next_chunk(self, size: int) -> bytes:
+        return await read_body_step(self.request, self.part.read_chunk(size))
+
+
+async def _read_field(part: _SteadyPart, name: str | None) -> str:
     data = bytearray()
-    while chunk := await part.read_chunk(MAX_FIELD_BYTES):
+    while chunk := await part.next_chunk(MAX_FIELD_BYTES):
         data += chunk
         if len(data) > MAX_FIELD_BYTES:
-            raise invalid_field(part.name or "form", f"a form field may hold at most {MAX_FIELD_BYTES} bytes")
+            raise invalid_field(name or "form", f"a form field may hold at most {MAX_FIELD_BYTES} bytes")
     return data.decode("utf-8", errors="replace")
 
 

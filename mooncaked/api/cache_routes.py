@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from mooncaked.api.app import CLIENT_ID_KEY, REQUEST_ID_KEY, TENANT_KEY
+from mooncaked.api.app import CLIENT_ID_KEY, REQUEST_ID_KEY, TENANT_KEY, read_request_body
 from mooncaked.api.errors import ApiError, invalid_field
 from mooncaked.api.fields import json_type
 from mooncaked.api.requests import ChatRequest, CompletionRequest, decode_json_body, parse_chat_request
@@ -92,7 +92,7 @@ class CacheRoutes:
         self.max_ttl_s = max_ttl_s
 
     async def create(self, request: web.Request) -> web.Response:
-        body = decode_json_body(await request.read())
+        body = decode_json_body(await read_request_body(request))
         spec = parse_cache_create(body, request_id=request[REQUEST_ID_KEY], client_id=_client(request),
                                   model_ids=self.model_ids, default_ttl_s=self.default_ttl_s,
                                   max_ttl_s=self.max_ttl_s, tenant=request.get(TENANT_KEY))
@@ -107,7 +107,7 @@ class CacheRoutes:
 
     async def update(self, request: web.Request) -> web.Response:
         cache_id = _cache_id(request)
-        body = decode_json_body(await request.read())
+        body = decode_json_body(await read_request_body(request))
         if body.get("ttl_s") is None:
             raise invalid_field("ttl_s", "PATCH sets a new ttl_s (seconds from now)")
         ttl_s = read_ttl(body, self.default_ttl_s, self.max_ttl_s)

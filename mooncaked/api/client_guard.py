@@ -6,11 +6,15 @@
 2. While a connection is idle, its first byte starts the request's clock: the request's headers must be complete
    (the app's `middleware` sees the request) within `client_timeout_s`, or the connection is closed.
 3. Handlers read the body with `read_body`, which gives up at the same deadline: a 408, written at once, and the
-   connection closes (aiohttp would otherwise linger, reading the rest of the body).
+   connection closes (aiohttp would otherwise linger, reading the rest of the body). A body read as a stream (an
+   upload) goes through `read_step` instead: each step (the next part, the next chunk) must arrive within
+   `client_timeout_s` of the previous one, so a large upload may take long but never stall.
 4. When the response is done the connection is idle again; bytes that arrived meanwhile (a pipelined request)
    start the next clock at once.
 Each cut-off and refusal is logged with the client's address, at most once per address and reason every
-LOG_INTERVAL_S (with the number left unlogged), so a flood of slow clients cannot flood the log.
+LOG_INTERVAL_S (with the number left unlogged), so a flood of slow clients cannot flood the log; an address not
+logged for LOG_INTERVAL_S is forgotten (its unlogged count, if any, logged then), so the bookkeeping holds only
+recent addresses however many clients come and go.
 
 Owner: the conductor role owns one ClientGuard; the guard owns the per-connection states (by transport).
 """
@@ -24,7 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from aiohttp import web
 
@@ -35,6 +39,7 @@ logger = logging.getLogger(__name__)
 LOG_INTERVAL_S = 10.0
 CLOSE_LINGER_S = 1.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+T = TypeVar("T")
 
 
 @dataclass
@@ -53,7 +58,8 @@ class _Connection:
 class ClientGuard:
     """See the module docstring."""
 
-    def __init__(self, *, client_timeout_s: float, max_connections_per_client: int) -> None:
+    def __init__(self, *, client_timeout_s: float, max_connections_per_client: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if not client_timeout_s > 0 or max_connections_per_client < 1:
             raise ValueError("client_timeout_s must be > 0 and max_connections_per_client >= 1")
         self.client_timeout_s = client_timeout_s
@@ -62,8 +68,10 @@ class ClientGuard:
         self.num_cut_off = 0
         self.num_refused = 0
         self._connections: dict[asyncio.BaseTransport, _Connection] = {}
+        self._clock = clock
         self._last_logged: dict[tuple[str, str], float] = {}
         self._num_unlogged: Counter[tuple[str, str]] = Counter()
+        self._last_swept = clock()
 
     def wrap(self, inner: asyncio.Protocol) -> asyncio.Protocol:
         return _Guarded(self, inner)
@@ -92,19 +100,33 @@ class ClientGuard:
     async def read_body(self, request: web.Request) -> bytes:
         """The request body, or a 408 (the connection closes) once the request's deadline has passed."""
         connection = self._connections.get(request.transport) if request.transport is not None else None
-        if connection is None or connection.request_started_at is None:
-            return await request.read()
-        deadline = connection.request_started_at + self.client_timeout_s
+        started_at = connection.request_started_at if connection is not None else None
+        if started_at is None:  # a request the guard's protocol did not clock: its clock starts now
+            started_at = asyncio.get_running_loop().time()
         try:
-            async with asyncio.timeout_at(deadline):
+            async with asyncio.timeout_at(started_at + self.client_timeout_s):
                 return await request.read()
         except TimeoutError:
+            raise self._cut_off(connection, "did not arrive within") from None
+
+    async def read_step(self, request: web.Request, step: Awaitable[T]) -> T:
+        """One step of a body read as a stream; a 408 (the connection closes) when it takes over client_timeout_s."""
+        try:
+            async with asyncio.timeout(self.client_timeout_s):
+                return await step
+        except TimeoutError:
+            connection = self._connections.get(request.transport) if request.transport is not None else None
+            raise self._cut_off(connection, "made no progress for") from None
+
+    def _cut_off(self, connection: _Connection | None, how: str) -> ApiError:
+        address = connection.address if connection is not None else "a client"
+        if connection is not None:
             connection.is_cut_off = True
-            self.num_cut_off += 1
-            self._log(connection.address, "body", "conductor: cut off %s: its request body did not arrive within "
-                      "conductor.client_timeout_s (%.1f s)", connection.address, self.client_timeout_s)
-            raise ApiError(408, f"The request body did not arrive within {self.client_timeout_s:g} s; send it "
-                           "faster.", code="request_timeout") from None
+        self.num_cut_off += 1
+        self._log(address, "body", "conductor: cut off %s: its request body %s conductor.client_timeout_s (%.1f s)",
+                  address, how, self.client_timeout_s)
+        return ApiError(408, f"The request body {how} {self.client_timeout_s:g} s; send it faster.",
+                        code="request_timeout")
 
     # ---- the connection's side ----------------------------------------------------------------------------
     def _admit(self, connection: _Connection, transport: asyncio.BaseTransport) -> bool:
@@ -148,7 +170,8 @@ class ClientGuard:
         connection.protocol.abort()
 
     def _log(self, address: str, reason: str, message: str, *args: Any) -> None:
-        now, key = time.monotonic(), (address, reason)
+        now, key = self._clock(), (address, reason)
+        self._forget_quiet_addresses(now)
         if now - self._last_logged.get(key, -LOG_INTERVAL_S) < LOG_INTERVAL_S:
             self._num_unlogged[key] += 1
             return
@@ -156,6 +179,18 @@ class ClientGuard:
         unlogged = self._num_unlogged.pop(key, 0)
         suffix = f" ({unlogged} more like it in the last {LOG_INTERVAL_S:g} s)" if unlogged else ""
         logger.warning(message + suffix, *args)
+
+    def _forget_quiet_addresses(self, now: float) -> None:
+        """Once per LOG_INTERVAL_S: drop addresses logged longer ago than that, reporting what they left unlogged."""
+        if now - self._last_swept < LOG_INTERVAL_S:
+            return
+        self._last_swept = now
+        for key in [key for key, logged_at in self._last_logged.items() if now - logged_at >= LOG_INTERVAL_S]:
+            del self._last_logged[key]
+            num_unlogged = self._num_unlogged.pop(key, 0)
+            if num_unlogged:
+                logger.warning("conductor: %d more cut-offs or refusals (%s) of %s were not logged", num_unlogged,
+                               key[1], key[0])
 
 
 class _Guarded(asyncio.Protocol):

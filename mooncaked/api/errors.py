@@ -74,6 +74,16 @@ def unauthorized() -> ApiError:
     )
 
 
+def text_too_long(num_chars: int, max_chars: int, max_model_len: int, param: str) -> ApiError:
+    """413 for text so long that no tokenization of it fits the model's context (refused before tokenizing)."""
+    return ApiError(
+        413,
+        f"The {param} has {num_chars} characters: far more than this model's maximum context length of "
+        f"{max_model_len} tokens can hold (at most {max_chars} characters); shorten it.",
+        param=param, code="context_length_exceeded",
+    )
+
+
 def context_too_long(num_prompt_tokens: int, max_model_len: int) -> ApiError:
     """413 for a prompt that leaves no room in the model's context."""
     return ApiError(

@@ -35,12 +35,12 @@ def check_text(text: str, param: str) -> str:
     return text
 
 
-def read_bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
+def read_bool(body: Mapping[str, Any], name: str, default: bool, param: str | None = None) -> bool:
     value = body.get(name)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise invalid_field(name, f"expected true or false, got {json_type(value)}")
+        raise invalid_field(param or name, f"expected true or false, got {json_type(value)}")
     return value
 
 
@@ -62,17 +62,22 @@ def read_int(
 
 
 def read_float(
-    body: Mapping[str, Any], name: str, default: float, *, lo: float, hi: float, is_lo_open: bool = False
+    body: Mapping[str, Any], name: str, default: float, *, lo: float, hi: float, is_lo_open: bool = False,
+    param: str | None = None,
 ) -> float:
     value = body.get(name)
+    field = param or name
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise invalid_field(name, f"expected a number, got {json_type(value)}")
-    number = float(value)
+        raise invalid_field(field, f"expected a number, got {json_type(value)}")
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond a float's range
+        raise invalid_field(field, f"must be {'>' if is_lo_open else '>='} {lo} and <= {hi}") from None
     if number != number or (number <= lo if is_lo_open else number < lo) or number > hi:
         bound = f"> {lo}" if is_lo_open else f">= {lo}"
-        raise invalid_field(name, f"must be {bound} and <= {hi}, got {value}")
+        raise invalid_field(field, f"must be {bound} and <= {hi}, got {value}")
     return number
 
 
@@ -90,6 +95,42 @@ def read_stop(body: Mapping[str, Any], max_stop: int) -> tuple[str, ...]:
             raise invalid_field("stop", "every stop sequence must be a non-empty string")
         check_text(item, "stop")
     return tuple(items)
+
+
+def read_int_list(body: Mapping[str, Any], name: str, max_items: int) -> tuple[int, ...]:
+    """A list of at most `max_items` non-negative integers (token ids); () when absent."""
+    value = body.get(name)
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise invalid_field(name, f"expected a list of token ids, got {json_type(value)}")
+    if len(value) > max_items:
+        raise invalid_field(name, f"at most {max_items} token ids, got {len(value)}")
+    for item in value:
+        if not is_int(item) or item < 0:
+            raise invalid_field(name, f"token ids must be non-negative integers, got {item!r}")
+    return tuple(value)
+
+
+def read_logit_bias(body: Mapping[str, Any], max_entries: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias`: an object from token ids (decimal strings) to biases in [-100, 100]."""
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise invalid_field("logit_bias", f"expected an object of token id -> bias, got {json_type(value)}")
+    if len(value) > max_entries:
+        raise invalid_field("logit_bias", f"at most {max_entries} entries, got {len(value)}")
+    pairs = []
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit()) or len(key) > 12:
+            raise invalid_field("logit_bias", f"keys must be token ids as decimal strings, got {key!r}")
+        if bias is None:
+            raise invalid_field("logit_bias", f"the bias of token {key} is null; give a number in [-100, 100]")
+        pairs.append((int(key), read_float(value, key, 0.0, lo=-100.0, hi=100.0, param="logit_bias")))
+    if len({t for t, _ in pairs}) != len(pairs):
+        raise invalid_field("logit_bias", "a token id appears twice (e.g. \"7\" and \"07\")")
+    return tuple(pairs)
 
 
 def read_token_ids(value: list[Any], param: str) -> tuple[int, ...]:

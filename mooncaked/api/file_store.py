@@ -28,7 +28,9 @@ CHUNK_BYTES = 1 << 16
 
 
 class ChunkReader(Protocol):
-    async def read_chunk(self, size: int = ...) -> bytes: ...
+    async def next_chunk(self, size: int) -> bytes:
+        """The next chunk of at most `size` bytes (b"" at the end), within the body's deadline."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ class FileStore:
         num_bytes = 0
         try:
             with open(part, "wb") as out:
-                while chunk := await reader.read_chunk(CHUNK_BYTES):
+                while chunk := await reader.next_chunk(CHUNK_BYTES):
                     num_bytes += len(chunk)
                     if num_bytes > max_bytes:
                         raise file_too_large(max_bytes)

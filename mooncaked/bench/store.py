@@ -89,7 +89,7 @@ async def _run_all(args: argparse.Namespace, sizes: list[int],
                         run_id += 1
                         spec = ClientSpec(path, 0, run_id, args.num_objects // num_clients, size,
                                           max(1, args.batch_bytes // size), args.depth,
-                                          f"tcp://127.0.0.1:{port}", redis_port)
+                                          f"tcp://127.0.0.1:{port}", redis_port, f"{pool_dir}/pool")
                         results[size][f"{path}/{num_clients}"] = await _run_clients(spec, num_clients)
                         if path == "redis":
                             _redis_flush(redis_port)

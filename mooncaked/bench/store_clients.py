@@ -38,6 +38,7 @@ class ClientSpec:
     depth: int
     store_address: str
     redis_port: int
+    pool_path: str = ""  # the store's pool file, for same-host clients to map
 
 
 def with_index(spec: ClientSpec, index: int) -> ClientSpec:
@@ -82,7 +83,8 @@ async def _store_client(spec: ClientSpec, barrier: Barrier) -> dict[str, Any]:
     if engine is not None:
         await engine.start()
     client = await StoreClient.connect(rpc, host="127.0.0.2" if is_network else "127.0.0.1", engine=engine,
-                                       is_shm_allowed=not is_network, timeout_s=PHASE_TIMEOUT_S)
+                                       pool_path=spec.pool_path or None, is_shm_allowed=not is_network,
+                                       timeout_s=PHASE_TIMEOUT_S)
     region_bytes = spec.batch_objects * spec.object_bytes
     staging = client.register_staging("bench-staging", np.random.default_rng(spec.client_index).integers(
         0, 256, size=spec.depth * region_bytes, dtype=np.uint8))  # [depth, batch_objects, object_bytes]

@@ -1,7 +1,10 @@
 """A small etcd v3 client over etcd's own JSON gateway (the grpc-gateway every etcd >= 3.4 serves), on aiohttp.
 
-1. `EtcdClient(endpoints, call_timeout_s)` opens one aiohttp session; every call is a POST of JSON to
-   `/v3/...` with its own deadline, tried on each endpoint in turn (the last one that answered first).
+1. `EtcdClient(endpoints, call_timeout_s, ssl_context=..., auth=...)` opens one aiohttp session; every call is a
+   POST of JSON to `/v3/...` with its own deadline, tried on each endpoint in turn (the last one that answered
+   first). https:// endpoints are verified with `ssl_context` (its CA, and a client certificate when etcd asks
+   for one). With `auth` (etcd's user authentication) the client gets a token (`/v3/auth/authenticate`) before
+   its first call and sends it with every call and watch; a token etcd no longer accepts is got again once.
 2. Keys and values are bytes on our side and base64 on the wire; int64 fields arrive as decimal strings.
 3. `watch_prefix()` is one streaming POST: each line of the response is one `{"result": WatchResponse}`.
    An idle stream ends after `idle_s` (aiohttp's read timeout) and the caller reopens it from the revision it
@@ -18,8 +21,9 @@ import asyncio
 import base64
 import json
 import logging
+import ssl
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import aiohttp
@@ -58,6 +62,17 @@ class WatchEvent:
     kv: KeyValue
 
 
+@dataclass(frozen=True)
+class EtcdAuth:
+    """etcd user credentials (`password` is never shown)."""
+
+    username: str
+    password: str = field(repr=False)
+
+
+_UNAUTHENTICATED = 16  # gRPC status of a missing, wrong or expired token
+
+
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
@@ -81,18 +96,34 @@ def _kv(data: dict[str, Any]) -> KeyValue:
 class EtcdClient:
     """Owns one aiohttp session to the endpoints of one etcd cluster."""
 
-    def __init__(self, endpoints: Sequence[str], call_timeout_s: float) -> None:
+    def __init__(self, endpoints: Sequence[str], call_timeout_s: float, *, ssl_context: ssl.SSLContext | None = None,
+                 auth: EtcdAuth | None = None) -> None:
         if not endpoints:
             raise ValueError("EtcdClient needs at least one endpoint")
         self.endpoints = [e.rstrip("/") for e in endpoints]
         self.call_timeout_s = call_timeout_s
+        self._ssl_context = ssl_context
+        self._auth = auth
+        self._token = ""  # etcd's token for `auth`, "" until authenticated
         self._current = 0  # the endpoint that answered last
         self._session: aiohttp.ClientSession | None = None
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=16))
+            connector = aiohttp.TCPConnector(limit=16, ssl=self._ssl_context if self._ssl_context else True)
+            self._session = aiohttp.ClientSession(connector=connector)
         return self._session
+
+    async def _headers(self) -> dict[str, str]:
+        if self._auth is None:
+            return {}
+        if not self._token:
+            reply = await self._post("/v3/auth/authenticate",
+                                     {"name": self._auth.username, "password": self._auth.password}, None, {})
+            self._token = str(reply.get("token", ""))
+            if not self._token:
+                raise EtcdError(f"etcd authenticated {self._auth.username!r} without a token", _UNAUTHENTICATED)
+        return {"Authorization": self._token}
 
     async def close(self) -> None:
         session, self._session = self._session, None
@@ -100,13 +131,25 @@ class EtcdClient:
             await session.close()
 
     async def call(self, path: str, body: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
-        """POST `body` to `path` on each endpoint in turn; the decoded reply, EtcdError or EtcdUnavailable."""
+        """POST `body` to `path` on each endpoint in turn; the decoded reply, EtcdError or EtcdUnavailable. With
+        `auth`, a token etcd refuses is got again once."""
+        try:
+            return await self._post(path, body, timeout_s, await self._headers())
+        except EtcdError as exc:
+            if self._auth is None or exc.code != _UNAUTHENTICATED or not self._token:
+                raise
+            self._token = ""
+            return await self._post(path, body, timeout_s, await self._headers())
+
+    async def _post(self, path: str, body: dict[str, Any], timeout_s: float | None,
+                    headers: dict[str, str]) -> dict[str, Any]:
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.call_timeout_s)
         failures: list[str] = []
         for attempt in range(len(self.endpoints)):
             index = (self._current + attempt) % len(self.endpoints)
             try:
-                async with self._http().post(self.endpoints[index] + path, json=body, timeout=timeout) as response:
+                async with self._http().post(self.endpoints[index] + path, json=body, timeout=timeout,
+                                             headers=headers) as response:
                     reply = await response.json(content_type=None)
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
                 failures.append(f"{self.endpoints[index]}: {type(exc).__name__} {exc}".rstrip())
@@ -165,8 +208,10 @@ class EtcdClient:
                                    "start_revision": str(start_revision)}}
         timeout = aiohttp.ClientTimeout(total=None, connect=self.call_timeout_s, sock_read=idle_s)
         endpoint = self.endpoints[self._current]
+        headers = await self._headers()
         try:
-            async with self._http().post(endpoint + "/v3/watch", json=body, timeout=timeout) as response:
+            async with self._http().post(endpoint + "/v3/watch", json=body, timeout=timeout,
+                                         headers=headers) as response:
                 async for line in response.content:
                     events = _watch_events(json.loads(line), start_revision) if line.strip() else []
                     if events:  # the first reply (created) and progress replies carry none
@@ -176,6 +221,10 @@ class EtcdClient:
         except (aiohttp.ClientError, ValueError) as exc:
             self._current = (self._current + 1) % len(self.endpoints)
             raise EtcdUnavailable(f"etcd watch on {endpoint} broke: {type(exc).__name__} {exc}".rstrip()) from None
+        except EtcdError as exc:
+            if exc.code == _UNAUTHENTICATED:
+                self._token = ""  # the next call gets a fresh one
+            raise
 
 
 def _checked(reply: Any, path: str) -> dict[str, Any]:

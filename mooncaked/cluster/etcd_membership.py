@@ -9,10 +9,15 @@ Keys, under `<cluster.etcd.prefix>/<cluster.id>/`:
 2. A session: grant a lease (or keep the one still alive), put this instance's record and candidacy, list the
    prefix (the table becomes exactly that), then keep the lease alive every TTL/3 while one watch stream,
    reopened from the last revision it saw, applies each change to the table.
-3. Any etcd failure ends the session: the table keeps the membership last seen (nothing is removed while etcd
-   cannot say), `status()` and the log say etcd is unreachable, and a new session starts after a backoff that
-   doubles from `min_backoff_s` to `max_backoff_s`. A lease found expired is granted anew and everything put
-   again; the next listing removes whoever left meanwhile.
+3. Any failure ends the session, and this instance steps down at once: it is no longer connected, so it leads
+   nothing (`leader()` is None) until a new session has registered again. The table keeps the membership last
+   seen (nothing is removed while etcd cannot say), `status()` and the log say etcd is unreachable, and a new
+   session starts after a backoff that doubles from `min_backoff_s` to `max_backoff_s`. After an etcd error the
+   new session keeps the lease if etcd still holds it (its keys and candidacy are then still in place); a lease
+   found expired is granted anew and everything put again. After any other exception (a reply we misread, a
+   listener's bug) nothing about the lease can be trusted: it is revoked and a fresh one granted, so the
+   candidacy goes to the back of the election. The next listing removes whoever left meanwhile. The session
+   task itself is supervised (runtime/supervised.py).
 4. `stop()` cancels the session and revokes the lease, so this instance's keys disappear at once.
 
 Owner of the etcd client, the lease, this instance's record, the member table and the candidate table.
@@ -27,9 +32,11 @@ import logging
 import random
 import time
 
+from mooncaked.cluster.etcd_access import etcd_auth, etcd_ssl_context
 from mooncaked.cluster.etcd_client import EtcdClient, EtcdError, KeyValue, WatchEvent
 from mooncaked.cluster.membership import Listener, MemberRecord, MemberState, MembershipStatus, MemberTable
 from mooncaked.config import Config, InstanceConfig
+from mooncaked.runtime.supervised import start_supervised, stop_task
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +47,8 @@ class EtcdMembership:
     def __init__(self, config: Config, me: InstanceConfig | None) -> None:
         self.etcd_config = config.cluster.etcd
         self.me = me
-        self.client = EtcdClient(self.etcd_config.endpoints, self.etcd_config.call_timeout_s)
+        self.client = EtcdClient(self.etcd_config.endpoints, self.etcd_config.call_timeout_s,
+                                 ssl_context=etcd_ssl_context(self.etcd_config), auth=etcd_auth(self.etcd_config))
         base = f"{self.etcd_config.prefix.rstrip('/')}/{config.cluster.id}/"
         self.instances_prefix = (base + "instances/").encode()
         self.election_prefix = (base + "election/").encode()
@@ -66,7 +74,7 @@ class EtcdMembership:
         self.table.add_listener(listener)
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="etcd-membership")
+        self._task = start_supervised("etcd-membership", self._run)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._synced.wait(), self.etcd_config.startup_timeout_s)
         if not self._synced.is_set():
@@ -74,10 +82,8 @@ class EtcdMembership:
                            self.etcd_config.startup_timeout_s, self.last_error or "no answer")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        task, self._task = self._task, None
+        await stop_task(task)
         if self.lease_id:
             try:
                 await self.client.revoke(self.lease_id)
@@ -141,10 +147,25 @@ class EtcdMembership:
                 await self._session()
             except EtcdError as exc:
                 self._disconnected(str(exc))
+            except Exception as exc:
+                logger.exception("etcd session failed unexpectedly; stepping down and registering anew on a fresh "
+                                 "lease")
+                self._disconnected(f"{type(exc).__name__}: {exc}")
+                await self._drop_lease()
             if time.monotonic() - started > self.etcd_config.max_backoff_s:
                 backoff_s = self.etcd_config.min_backoff_s  # it had been working: start the backoff anew
             await asyncio.sleep(backoff_s * random.uniform(0.8, 1.2))
             backoff_s = min(backoff_s * 2, self.etcd_config.max_backoff_s)
+
+    async def _drop_lease(self) -> None:
+        """Forget the lease (the next session grants a fresh one); revoke it so that its keys go at once."""
+        lease_id, self.lease_id = self.lease_id, 0
+        if not lease_id:
+            return
+        try:
+            await self.client.revoke(lease_id)
+        except EtcdError as exc:
+            logger.warning("etcd: could not revoke lease %x (its keys expire with it): %s", lease_id, exc)
 
     def _disconnected(self, reason: str) -> None:
         if self.is_connected or not self.last_error:

@@ -44,6 +44,11 @@ class EtcdSection:
     watch_renew_s: float = bounded(30.0, min=0.1)
     drain_notice_s: float = bounded(0.5, min=0.0)
     startup_timeout_s: float = bounded(5.0, min=0.0)
+    ca_file: Optional[str] = None  # https endpoints: the CA that signed etcd's certificate (None: the system's)
+    cert_file: Optional[str] = None  # a client certificate for etcd's --client-cert-auth (with key_file)
+    key_file: Optional[str] = None
+    username: Optional[str] = None  # etcd's authentication (with password_file)
+    password_file: Optional[str] = None  # read once at start, never logged
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,7 @@ class TransferSection:
     tcp_frame_bytes: int = bounded(16 << 20, min=4096)
     tcp_send_buffer_bytes: int = bounded(256 << 10, min=0)
     io_timeout_s: float = bounded(10.0, min=0.01)
+    idle_timeout_s: float = bounded(300.0, min=1.0, max=86_400.0)
     timeout_s: float = bounded(30.0, min=0.01)
     sysfs_root: str = "/sys"
     topology: Optional[dict[str, Any]] = None
@@ -168,6 +169,7 @@ class WorkerSection:
     inline_prefill_max_tokens: int = bounded(256, min=0)
     kv_load_timeout_s: float = bounded(60.0, min=0.01)
     abort_grace_s: float = bounded(35.0, min=0.0)
+    page_wait_s: float = bounded(10.0, min=0.0, max=3600.0)
     max_layers_in_flight: int = bounded(4, min=1, max=1024)
     tensor_parallel_size: Optional[int] = bounded(None, min=1, max=64,
                                                   doc="this instance's ranks (null: model.tensor_parallel_size)")
@@ -194,6 +196,11 @@ class PdControllerSection:
     num_confirm: int = bounded(3, min=1, max=1000)
     dwell_s: float = bounded(10.0, min=0.0)
     switch_timeout_s: float = bounded(30.0, min=0.1)
+    horizon_s: float = bounded(60.0, min=0.1)
+    gain_margin: float = bounded(2.0, min=0.0)
+    switch_cost_s: float = bounded(5.0, min=0.0)
+    dwell_per_cost: float = bounded(3.0, min=0.0)
+    reversal_factor: float = bounded(2.0, min=1.0)
 
 
 class ConfigError(StartupError):

@@ -21,6 +21,9 @@ def validate(config: Config) -> list[ConfigIssue]:
         issues.append(ConfigIssue("store.low_watermark", "must not exceed store.high_watermark"))
     if config.conductor.default_cache_ttl_s > config.conductor.max_cache_ttl_s:
         issues.append(ConfigIssue("conductor.default_cache_ttl_s", "must not exceed conductor.max_cache_ttl_s"))
+    if config.transfer.io_timeout_s >= config.transfer.idle_timeout_s:
+        issues.append(ConfigIssue("transfer.idle_timeout_s", "must exceed transfer.io_timeout_s (an idle data "
+                                  "connection is closed after it; a frame's each send or receive has io_timeout_s)"))
     for transport in config.transfer.transports:
         if transport not in ("local", "tcp", "rdma"):
             issues.append(ConfigIssue("transfer.transports", f"unknown transport {transport!r}"
@@ -83,6 +86,15 @@ def _validate_membership(config: Config) -> list[ConfigIssue]:
     etcd = config.cluster.etcd
     if etcd.min_backoff_s > etcd.max_backoff_s:
         issues.append(ConfigIssue("cluster.etcd.min_backoff_s", "must not exceed cluster.etcd.max_backoff_s"))
+    if (etcd.cert_file is None) != (etcd.key_file is None):
+        issues.append(ConfigIssue("cluster.etcd.cert_file", "set cert_file and key_file together (a client "
+                                  "certificate and its key), or neither"))
+    if (etcd.username is None) != (etcd.password_file is None):
+        issues.append(ConfigIssue("cluster.etcd.username", "set username and password_file together, or neither"))
+    is_tls = any(endpoint.startswith("https://") for endpoint in etcd.endpoints)
+    for key in ("ca_file", "cert_file"):
+        if getattr(etcd, key) is not None and not is_tls:
+            issues.append(ConfigIssue(f"cluster.etcd.{key}", "needs https:// endpoints in cluster.etcd.endpoints"))
     if config.pd_controller.scale_in_load >= config.pd_controller.scale_out_load:
         issues.append(ConfigIssue("pd_controller.scale_in_load", "must be below pd_controller.scale_out_load"))
     if config.cluster.membership != "etcd":

@@ -22,7 +22,7 @@ block_size, kv_heads, head_dim].
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -79,6 +79,20 @@ class PageAllocator:
             self._free.append(page)
         if pages and not held:
             del self._pages_of[owner]
+
+    def transfer(self, from_owner: str, to_owner: str, num_pages: int | None = None) -> list[int]:
+        """Up to `num_pages` (None: all) of the pages `from_owner` holds now belong to `to_owner` (a reservation's
+        pages to its request's sequences)."""
+        held = self._pages_of.get(from_owner, {})
+        pages = list(held)[:num_pages]
+        for page in pages:
+            del held[page]
+            self._owner_of[page] = to_owner
+        if not held:
+            self._pages_of.pop(from_owner, None)
+        if pages:
+            self._pages_of.setdefault(to_owner, {}).update(dict.fromkeys(pages))
+        return pages
 
     def free_owner(self, owner: str) -> int:
         """Free every page `owner` holds (cleanup after an abort); returns how many."""
@@ -162,6 +176,14 @@ class KVPages:
         copied to and from. One instance's own pages; every rank's for a tensor-parallel instance
         (engine/tp_pages.py)."""
         return [(self, 0, True)]
+
+    def copy_pages(self, source_ids: Sequence[int], target_ids: Sequence[int]) -> None:
+        """Copy whole pages (every layer's K and V) onto others, in every part (each rank's, copy_parts): a
+        parallel sampling's sequences start from copies of the prompt's pages."""
+        for pages, _, _ in self.copy_parts():
+            source = torch.tensor(list(source_ids), dtype=torch.long, device=pages.device)
+            target = torch.tensor(list(target_ids), dtype=torch.long, device=pages.device)
+            pages.buffer[:, :, target] = pages.buffer[:, :, source]
 
     @property
     def page_nbytes(self) -> int:

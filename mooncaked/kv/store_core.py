@@ -8,10 +8,12 @@
    when their lease runs out (a writer or reader that died), and unpins expired pins.
 4. Eviction (`evict_to_watermark`, and on allocation pressure; kv/dram_eviction.py) follows the policy of
    `kv/eviction.py`, spare copies first (`mark_spare`: the conductor says another store keeps the block;
-   `kv/replica_eviction.py`), and never touches a leased or uncommitted block; a pinned block only moves to SSD.
-   Each eviction is queued for the service (`drain_evictions`), which copies the bytes out to SSD before the
-   space can be handed out again.
-5. `lookup`, `pin`/`unpin`, `dump`, `stats`; the SSD tier reports what it dropped with `ssd_dropped`.
+   `kv/replica_eviction.py`), and never touches a leased or uncommitted block; a pinned block only moves to an
+   SSD tier that takes it, so it never leaves every tier. With an SSD tier the core is built with its `spill`,
+   which takes an evicted block's bytes out of the pool before the space can be handed out again.
+5. `lookup`, `pin`/`unpin`, `dump`, `stats`; the SSD tier reports what it wrote durably with `ssd_written` (only
+   then does a block count as on SSD) and what it dropped (its own eviction, a failed write, a corrupt file) with
+   `ssd_dropped`: a block no tier holds any more is removed with a `BlockRemoved` event.
 6. `dram_blocks_by_recency()`: what a store stopping for a warm restart writes to SSD, most recently used first.
 """
 
@@ -34,6 +36,7 @@ from mooncaked.kv.store_types import (
     Grant,
     Location,
     PendingWrite,
+    Spill,
     StoreConfig,
     StoreFull,
     UnknownHandle,
@@ -44,15 +47,15 @@ from mooncaked.kv.tenant_quota import TenantShare, TenantUsage
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TIER_DRAM", "TIER_SSD", "Eviction", "Grant", "Location", "StoreConfig", "StoreCore", "StoreFull",
-           "UnknownHandle", "check_keys"]
+__all__ = ["TIER_DRAM", "TIER_SSD", "Eviction", "Grant", "Location", "Spill", "StoreConfig", "StoreCore",
+           "StoreFull", "UnknownHandle", "check_keys"]
 
 
 class StoreCore:
     """All metadata of one store. Owner: the `StoreService`; the allocator, policy, event log, the bytes per
     tenant and the DRAM evictor (dram_eviction.py) are its own."""
 
-    def __init__(self, config: StoreConfig) -> None:
+    def __init__(self, config: StoreConfig, spill: Spill | None = None) -> None:
         self.config = config
         self.allocator = ExtentAllocator(config.capacity_bytes, config.alignment)
         self.policy = make_spare_first_policy(config.eviction_policy)  # the base order until a copy is marked spare
@@ -60,7 +63,8 @@ class StoreCore:
         self.blocks = BlockTable()
         self._pending: dict[int, PendingWrite] = {}
         self.tenants = TenantUsage()
-        self.dram = DramEvictor(config, self.allocator, self.blocks, self.policy, self.tenants, self._remove_block)
+        self.dram = DramEvictor(config, self.allocator, self.blocks, self.policy, self.tenants, self._remove_block,
+                                spill)
         self._ids = itertools.count(config.first_id)
         self.num_hits = 0
         self.num_misses = 0
@@ -212,23 +216,26 @@ class StoreCore:
         """Evict from the high watermark down to the low one; returns bytes freed."""
         return self.dram.evict_to_watermark(now)
 
-    def drain_evictions(self) -> list[Eviction]:
-        return self.dram.drain()
-
     def ssd_dropped(self, key: bytes) -> None:
         """The SSD tier no longer holds `key` (its own eviction, a failed write or a corrupt file)."""
         block = self.blocks.get(key)
         if block is None or not block.is_on_ssd:
             return
-        block.is_on_ssd = False
+        block.is_on_ssd = block.is_ssd_durable = False
         self.tenants.add(block.tenant, TIER_SSD, -block.num_bytes)
         if block.dram_offset is None:
             self._remove_block(key)
 
+    def ssd_written(self, key: bytes) -> None:
+        """The SSD tier's copy of `key` is on disk (written and fsync'd)."""
+        block = self.blocks.get(key)
+        if block is not None and block.is_on_ssd:
+            block.is_ssd_durable = True
+
     def ssd_loaded(self, key: bytes, num_bytes: int) -> None:
         """A block found on SSD at start-up (after a restart) becomes present."""
         if key not in self.blocks:
-            self.blocks.add(key, BlockRecord(num_bytes, None, True, 0))
+            self.blocks.add(key, BlockRecord(num_bytes, None, True, 0, is_ssd_durable=True))
             self.tenants.add("", TIER_SSD, num_bytes)
             self.events.append(BLOCK_STORED, key)
 
@@ -255,7 +262,8 @@ class StoreCore:
             "used_bytes": self.allocator.num_used_bytes,
             "num_blocks": len(self.blocks),
             "num_dram_blocks": num_dram,
-            "num_ssd_blocks": sum(1 for b in self.blocks.records() if b.is_on_ssd),
+            "num_ssd_blocks": sum(1 for b in self.blocks.records() if b.is_ssd_durable),
+            "num_ssd_writing": sum(1 for b in self.blocks.records() if b.is_on_ssd and not b.is_ssd_durable),
             "num_pending": len(self._pending),
             "num_read_leases": self.blocks.num_leases,
             "num_pinned": sum(1 for b in self.blocks.records() if b.pinned_until),

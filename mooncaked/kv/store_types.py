@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from mooncaked.kv.keys import KEY_BYTES
@@ -39,12 +39,14 @@ class Location:
 
 @dataclass(frozen=True)
 class Eviction:
-    """A block left DRAM: copy pool[offset:offset+num_bytes] out now if `is_to_ssd`, before any new allocation."""
+    """A block leaving DRAM for SSD: its bytes are pool[offset:offset+num_bytes] until the eviction returns."""
 
     key: bytes
     offset: int
     num_bytes: int
-    is_to_ssd: bool
+
+
+Spill = Callable[[Eviction], bool]  # takes a block's bytes for SSD now; False: the SSD tier cannot take it
 
 
 @dataclass
@@ -59,7 +61,8 @@ class PendingWrite:
 
 @dataclass
 class BlockRecord:
-    """A committed block: in DRAM at `dram_offset`, on SSD, or both (state of the StoreCore)."""
+    """A committed block: in DRAM at `dram_offset`, on SSD, or both (state of the StoreCore). A block whose SSD copy
+    is still queued for writing is served from the SSD tier's memory until it is written (or dropped)."""
 
     num_bytes: int
     dram_offset: int | None
@@ -69,6 +72,7 @@ class BlockRecord:
     pinned_until: float = 0.0
     last_used: float = 0.0  # `now` of its commit, promotion, last lookup or read lease
     tenant: str = ""  # the tenant whose write made it ("" for none: shared, or found on SSD at start)
+    is_ssd_durable: bool = False  # its SSD copy (is_on_ssd: queued or written) is written and fsync'd
 
 
 @dataclass

@@ -3,7 +3,9 @@
 1. `GenerationState(tokenizer, params, prompt_ids, eos_token_ids)` is created per request on the instance
    that samples its tokens.
 2. `append(token_id)` counts the token, detokenizes it, checks EOS / stop token ids / stop strings /
-   max_tokens, and returns the text that is now safe to stream plus a finish reason when done.
+   max_tokens, and returns the text that is now safe to stream plus a finish reason when done. Before
+   `min_tokens` output tokens nothing but max_tokens ends it (vLLM's rule; the sampler holds EOS and stop
+   tokens back meanwhile).
 3. Stop strings are matched on the decoded text, so a stop string spanning several tokens is found; text
    that could still turn into a stop string is held back until it cannot.
 """
@@ -14,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mooncaked.model.detokenizer import IncrementalDetokenizer
-from mooncaked.model.sampler import SamplingParams
+from mooncaked.model.sampling_params import SamplingParams
 from mooncaked.model.tokenizer import TextTokenizer
 
 FINISH_STOP = "stop"
@@ -27,18 +29,18 @@ class StopStringMatcher:
     def __init__(self, stop: Sequence[str], include_stop_str: bool = False) -> None:
         self.stop = tuple(stop)
         self.include_stop_str = include_stop_str
-        self.max_stop_len = max((len(s) for s in self.stop), default=0)
         self.text = ""
         self.num_released = 0
         self.matched: str | None = None
 
-    def feed(self, delta: str) -> str:
-        """Append decoded text; return the newly releasable text (up to a stop string if one matched)."""
+    def feed(self, delta: str, can_match: bool = True) -> str:
+        """Append decoded text; return the newly releasable text (up to a stop string if one matched). A stop
+        string matches only when it ends in `delta` and `can_match` (min_tokens reached)."""
         if self.matched is not None:
             return ""
-        search_from = max(0, len(self.text) - self.max_stop_len + 1)
+        num_old = len(self.text)
         self.text += delta
-        match = self._earliest_match(search_from)
+        match = self._earliest_match(num_old) if can_match else None
         if match is not None:
             index, stop = match
             self.matched = stop
@@ -50,10 +52,11 @@ class StopStringMatcher:
         """At the end of generation: everything still held."""
         return self._release(len(self.text))
 
-    def _earliest_match(self, search_from: int) -> tuple[int, str] | None:
+    def _earliest_match(self, num_old: int) -> tuple[int, str] | None:
+        """The earliest stop string ending after the first `num_old` characters."""
         best: tuple[int, str] | None = None
         for stop in self.stop:
-            index = self.text.find(stop, search_from)
+            index = self.text.find(stop, max(0, num_old - len(stop) + 1))
             if index >= 0 and (best is None or index < best[0]):
                 best = (index, stop)
         return best
@@ -87,7 +90,7 @@ class GenerationState:
     def __init__(self, tokenizer: TextTokenizer, params: SamplingParams, prompt_ids: Sequence[int] = (),
                  eos_token_ids: Sequence[int] = ()) -> None:
         self.params = params
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
         self.matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         self.stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(eos_token_ids))
@@ -103,9 +106,10 @@ class GenerationState:
         if self.finish_reason is not None:
             raise RuntimeError("append() after the generation finished")
         self.output_ids.append(token_id)
-        if token_id in self.stop_ids:
+        can_stop = len(self.output_ids) >= self.params.min_tokens  # vLLM: no stop before min_tokens
+        if token_id in self.stop_ids and can_stop:
             return self._finish(FINISH_STOP, self.matcher.feed(self.detokenizer.flush()))
-        text = self.matcher.feed(self.detokenizer.add(token_id))
+        text = self.matcher.feed(self.detokenizer.add(token_id), can_match=can_stop)
         if self.matcher.matched is not None:
             return self._finish(FINISH_STOP, text)
         if len(self.output_ids) >= self.params.max_tokens:

@@ -3,7 +3,9 @@
 1. Build: `TextTokenizer.from_hf_dir` (tokenizer.json + tokenizer_config.json), `from_gguf_metadata`
    (rebuilt from the GGUF vocabulary by model.tokenizer_gguf), or `byte_level_test_tokenizer` (random test
    models).
-2. `encode(text, add_special_tokens)`: special tokens written in the text (`<|im_start|>`) stay whole.
+2. `encode(text, add_special_tokens)`: special tokens written in the text (`<|im_start|>`) stay whole. It
+   releases the GIL while it encodes, so a long text encoded on another thread leaves the event loop free.
+   `max_token_chars` (the longest token of the vocabulary) bounds the text a number of tokens can hold.
 3. `decode(ids)`; streaming goes through `detokenizer.IncrementalDetokenizer`.
 """
 
@@ -30,13 +32,17 @@ class TextTokenizer:
         self.bos_token = bos_token if bos_token is not None else self._token_or_none(bos_token_id)
         eos_default = self.eos_token_ids[0] if self.eos_token_ids else None
         self.eos_token = eos_token if eos_token is not None else self._token_or_none(eos_default)
+        # a vocabulary entry is at least as long as the text its token stands for (byte-level: one character
+        # per byte; byte-fallback entries like <0x41>: longer)
+        self.max_token_chars = max((len(token) for token in backend.get_vocab(with_added_tokens=True)), default=1)
 
     @property
     def vocab_size(self) -> int:
         return int(self.backend.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids: list[int] = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, not encode: only it releases the GIL
+        ids: list[int] = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self.prepend_bos and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
                 ids.insert(0, self.bos_token_id)

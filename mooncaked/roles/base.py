@@ -34,7 +34,7 @@ def make_transfer_engine(config: Config, host: str, port: int) -> TransferEngine
         path_cooldown_s=transfer.path_cooldown_s, path_failure_threshold=transfer.path_failure_threshold,
         tcp_frame_bytes=transfer.tcp_frame_bytes, tcp_send_buffer_bytes=transfer.tcp_send_buffer_bytes,
         connect_timeout_s=config.rpc.connect_timeout_s,
-        io_timeout_s=transfer.io_timeout_s, topology=topology, sysfs_root=transfer.sysfs_root,
+        io_timeout_s=transfer.io_timeout_s, idle_timeout_s=transfer.idle_timeout_s, topology=topology, sysfs_root=transfer.sysfs_root,
         max_endpoints=transfer.max_endpoints, cluster_id=config.cluster.id,
         secret=read_secret(config.cluster.secret_file))
 

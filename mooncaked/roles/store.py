@@ -41,6 +41,7 @@ def service_config(config: Config, instance: InstanceConfig, section: StoreSecti
         ssd_dir=ssd_dir,
         ssd_bytes=section.ssd_bytes if ssd_dir else 0,
         max_lease_ms=section.max_lease_ms,
+        max_pin_ms=int(config.conductor.max_cache_ttl_s * 1000),
         max_events=section.max_events_buffered,
         maintenance_interval_s=section.maintenance_interval_s,
         stop_timeout_s=config.runtime.drain_timeout_s,

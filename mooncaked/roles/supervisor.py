@@ -3,7 +3,8 @@
 1. start(): pick this host's instances; start them in dependency order (stores, then prefill/decode, then
    conductors), each a `mooncaked --role R --instance NAME` child with its own NOTIFY_SOCKET, and wait for each
    tier's READY=1 (with a deadline) before starting the next, so peers find each other up.
-2. A monitor task per child watches it exit while we are running:
+2. A monitor task per child (supervised: an unexpected exception, say a failed spawn, is logged and the monitor
+   starts again; runtime/supervised.py) watches it exit while we are running:
    - exit status 2 (EXIT_FATAL: a configuration or load error, named in the child's sd_notify STATUS=) is not
      restarted: the supervisor records it in `fatal_error`, logs it and sets `stop_requested`, so `--role all`
      stops every instance and exits 2 (during start-up, start() raises it at once instead of waiting for ready);
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import signal
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 from mooncaked.config import Config, InstanceConfig
 from mooncaked.runtime.errors import StartupError
 from mooncaked.runtime.lifecycle import EXIT_FATAL
+from mooncaked.runtime.supervised import start_supervised, stop_task
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +110,8 @@ class Supervisor:
             tier_children = [c for c in self.children if c.instance.role in tier]
             for child in tier_children:
                 await self._spawn(child)
-                self._monitors.append(asyncio.create_task(self._monitor(child), name=f"monitor-{child.instance.name}"))
+                self._monitors.append(start_supervised(f"monitor-{child.instance.name}",
+                                                       functools.partial(self._monitor, child), may_return=True))
             await self._wait_ready(tier_children)
 
     async def _wait_ready(self, children: list[Child]) -> None:
@@ -208,10 +212,7 @@ class Supervisor:
             tier_children = [c for c in self.children if c.instance.role in tier]
             await asyncio.gather(*(self._terminate(c, deadline_s) for c in tier_children))
         for task in self._monitors:
-            task.cancel()
-        for task in self._monitors:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await stop_task(task)
         self._close_notify_sockets()
 
     async def _terminate(self, child: Child, deadline_s: float) -> None:

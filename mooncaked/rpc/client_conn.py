@@ -126,6 +126,7 @@ class ClientConnection(FramedProtocol):
         tag = frame[0]
         if (tag == _RESULT and len(frame) == 3) or (tag == _ERROR and len(frame) == 4):
             waiter = self._pending.pop(frame[1], None)
+            self._deadlines.discard(frame[1])
             if type(waiter) is StreamState:
                 waiter.error = error_from_wire(frame[2], frame[3]) if tag == _ERROR else Internal(
                     "result frame for a stream")
@@ -158,6 +159,7 @@ class ClientConnection(FramedProtocol):
         state = self._pending.get(frame[1])
         if type(state) is StreamState:
             del self._pending[frame[1]]
+            self._deadlines.discard(frame[1])
             state.is_ended = True
             state.wake()
 
@@ -211,6 +213,7 @@ class ClientConnection(FramedProtocol):
         try:
             frame = await waiter
         except asyncio.CancelledError:
+            self._deadlines.discard(call_id)
             if self._pending.pop(call_id, None) is not None:
                 self._send_cancel(call_id)
             raise
@@ -242,6 +245,7 @@ class ClientConnection(FramedProtocol):
 
     def finish_stream(self, state: StreamState) -> None:
         """The consumer is done: forget the call, and cancel it on the server if it still runs."""
+        self._deadlines.discard(state.call_id)
         if self._pending.pop(state.call_id, None) is not None:
             self._send_cancel(state.call_id)
 

@@ -167,43 +167,65 @@ class FramedProtocol(asyncio.Protocol):
 class DeadlineWheel:
     """Deadlines of in-flight calls, in buckets of tick_s, served by one loop timer.
 
-    Owned by one connection; keys are its call ids, which only increase, so a key is never reused. Finished
-    calls are not removed (that would cost every call); on_expire must ignore keys no longer in flight.
-    A key therefore stays until its deadline passes: memory is about call rate x timeout x 36 bytes.
-    Expiry fires up to tick_s late.
+    Owned by one connection; keys are its call ids, which only increase, so a key is never reused. A finished
+    call is `discard`ed (a dict pop and a set discard), and a bucket left empty goes with it, so the wheel holds
+    only calls in flight, however long their deadlines (a decode stream's may be hours). The heap of bucket
+    times drops buckets lazily and is rebuilt when most of it is stale. Expiry fires up to tick_s late.
     """
 
     def __init__(self, on_expire: Callable[[int], None], tick_s: float = 0.01) -> None:
         self._on_expire = on_expire
         self._tick_s = tick_s
-        self._buckets: dict[int, list[int]] = {}
-        self._bucket_heap: list[int] = []
+        self._buckets: dict[int, set[int]] = {}
+        self._bucket_of: dict[int, int] = {}  # key -> its bucket
+        self._bucket_heap: list[int] = []  # every live bucket, and buckets emptied since (dropped when met)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_bucket = 0
         self._last_bucket = -1
-        self._last_keys: list[int] = []
+        self._last_keys: set[int] = set()
         self._loop = asyncio.get_running_loop()
         self._time = self._loop.time
 
+    def __len__(self) -> int:
+        return len(self._bucket_of)
+
     def add(self, key: int, timeout_s: float) -> None:
         bucket = int((self._time() + timeout_s) / self._tick_s) + 1
+        self._bucket_of[key] = bucket
         if bucket == self._last_bucket:  # calls with equal timeouts in a burst share a bucket
-            self._last_keys.append(key)
+            self._last_keys.add(key)
             return
         keys = self._buckets.get(bucket)
         if keys is None:
-            keys = self._buckets[bucket] = []
+            keys = self._buckets[bucket] = set()
             heapq.heappush(self._bucket_heap, bucket)
             if self._timer is None or bucket < self._timer_bucket:
                 self._schedule(bucket)
-        keys.append(key)
+        keys.add(key)
         self._last_bucket, self._last_keys = bucket, keys
+
+    def discard(self, key: int) -> None:
+        """`key`'s call finished: forget its deadline (a key not in the wheel is ignored)."""
+        bucket = self._bucket_of.pop(key, None)
+        if bucket is None:
+            return
+        keys = self._buckets[bucket]
+        keys.discard(key)
+        if keys:
+            return
+        del self._buckets[bucket]
+        if bucket == self._last_bucket:
+            self._last_bucket = -1
+        if len(self._bucket_heap) > 2 * len(self._buckets) + 64:
+            self._bucket_heap = list(self._buckets)
+            heapq.heapify(self._bucket_heap)
 
     def close(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         self._buckets.clear()
+        self._bucket_of.clear()
         self._bucket_heap.clear()
         self._last_bucket = -1
 
@@ -219,7 +241,10 @@ class DeadlineWheel:
         expired: list[int] = []
         while self._bucket_heap and self._bucket_heap[0] <= now_bucket:
             bucket = heapq.heappop(self._bucket_heap)
-            expired.extend(self._buckets.pop(bucket))
+            keys = self._buckets.pop(bucket, ())
+            for key in keys:
+                del self._bucket_of[key]
+            expired.extend(keys)
             if bucket == self._last_bucket:
                 self._last_bucket = -1
         if self._bucket_heap:

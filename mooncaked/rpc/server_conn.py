@@ -218,6 +218,8 @@ class ServerConnection(FramedProtocol):
         """Bookkeeping here rather than in the coroutine: a task cancelled before its first step runs no code."""
         self.server.call_tasks.discard(task)
         del self.tasks[ctx.call_id]
+        if self._deadlines is not None:
+            self._deadlines.discard(ctx.call_id)
         if unresumed is not None:
             cancel_unresumed(unresumed)
         if task.cancelled():

@@ -17,7 +17,6 @@ EXIT_FAILED (1) otherwise (a port still held by a previous process, say), which 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import logging
 import signal
@@ -28,6 +27,7 @@ import uvloop
 
 from mooncaked.runtime.errors import StartupError
 from mooncaked.runtime.sdnotify import Notifier
+from mooncaked.runtime.supervised import start_supervised, stop_task
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +59,10 @@ async def serve(role: Role, notifier: Notifier, watchdog_interval_s: float | Non
         await role.start()
     except Exception as exc:
         exit_code = start_failed(role.name, exc, notifier)
-        with contextlib.suppress(Exception):
-            await role.stop()
+        try:
+            await role.stop()  # releases what the failed start had taken
+        except Exception:
+            logger.exception("%s: releasing what its failed start had taken failed too", role.name)
         return exit_code
     notifier.ready()
     logger.info("%s ready", role.name)
@@ -72,10 +74,7 @@ async def serve(role: Role, notifier: Notifier, watchdog_interval_s: float | Non
     try:
         await role.stop()
     finally:
-        if heartbeat is not None:
-            heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await heartbeat
+        await stop_task(heartbeat)
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
     logger.info("%s stopped", role.name)
@@ -116,7 +115,7 @@ def start_failed(name: str, exc: Exception, notifier: Notifier) -> int:
 def _start_heartbeat(notifier: Notifier, interval_s: float | None) -> asyncio.Task[None] | None:
     if not interval_s or not notifier.is_enabled:
         return None
-    return asyncio.create_task(_heartbeat(notifier, interval_s), name="sd-watchdog")
+    return start_supervised("sd-watchdog", lambda: _heartbeat(notifier, interval_s))
 
 
 async def _heartbeat(notifier: Notifier, interval_s: float) -> None:

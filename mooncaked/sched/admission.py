@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from mooncaked.sched.decode_memory import DecodeHold, forecast_refusal
 from mooncaked.sched.predictors import DecodeStepPredictor
 from mooncaked.sched.types import (REASON_DECODE_FULL, REASON_TBT_SLO, REASON_TTFT_SLO, DecodeInstanceView,
                                    PolicyConfig, Rejection)
@@ -79,10 +80,16 @@ def select_decode(
     predictor: DecodeStepPredictor,
     now: float,
     ready_time: float,
+    *,
+    num_pages: int = 0,
+    num_output_tokens: int = 0,
 ) -> DecodeChoice:
     """SelectDecodingInstance: the available instance with the lowest predicted TBT once this request joins.
 
-    Instances with room (batch slots and KV capacity) are preferred; ties go to the earlier view.
+    Instances with room are preferred; ties go to the earlier view. Room is the batch's slots and context now,
+    or, under `early_rejection_predicted` with the request's `num_pages` and the view's pages known, the pages and
+    slots forecast over the request's predicted decode life (sched/decode_memory.py): from `ready_time` for its
+    predicted output (`num_output_tokens` at the predicted step; the uniform t_d when none).
     """
     best: DecodeChoice = DecodeChoice(None, float("inf"), False)
     is_predicted = config.admission == "early_rejection_predicted"
@@ -95,8 +102,13 @@ def select_decode(
             num_running, num_tokens = current_batch(view)
         num_running += 1
         num_tokens += num_context_tokens
-        has_room = num_running <= view.max_num_running and num_tokens <= view.max_context_tokens
         tbt = step_model(view, predictor).predict(num_running, num_tokens)
+        if is_predicted and num_pages and view.num_pages:
+            decode_s = num_output_tokens * tbt if num_output_tokens else config.decode_time_s
+            hold = DecodeHold(num_pages, ready_time, ready_time + decode_s)
+            has_room = not forecast_refusal(hold, view.page_holds, view.num_pages, view.max_num_running)
+        else:
+            has_room = num_running <= view.max_num_running and num_tokens <= view.max_context_tokens
         if (has_room, -tbt) > (best.has_room, -best.predicted_tbt_s):
             best = DecodeChoice(view, tbt, has_room)
     return best

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mooncaked.sched.admission import admission_rejection, select_decode
+from mooncaked.sched.decode_memory import num_pages_for
 from mooncaked.sched.pipeline import PipelinePredictor
 from mooncaked.sched.predictors import Predictors, PrefillTimePredictor, queue_time_s
 from mooncaked.sched.shadow_index import ShadowIndex
@@ -86,9 +87,9 @@ def schedule(
     prefill = choose_prefill(request, candidates, prefix_lengths, policy, now)
     config = policy.config
     ttft = prefill.ttft_s
-    decode = select_decode(
-        request.num_prompt_tokens, decode_views, config, policy.predictors.decode, now, now + ttft
-    )
+    decode = select_decode(request.num_prompt_tokens, decode_views, config, policy.predictors.decode, now,
+                           now + ttft, num_pages=decode_pages(request, config),
+                           num_output_tokens=request.predicted_output_tokens)
     if decode.view is None:
         return Rejection(request.request_id, REASON_NO_DECODE, ttft, 0.0)
     rejection = admission_rejection(request.request_id, config, ttft, decode)
@@ -108,6 +109,11 @@ def schedule(
         predicted_ttft_s=ttft,
         predicted_tbt_s=decode.predicted_tbt_s,
     )
+
+
+def decode_pages(request: RequestInfo, config: PolicyConfig) -> int:
+    """The KV pages a decode instance holds for `request` (0 when its max_tokens is unknown)."""
+    return num_pages_for(request.num_prompt_tokens, request.max_tokens, config.block_size) if request.max_tokens else 0
 
 
 def eligible_prefill(request: RequestInfo, prefill_views: Sequence[PrefillInstanceView],

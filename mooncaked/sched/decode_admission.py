@@ -24,6 +24,8 @@ from mooncaked.sched.predictors import DecodeStepPredictor
 from mooncaked.sched.types import REASON_DECODE_REFUSED
 
 WAITING_POLICIES = ("none", "baseline")
+# A DECODE whose reservation got no pages by its deadline (a forecast was wrong): the conductor moves the request
+REASON_PAGES_NOT_FREED = "pages_not_freed"
 
 
 @dataclass(frozen=True)
@@ -57,15 +59,16 @@ def capacity_refusal(num_pages: int, num_pages_total: int) -> str:
 
 
 def reserve_refusal(admission: str, load: DecodeLoadNow, num_pages: int, num_prompt_tokens: int,
-                    max_batch_size: int, limit: StepLimit) -> str:
-    """Why RESERVE cannot take the request now ("" when it can); a reason starts with memory, batch or tbt_slo."""
+                    max_batch_size: int, limit: StepLimit, num_seqs: int = 1) -> str:
+    """Why RESERVE cannot take the request (of `num_seqs` sequences: parallel sampling) now ("" when it can); a
+    reason starts with memory, batch or tbt_slo."""
     if num_pages > load.num_free_pages:
         return f"memory: needs {num_pages} KV pages, {load.num_free_pages} free"
-    if load.num_seqs >= max_batch_size:
-        return f"batch: {load.num_seqs} sequences running or reserved (max_batch_size)"
+    if load.num_seqs + num_seqs > max_batch_size:
+        return f"batch: {load.num_seqs} sequences running or reserved, {num_seqs} more (max_batch_size)"
     if admission != "early_rejection":
         return ""
-    step_s = limit.predict(load.num_seqs + 1, load.num_context_tokens + num_prompt_tokens)
+    step_s = limit.predict(load.num_seqs + num_seqs, load.num_context_tokens + num_prompt_tokens * num_seqs)
     if step_s > limit.tbt_slo_s:
         return f"tbt_slo: predicted step {step_s * 1000:.0f} ms > {limit.tbt_slo_s * 1000:.0f} ms"
     return ""

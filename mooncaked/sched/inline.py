@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from mooncaked.sched.admission import admission_rejection, select_decode
-from mooncaked.sched.algorithm import SchedulerPolicy, prefix_tokens, schedule
+from mooncaked.sched.algorithm import SchedulerPolicy, decode_pages, prefix_tokens, schedule
 from mooncaked.sched.predictors import PrefillTimePredictor
 from mooncaked.sched.shadow_index import ShadowIndex
 from mooncaked.sched.types import (REASON_NO_DECODE, REASON_NO_PREFILL, DecodeInstanceView, Placement,
@@ -55,7 +55,8 @@ def place_inline(request: RequestInfo, decode_views: Sequence[DecodeInstanceView
     """Prefill on the decode instance Algorithm 1 would choose; `is_limited`: only when its uncached part of the
     prompt is at most its `inline_max_tokens` (else REASON_NO_PREFILL)."""
     config, predictors = policy.config, policy.predictors
-    choice = select_decode(request.num_prompt_tokens, decode_views, config, predictors.decode, now, now)
+    choice = select_decode(request.num_prompt_tokens, decode_views, config, predictors.decode, now, now,
+                           num_pages=decode_pages(request, config), num_output_tokens=request.predicted_output_tokens)
     if choice.view is None:
         return Rejection(request.request_id, REASON_NO_DECODE)
     view = choice.view

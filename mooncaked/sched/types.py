@@ -12,6 +12,8 @@ import math
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+from mooncaked.sched.decode_memory import DecodeHold
+
 # Rejection reasons.
 REASON_TTFT_SLO = "ttft_slo"
 REASON_TBT_SLO = "tbt_slo"
@@ -23,12 +25,16 @@ REASON_DECODE_REFUSED = "decode_refused_after_prefill"  # admission "baseline": 
 
 @dataclass(frozen=True)
 class RequestInfo:
-    """One request as the scheduler sees it. `block_keys` are the prompt's full-block prefix keys, in order."""
+    """One request as the scheduler sees it. `block_keys` are the prompt's full-block prefix keys, in order.
+    `max_tokens` (0: unknown) sizes the KV pages a decode instance holds for it; `predicted_output_tokens` (0: none)
+    is the output-length predictor's forecast, which prediction-based rejection uses for its decode time."""
 
     request_id: str
     num_prompt_tokens: int
     block_keys: tuple[Hashable, ...]
     arrival_time: float = 0.0
+    max_tokens: int = 0
+    predicted_output_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -89,7 +95,8 @@ class DecodeInstanceView:
     Inline prefill on this instance (sched/inline.py): it takes prompts whose uncached part is at most
     `inline_max_tokens` (0: none); `prefill_coefficients` is its own fitted prefill model (empty: the policy's),
     `inline_wait_s` the predicted wait for its compute thread, `inline_overhead_s` what an inline prefill spends
-    there besides that wait and the forward.
+    there besides that wait and the forward. `num_pages` (0: unknown) and `page_holds`: its KV pages, and every
+    sequence's pages over its predicted life (sched/decode_memory.py), for prediction-based rejection.
     """
 
     instance_id: str
@@ -109,6 +116,8 @@ class DecodeInstanceView:
     prefill_coefficients: tuple[float, ...] = ()
     inline_wait_s: float = 0.0
     inline_overhead_s: float = 0.0
+    num_pages: int = 0
+    page_holds: tuple[DecodeHold, ...] = ()
 
 
 @dataclass(frozen=True)

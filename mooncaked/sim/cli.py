@@ -9,6 +9,7 @@
                   [--config sim.yaml] [--set section.key=value ...]
     mooncaked sim cpp-study --trace FILE [--groups 4x2,2x4] [--buckets 2048,8192,...] [--config sim.yaml]
                   [--set section.key=value ...] [--json FILE]
+    mooncaked sim pd-study [--phases 4] [--noise 0.7,1.5] [--seed 0] [--json FILE]
 
 The main CLI calls `add_arguments(parser)` on its `sim` subparser and `run(args)` for the exit code. The first
 positional word picks the mode (`run` when omitted). Progress goes to stderr, tables to stdout. In pool-study
@@ -33,12 +34,12 @@ from mooncaked.sim.engine import Simulator
 from mooncaked.sim.results import format_summary, summarize, to_json
 from mooncaked.sim.trace import TraceError, load_trace
 
-MODES = ("run", "cache", "experiments", "prediction-study", "pool-study", "cpp-study")
+MODES = ("run", "cache", "experiments", "prediction-study", "pool-study", "cpp-study", "pd-study")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("mode", nargs="?", default="run", choices=MODES, help="what to do (default: run)")
-    parser.add_argument("--trace", required=True, help="Mooncake JSONL trace")
+    parser.add_argument("--trace", help="Mooncake JSONL trace (every mode but pd-study)")
     parser.add_argument("--config", help="sim YAML (see sim.example.yaml); built-in defaults when omitted")
     parser.add_argument("--json", help="write the JSON result here")
     parser.add_argument("--plots", help="directory for PNG plots")
@@ -55,10 +56,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--groups", default="4x2", help="cpp-study: prefill groups x stages per group, e.g. 4x2,2x4")
     parser.add_argument("--buckets", default="2048,8192,16384,32768,65536",
                         help="cpp-study: upper edges of the prompt-length buckets (tokens)")
+    parser.add_argument("--phases", type=int, default=4, help="pd-study: alternating phases (prompt-, output-heavy)")
+    parser.add_argument("--noise", type=_noise, default=(0.7, 1.5),
+                        help="pd-study: every load sample times a factor drawn uniformly in LOW,HIGH")
+    parser.add_argument("--seed", type=int, default=0, help="pd-study: the noise's seed")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.mode == "pd-study":
+        return _run_pd_study(args)
+    if not args.trace:
+        print(f"mooncaked sim {args.mode}: --trace is required", file=sys.stderr)
+        return 2
     try:
         config = _config_from_args(args)
         requests = load_trace(args.trace, config.run.speed, config.run.max_requests)
@@ -95,6 +105,29 @@ def run(args: argparse.Namespace) -> int:
         plot_latency_cdfs({label: sim_result}, directory / "latency_cdf.png", slo.ttft_slo_s, slo.tbt_slo_s)
         plot_loads({label: sim_result}, directory / "load.png")
     return 0
+
+
+def _run_pd_study(args: argparse.Namespace) -> int:
+    from mooncaked.sim.pd_study import PdStudyConfig, format_result, run_pd_study
+
+    try:
+        config = PdStudyConfig(seed=args.seed, num_phases=args.phases, noise_low=args.noise[0],
+                               noise_high=args.noise[1])
+    except ValueError as exc:
+        print(f"mooncaked sim pd-study: {exc}", file=sys.stderr)
+        return 2
+    result = run_pd_study(config)
+    print(format_result(result))
+    _write_json(args.json, result)
+    return 0
+
+
+def _noise(text: str) -> tuple[float, float]:
+    low, sep, high = text.partition(",")
+    try:
+        return float(low), float(high if sep else low)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LOW,HIGH factors like 0.7,1.5, got {text!r}") from None
 
 
 def _run_prediction_study(args: argparse.Namespace, config: SimConfig) -> int:

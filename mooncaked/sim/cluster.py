@@ -17,6 +17,7 @@ from mooncaked.kv.block_cache import BlockCache
 from mooncaked.kv.eviction import make_eviction_policy
 from mooncaked.kv.replica_eviction import make_spare_first_policy
 from mooncaked.sched.decode_admission import DecodeLoadNow
+from mooncaked.sched.decode_memory import DecodeHold
 from mooncaked.sched.pipeline import even_pipeline
 from mooncaked.sched.replicas import StoreMarks
 from mooncaked.sched.shadow_index import ShadowIndex
@@ -136,6 +137,7 @@ class DecodeSeq:
     started_at: float = 0.0
     gaps: list[float] = field(default_factory=list)
     is_past_handoff: bool = False  # the first gap (prefill's first token -> first decode token) is behind
+    ready_at: float = 0.0  # its KV is loaded: from then on a wait for pages or a batch slot counts as a gap
 
 
 @dataclass
@@ -154,6 +156,8 @@ class DecodeInstance:
     waiting: deque[DecodeSeq] = field(default_factory=deque)
     incoming: dict[int, tuple[float, int]] = field(default_factory=dict)
     reserved_pages: dict[int, int] = field(default_factory=dict)
+    decode_s: dict[int, float] = field(default_factory=dict)  # each placed request's predicted decode time
+    reserve_queue: deque[Any] = field(default_factory=deque)  # RESERVE calls waiting for room (none, baseline)
     inline: list[tuple[int, float]] = field(default_factory=list)
     inline_in_step: list[tuple[int, float]] = field(default_factory=list)  # run by the step under way
     num_context_tokens: int = 0
@@ -175,12 +179,30 @@ class DecodeInstance:
         return (self.step_time_s / 2 if self.running else 0.0) + sum(compute_s for _, compute_s in self.inline)
 
     def has_room_for(self, seq: DecodeSeq) -> bool:
+        """A batch slot, and its pages beside the running sequences' (the pages the decode role allocates)."""
         if not self.running:
             return True
-        return (
-            len(self.running) < self.max_num_running
-            and self.num_context_tokens + seq.context_tokens <= self.max_context_tokens
-        )
+        num_held = sum(self.reserved_pages.get(i, 0) for i in self.running)
+        return (len(self.running) < self.max_num_running
+                and num_held + self.reserved_pages.get(seq.request_index, 0) <= self.num_pages)
+
+    def page_holds(self, now: float, predicted_tokens: Mapping[int, int], step_s: float) -> tuple[DecodeHold, ...]:
+        """Every sequence's pages over its predicted life (sched/decode_memory.py), as the decode role forecasts
+        them: a running one for its predicted output less what it generated (at least one token) at `step_s` a
+        token (without a prediction: until its start plus its decode time), a placed one from its predicted decode
+        start for its predicted decode time."""
+        holds = []
+        for index, seq in self.running.items():
+            if index in predicted_tokens:
+                ends_at = now + max(predicted_tokens[index] - len(seq.gaps), 1) * step_s
+            else:
+                ends_at = max(seq.started_at + self.decode_s.get(index, 0.0), now + step_s)
+            holds.append(DecodeHold(self.reserved_pages.get(index, 0), now, ends_at))
+        for index, (ready_at, _) in self.incoming.items():
+            starts_at = max(ready_at, now)
+            holds.append(DecodeHold(self.reserved_pages.get(index, 0), starts_at,
+                                    starts_at + self.decode_s.get(index, 0.0)))
+        return tuple(holds)
 
     def view(self, with_details: bool, predicted_tokens: Mapping[int, int] | None = None,
              step_s: float = 0.0) -> DecodeInstanceView:

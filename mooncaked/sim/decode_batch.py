@@ -2,7 +2,8 @@
 
 1. `kv_ready_at`: a request handed over after its prefill is ready to decode once the part of its KV stream not
    hidden behind the prefill and the load into HBM are done.
-2. `admit_waiting`: at each step's start, waiting requests join the running batch in order while it has room.
+2. `admit_waiting`: at each step's start, waiting requests join the running batch in order while it has room (a
+   batch slot and their KV pages); how long one waited once its KV was loaded counts as one of its token gaps.
 3. `advance_one_token`: a step gives every running request one token and one token gap (the gap from the
    prefill's first token counts only with `run.tbt_counts_handoff`); the finished leave the batch.
 """
@@ -23,6 +24,8 @@ def admit_waiting(decode: DecodeInstance, now: float) -> None:
     while decode.waiting and decode.has_room_for(decode.waiting[0]):
         seq = decode.waiting.popleft()
         decode.incoming.pop(seq.request_index, None)
+        if now > seq.ready_at:  # it waited for pages or a slot after its KV was there: the user saw that pause
+            seq.gaps.append(now - seq.ready_at)
         seq.started_at = now
         decode.running[seq.request_index] = seq
         decode.num_context_tokens += seq.context_tokens

@@ -11,10 +11,10 @@ A request's life in the simulator:
    and announces the request to its decode instance as incoming.
 2. FETCH_DONE: the fetched blocks are in the job's pages; they are committed to the prefill host's store where
    they find room (hot-spot replication; prefix_fetch.py).
-3. Prefill: each forward takes the jobs `sched.prefill_batch.take_batch` picks (the prefill role's rule: by class,
-   priority and arrival, within `cluster.max_batch_tokens`; a prompt longer than `cluster.prefill_chunk` alone);
-   it starts when the instance is free and every job's fetch is done, and takes the sum of the cost model's
-   times for each job's (prompt, reused prefix). A prefill group
+3. Prefill (prefill_side.py): each forward takes the jobs `sched.prefill_batch.take_batch` picks (the prefill
+   role's rule: by class, priority and arrival, within `cluster.max_batch_tokens`; a prompt longer than
+   `cluster.prefill_chunk` alone); it starts when the instance is free and every job's fetch is done, and takes
+   the sum of the cost model's times for each job's (prompt, reused prefix). A prefill group
    (`cluster.num_prefill_groups`) is one instance whose time follows its pipeline (sched/pipeline.py: fill,
    steady state, drain) over stages that each take an equal share of the cost model's layers, as the conductor
    predicts a group whose stages have not reported fits. PREFILL_DONE commits every block of the prompt to the
@@ -36,27 +36,28 @@ Events at equal times run in scheduling order (a sequence number breaks ties), s
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import random
 import time
 from collections.abc import Callable
 from typing import Any
 
-from mooncaked.sched.algorithm import SchedulerPolicy, prefill_model
-from mooncaked.sched.decode_admission import (WAITING_POLICIES, StepLimit, capacity_refusal, refusal_after_prefill,
-                                              rejection_reason, reserve_refusal)
+from mooncaked.sched.algorithm import SchedulerPolicy
+from mooncaked.sched.decode_admission import (WAITING_POLICIES, capacity_refusal, refusal_after_prefill,
+                                              rejection_reason)
+from mooncaked.sched.decode_memory import num_pages_for
 from mooncaked.sched.inline import place
-from mooncaked.sched.prefill_batch import take_batch
 from mooncaked.sched.shadow_index import ShadowIndex
 from mooncaked.sched.types import REASON_DECODE_REFUSED, DecodeInstanceView, Placement, RequestInfo
-from mooncaked.sim.cluster import (DecodeInstance, DecodeSeq, HostStore, PrefillInstance, PrefillJob,
-                                   build_instances)
+from mooncaked.sim.cluster import DecodeInstance, DecodeSeq, PrefillJob, build_instances
 from mooncaked.sim.config import SimConfig
 from mooncaked.sim.costs import CostModel, build_cost_model
 from mooncaked.sim.decode_batch import admit_waiting, advance_one_token, kv_ready_at
+from mooncaked.sim.decode_reserve import DecodeReserve
 from mooncaked.sim.output_forecast import OutputForecast
 from mooncaked.sim.pool import PoolPolicies
-from mooncaked.sim.prefix_fetch import finish_fetch, reusable_blocks_at_start, start_fetch
+from mooncaked.sim.prefill_side import PrefillSide
 from mooncaked.sim.results import LoadSample, RequestRecord, SimResult, tbt_of
 from mooncaked.sim.trace import TraceRequest
 
@@ -71,6 +72,7 @@ class Simulator:
     def __init__(self, config: SimConfig, requests: list[TraceRequest]) -> None:
         self.config = config
         self.costs: CostModel = build_cost_model(config)
+        self.reserve = DecodeReserve(config, self.costs)
         self.policy = SchedulerPolicy(config.scheduler, self.costs.predictors)
         self.requests = requests
         self.index = ShadowIndex()
@@ -102,6 +104,9 @@ class Simulator:
         self.store_by_id = {p.store.store_id: p.store for p in self.prefill}
         self.store_by_id.update({d.store.store_id: d.store for d in self.decode})
         self._busy_at_last_sample = [0.0] * len(self.prefill)
+        self.prefill_side = PrefillSide(self.config, self.costs, self.policy, self.pool, self.records,
+                                        self.prefill_by_id, self.store_by_id, self.rng, self._push,
+                                        (FETCH_DONE, PREFILL_DONE), self._hand_to_decode)
 
     def _push(self, at: float, kind: int, payload: Any) -> None:
         self._seq += 1
@@ -113,7 +118,7 @@ class Simulator:
             self._push(request.arrival_s, ARRIVAL, request)
         if self.requests:
             self._push(self.config.run.sample_interval_s, SAMPLE, None)
-        handlers = (self._on_arrival, self._on_fetch_done, self._on_prefill_done,
+        handlers = (self._on_arrival, self.prefill_side.on_fetch_done, self.prefill_side.on_prefill_done,
                     self._on_decode_ready, self._on_decode_step, self._on_sample)
         num_done = 0
         now = 0.0
@@ -125,6 +130,10 @@ class Simulator:
                 num_done += 1
                 if progress is not None and num_done % 200 == 0:
                     progress(num_done, len(self.requests))
+        for decode in self.decode:  # the calls still waiting for room at the end gave up
+            for request, _, _, first_refusal in decode.reserve_queue:
+                self.records[request.index].rejection_reason = rejection_reason(first_refusal)
+            decode.reserve_queue.clear()
         if progress is not None:
             progress(len(self.requests), len(self.requests))
         stores = self.store_by_id.values()
@@ -133,131 +142,91 @@ class Simulator:
                          num_sole_copy_evictions=sum(s.num_sole_copy_evictions for s in stores))
 
     def _on_arrival(self, now: float, request: TraceRequest) -> None:
-        info = RequestInfo(str(request.index), request.input_length, request.hash_ids, now)
+        record = self.records[request.index]
+        predicted = self.forecast.predict(request.input_length, record.output_length) if self.forecast.is_enabled else 0
+        # the trace's output length stands for max_tokens: the pages a decode instance holds for the request
+        info = RequestInfo(str(request.index), request.input_length, request.hash_ids, now, record.output_length,
+                           predicted)
         is_predicted = self.config.scheduler.admission == "early_rejection_predicted"
         decision = place(
             info,
             [p.view(self.pool.coldest_use(p.store.store_id)) for p in self.prefill],
-            [self._decode_view(d, is_predicted) for d in self.decode],
+            [self._decode_view(d, is_predicted, now) for d in self.decode],
             self.index,
             self.policy,
             now,
         )
-        record = self.records[request.index]
         record.predicted_ttft_s = decision.predicted_ttft_s
         if not isinstance(decision, Placement):
             record.rejection_reason = decision.reason
             return
-        refusal = self._reserve(self.decode_by_id[decision.decode_instance], record)
+        decode = self.decode_by_id[decision.decode_instance]
+        num_pages = num_pages_for(record.input_length, record.output_length, decode.block_size)
+        refusal = capacity_refusal(num_pages, decode.num_pages)
+        if not refusal:
+            refusal = self._reserve_refusal(decode, record, decision, predicted, now)
+            if self.config.scheduler.admission in WAITING_POLICIES and (refusal or decode.reserve_queue):
+                # RESERVE waits for room in arrival order, and the prefill with it
+                reason = refusal or "queued: behind the requests waiting for room"
+                decode.reserve_queue.append((request, decision, predicted, reason))
+                return
         if refusal:
             record.rejection_reason = rejection_reason(refusal)
             return
-        if decision.prefill_instance:
-            self._place(now, request, decision, record)
+        self._start(now, decode, request, decision, predicted)
+
+    def _start(self, now: float, decode: DecodeInstance, request: TraceRequest, placement: Placement,
+               predicted: int) -> None:
+        """RESERVE took the request: its pages are the decode instance's to give, and its prefill (or inline
+        prefill) begins."""
+        record = self.records[request.index]
+        decode.reserved_pages[request.index] = num_pages_for(record.input_length, record.output_length,
+                                                             decode.block_size)
+        decode.decode_s[request.index] = self.reserve.decode_s(decode, predicted)
+        if predicted:
+            self.predicted_tokens[request.index] = predicted
+        if placement.prefill_instance:
+            self._place(now, request, placement, record)
         else:
-            self._place_inline(now, request, decision, record)
+            self._place_inline(now, request, placement, record)
 
-    def _reserve(self, decode: DecodeInstance, record: RequestRecord) -> str:
-        """The decode role's RESERVE: its refusal ("" when it reserved the request's pages). Under `none` and
-        `baseline` a request over the limits waits in the decode instance's queue instead."""
-        config = self.config.scheduler
-        num_tokens = record.input_length + record.output_length
-        num_pages = -(-num_tokens // decode.block_size)
-        if reason := capacity_refusal(num_pages, decode.num_pages):
-            return reason
-        reason = reserve_refusal(config.admission, decode.load_now(), num_pages, record.input_length,
-                                 decode.max_num_running, self._step_limit())
-        if reason and config.admission not in WAITING_POLICIES:
-            return reason
-        decode.reserved_pages[record.index] = num_pages
-        return ""
+    def _retry_reserves(self, now: float, decode: DecodeInstance) -> None:
+        """Under `none` and `baseline`: the RESERVE calls waiting for room, in arrival order, as pages free. A call
+        gives up after the TTFT SLO (the daemon's RESERVE waits until its call's deadline): refused as the decode
+        instance refused it at first."""
+        while decode.reserve_queue:
+            request, placement, predicted, first_refusal = decode.reserve_queue[0]
+            record = self.records[request.index]
+            if now - record.arrival_s > self.config.scheduler.ttft_slo_s:
+                decode.reserve_queue.popleft()
+                record.rejection_reason = rejection_reason(first_refusal)
+                continue
+            if self._reserve_refusal(decode, record, placement, predicted, now):
+                return
+            decode.reserve_queue.popleft()
+            self._start(now, decode, request, placement, predicted)
 
-    def _step_limit(self) -> StepLimit:
-        return StepLimit(self.costs.predictors.decode, 0.0, self.config.scheduler.tbt_slo_s)
+    def _reserve_refusal(self, decode: DecodeInstance, record: RequestRecord, placement: Placement, predicted: int,
+                         now: float) -> str:
+        return self.reserve.refusal(decode, record.input_length, record.output_length, placement.predicted_ttft_s,
+                                    predicted, self.predicted_tokens, now)
 
-    def _decode_view(self, decode: DecodeInstance, is_predicted: bool) -> DecodeInstanceView:
+    def _decode_view(self, decode: DecodeInstance, is_predicted: bool, now: float) -> DecodeInstanceView:
         if not self.forecast.is_enabled:
-            return decode.view(is_predicted)
-        step_s = self.costs.predictors.decode.predict(len(decode.running) + 1, decode.num_context_tokens)
-        return decode.view(is_predicted, self.predicted_tokens, step_s)
+            view = decode.view(is_predicted)
+        else:
+            step_s = self.costs.predictors.decode.predict(len(decode.running) + 1, decode.num_context_tokens)
+            view = decode.view(is_predicted, self.predicted_tokens, step_s)
+        if not is_predicted:
+            return view
+        page_holds = self.reserve.page_holds(decode, now, self.predicted_tokens)
+        return dataclasses.replace(view, num_pages=decode.num_pages, page_holds=page_holds)
 
     def _place(self, now: float, request: TraceRequest, placement: Placement, record: RequestRecord) -> None:
-        instance = self.prefill_by_id[placement.prefill_instance]
-        if self.forecast.is_enabled:
-            self.predicted_tokens[request.index] = self.forecast.predict(request.input_length, record.output_length)
-        keys = request.hash_ids
-        self.pool.note_use(instance.store.store_id, keys, placement.num_prefix_blocks, now)
-        record.prefill_instance = placement.prefill_instance
-        record.is_pipelined = instance.pipeline is not None
-        record.decode_instance = placement.decode_instance
-        record.prefix_blocks = placement.num_prefix_blocks
-        record.local_prefix_blocks = placement.num_local_prefix_blocks
-        num_prefix_tokens = min(placement.num_prefix_blocks * self.config.scheduler.block_size,
-                                request.input_length - 1)
-        job = PrefillJob(request.index, placement, keys, request.input_length, now, False,
-                         num_new_tokens=request.input_length - num_prefix_tokens, enqueued_at=now)
-        job.locked_keys = list(keys[: placement.num_local_prefix_blocks])
-        instance.store.cache.lock(job.locked_keys)
-        if placement.fetch_from_store is not None and placement.num_fetch_blocks > 0:
-            record.fetched_blocks = placement.num_fetch_blocks
-            record.fetch_source = placement.fetch_from_store
-            job.fetch_done_at = self._start_fetch(now, instance.store, placement)
-            job.is_fetch_pending = True
-            self._push(job.fetch_done_at, FETCH_DONE, job)
-        instance.queue.append(job)
-        instance.queued_prefill_s += placement.predicted_prefill_s
-        tokens = request.input_length
-        self.decode_by_id[placement.decode_instance].incoming[request.index] = (now + placement.predicted_ttft_s, tokens)
-        self._try_start_prefill(now, instance)
-
-    def _start_fetch(self, now: float, destination: HostStore, placement: Placement) -> float:
-        source = self.store_by_id[placement.fetch_from_store or ""]
-        keys = self.requests[int(placement.request_id)].hash_ids
-        return start_fetch(now, source, destination, placement, keys, self.costs.predictors.transfer)
-
-    def _on_fetch_done(self, now: float, job: PrefillJob) -> None:
-        placement = job.placement
-        instance = self.prefill_by_id[placement.prefill_instance]
-        finish_fetch(now, job, instance.store, self.store_by_id[placement.fetch_from_store or ""])
-
-    def _try_start_prefill(self, now: float, instance: PrefillInstance) -> None:
-        if instance.running or not instance.queue:
-            return
-        cluster = self.config.cluster
-        batch = take_batch(instance.queue, cluster.max_batch_tokens, cluster.prefill_chunk,
-                           is_one_at_a_time=instance.pipeline is not None)
-        model = prefill_model(instance.view(), self.policy)  # a group's follows its pipeline
-        start = now
-        for job in batch:
-            instance.queued_prefill_s = max(0.0, instance.queued_prefill_s - job.placement.predicted_prefill_s)
-            job.started_at = now
-            num_prefix_blocks = reusable_blocks_at_start(instance.store, job)
-            self.records[job.request_index].prefix_blocks = num_prefix_blocks
-            prefix_tokens = min(num_prefix_blocks * self.config.scheduler.block_size, job.num_prompt_tokens - 1)
-            job.compute_s = self._noisy(model.predict(job.num_prompt_tokens, max(prefix_tokens, 0)))
-            start = max(start, job.fetch_done_at)
-        instance.running = batch
-        instance.busy_until = start + sum(job.compute_s for job in batch)
-        self._push(instance.busy_until, PREFILL_DONE, instance)
-
-    def _noisy(self, compute_s: float) -> float:
-        """A true prefill time: the prediction times `run.prefill_noise`'s log-normal factor."""
-        noise = self.config.run.prefill_noise
-        return compute_s * self.rng.lognormvariate(0.0, noise) if noise > 0 else compute_s
-
-    def _on_prefill_done(self, now: float, instance: PrefillInstance) -> None:
-        batch = instance.running
-        instance.busy_time_done += now - batch[0].started_at
-        instance.running = []
-        for job in batch:
-            instance.store.put(job.keys, now)
-            instance.store.cache.unlock(job.locked_keys)
-            record = self.records[job.request_index]
-            record.prefill_compute_s = job.compute_s
-            record.ttft_s = now - record.arrival_s
-        self._try_start_prefill(now, instance)
-        for job in batch:
-            self._hand_to_decode(now, job, self.records[job.request_index])
+        """A placement with a prefill instance: its job there, and the request incoming on its decode instance."""
+        decode = self.decode_by_id[placement.decode_instance]
+        decode.incoming[request.index] = (now + placement.predicted_ttft_s, request.input_length)
+        self.prefill_side.place(now, request, placement, record)
 
     def _hand_to_decode(self, now: float, job: PrefillJob, record: RequestRecord) -> None:
         decode = self.decode_by_id[job.placement.decode_instance]
@@ -266,17 +235,19 @@ class Simulator:
             self._finish(record, now, 0.0)
             return
         refusal = refusal_after_prefill(self.config.scheduler.admission, len(decode.running),
-                                        decode.num_context_tokens, job.num_prompt_tokens, self._step_limit())
+                                        decode.num_context_tokens, job.num_prompt_tokens, self.reserve.step_limit())
         if refusal:  # admission `baseline`: the decode instance checks its load only now; the prefill is wasted
             record.rejection_reason = REASON_DECODE_REFUSED
             record.wasted_prefill = True
             decode.reserved_pages.pop(record.index, None)
+            decode.decode_s.pop(record.index, None)
             self.predicted_tokens.pop(record.index, None)
+            self._retry_reserves(now, decode)
             return
         if self.config.cluster.decode_hosts_in_pool:
             decode.store.put(job.keys, now)
         ready = kv_ready_at(now, job.num_prompt_tokens, job.compute_s, self.costs)
-        seq = DecodeSeq(job.request_index, job.num_prompt_tokens + 1, record.output_length - 1, now)
+        seq = DecodeSeq(job.request_index, job.num_prompt_tokens + 1, record.output_length - 1, now, ready_at=ready)
         decode.incoming[job.request_index] = (ready, seq.context_tokens)
         self._push(ready, DECODE_READY, (decode, seq))
 
@@ -311,14 +282,12 @@ class Simulator:
     def _place_inline(self, now: float, request: TraceRequest, placement: Placement, record: RequestRecord) -> None:
         """Prefill on the decode instance: queued for its next step, which runs it before decoding."""
         decode = self.decode_by_id[placement.decode_instance]
-        if self.forecast.is_enabled:
-            self.predicted_tokens[request.index] = self.forecast.predict(request.input_length, record.output_length)
         self.pool.note_use(decode.store.store_id, request.hash_ids, placement.num_prefix_blocks, now)
         record.prefill_instance = record.decode_instance = decode.instance_id
         record.is_inline = True
         record.prefix_blocks = record.local_prefix_blocks = placement.num_prefix_blocks
         decode.incoming[request.index] = (now + placement.predicted_ttft_s, request.input_length)
-        decode.inline.append((request.index, self._noisy(placement.predicted_prefill_s)))
+        decode.inline.append((request.index, self.prefill_side.noisy(placement.predicted_prefill_s)))
         if not decode.is_stepping:
             self._start_step(now, decode)
 
@@ -333,14 +302,17 @@ class Simulator:
             decode.incoming.pop(request_index, None)
             self._finish(record, now, 0.0)
             return
-        seq = DecodeSeq(request_index, record.input_length + 1, record.output_length - 1, now)
+        seq = DecodeSeq(request_index, record.input_length + 1, record.output_length - 1, now, ready_at=now)
         decode.incoming[request_index] = (now, seq.context_tokens)
         decode.waiting.append(seq)
 
     def _finish(self, record: RequestRecord, now: float, tbt_s: float) -> None:
         config = self.config.scheduler
         self.predicted_tokens.pop(record.index, None)
-        self.decode_by_id[record.decode_instance].reserved_pages.pop(record.index, None)
+        decode = self.decode_by_id[record.decode_instance]
+        decode.reserved_pages.pop(record.index, None)
+        decode.decode_s.pop(record.index, None)
+        self._retry_reserves(now, decode)
         self.forecast.observe(record.input_length, record.output_length)
         record.tbt_s = tbt_s
         record.finished_s = now

@@ -30,8 +30,11 @@ ROW_KEYS = ("blocks_per_node", "speed", "local_hit", "global_hit", "ideal_hit", 
 
 def study_defaults(config: SimConfig) -> SimConfig:
     """The study's cluster and policy, under which a config file and --set are applied."""
+    # one decode instance that never limits the prefills: RESERVE holds every placed request's pages and batch slot
+    # from placement on, which at 2x would hold requests back before their prefill and make this a decode study
     config = with_overrides(config, "cluster", num_prefill=10, num_decode=1, decode_hosts_in_pool=False,
-                            eviction="length_aware")
+                            eviction="length_aware", max_batch_size=1_000_000)
+    config = with_overrides(config, "gpu", hbm_bytes=1e15)
     config = with_overrides(config, "run", output_length_cap=1)
     return with_overrides(config, "scheduler", admission="none", replication="by_reuse", tie_break="coldest_store")
 

@@ -1,8 +1,11 @@
 """StoreClient: what prefill and decode workers use to put and get KV blocks in one host's store.
 
-1. `await StoreClient.connect(rpc, host=..., engine=...)` asks the store where its pool lives (STATS). On the
-   store's host it maps the pool's shared-memory file (moves are memcpy); elsewhere it needs a TransferEngine
-   and moves bytes with READ/WRITE on the store's segment.
+1. `await StoreClient.connect(rpc, host=..., pool_path=..., engine=...)` asks the store about its pool (STATS).
+   On the store's host it maps the pool's shared-memory file (moves are memcpy): the file at `pool_path`, which
+   the caller derives from its own config (shm_pool.pool_path), only when the store names that same path and
+   the file passes ShmPool.attach's checks (a regular file of this user, no link, the size the store reports);
+   never a path a peer names. Elsewhere, or when refused, it needs a TransferEngine and moves bytes with
+   READ/WRITE on the store's segment.
 2. `register_staging(name, buffer)` makes a CPU buffer (bytearray, numpy array, CPU tensor) usable as the other
    end of moves; with an engine it is registered there as a segment.
 3. Put: `allocate(keys, block_bytes, lease_ms)` → `write_layer(...)` per layer (or `write_blocks`) → `commit`.
@@ -24,7 +27,6 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
-import os
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any, Protocol
 
@@ -34,7 +36,7 @@ from mooncaked.kv.tenant_quota import TenantShare
 from mooncaked.rpc import Message, Method
 from mooncaked.store import messages as msg
 from mooncaked.store.move_ends import LocalEnd, Span, Staging, staging_bytes
-from mooncaked.store.shm_pool import ShmPool
+from mooncaked.store.shm_pool import PoolFileRefused, ShmPool, attach_local
 from mooncaked.transfer import SegmentRef, TransferEngine, TransferError, TransferOp, TransferRequest
 
 logger = logging.getLogger(__name__)
@@ -71,15 +73,15 @@ class StoreClient:
         self._refresh_lock = asyncio.Lock()
 
     @classmethod
-    async def connect(cls, rpc: RpcCaller, *, host: str, engine: TransferEngine | None = None,
+    async def connect(cls, rpc: RpcCaller, *, host: str, pool_path: str | None, engine: TransferEngine | None = None,
                       is_shm_allowed: bool = True, timeout_s: float = 30.0) -> StoreClient:
-        """Map the pool when the store reports the same `host` and its file is visible, else use `engine`."""
+        """Map the pool at `pool_path` when the store reports the same `host` and that path (see the module
+        docstring), else use `engine`; `pool_path` None: never map."""
         stats: msg.StatsReply = await rpc.call(msg.STATS, msg.StatsRequest(), timeout_s=timeout_s)
         pool = None
-        if is_shm_allowed and stats.host == host and os.path.exists(stats.pool_path):
-            # not prefaulted: the pool is the store's memory (it prefaults it); a worker maps the pages it touches
-            # (a first touch costs a minor fault) instead of counting the whole pool in its own resident set
-            pool = ShmPool.attach(stats.pool_path, is_populate=False)
+        if is_shm_allowed and pool_path is not None and stats.host == host:
+            pool = attach_local(pool_path, reported_path=stats.pool_path, reported_bytes=stats.pool_bytes,
+                                is_required=engine is None)
         segment = SegmentRef(stats.segment_endpoint, stats.segment_name)
         return cls(rpc, pool=pool, engine=engine, segment=segment, timeout_s=timeout_s,
                    incarnation=stats.incarnation)
@@ -244,7 +246,11 @@ class StoreClient:
                 if self.pool is not None and not self.pool.is_current():
                     logger.info("store pool %s was replaced (the store restarted): mapping the new one",
                                 self.pool.path)
-                    old, self.pool = self.pool, await asyncio.to_thread(ShmPool.attach, stats.pool_path)
+                    if stats.pool_path != self.pool.path:
+                        raise PoolFileRefused(f"the store now reports its pool at {stats.pool_path!r}, not at "
+                                              f"{self.pool.path!r} where this worker's config puts it: not mapped")
+                    new = await asyncio.to_thread(ShmPool.attach, self.pool.path, True, stats.pool_bytes)
+                    old, self.pool = self.pool, new
                     old.close()
                     continue  # confirm the new mapping is the run STATS names
                 self.incarnation = stats.incarnation

@@ -4,11 +4,12 @@
    registers the pool with the transfer engine as segment `<segment_name>.<incarnation>`, and starts the
    maintenance task. The incarnation (random per run) goes with every pool offset handed out: clients refuse
    offsets of an earlier run of a restarted store, whose pool is gone.
-2. Handlers (`add_methods(server)`) call the pure `StoreCore` with `now`, then at once, before any await or new
-   pool write, copy the bytes of blocks evicted to SSD out of the pool (`_flush_evictions`); a read lease on
-   blocks that are only on SSD promotes them back into DRAM before the reply (both in tier_moves.py).
-3. The maintenance task (owned here) reclaims expired leases and pins and evicts from the high watermark down
-   to the low one, every `maintenance_interval_s`.
+2. Handlers (`add_methods(server)`) call the pure `StoreCore` with `now`; a block it evicts to SSD has its bytes
+   copied out of the pool inside the call (`_spill`); a read lease on blocks that are only on SSD promotes them
+   back into DRAM before the reply (both in tier_moves.py).
+3. The maintenance task (owned here, supervised: an unexpected exception is logged and the loop restarts)
+   reclaims expired leases and pins and evicts from the high watermark down to the low one, every
+   `maintenance_interval_s`.
 4. `stop()`: stop the maintenance task, end event streams, unregister the segment; with an SSD tier, queue every
    committed DRAM block SSD does not hold yet, most recently used first, ahead of the write-behind backlog (a warm
    restart: the next start indexes them); let the SSD writer work until `stop_timeout_s`; close (and unlink) the
@@ -25,9 +26,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from mooncaked.kv.store_core import TIER_DRAM, Grant, Location, StoreConfig, StoreCore, StoreFull, UnknownHandle
+from mooncaked.kv.store_core import TIER_DRAM, Eviction, Grant, Location, StoreConfig, StoreCore, StoreFull, UnknownHandle
 from mooncaked.kv.tenant_quota import TenantShare
 from mooncaked.rpc import InvalidArgument, Method, NotFound, ResourceExhausted, RpcError
+from mooncaked.runtime.supervised import start_supervised, stop_task
 from mooncaked.store import messages as msg
 from mooncaked.store.shm_pool import ShmPool
 from mooncaked.store.ssd import SsdConfig, SsdTier
@@ -61,6 +63,7 @@ class StoreServiceConfig:
     ssd_dir: str | None = None
     ssd_bytes: int = 0
     max_lease_ms: int = 600_000
+    max_pin_ms: int = 86_400_000  # longest PIN (a context cache's longest TTL: conductor.max_cache_ttl_s)
     max_events: int = 100_000
     maintenance_interval_s: float = 0.5
     stop_timeout_s: float = 5.0
@@ -82,12 +85,12 @@ class StoreService:
         self.core = StoreCore(StoreConfig(
             capacity_bytes=config.dram_bytes, alignment=config.alignment, eviction_policy=config.eviction_policy,
             high_watermark=config.high_watermark, low_watermark=config.low_watermark, has_ssd=has_ssd,
-            max_events=config.max_events, first_id=1 + secrets.randbits(60)))
+            max_events=config.max_events, first_id=1 + secrets.randbits(60)), self._spill if has_ssd else None)
         self.ssd: SsdTier | None = None
         if has_ssd:
             assert config.ssd_dir is not None
             self.ssd = SsdTier(SsdConfig(config.ssd_dir, config.ssd_bytes, config.eviction_policy),
-                               self.core.is_ssd_evictable, self._on_ssd_dropped)
+                               self.core.is_ssd_evictable, self._on_ssd_dropped, self.core.ssd_written)
         self.moves = TierMoves(self.core, self.ssd, clock)
         self.pool: ShmPool | None = None
         self._maintenance: asyncio.Task[None] | None = None
@@ -103,7 +106,7 @@ class StoreService:
             logger.info("store: %d objects indexed on ssd at %s", len(self.ssd), self.config.ssd_dir)
         if self.engine is not None:
             self.engine.register(self.segment_name, self.pool.view, f"cpu:{self.config.numa_node or 0}")
-        self._maintenance = asyncio.create_task(self._maintain(), name="store-maintenance")
+        self._maintenance = start_supervised("store-maintenance", self._maintain)
 
     def end_streams(self) -> None:
         """Finish every event stream now (their subscribers resubscribe elsewhere or later)."""
@@ -112,10 +115,8 @@ class StoreService:
 
     async def stop(self) -> None:
         self.end_streams()
-        if self._maintenance is not None:
-            self._maintenance.cancel()
-            await asyncio.gather(self._maintenance, return_exceptions=True)
-            self._maintenance = None
+        await stop_task(self._maintenance)
+        self._maintenance = None
         if self.engine is not None and self.pool is not None:
             self.engine.unregister(self.segment_name)
         if self.ssd is not None:
@@ -196,6 +197,8 @@ class StoreService:
         return msg.ReleaseReply(self.core.release(request.lease_ids))
 
     async def pin(self, request: msg.PinRequest, ctx: object) -> msg.PinReply:
+        if not 0 < request.ttl_ms <= self.config.max_pin_ms:
+            raise InvalidArgument(f"ttl_ms must be in 1..{self.config.max_pin_ms}, got {request.ttl_ms}")
         return msg.PinReply(self._call(lambda: self.core.pin(request.keys, request.ttl_ms, self.clock())))
 
     async def unpin(self, request: msg.UnpinRequest, ctx: object) -> msg.UnpinReply:
@@ -207,7 +210,9 @@ class StoreService:
     async def stats(self, request: msg.StatsRequest, ctx: object) -> msg.StatsReply:
         counters = self.core.stats()
         if self.ssd is not None:
-            counters.update(ssd_used_bytes=self.ssd.num_used_bytes, ssd_num_corrupt=self.ssd.num_corrupt)
+            counters.update(ssd_used_bytes=self.ssd.num_used_bytes, ssd_num_corrupt=self.ssd.num_corrupt,
+                            ssd_pending_bytes=self.ssd.num_pending_bytes,
+                            ssd_num_failed_writes=self.ssd.num_failed_writes)
         assert self.pool is not None, "stats before start()"
         endpoint = self.engine.endpoint if self.engine is not None else ""
         return msg.StatsReply(counters, self.pool.path, self.pool.num_bytes, endpoint, self.segment_name,
@@ -246,7 +251,7 @@ class StoreService:
 
     # ---- internals ----------------------------------------------------------------------------------------
     def _call(self, operation: Callable[[], Any]) -> Any:
-        """Run one core operation; map its errors to RPC errors; copy out evictions; wake event streams."""
+        """Run one core operation; map its errors to RPC errors; wake event streams."""
         last_seq = self.core.events.last_seq
         try:
             return operation()
@@ -257,7 +262,6 @@ class StoreService:
         except ValueError as error:
             raise InvalidArgument(str(error)) from None
         finally:
-            self._flush_evictions()
             if self.core.events.last_seq != last_seq:
                 self._notify()
 
@@ -265,14 +269,14 @@ class StoreService:
         if not 0 < lease_ms <= self.config.max_lease_ms:
             raise InvalidArgument(f"lease_ms must be in 1..{self.config.max_lease_ms}, got {lease_ms}")
 
-    def _flush_evictions(self) -> None:
-        self.moves.flush_evictions(self.pool)
+    def _spill(self, eviction: Eviction) -> bool:
+        return self.moves.spill(self.pool, eviction)
 
     def _place(self, key: bytes, data: bytes) -> None:
         offset = self._call(lambda: self.core.place_promoted(key, self.clock()))
         if offset is not None:
             assert self.pool is not None
-            self.pool.write(offset, data)  # after _call flushed evictions: the old bytes there are saved
+            self.pool.write(offset, data)  # what was evicted from there was spilled inside the call
 
     def _on_ssd_dropped(self, key: bytes) -> None:
         self.core.ssd_dropped(key)

@@ -3,7 +3,9 @@
 1. The store `create`s the file (e.g. /dev/shm/mooncaked-<cluster>-<instance>) at its configured size, replacing a
    stale one a crashed store left behind, and reserves the memory up front so a full /dev/shm fails here, not
    with SIGBUS on a later write. With `numa_node` the reserved pages come from that NUMA node.
-2. Same-host workers `attach` by path; both sides see the same bytes. Offsets come from the store's allocator.
+2. Same-host workers `attach` by the path they derive themselves (`pool_path`, never a path a peer names); both
+   sides see the same bytes. Offsets come from the store's allocator. `attach` refuses (PoolFileRefused) a
+   symbolic link, anything but a regular file, a file of another user, and a size other than the expected one.
 3. `close` drops the mapping; the creator also unlinks the file. Buffers handed out (`view`, `array`) must be
    released first (unregister the pool from the transfer engine before closing).
 4. A restarted store creates a new file at the same path: `is_current()` tells an attached worker that its
@@ -12,12 +14,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import mmap
 import os
 import re
-
-import contextlib
+import stat
 
 import numpy as np
 
@@ -26,6 +29,11 @@ from mooncaked.runtime.numa import NumaError, memory_bound_to
 logger = logging.getLogger(__name__)
 
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+class PoolFileRefused(ValueError):
+    """The file at a pool's path is not a pool this process may map (a link, not a regular file, another
+    user's, or not the size the store reports)."""
 
 
 def pool_path(cluster_id: str, instance: str, shm_dir: str = "/dev/shm") -> str:
@@ -72,13 +80,19 @@ class ShmPool:
         return cls(path, mapping, is_owner=True, file_id=file_id)
 
     @classmethod
-    def attach(cls, path: str, is_populate: bool = True) -> ShmPool:
+    def attach(cls, path: str, is_populate: bool = True, expected_bytes: int | None = None) -> ShmPool:
+        """Map the pool file at `path` read-write; PoolFileRefused when it is not one (see the module docstring)."""
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             raise FileNotFoundError(f"no store pool at {path}: is the store on this host running?") from None
+        except OSError as error:
+            if error.errno == errno.ELOOP:
+                raise PoolFileRefused(f"{path} is a symbolic link, not a store pool: not mapped") from None
+            raise
         try:
             status = os.fstat(fd)
+            _check_pool_file(path, status, expected_bytes)
             mapping = _map(fd, status.st_size, is_populate)
         finally:
             os.close(fd)
@@ -126,6 +140,40 @@ class ShmPool:
     def _check_range(self, offset: int, num_bytes: int) -> None:
         if offset < 0 or offset + num_bytes > self.num_bytes:
             raise ValueError(f"range [{offset}, {offset + num_bytes}) is outside the pool of {self.num_bytes} bytes")
+
+
+def attach_local(pool_path: str, *, reported_path: str, reported_bytes: int, is_required: bool) -> ShmPool | None:
+    """A same-host worker's mapping of its store's pool: the file at `pool_path` (derived from the worker's own
+    config) when the store reports that same path and the file passes `attach`'s checks; else None (moves go over
+    the network), or, `is_required` (no network), the reason as PoolFileRefused."""
+    if reported_path != pool_path:
+        problem = (f"the store reports its pool at {reported_path!r}, but this worker's config puts it at "
+                   f"{pool_path!r} (cluster.id, store.shm_dir): not mapped")
+        if is_required:
+            raise PoolFileRefused(problem)
+        logger.warning("%s; moving bytes over the network", problem)
+        return None
+    if not os.path.lexists(pool_path):
+        return None  # not visible here (another mount namespace, say): over the network
+    try:
+        # not prefaulted: the pool is the store's memory (it prefaults it); a worker maps the pages it touches
+        # (a first touch costs a minor fault) instead of counting the whole pool in its own resident set
+        return ShmPool.attach(pool_path, is_populate=False, expected_bytes=reported_bytes)
+    except PoolFileRefused as refusal:
+        if is_required:
+            raise
+        logger.error("%s; moving bytes over the network", refusal)
+        return None
+
+
+def _check_pool_file(path: str, status: os.stat_result, expected_bytes: int | None) -> None:
+    if not stat.S_ISREG(status.st_mode):
+        raise PoolFileRefused(f"{path} is not a regular file, so not a store pool: not mapped")
+    if status.st_uid != os.geteuid():
+        raise PoolFileRefused(f"{path} belongs to uid {status.st_uid}, not this process's {os.geteuid()}: a store "
+                              "pool is made by a store running as the same user; not mapped")
+    if expected_bytes is not None and status.st_size != expected_bytes:
+        raise PoolFileRefused(f"{path} has {status.st_size} bytes, the store reports {expected_bytes}: not mapped")
 
 
 def _file_id(status: os.stat_result) -> tuple[int, int]:

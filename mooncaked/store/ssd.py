@@ -1,12 +1,14 @@
 """SSD tier: blocks evicted from DRAM, written behind to one file each, within a byte budget.
 
-1. `start()` indexes the directory: every well-formed object file becomes present again (contents survive a
-   restart); temporary files and files whose size disagrees with their header are deleted with a warning.
-   Then a writer thread starts.
+1. `start()` (on the event loop) indexes the directory: every object file whose checksum holds becomes present
+   again (contents survive a restart); temporary files and torn or corrupt ones (a crash mid-write) are deleted
+   with a warning. Then a writer thread starts.
 2. `put(key, data, now)` (event loop) reserves budget, evicting other objects by policy (never ones the store
    says are pinned or leased), and queues the write; until the thread has written it, `get` serves it from memory.
-3. The thread writes `<key hex>.blk` through a temporary file and a rename, so a reader sees a whole file or none.
-   File layout: header (magic, version, key, payload length, xxh3_64 of the payload), then the payload.
+3. The thread writes `<key hex>.blk` through a temporary file, fsync'd before its rename, and fsyncs the directory
+   after it, so a reader (or a restart after a crash) sees a whole file or none (ssd_files.py: the file format).
+   Each outcome goes back to the event loop (`_settle`): a durable object is reported through `on_written`; a failed write (ENOSPC, EIO) is logged,
+   its budget freed and the object reported through `on_dropped`, so the store stops advertising it.
 4. `get(key)` reads and verifies in a worker thread; a torn or corrupted file is logged, deleted, reported
    through `on_dropped` and never served.
 5. `persist(blocks, now)` (a store stopping for a warm restart) queues DRAM blocks, most valuable first, ahead of
@@ -21,24 +23,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import struct
 import threading
 from collections import deque
 from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
 
-import xxhash
-
 from mooncaked.kv.eviction import make_eviction_policy
 from mooncaked.kv.keys import KEY_BYTES
+from mooncaked.store.ssd_files import HEADER_BYTES, SUFFIX, read_header_key, read_object, unlink_quietly, write_object
 
 logger = logging.getLogger(__name__)
-
-_HEADER = struct.Struct("<4sH16sQQ")  # magic, version, key, payload length, xxh3_64(payload)
-_MAGIC = b"MCKV"
-_VERSION = 1
-_SUFFIX = ".blk"
-
 
 @dataclass(frozen=True)
 class SsdConfig:
@@ -48,21 +42,18 @@ class SsdConfig:
     max_pending_bytes: int = 256 << 20  # write-behind backlog held in memory; beyond it evictions are dropped
 
 
-def encode_header(key: bytes, payload: bytes | memoryview) -> bytes:
-    return _HEADER.pack(_MAGIC, _VERSION, key, len(payload), xxhash.xxh3_64_intdigest(payload))
-
-
 class SsdTier:
     """Object files of one store. Owner: the `StoreService`; this class owns the directory, the index, the
     budget and the write queue (shared with its thread under `_lock`)."""
 
     def __init__(self, config: SsdConfig, is_evictable: Callable[[Hashable], bool],
-                 on_dropped: Callable[[bytes], None]) -> None:
+                 on_dropped: Callable[[bytes], None], on_written: Callable[[bytes], None]) -> None:
         if config.budget_bytes <= 0:
             raise ValueError(f"ssd budget_bytes must be positive, got {config.budget_bytes}")
         self.config = config
         self._is_evictable = is_evictable
         self._on_dropped = on_dropped
+        self._on_written = on_written
         self._policy = make_eviction_policy(config.eviction_policy)
         self._sizes: dict[bytes, int] = {}  # key -> payload bytes, for every object on disk or queued
         self.num_used_bytes = 0
@@ -72,12 +63,16 @@ class SsdTier:
         self._pending_bytes = 0
         self._operations: deque[tuple[str, bytes] | None] = deque()  # ("write"|"delete", key); None: finish
         self._is_abandoned = False
+        self._outcomes: list[tuple[bytes, bytes | memoryview, OSError | None]] = []  # thread -> loop, under _lock
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.num_corrupt = 0
+        self.num_failed_writes = 0
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def start(self, now: float) -> list[tuple[bytes, int]]:
         """Index the directory and start the writer thread; returns the (key, payload bytes) found."""
+        self._loop = asyncio.get_running_loop()
         os.makedirs(self.config.directory, exist_ok=True)
         found = self._index(now)
         self._thread = threading.Thread(target=self._write_loop, name="mooncaked-ssd-writer", daemon=True)
@@ -99,9 +94,16 @@ class SsdTier:
         self._thread = None
 
     def num_unwritten(self, keys: Collection[bytes]) -> int:
-        """How many of `keys` were queued for writing and are not on disk (after stop: never will be)."""
+        """How many of `keys` (queued for writing) are not on disk (after stop: never will be): still queued, their
+        write failed, or dropped since."""
         with self._lock:
-            return sum(1 for key in keys if key in self._pending)
+            failed = {key for key, _, error in self._outcomes if error is not None}
+            return sum(1 for key in keys if key in self._pending or key in failed or key not in self._sizes)
+
+    @property
+    def num_pending_bytes(self) -> int:
+        """Bytes queued for writing and not yet on disk."""
+        return self._pending_bytes
 
     # ---- event-loop side ----------------------------------------------------------------------------------
     def __contains__(self, key: object) -> bool:
@@ -142,7 +144,7 @@ class SsdTier:
 
     def _add(self, key: bytes, data: bytes | memoryview, now: float, position: int) -> None:
         self._sizes[key] = len(data)
-        self.num_used_bytes += len(data) + _HEADER.size
+        self.num_used_bytes += len(data) + HEADER_BYTES
         self._policy.on_insert(key, now, position)
         with self._lock:
             self._pending[key] = data
@@ -162,7 +164,7 @@ class SsdTier:
             pending = self._pending.get(key)
         if pending is not None:
             return bytes(pending)
-        data, problem = await asyncio.to_thread(self._read_file, key)
+        data, problem = await asyncio.to_thread(read_object, self.path_of(key), key)
         if data is None:
             if key in self._sizes:
                 logger.warning("ssd object %s unreadable (%s); deleted", key.hex(), problem)
@@ -176,7 +178,7 @@ class SsdTier:
         size = self._sizes.pop(key, None)
         if size is None:
             return
-        self.num_used_bytes -= size + _HEADER.size
+        self.num_used_bytes -= size + HEADER_BYTES
         self._policy.on_remove(key)
         with self._lock:
             data = self._pending.pop(key, None)
@@ -184,37 +186,48 @@ class SsdTier:
         self._enqueue(("delete", key))
 
     def path_of(self, key: bytes) -> str:
-        return os.path.join(self.config.directory, key.hex() + _SUFFIX)
+        return os.path.join(self.config.directory, key.hex() + SUFFIX)
 
     def _make_room(self, num_bytes: int, protected: Collection[bytes] = ()) -> bool:
-        needed = num_bytes + _HEADER.size
-        if needed > self.config.budget_bytes:
+        """Evict objects by policy until `num_bytes` fit; when they cannot fit, evict nothing and return False."""
+        num_over = self.num_used_bytes + num_bytes + HEADER_BYTES - self.config.budget_bytes
+        if num_bytes + HEADER_BYTES > self.config.budget_bytes:
             return False
-        while self.num_used_bytes + needed > self.config.budget_bytes:
-            victims = self._policy.victims(lambda key: key not in protected and self._is_evictable(key))
-            victim = next(iter(victims), None)
-            if victim is None:
-                return False
-            self.remove(victim)  # type: ignore[arg-type]
-            self._on_dropped(victim)  # type: ignore[arg-type]
+        victims: list[bytes] = []
+        for victim in self._policy.victims(lambda key: key not in protected and self._is_evictable(key)):
+            if num_over <= 0:
+                break
+            victims.append(victim)  # type: ignore[arg-type]
+            num_over -= self._sizes[victim] + HEADER_BYTES  # type: ignore[index]
+        if num_over > 0:
+            return False
+        for victim in victims:
+            self.remove(victim)
+            self._on_dropped(victim)
         return True
 
     def _index(self, now: float) -> list[tuple[bytes, int]]:
         found: list[tuple[bytes, int]] = []
         for name in sorted(os.listdir(self.config.directory)):
             path = os.path.join(self.config.directory, name)
-            key = _read_header_key(path) if name.endswith(_SUFFIX) else None
-            if key is None or name != key.hex() + _SUFFIX:
+            key = read_header_key(path) if name.endswith(SUFFIX) else None
+            if key is None or name != key.hex() + SUFFIX:
                 logger.warning("ssd tier: deleting %s (temporary, torn or foreign object file)", path)
-                _unlink(path)
+                unlink_quietly(path)
                 continue
-            size = os.path.getsize(path) - _HEADER.size
-            if self.num_used_bytes + size + _HEADER.size > self.config.budget_bytes:
+            data, problem = read_object(self.path_of(key), key)
+            if data is None:
+                logger.warning("ssd tier: deleting %s (%s: torn by a crash or corrupt)", path, problem)
+                self.num_corrupt += 1
+                unlink_quietly(path)
+                continue
+            size = len(data)
+            if self.num_used_bytes + size + HEADER_BYTES > self.config.budget_bytes:
                 logger.warning("ssd tier: deleting %s (over the budget of %d bytes)", path, self.config.budget_bytes)
-                _unlink(path)
+                unlink_quietly(path)
                 continue
             self._sizes[key] = size
-            self.num_used_bytes += size + _HEADER.size
+            self.num_used_bytes += size + HEADER_BYTES
             self._policy.on_insert(key, now, 0)
             found.append((key, size))
         return found
@@ -231,69 +244,50 @@ class SsdTier:
             if item is None:
                 return
             op, key = item
+            if op == "write":
+                self._write_pending(key)
+                continue
             try:
-                if op == "write":
-                    self._write_pending(key)
-                else:
-                    _unlink(self.path_of(key))
-            except OSError as error:
-                logger.error("ssd tier: %s of %s failed: %s", op, key.hex(), error)
+                unlink_quietly(self.path_of(key))
+            except OSError as error:  # the object is gone from the index already: only its file stays
+                logger.error("ssd tier: deleting %s failed: %s", key.hex(), error)
 
     def _write_pending(self, key: bytes) -> None:
+        """Write one queued object durably; its outcome goes to the event loop. A failed write leaves its bytes
+        queued (still served) until the loop drops the object."""
         with self._lock:
             data = self._pending.get(key)
         if data is None:
             return
-        path = self.path_of(key)
-        temporary = path + ".tmp"
+        error: OSError | None = None
         try:
-            with open(temporary, "wb") as file:
-                file.write(encode_header(key, data))
-                file.write(data)
-            os.replace(temporary, path)
-        finally:
-            with self._lock:
-                if self._pending.get(key) is data:
-                    del self._pending[key]
-                    self._pending_bytes -= len(data)
+            write_object(self.path_of(key), key, data)
+        except OSError as failure:
+            error = failure
+        with self._lock:
+            if error is None and self._pending.get(key) is data:
+                del self._pending[key]
+                self._pending_bytes -= len(data)
+            self._outcomes.append((key, data, error))
+            is_first = len(self._outcomes) == 1
+        if is_first and self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._settle)
+            except RuntimeError:  # the loop is closed: nobody is left to tell
+                pass
 
-    def _read_file(self, key: bytes) -> tuple[bytes | None, str]:
-        try:
-            with open(self.path_of(key), "rb") as file:
-                blob = file.read()
-        except OSError as error:
-            return None, str(error)
-        if len(blob) < _HEADER.size:
-            return None, "shorter than its header"
-        magic, version, stored_key, length, checksum = _HEADER.unpack_from(blob)
-        payload = memoryview(blob)[_HEADER.size :]
-        if magic != _MAGIC or version != _VERSION or stored_key != key:
-            return None, "bad header"
-        if len(payload) != length:
-            return None, f"torn: {len(payload)} of {length} payload bytes"
-        if xxhash.xxh3_64_intdigest(payload) != checksum:
-            return None, "checksum mismatch"
-        return bytes(payload), ""
-
-
-def _read_header_key(path: str) -> bytes | None:
-    """The key of a plausible object file (header intact, size matches), else None."""
-    try:
-        with open(path, "rb") as file:
-            header = file.read(_HEADER.size)
-        size = os.path.getsize(path)
-    except OSError:
-        return None
-    if len(header) != _HEADER.size:
-        return None
-    magic, version, key, length, _ = _HEADER.unpack(header)
-    if magic != _MAGIC or version != _VERSION or size != _HEADER.size + length:
-        return None
-    return bytes(key)
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+    def _settle(self) -> None:
+        """(Event loop) report the outcomes of the writes the thread finished."""
+        with self._lock:
+            outcomes, self._outcomes = self._outcomes, []
+        for key, data, error in outcomes:
+            if error is None:
+                if key in self._sizes and key not in self._pending:
+                    self._on_written(key)
+                continue
+            self.num_failed_writes += 1
+            if self._pending.get(key) is not data:
+                continue  # removed (or removed and queued again) since: nothing of this write is advertised
+            logger.error("ssd tier: writing %s failed: %s; the object is dropped", key.hex(), error)
+            self.remove(key)
+            self._on_dropped(key)

@@ -1,8 +1,8 @@
 """Bytes between the store's DRAM pool and its SSD tier, in the order the metadata needs them.
 
-1. Write-behind: `flush_evictions(pool)` copies the bytes of every block the core evicted to SSD out of the pool,
-   at once after the core call and before any await or new pool write; a block the SSD tier cannot take is
-   dropped from the core.
+1. Write-behind: `spill(pool, eviction)` (the core's spill) hands an evicted block's bytes to the SSD tier at
+   once, inside the core call, before its pool space can be handed out again; False when the tier cannot take
+   them (then the core keeps a pinned block in DRAM and drops an unpinned one).
 2. Promotion: `promote(locations, place)` reads SSD-only blocks back and has `place` put each into DRAM (a
    block that failed stays on SSD); the result keeps the order.
 3. Warm restart: `stop_ssd(pool, timeout_s)` queues every committed DRAM block SSD does not hold yet, most recently
@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from mooncaked.kv.store_core import TIER_DRAM, Location, StoreCore
+from mooncaked.kv.store_core import TIER_DRAM, Eviction, Location, StoreCore
 from mooncaked.store.shm_pool import ShmPool
 from mooncaked.store.ssd import SsdTier
 
@@ -33,21 +33,12 @@ class TierMoves:
     ssd: SsdTier | None
     clock: Callable[[], float]
 
-    def flush_evictions(self, pool: ShmPool | None) -> None:
-        evictions = self.core.drain_evictions()
-        if not evictions:
-            return
-        assert pool is not None
-        now = self.clock()
-        for eviction in evictions:
-            if not eviction.is_to_ssd:
-                continue
-            assert self.ssd is not None
-            data = pool.read(eviction.offset, eviction.num_bytes)
-            if not self.ssd.put(eviction.key, data, now):
-                logger.warning("store: ssd tier cannot take %s (budget or backlog full); dropped",
-                               eviction.key.hex())
-                self.core.ssd_dropped(eviction.key)
+    def spill(self, pool: ShmPool | None, eviction: Eviction) -> bool:
+        assert pool is not None and self.ssd is not None, "evictions happen only between start and stop"
+        if self.ssd.put(eviction.key, pool.read(eviction.offset, eviction.num_bytes), self.clock()):
+            return True
+        logger.warning("store: ssd tier cannot take %s (budget or backlog full)", eviction.key.hex())
+        return False
 
     async def promote(self, locations: Sequence[Location], place: Callable[[bytes, bytes], None]) -> list[Location]:
         """Bring SSD-only blocks back into DRAM; the result keeps the order (a block that failed stays SSD)."""
@@ -76,7 +67,6 @@ class TierMoves:
     def _persist_dram(self, pool: ShmPool, timeout_s: float) -> list[bytes]:
         """Queue the DRAM blocks for SSD, most recently used first, writing from the pool (mapped until stop)."""
         assert self.ssd is not None
-        self.flush_evictions(pool)
         locations = self.core.dram_blocks_by_recency()
         pool_view = pool.view
         blocks = [(loc.key, pool_view[loc.offset : loc.offset + loc.num_bytes]) for loc in locations]

@@ -61,6 +61,7 @@ class TransferEngine:
         tcp_send_buffer_bytes: int = 256 << 10,
         connect_timeout_s: float = 2.0,
         io_timeout_s: float = 10.0,
+        idle_timeout_s: float = 300.0,
         stop_timeout_s: float = 5.0,
         sysfs_root: str = "/sys",
         max_endpoints: int = 256,
@@ -78,7 +79,8 @@ class TransferEngine:
             max_retries=max_retries, path_cooldown_s=path_cooldown_s, topology=topology,
             path_failure_threshold=path_failure_threshold, tcp_frame_bytes=tcp_frame_bytes,
             tcp_send_buffer_bytes=tcp_send_buffer_bytes,
-            connect_timeout_s=connect_timeout_s, io_timeout_s=io_timeout_s, stop_timeout_s=stop_timeout_s,
+            connect_timeout_s=connect_timeout_s, io_timeout_s=io_timeout_s, idle_timeout_s=idle_timeout_s,
+            stop_timeout_s=stop_timeout_s,
             sysfs_root=sysfs_root, max_endpoints=max_endpoints, rdma_slices_per_run=rdma_slices_per_run,
             rdma_max_send_wr=max(64, rdma_slices_per_run),
         )
@@ -93,8 +95,8 @@ class TransferEngine:
         self._batches = BatchTable()
         self._server = DataServer(
             host, port, self._segments, lambda payload: self.handle_control(payload).decode(),
-            credentials=self._credentials, handshake_timeout_s=connect_timeout_s,
-            send_buffer_bytes=tcp_send_buffer_bytes,
+            credentials=self._credentials, handshake_timeout_s=connect_timeout_s, io_timeout_s=io_timeout_s,
+            idle_timeout_s=idle_timeout_s, send_buffer_bytes=tcp_send_buffer_bytes,
         )
         self._links: dict[str, TcpPeerLink] = {}
         self._links_lock = threading.Lock()

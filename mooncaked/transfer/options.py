@@ -27,6 +27,7 @@ class TransferOptions:
     tcp_send_buffer_bytes: int = 256 << 10
     connect_timeout_s: float = 2.0
     io_timeout_s: float = 10.0  # a socket operation or an RDMA run stuck this long fails its path
+    idle_timeout_s: float = 300.0  # a data connection idle this long is closed by its server (its client reconnects)
     stop_timeout_s: float = 5.0
     topology: Topology | None = None  # None: discovered from sysfs_root
     sysfs_root: str = "/sys"
@@ -50,5 +51,8 @@ class TransferOptions:
             )
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        if not 0 < self.io_timeout_s < self.idle_timeout_s:
+            raise ValueError(f"0 < io_timeout_s < idle_timeout_s is required, got {self.io_timeout_s} and "
+                             f"{self.idle_timeout_s}")
         if self.rdma_max_send_wr < self.rdma_slices_per_run:
             raise ValueError("rdma_max_send_wr must be >= rdma_slices_per_run (one run is posted at once)")

@@ -1,7 +1,9 @@
 """TCP transport, client side: several data connections to one peer, each driven by its own thread.
 
 1. `TcpPeerLink.start` starts one worker thread per connection (path "tcp:<endpoint>#<i>"); sockets connect
-   lazily and run the client side of the handshake (handshake.py) before their first frame.
+   lazily and run the client side of the handshake (handshake.py) before their first frame. A connection idle
+   for half of `idle_timeout_s` is closed and made anew before its next frame, so the server, which closes
+   connections idle for `idle_timeout_s`, never closes one under a frame.
 2. A worker takes a run of slices from the peer's queue and sends one frame: WRITE sends the header and the
    local segment's memoryview in one `sendmsg`; READ receives the payload with `recv_into` straight into the
    local segment. No intermediate copies. Up to two frames are outstanding per connection.
@@ -45,6 +47,7 @@ class TcpPeerLink:
         self.queue = PeerQueue(endpoint, self.paths, health, options.max_retries)
         self._connect_timeout_s = options.connect_timeout_s
         self._io_timeout_s = options.io_timeout_s
+        self._reuse_limit_s = options.idle_timeout_s / 2
         self._send_buffer_bytes = options.tcp_send_buffer_bytes
         self._sockets: dict[str, socket.socket] = {}
         self._lock = threading.Lock()
@@ -74,6 +77,7 @@ class TcpPeerLink:
 
     def _run_worker(self, path: str) -> None:
         sock: socket.socket | None = None
+        last_used = 0.0
         in_flight: InFlight = collections.deque()
         tags = itertools.count(1)
         while not self._is_stopping.is_set():
@@ -82,7 +86,11 @@ class TcpPeerLink:
                 if piece is None:
                     if in_flight:
                         self._complete_oldest(sock, path, in_flight)
+                        last_used = time.monotonic()
                     continue
+                if sock is not None and not in_flight and time.monotonic() - last_used > self._reuse_limit_s:
+                    self._close(path, sock)  # the server may close it any moment now: a fresh one instead
+                    sock = None
                 if piece.op is TransferOp.WRITE:
                     while any(p.op is TransferOp.READ for _, p in in_flight):
                         self._complete_oldest(sock, path, in_flight)
@@ -91,6 +99,7 @@ class TcpPeerLink:
                 _send_frame(sock, piece, in_flight[-1][0])
                 if len(in_flight) >= _PIPELINE_DEPTH:
                     self._complete_oldest(sock, path, in_flight)
+                last_used = time.monotonic()
             except wire.RemoteRejected as exc:  # the handshake was refused: another path cannot help
                 self._close(path, sock)
                 sock = None

@@ -6,8 +6,10 @@
    `handshake_timeout_s`; a peer that fails it gets one error reply and is closed before any frame is read.
    One address may hold MAX_HANDSHAKES_PER_ADDRESS connections in their handshake at once; more are closed as
    they are accepted (one warning when an address reaches the cap), so silent connections cannot pile up threads.
-3. Then, frame by frame: read a frame header, receive the payload straight into the segment (`recv_into`) or
-   send straight from it (`sendall` of a memoryview).
+3. Then, frame by frame: wait up to `idle_timeout_s` for the next frame (a connection idle longer is closed;
+   clients reconnect before reusing one idle for half that, tcp_client.py), read its header, receive the payload
+   straight into the segment (`recv_into`) or send straight from it (`sendall` of a memoryview). Within a frame
+   every send and receive must move bytes within `io_timeout_s`: a peer that stalls mid-frame is cut off.
 4. A frame outside a segment, or for an unknown segment, gets an error reply; the connection stays usable.
 5. `stop` closes the listener, shuts every connection down, and joins the threads within a deadline.
 
@@ -20,6 +22,7 @@ objects (measured: see `mooncaked bench transfer`). For a READ the reply header 
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import threading
 import time
@@ -50,12 +53,16 @@ class DataServer:
         *,
         credentials: DataCredentials,
         handshake_timeout_s: float,
+        io_timeout_s: float,
+        idle_timeout_s: float,
         send_buffer_bytes: int = 0,
     ) -> None:
         """`send_buffer_bytes`: SO_SNDBUF of each connection, which carries READ payloads (0: kernel default)."""
         self._host = host
         self._credentials = credentials
         self._handshake_timeout_s = handshake_timeout_s
+        self._io_timeout_s = io_timeout_s
+        self._idle_timeout_s = idle_timeout_s
         self._send_buffer_bytes = send_buffer_bytes
         self._port = port
         self._segments = segments
@@ -122,6 +129,10 @@ class DataServer:
             if not self._is_authenticated(conn, address, f"{address}:{port}"):
                 return
             while not self._is_stopping.is_set():
+                if not _is_readable_within(conn, self._idle_timeout_s):
+                    logger.debug("data connection from %s:%d idle for %.0f s: closed", address, port,
+                                 self._idle_timeout_s)
+                    break
                 header = wire.recv_request_header(conn, scratch)
                 if header is None or not self._serve_frame(conn, header):
                     break
@@ -157,7 +168,7 @@ class DataServer:
         if refusal:
             logger.warning("data connection from %s refused: %s", peer, refusal)
             return False
-        wire.clear_io_timeout(conn)
+        wire.set_io_timeout(conn, self._io_timeout_s)
         return True
 
     def _end_handshake(self, address: str) -> None:
@@ -208,6 +219,13 @@ class DataServer:
             return True
         wire.send_reply(conn, header.tag, wire.STATUS_OK, answer)
         return True
+
+
+def _is_readable_within(conn: socket.socket, timeout_s: float) -> bool:
+    """Whether `conn` has bytes (or its end: a close, a shutdown) to read within `timeout_s`."""
+    poller = select.poll()
+    poller.register(conn, select.POLLIN)
+    return bool(poller.poll(timeout_s * 1000))
 
 
 def _shutdown(conn: socket.socket) -> None:

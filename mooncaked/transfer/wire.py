@@ -74,13 +74,6 @@ def set_io_timeout(sock: socket.socket, timeout_s: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
 
 
-def clear_io_timeout(sock: socket.socket) -> None:
-    """Remove the kernel timeouts of `set_io_timeout`: calls wait as long as the peer takes."""
-    timeval = struct.pack("@ll", 0, 0)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-
-
 def send_all(sock: socket.socket, buffers: list[memoryview]) -> None:
     """Send `buffers` back to back, in one `sendmsg` unless the kernel takes them partially."""
     while buffers:

@@ -13,6 +13,9 @@ COMPLETION_FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "t
                      "stream_options", "logprobs", "n", "best_of", "echo", "suffix", "ignore_eos", "user")
 CHAT_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
                "stop", "stream", "stream_options", "logprobs", "top_logprobs", "n", "tools", "ignore_eos", "user")
+SAMPLING_CONTROLS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias",
+                     "stop_token_ids", "min_tokens", "response_format", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar", "structured_outputs")
 
 any_text = st.text(st.characters(codec=None), max_size=24)  # every code point, lone surrogates included
 scalars = (st.none() | st.booleans() | st.integers() | st.integers(-2**70, 2**70)
@@ -37,7 +40,7 @@ def mutated_bodies(draw: st.DrawFn, model: str, max_tokens: int = 4) -> tuple[st
     is_chat = draw(st.booleans())
     route = "/v1/chat/completions" if is_chat else "/v1/completions"
     body = base_chat(model, max_tokens) if is_chat else base_completion(model, max_tokens)
-    fields = CHAT_FIELDS if is_chat else COMPLETION_FIELDS
+    fields = (CHAT_FIELDS if is_chat else COMPLETION_FIELDS) + SAMPLING_CONTROLS
     for name in draw(st.lists(st.sampled_from(fields), min_size=1, max_size=3, unique=True)):
         body[name] = draw(json_values)
     if is_chat and draw(st.booleans()):

@@ -3,13 +3,15 @@
 Words in the prompt (or the last chat message) pick the script:
   REJECT -> 429 from prepare; UNAVAILABLE -> 503 from prepare; SLOW_PREPARE -> prepare never returns;
   FAIL_MID -> 503 after two chunks; STALL -> one chunk, then waits forever; BUG -> RuntimeError after one chunk.
-Otherwise it yields `max_tokens` chunks of one token each (" t0", " t1", ...), the last with "length".
+Otherwise it yields `max_tokens` chunks of one token each (" t0", " t1", ...), the last with "length"; with n > 1
+each choice's in turn.
 `reject_every=N` also rejects every N-th prepare with 429 (for load-generator tests on token-id prompts).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -67,10 +69,11 @@ class ScriptedBackend:
                     raise RuntimeError("scripted bug")
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
-                chunk = _chunk(prepared, index, self.token_delay_s)
-                if chunk.finish_reason is not None:
-                    self.finished.add(request_id)
-                yield chunk
+                for choice in range(prepared.request.n):  # n > 1: every choice's token in turn
+                    chunk = dataclasses.replace(_chunk(prepared, index, self.token_delay_s), index=choice)
+                    if chunk.finish_reason is not None and choice == prepared.request.n - 1:
+                        self.finished.add(request_id)
+                    yield chunk
         except (asyncio.CancelledError, GeneratorExit):
             if request_id not in self.finished:
                 self.cancelled.add(request_id)

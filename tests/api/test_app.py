@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -137,7 +138,9 @@ BAD_BODIES = [
     ({"prompt": "x", "max_tokens": True}, "max_tokens"),
     ({"prompt": "x", "temperature": 3}, "temperature"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
-    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "n": 17}, "n"),
+    ({"prompt": "x", "n": 3, "best_of": 2}, "best_of"),
+    ({"prompt": "x", "best_of": 3, "stream": True}, "best_of"),
     ({"prompt": "x", "stop": ["a", 1]}, "stop"),
     ({"prompt": "x", "stop": ["s"] * 17}, "stop"),
     ({"prompt": "x", "stream": "yes"}, "stream"),
@@ -145,7 +148,8 @@ BAD_BODIES = [
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "seed": 1.5}, "seed"),
     ({"prompt": ""}, "prompt"),
-    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": ["a", 3]}, "prompt"),
+    ({"prompt": ["a", ""]}, "prompt[1]"),
     ({"prompt": [1, -2]}, "prompt"),
     ({"prompt": 7}, "prompt"),
     ({"max_tokens": 3}, "prompt"),
@@ -318,3 +322,22 @@ async def test_disconnect_cancels_backend_under_default_runner(stream: bool) -> 
         await _disconnect_mid_stream(f"http://127.0.0.1:{port}", backend, stream=stream)
     finally:
         await runner.cleanup()
+
+
+async def test_a_client_that_stops_reading_a_stream_is_cut_off(make_client: MakeClient) -> None:
+    backend = ScriptedBackend(max_model_len=10**7)
+    client = await make_client(backend, request_timeout_s=0.5)
+    body = json.dumps({"prompt": "x", "max_tokens": 2_000_000, "stream": True}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    try:
+        await loop.sock_connect(sock, ("127.0.0.1", client.port))  # type: ignore[arg-type]
+        await loop.sock_sendall(sock, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: not-reading\r\n"
+                                      b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                                % (len(body), body))
+        await asyncio.wait_for(backend.closed_event.wait(), 30)  # never reads: the server gives up on it
+    finally:
+        sock.close()
+    assert backend.cancelled == {"not-reading"}

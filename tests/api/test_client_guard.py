@@ -170,3 +170,16 @@ async def test_a_freed_slot_is_reused(served: Served) -> None:
     assert await served.good_request(source="127.0.0.1") == 200
     for sock in held:
         sock.close()
+
+
+def test_the_log_bookkeeping_forgets_quiet_addresses(caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    guard = ClientGuard(client_timeout_s=TIMEOUT_S, max_connections_per_client=LIMIT, clock=lambda: now[0])
+    for i in range(1000):  # a thousand clients come and go, twice each within one interval
+        for _ in range(2):
+            guard._log(f"10.0.{i // 250}.{i % 250}", "body", "cut off %s", f"client {i}")
+    assert len(guard._last_logged) == 1000 and sum(guard._num_unlogged.values()) == 1000
+    now[0] = 10.5
+    guard._log("10.9.9.9", "body", "cut off %s", "a later client")
+    assert list(guard._last_logged) == [("10.9.9.9", "body")] and not guard._num_unlogged
+    assert "1 more cut-offs or refusals (body) of 10.0.3.249 were not logged" in caplog.text

@@ -16,7 +16,7 @@ class Chunks:
     def __init__(self, data: bytes, size: int = 7) -> None:
         self.parts = [data[i:i + size] for i in range(0, len(data), size)]
 
-    async def read_chunk(self, size: int = 0) -> bytes:
+    async def next_chunk(self, size: int) -> bytes:
         return self.parts.pop(0) if self.parts else b""
 
 

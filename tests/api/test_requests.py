@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import pytest
 
+from mooncaked.api.chat_messages import ChatMessage
 from mooncaked.api.errors import ApiError
-from mooncaked.api.requests import (
-    ChatMessage, decode_json_body, parse_chat_request, parse_completion_request,
-)
+from mooncaked.api.requests import decode_json_body, parse_chat_request, parse_completion_request
+from mooncaked.api.sampling_options import MAX_TOP_K
 
 MODELS = ["m1", "m2"]
+
+
+def minimal_body(parse: object) -> dict[str, object]:
+    if parse is parse_completion_request:
+        return {"prompt": "x"}
+    return {"messages": [{"role": "user", "content": "x"}]}
 
 
 @pytest.mark.parametrize(("prompt", "expected"), [
@@ -33,7 +39,7 @@ def test_completion_fields_read() -> None:
     request = parse_completion_request({
         "model": "m2", "prompt": "x", "max_tokens": 7, "temperature": 0, "top_p": 0.5, "top_k": -1, "seed": 3,
         "stop": "END", "stream": True, "stream_options": {"include_usage": True}, "logprobs": 0,
-        "ignore_eos": True, "user": "someone", "unknown_field": 1,
+        "ignore_eos": True, "user": "someone",
     }, request_id="r", model_ids=MODELS)
     assert request.model == "m2"
     sampling = request.sampling
@@ -60,17 +66,47 @@ def test_chat_fields_read() -> None:
 
 @pytest.mark.parametrize(("body", "status", "param"), [
     ({"prompt": "x", "model": "nope"}, 404, "model"),
-    ({"prompt": "x", "best_of": 2}, 400, "best_of"),
-    ({"prompt": "x", "echo": True}, 400, "echo"),
+    ({"prompt": "x", "n": 2, "best_of": 1}, 400, "best_of"),
+    ({"prompt": "x", "echo": "yes"}, 400, "echo"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
     ({"prompt": "x", "top_k": -2}, 400, "top_k"),
+    ({"prompt": "x", "top_k": 10**30}, 400, "top_k"),  # not even an int64 on the wire
+    ({"prompt": "x", "top_k": MAX_TOP_K + 1}, 400, "top_k"),
     ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ({"prompt": "x", "stream": True, "stream_options": {"include_usage": "y"}}, 400, "stream_options.include_usage"),
     ({"prompt": "x", "user": 5}, 400, "user"),
+    ({"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"prompt": "x", "min_p": 1.01}, 400, "min_p"),
+    ({"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": None}}, 400, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": 1, "05": 2}}, 400, "logit_bias"),
+    ({"prompt": "x", "logit_bias": [5]}, 400, "logit_bias"),
+    ({"prompt": "x", "stop_token_ids": [1, -1]}, 400, "stop_token_ids"),
+    ({"prompt": "x", "stop_token_ids": 3}, 400, "stop_token_ids"),
+    ({"prompt": "x", "min_tokens": -1}, 400, "min_tokens"),
+    ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
+    ({"prompt": "x", "presence_penalty": 10**400}, 400, "presence_penalty"),
 ])
 def test_completion_errors(body: dict[str, object], status: int, param: str) -> None:
     with pytest.raises(ApiError) as info:
         parse_completion_request(body, request_id="r", model_ids=MODELS)
     assert info.value.status == status and info.value.param == param
+
+
+@pytest.mark.parametrize("parse", [parse_completion_request, parse_chat_request])
+def test_sampling_controls_read_on_both_routes(parse: object) -> None:
+    body = {**minimal_body(parse), "max_tokens": 8, "presence_penalty": 0.5, "frequency_penalty": -1,
+            "repetition_penalty": 1.2, "min_p": 0.1, "logit_bias": {"50256": -100, "7": 2.5}, "stop_token_ids": [3, 4],
+            "min_tokens": 8}
+    assert callable(parse)
+    sampling = parse(body, request_id="r", model_ids=MODELS).sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty) == (0.5, -1.0, 1.2)
+    assert sampling.min_p == 0.1 and sampling.min_tokens == 8 and sampling.stop_token_ids == (3, 4)
+    assert sampling.logit_bias == ((50256, -100.0), (7, 2.5))
 
 
 def test_decode_json_body() -> None:
@@ -109,11 +145,23 @@ def test_json_python_cannot_decode_is_a_400(raw: bytes) -> None:
 
 @pytest.mark.parametrize("parse", [parse_completion_request, parse_chat_request])
 def test_priority_is_an_int32_lower_first_and_never_set_to_batch_by_a_client(parse: object) -> None:
-    body = {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}
+    body = minimal_body(parse)
     assert parse({**body, "priority": -7}, request_id="r", model_ids=MODELS).priority == -7  # type: ignore[operator]
-    request = parse({**body, "is_batch": True}, request_id="r", model_ids=MODELS)  # type: ignore[operator]
-    assert request.priority == 0 and not request.is_batch
+    with pytest.raises(ApiError) as refused:
+        parse({**body, "is_batch": True}, request_id="r", model_ids=MODELS)  # type: ignore[operator]
+    assert refused.value.param == "is_batch"
     for bad in (1.5, "high", True, 2**31):
         with pytest.raises(ApiError) as error:
             parse({**body, "priority": bad}, request_id="r", model_ids=MODELS)  # type: ignore[operator]
         assert error.value.status == 400 and error.value.param == "priority"
+
+
+def test_chat_template_kwargs_are_variables_the_server_does_not_set() -> None:
+    body = {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"enable_thinking": False, "b": 1}}
+    assert parse_chat_request(body, request_id="r", model_ids=MODELS).template_kwargs == (("b", 1),
+                                                                                        ("enable_thinking", False))
+    for bad, param in (({"messages": []}, "chat_template_kwargs.messages"), ([1], "chat_template_kwargs"),
+                       ({"not a name": 1}, "chat_template_kwargs.not a name")):
+        with pytest.raises(ApiError) as raised:
+            parse_chat_request({**body, "chat_template_kwargs": bad}, request_id="r", model_ids=MODELS)
+        assert raised.value.param == param

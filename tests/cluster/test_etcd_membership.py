@@ -165,3 +165,37 @@ async def test_election_and_takeover(tmp_path: Path, etcd: EtcdServer) -> None:
     finally:
         await first.stop()
         await second.stop()
+
+
+async def test_an_unexpected_session_failure_steps_down_and_registers_again(
+        tmp_path: Path, etcd: EtcdServer, caplog: pytest.LogCaptureFixture) -> None:
+    config = etcd_config(tmp_path, etcd, ("c0", "conductor"), ("c1", "conductor"), ttl=1)
+    first, second = (EtcdMembership(config, config.instance_named(n)) for n in ("c0", "c1"))
+    await first.start()
+    await first.campaign()
+    await second.start()
+    await second.campaign()
+    try:
+        await wait_until(lambda: first.is_leader() and second.leader() == "c0", 2.0, "c0 leads")
+        keepalive, calls = first.client.keepalive, []
+        old_lease = first.lease_id
+
+        async def keepalive_failing_once(lease_id: int) -> int:
+            calls.append(lease_id)
+            if len(calls) == 1:
+                raise TypeError("injected: not an EtcdError")
+            return await keepalive(lease_id)
+
+        first.client.keepalive = keepalive_failing_once  # type: ignore[method-assign]
+        await wait_until(lambda: calls, 2.0, "the next keep-alive")
+        await wait_until(lambda: not first.is_leader(), 0.2, "a failed session is a lost lease: c0 steps down")
+        await wait_until(lambda: first.status().is_connected and first.lease_id not in (0, old_lease), 5.0,
+                         "c0 registered again on a fresh lease")
+        await wait_until(second.is_leader, 4.0, "c1 leads: c0's old candidacy went with its old lease")
+        await asyncio.sleep(config.cluster.etcd.lease_ttl_s + 0.5)
+        assert second.is_leader() and not first.is_leader(), "never two leaders"
+        assert set(second.members()) == {"c0", "c1"}
+        assert "etcd session failed unexpectedly" in caplog.text and "injected: not an EtcdError" in caplog.text
+    finally:
+        await first.stop()
+        await second.stop()

@@ -1,7 +1,9 @@
 import pytest
 
 from mooncaked.kv.events import BLOCK_REMOVED, BLOCK_STORED
-from mooncaked.kv.store_core import TIER_DRAM, TIER_SSD, StoreConfig, StoreCore, StoreFull, UnknownHandle
+from mooncaked.kv.store_core import (
+    TIER_DRAM, TIER_SSD, Eviction, Spill, StoreConfig, StoreCore, StoreFull, UnknownHandle,
+)
 
 UNIT = 4096
 
@@ -10,10 +12,29 @@ def key(i: int) -> bytes:
     return i.to_bytes(16, "little")
 
 
-def make_core(num_blocks: int = 10, **overrides: object) -> StoreCore:
-    settings: dict = {"capacity_bytes": num_blocks * UNIT, "high_watermark": 0.8, "low_watermark": 0.5}
+def make_core(num_blocks: int = 10, spill: Spill | None = None, **overrides: object) -> StoreCore:
+    settings: dict = {"capacity_bytes": num_blocks * UNIT, "high_watermark": 0.8, "low_watermark": 0.5,
+                      "has_ssd": spill is not None}
     settings.update(overrides)
-    return StoreCore(StoreConfig(**settings))
+    return StoreCore(StoreConfig(**settings), spill)
+
+
+class SsdStandIn:
+    """Takes spilled blocks while it has room for `num_blocks` (the SSD tier's budget or backlog)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.taken: list[bytes] = []
+
+    def __call__(self, eviction: Eviction) -> bool:
+        if len(self.taken) >= self.num_blocks:
+            return False
+        self.taken.append(eviction.key)
+        return True
+
+
+def removed_keys(core: StoreCore, after_seq: int = 0) -> list[bytes]:
+    return [e.key for e in core.events_after(after_seq) or [] if e.kind == BLOCK_REMOVED]
 
 
 def put(core: StoreCore, keys: list[bytes], now: float = 0.0, first_position: int = 0) -> None:
@@ -90,25 +111,41 @@ def test_watermark_eviction_order_per_policy(policy: str, expected_victims: list
     core.lookup([key(2)], now=3.0)
     core.lookup([key(3)], now=3.0)  # recency: 4 5 1 2 3; use counts: 1:4, 2:2, 3:2, 4:1, 5:1
     assert core.evict_to_watermark(4.0) == 3 * UNIT  # 5 blocks used >= 50%: free down to 2 blocks
-    evicted = [e.key for e in core.drain_evictions()]
-    assert evicted == [key(i) for i in expected_victims]
     assert [e.kind for e in core.events_after(5) or []] == [BLOCK_REMOVED] * 3
+    assert removed_keys(core, 5) == [key(i) for i in expected_victims]
 
 
 def test_allocation_pressure_evicts_to_ssd_and_pins_move_not_drop() -> None:
-    core = make_core(num_blocks=2, has_ssd=True, high_watermark=1.0, low_watermark=1.0)
+    ssd = SsdStandIn(num_blocks=1)
+    core = make_core(num_blocks=2, spill=ssd, high_watermark=1.0, low_watermark=1.0)
     put(core, [key(1), key(2)])
     core.pin([key(1), key(2)], 60_000, 0.0)
     put(core, [key(3)], now=1.0)
-    (eviction,) = core.drain_evictions()
-    assert eviction.is_to_ssd and eviction.key == key(1)
+    assert ssd.taken == [key(1)]
     assert core.location(key(1)).tier == TIER_SSD  # type: ignore[union-attr]
     assert all(e.kind == BLOCK_STORED for e in core.events_after(0) or [])
     assert not core.is_ssd_evictable(key(1))  # pinned: the SSD tier keeps it
 
 
+def test_a_pinned_block_the_ssd_tier_cannot_take_stays_and_the_allocation_fails() -> None:
+    ssd = SsdStandIn(num_blocks=1)
+    core = make_core(num_blocks=3, spill=ssd, high_watermark=1.0, low_watermark=1.0)
+    put(core, [key(1), key(2), key(3)])
+    core.pin([key(1), key(2)], 60_000, 0.0)
+    put(core, [key(4)], now=1.0)  # key 3 (unpinned) goes to SSD first
+    core.pin([key(4)], 60_000, 1.0)
+    with pytest.raises(StoreFull, match="pinned and the SSD tier cannot take it"):
+        put(core, [key(5)], now=2.0)  # the SSD tier is full: neither pinned block may go
+    assert ssd.taken == [key(3)] and removed_keys(core) == []
+    assert [loc.tier for loc in core.lookup([key(1), key(2), key(3), key(4)], 2.0)[0]] == [
+        TIER_DRAM, TIER_DRAM, TIER_SSD, TIER_DRAM]
+    core.unpin([key(1)])
+    put(core, [key(5)], now=3.0)  # unpinned, key 1 may be dropped now that the SSD tier is full
+    assert removed_keys(core) == [key(1)]
+
+
 def test_promotion_places_ssd_block_back_in_dram() -> None:
-    core = make_core(num_blocks=2, has_ssd=True)
+    core = make_core(num_blocks=2, spill=SsdStandIn(num_blocks=4))
     core.ssd_loaded(key(9), UNIT)
     assert core.lookup([key(9)], 0.0)[0][0].tier == TIER_SSD
     offset = core.place_promoted(key(9), 0.0)
@@ -178,7 +215,7 @@ def test_spare_copies_are_evicted_first_and_marks_can_be_undone() -> None:
     assert core.stats()["num_spare_blocks"] == 1
     assert core.evict_to_watermark(5.0) == 3 * UNIT
     # LRU: the spare copy, then key 4 (kept again: first in line among the kept), then the oldest
-    assert [e.key for e in core.drain_evictions()] == [key(3), key(4), key(0)]
+    assert removed_keys(core, 5) == [key(3), key(4), key(0)]
     assert core.stats()["num_spare_blocks"] == 0
 
 

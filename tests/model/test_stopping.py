@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mooncaked.model.sampler import SamplingParams
+from mooncaked.model.sampling_params import SamplingParams
 from mooncaked.model.stopping import FINISH_LENGTH, FINISH_STOP, GenerationState, StopStringMatcher
 from mooncaked.model.tokenizer import byte_level_test_tokenizer
 
@@ -62,3 +62,29 @@ def test_matcher_finds_stop_split_across_many_feeds() -> None:
     released = "".join(matcher.feed(piece) for piece in ["x<", "e", "n", "d>tail"])
     assert released == "x" and matcher.matched == "<end>"
     assert matcher.feed("more") == ""
+
+
+def test_before_min_tokens_neither_stop_strings_nor_stop_ids_end_it() -> None:
+    """vLLM's rule: a stop string must end at or after the min_tokens-th token; one wholly before is output."""
+    deltas, state = _run(SamplingParams(max_tokens=100, stop=["ab"], min_tokens=4), "ab ab ab")
+    assert state.finish_reason == FINISH_STOP and state.text == "ab "
+    tok = byte_level_test_tokenizer()
+    held = GenerationState(tok, SamplingParams(max_tokens=10, min_tokens=2, stop_token_ids=(7,)),
+                           eos_token_ids=(EOS,))
+    assert held.append(EOS).finish_reason is None
+    assert held.append(7).finish_reason == FINISH_STOP
+
+
+def test_a_stop_string_completed_by_the_min_tokens_th_token_matches() -> None:
+    _, state = _run(SamplingParams(max_tokens=100, stop=["abc"], min_tokens=3), "abcdef")
+    assert state.finish_reason == FINISH_STOP and state.text == "" and len(state.output_ids) == 3
+
+
+def test_special_tokens_stay_in_the_text_when_not_skipped() -> None:
+    tok = byte_level_test_tokenizer()
+    kept = GenerationState(tok, SamplingParams(max_tokens=2, ignore_eos=True, skip_special_tokens=False))
+    skipped = GenerationState(tok, SamplingParams(max_tokens=2, ignore_eos=True))
+    for state in (kept, skipped):
+        state.append(EOS)
+        state.append(tok.encode("d", add_special_tokens=False)[0])
+    assert kept.text == "<|im_end|>d" and skipped.text == "d"

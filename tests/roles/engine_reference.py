@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from mooncaked.engine.batch import DecodeSeq, PrefillSeq, build_decode_batch, build_prefill_batch
@@ -10,7 +12,12 @@ from mooncaked.engine.runner import ModelRunner
 from mooncaked.model.loader import LoadedModel
 
 
-def greedy_tokens(loaded: LoadedModel, prompt: list[int], num_tokens: int, block_size: int = 16) -> list[int]:
+Adjust = Callable[[list[float], list[int]], list[float]]  # (logits row, output so far) -> adjusted row
+
+
+def greedy_tokens(loaded: LoadedModel, prompt: list[int], num_tokens: int, block_size: int = 16,
+                  adjust: Adjust | None = None) -> list[int]:
+    """`adjust` applies sampling controls to each row before its argmax (tests/model/sampling_reference.py)."""
     total = len(prompt) + num_tokens
     num_pages = -(-total // block_size)
     kv_pages = KVPages.for_model(loaded.args, num_pages=num_pages, block_size=block_size, dtype=loaded.dtype,
@@ -19,9 +26,17 @@ def greedy_tokens(loaded: LoadedModel, prompt: list[int], num_tokens: int, block
     page_ids = list(range(num_pages))
     batch = build_prefill_batch([PrefillSeq(prompt, 0, page_ids)], block_size=block_size, num_pages=num_pages,
                                 device="cpu")
-    tokens = [int(runner.prefill(batch).argmax(dim=-1)[0])]
+    tokens: list[int] = []
+
+    def choose(row: torch.Tensor) -> int:
+        if adjust is None:
+            return int(torch.argmax(row))
+        scores = adjust(row.tolist(), tokens)
+        return scores.index(max(scores))
+
+    tokens.append(choose(runner.prefill(batch)[0]))
     while len(tokens) < num_tokens:
         seq = DecodeSeq(tokens[-1], len(prompt) + len(tokens) - 1, page_ids)
         logits = runner.decode(build_decode_batch([seq], block_size=block_size, num_pages=num_pages, device="cpu"))
-        tokens.append(int(torch.argmax(logits[0])))
+        tokens.append(choose(logits[0]))
     return tokens

@@ -100,6 +100,7 @@ async def test_quota_bad_input_and_expiry(tmp_path: Path) -> None:
         assert "conductor.cache_quota_tokens = 150" in error["error"]["message"]
         status, _ = await call(http, "POST", config, "/v1/caches", who="bob", body={"prompt": prompt(2, 40)})
         assert status == 200  # the quota is per API key
+        assert len(roles["c0"].caches._create_locks) == 0, "no lock kept per client"  # type: ignore[attr-defined]
         for body, param in [({"prompt": prompt(3, 40), "ttl_s": 61}, "ttl_s"),
                             ({"prompt": prompt(3, 40), "ttl_s": "1h"}, "ttl_s"),
                             ({"prompt": prompt(3, 8)}, "prompt"),

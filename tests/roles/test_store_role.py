@@ -34,7 +34,7 @@ async def test_store_role_serves_health_info_and_blocks_then_cleans_up(tmp_path:
         info = await rpc.call(INFO, InfoRequest(), timeout_s=5)
         assert info.role == "store" and info.extra["pool_path"] == str(tmp_path / "mooncaked-role-test-store-0")
         assert os.path.exists(info.extra["pool_path"]) and os.path.isdir(tmp_path / "ssd" / "store-0")
-        client = await StoreClient.connect(rpc, host="127.0.0.2", engine=engine, timeout_s=5)
+        client = await StoreClient.connect(rpc, host="127.0.0.2", engine=engine, timeout_s=5, pool_path=None)
         data = np.arange(65536, dtype=np.uint8)
         reply = await client.allocate([bytes(16)], data.nbytes, lease_ms=5000)
         await client.write_blocks(client.register_staging("put", data.copy()), reply.handles)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -135,3 +136,39 @@ async def wait_until(predicate, timeout_s: float = 30.0) -> None:  # type: ignor
     while not predicate():
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.02)
+
+
+async def test_a_monitor_that_fails_to_respawn_is_restarted_and_respawns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    path = tmp_path / "store.yaml"
+    path.write_text(yaml.safe_dump({
+        "cluster": {"id": "monitor", "instances": [instance("s0", "store")]},
+        "store": {"dram_bytes": 4 << 20, "shm_dir": str(tmp_path)},
+        "runtime": {"drain_timeout_s": 1.0},
+    }))
+    supervisor = Supervisor(load_config(path), config_path=str(path), overrides=[], min_backoff_s=0.1,
+                            max_backoff_s=0.4)
+    spawn = supervisor._spawn
+    calls: list[str] = []
+
+    async def spawn_failing_once_after_start(child: Any) -> None:
+        calls.append(child.instance.name)
+        if len(calls) == 2:
+            raise OSError(24, "Too many open files (injected)")
+        await spawn(child)
+
+    supervisor._spawn = spawn_failing_once_after_start  # type: ignore[method-assign]
+    await supervisor.start()
+    try:
+        child = supervisor.children[0]
+        assert child.process is not None
+        pid = child.process.pid
+        os.kill(pid, signal.SIGKILL)
+        await wait_until(lambda: child.process is not None and child.process.pid != pid and child.ready.is_set(),
+                         timeout_s=60)
+        assert len(calls) == 3
+        assert "background loop monitor-s0 failed: OSError: [Errno 24] Too many open files (injected); " \
+               "restarting it" in caplog.text
+    finally:
+        await supervisor.stop()

@@ -9,7 +9,7 @@ import logging
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import pytest
 
@@ -315,3 +315,26 @@ async def test_stop_drains_in_flight_calls_then_cancels_the_rest(service: Servic
     await asyncio.wait_for(stopping, 5)
     assert server.num_inflight_calls == 0 and not server.connections
     await client.close()
+
+
+def num_deadlines(wheel: object) -> int:
+    buckets: dict[int, Any] = wheel._buckets  # type: ignore[attr-defined]
+    return sum(len(keys) for keys in buckets.values())
+
+
+async def test_finished_calls_leave_no_deadline_behind(tcp: tuple[RpcServer, RpcClient], service: Service) -> None:
+    """Calls and streams with hour-long deadlines (a decode stream's) are forgotten when they finish, not then."""
+    server, client = tcp
+    for i in range(50):
+        assert (await client.call(SLEEP, Sleep(0.0), timeout_s=3600.0)).text == "slept 0.0"
+        assert [c.n async for c in client.stream(COUNT, Count(2), timeout_s=3600.0)] == [0, 1]
+    waiting = asyncio.ensure_future(client.call(BLOCK, Echo("cancelled", []), timeout_s=3600.0))
+    while not service.num_started:
+        await asyncio.sleep(0.01)
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    await asyncio.sleep(0.05)  # the cancel reaches the server
+    client_wheels = [conn._deadlines for conn in client._slots if conn is not None]  # type: ignore[attr-defined]
+    server_wheels = [conn._deadlines for conn in server.connections]  # type: ignore[attr-defined]
+    assert client_wheels and server_wheels
+    assert [num_deadlines(w) for w in client_wheels + server_wheels] == [0] * len(client_wheels + server_wheels)

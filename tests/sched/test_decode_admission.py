@@ -21,6 +21,9 @@ def test_hard_limits_are_refused_under_every_policy(admission: str) -> None:
     assert reserve_refusal(admission, no_pages, 4, 100, 8, LIMIT).startswith("memory")
     full = DecodeLoadNow(num_free_pages=100, num_seqs=8, num_context_tokens=0)
     assert reserve_refusal(admission, full, 4, 100, 8, LIMIT).startswith("batch")
+    room_for_one = DecodeLoadNow(num_free_pages=100, num_seqs=7, num_context_tokens=0)
+    assert not reserve_refusal(admission, room_for_one, 4, 100, 8, LIMIT).startswith("batch")
+    assert reserve_refusal(admission, room_for_one, 4, 100, 8, LIMIT, num_seqs=4).startswith("batch")  # n = 4
 
 
 @pytest.mark.parametrize("admission", POLICIES)
@@ -61,8 +64,8 @@ def test_the_reserve_rule_follows_its_definition(admission: str, free: int, seqs
 
 def test_the_decode_role_and_the_simulator_call_these_functions() -> None:
     from mooncaked.roles.worker.decode import admission, role
-    from mooncaked.sim import engine
+    from mooncaked.sim import decode_reserve, engine
 
-    assert admission.reserve_refusal is reserve_refusal and engine.reserve_refusal is reserve_refusal
+    assert admission.reserve_refusal is reserve_refusal and decode_reserve.reserve_refusal is reserve_refusal
     assert role.refusal_after_prefill is refusal_after_prefill and engine.refusal_after_prefill is refusal_after_prefill
     assert role.capacity_refusal is capacity_refusal and engine.capacity_refusal is capacity_refusal

@@ -61,6 +61,6 @@ def test_a_batch_is_the_head_of_the_queue_order_and_keeps_every_limit(queue: lis
 
 def test_the_prefill_role_and_the_simulator_call_this_rule() -> None:
     from mooncaked.roles.worker.prefill import role
-    from mooncaked.sim import engine
+    from mooncaked.sim import prefill_side
 
-    assert role.take_batch is take_batch and engine.take_batch is take_batch
+    assert role.take_batch is take_batch and prefill_side.take_batch is take_batch

@@ -1,6 +1,7 @@
 """Simulator: determinism, cache study vs the trace ceiling, config validation, the CLI modes."""
 
 import argparse
+import math
 import json
 import random
 
@@ -176,8 +177,9 @@ def test_inline_prefill_on_decode_instances_serves_prompts_whose_prefix_they_hol
 
 def test_a_decode_instance_short_of_pages_refuses_reserve_or_makes_the_request_wait(tmp_path):
     """The decode role's RESERVE rule: prompt and output pages are set aside until the request ends; under early
-    rejection a request without room now is refused (`decode_memory`), under `none` it waits for room and only a
-    request larger than the instance's whole KV is refused."""
+    rejection a request without room now is refused (`decode_memory`), under `none` its RESERVE (and so its
+    prefill) waits for room, in arrival order, up to the TTFT SLO; a request larger than the instance's whole KV
+    is refused by both."""
     trace = _write_trace(tmp_path / "t.jsonl")
     tight = with_overrides(_small_config(admission="early_rejection"), "gpu", kv_memory_fraction=0.02)
     refusing = Simulator(tight, load_trace(trace))
@@ -188,7 +190,11 @@ def test_a_decode_instance_short_of_pages_refuses_reserve_or_makes_the_request_w
     num_pages = waiting.decode[0].num_pages
     assert num_pages == refusing.decode[0].num_pages
     too_large = {r.index for r in waited.records if -(-(r.input_length + r.output_length) // 512) > num_pages}
-    assert {r.index for r in waited.records if r.rejection_reason} == too_large
-    assert all(r.rejection_reason == "decode_memory" for r in waited.records if r.index in too_large)
-    assert len(too_large) < sum(1 for r in refused.records if r.rejection_reason)
-    assert all(not d.reserved_pages for d in waiting.decode)  # every request gave its pages back
+    assert too_large <= {r.index for r in waited.records if r.rejection_reason == "decode_memory"}
+    assert all(r.rejection_reason in ("", "decode_memory", "decode_queued") for r in waited.records)
+    gave_up = [r for r in waited.records if r.rejection_reason and r.index not in too_large]
+    assert all(not math.isnan(r.ttft_s) or r.rejection_reason for r in waited.records)
+    assert sum(1 for r in waited.records if not r.rejection_reason) > sum(
+        1 for r in refused.records if not r.rejection_reason)
+    assert len(gave_up) < len(waited.records) // 2
+    assert all(not d.reserved_pages and not d.reserve_queue for d in waiting.decode)  # every page given back

@@ -49,7 +49,7 @@ async def test_offsets_of_an_earlier_run_are_refused_and_the_client_goes_on(tmp_
     await first.start()
     second = StoreRun(tmp_path, first.port)
     try:
-        async with open_client_at(f"tcp://127.0.0.1:{first.port}", path) as client:
+        async with open_client_at(f"tcp://127.0.0.1:{first.port}", path, str(tmp_path / "pool")) as client:
             source, sink = client.register_staging("source", filled(5)), client.register_staging("sink", filled(0))
             written = (await client.allocate([key(1)], BLOCK, 10_000)).handles
             await client.write_blocks(source, written)

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mooncaked.store.shm_pool import ShmPool, pool_path
+from mooncaked.store.shm_pool import PoolFileRefused, ShmPool, pool_path
 
 
 def test_pool_path_sanitises_names() -> None:
@@ -46,3 +46,20 @@ def test_another_process_writes_through_its_own_mapping(tmp_path: Path) -> None:
 def test_attach_to_missing_pool_says_what_to_check(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="is the store on this host running"):
         ShmPool.attach(str(tmp_path / "absent"))
+
+
+def test_attach_refuses_a_link_a_non_regular_file_and_a_wrong_size(tmp_path: Path) -> None:
+    pool = ShmPool.create(str(tmp_path / "pool"), 8192)
+    try:
+        os.symlink(tmp_path / "pool", tmp_path / "link")
+        with pytest.raises(PoolFileRefused, match="symbolic link"):
+            ShmPool.attach(str(tmp_path / "link"))
+        os.mkfifo(tmp_path / "fifo")
+        with pytest.raises(PoolFileRefused, match="not a regular file"):
+            ShmPool.attach(str(tmp_path / "fifo"))
+        with pytest.raises(PoolFileRefused, match="8192 bytes, the store reports 4096"):
+            ShmPool.attach(str(tmp_path / "pool"), expected_bytes=4096)
+        attached = ShmPool.attach(str(tmp_path / "pool"), expected_bytes=8192)
+        attached.close()
+    finally:
+        pool.close()

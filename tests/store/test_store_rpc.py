@@ -60,19 +60,19 @@ def rpc_client(address: str, name: str = "w") -> RpcClient:
 
 @contextlib.asynccontextmanager
 async def open_client(store: Store, path: str) -> AsyncIterator[StoreClient]:
-    async with open_client_at(store.address, path) as client:
+    async with open_client_at(store.address, path, store.service.config.pool_path) as client:
         yield client
 
 
 @contextlib.asynccontextmanager
-async def open_client_at(address: str, path: str) -> AsyncIterator[StoreClient]:
+async def open_client_at(address: str, path: str, pool_path: str | None = None) -> AsyncIterator[StoreClient]:
     """path "remote": a client on another host (engine on 127.0.0.2); "local": same host, pool mapped."""
     engine = TransferEngine(host="127.0.0.2", transports=("tcp",)) if path == "remote" else None
     if engine is not None:
         await engine.start()
     rpc = rpc_client(address, path)
     host = "127.0.0.2" if path == "remote" else "127.0.0.1"
-    client = await StoreClient.connect(rpc, host=host, engine=engine, timeout_s=10.0)
+    client = await StoreClient.connect(rpc, host=host, engine=engine, timeout_s=10.0, pool_path=pool_path)
     try:
         yield client
     finally:
@@ -150,7 +150,7 @@ from mooncaked.rpc import RpcClient
 
 async def main() -> None:
     rpc = RpcClient(sys.argv[1], role="prefill", instance="doomed", cluster_id="test", secret=None)
-    client = await StoreClient.connect(rpc, host="127.0.0.1")
+    client = await StoreClient.connect(rpc, host="127.0.0.1", pool_path=sys.argv[2])
     reply = await client.allocate([bytes([9]) * 16], 16384, lease_ms=1500)
     print(reply.handles[0].handle_id, flush=True)
     await asyncio.sleep(60)
@@ -160,8 +160,8 @@ asyncio.run(main())
 
 
 async def test_writer_killed_between_allocate_and_commit_is_reclaimed(store: Store, local: StoreClient) -> None:
-    process = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, store.address], stdout=subprocess.PIPE,
-                               text=True)
+    process = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, store.address, store.service.config.pool_path],
+                               stdout=subprocess.PIPE, text=True)
     try:
         line = await asyncio.wait_for(asyncio.to_thread(process.stdout.readline), 30)  # type: ignore[union-attr]
         assert int(line) > 0 and store.service.core.allocator.num_used_bytes == BLOCK

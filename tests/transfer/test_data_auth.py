@@ -263,3 +263,51 @@ async def test_silent_connections_from_one_address_are_capped(server: TransferEn
         except (HandshakeRefused, OSError):
             assert time.monotonic() < deadline
             time.sleep(0.05)
+
+
+@pytest.fixture
+async def strict_server() -> AsyncIterator[TransferEngine]:
+    """A server whose data connections must progress within 0.3 s inside a frame and are closed after 1 s idle."""
+    engine = TransferEngine(host="127.0.0.1", cluster_id=CLUSTER, secret=SECRET, connect_timeout_s=1.0,
+                            io_timeout_s=0.3, idle_timeout_s=1.0)
+    await engine.start()
+    engine.register("pool", bytearray(SEGMENT))
+    yield engine
+    await engine.stop()
+
+
+async def test_a_peer_that_stalls_inside_a_frame_is_cut_off(strict_server: TransferEngine) -> None:
+    with raw_connection(strict_server) as sock:
+        client_handshake(sock, DataCredentials(CLUSTER, SECRET), strict_server.endpoint)
+        sock.sendall(wire.encode_request(wire.OP_WRITE, "pool", 1, 0, 4096) + b"x" * 10)  # then nothing more
+        started = time.monotonic()
+        assert read_until_closed(sock) == b""
+        assert time.monotonic() - started < 0.9, "cut off after io_timeout_s, not at the idle timeout"
+    assert _authenticated_read(strict_server)[10:] == SEGMENT[10:16], "the server goes on serving the others"
+
+
+async def test_an_idle_connection_is_closed_after_the_idle_timeout(strict_server: TransferEngine) -> None:
+    with raw_connection(strict_server) as sock:
+        client_handshake(sock, DataCredentials(CLUSTER, SECRET), strict_server.endpoint)
+        started = time.monotonic()
+        assert read_until_closed(sock) == b""
+        assert 0.8 < time.monotonic() - started < 3.0
+
+
+async def test_a_client_never_reuses_a_connection_the_server_may_have_closed(
+        strict_server: TransferEngine) -> None:
+    client = TransferEngine(host="127.0.0.2", cluster_id=CLUSTER, secret=SECRET, max_retries=0,
+                            num_connections_per_peer=1, io_timeout_s=0.3, idle_timeout_s=1.0)
+    await client.start()
+    try:
+        local = bytearray(len(SEGMENT))
+        client.register("local", local)
+        request = TransferRequest(TransferOp.READ, "local", 0, SegmentRef(strict_server.endpoint, "pool"), 0,
+                                  len(SEGMENT))
+        await client.wait(client.submit([request]), timeout_s=10)
+        time.sleep(1.3)  # the server closed the idle connection meanwhile
+        local[:] = bytes(len(SEGMENT))
+        await client.wait(client.submit([request]), timeout_s=10)  # no retry allowed: a fresh connection
+        assert bytes(local) == SEGMENT
+    finally:
+        await client.stop()

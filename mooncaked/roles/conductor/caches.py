@@ -28,13 +28,16 @@ from typing import Any
 
 from mooncaked.api.cache_routes import CacheCreate, cache_not_found
 from mooncaked.api.errors import ApiError, context_too_long, invalid_field, unavailable
-from mooncaked.api.requests import ChatRequest, CompletionRequest, SamplingOptions
+from mooncaked.api.requests import ChatRequest, CompletionRequest
+from mooncaked.api.sampling_options import SamplingOptions
 from mooncaked.config import Config
 from mooncaked.kv.keys import block_keys, isolated_namespace
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.frontend import ModelFrontend, key_isolation, prompt_token_ids
 from mooncaked.roles.conductor.view.cluster import ClusterView
 from mooncaked.rpc import RpcError
+from mooncaked.runtime.keyed_locks import KeyedLocks
+from mooncaked.runtime.supervised import start_supervised, stop_task
 from mooncaked.store import cache_messages as msg
 from mooncaked.store.cache_records import CacheInfo
 
@@ -67,21 +70,19 @@ class CacheRegistry:
         self.namespace = namespace
         self.complete = complete
         self.listed: dict[str, ListedCache] = {}
-        self._create_locks: dict[str, asyncio.Lock] = {}
+        self._create_locks = KeyedLocks()  # one creation at a time per client (its quota)
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._refresh_loop(), name="cache-refresh")
+        self._task = start_supervised("cache-refresh", self._refresh_loop)
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await stop_task(task)
 
     # ---- the API -----------------------------------------------------------------------------------------
     async def create_cache(self, spec: CacheCreate) -> dict[str, Any]:
-        token_ids = prompt_token_ids(self.model, spec.context, add_generation_prompt=False)
+        token_ids = await prompt_token_ids(self.model, spec.context, add_generation_prompt=False)
         block_size = self.config.kv.block_size
         if len(token_ids) < block_size:
             raise invalid_field("messages" if isinstance(spec.context, ChatRequest) else "prompt",
@@ -89,8 +90,7 @@ class CacheRegistry:
                                 f"({block_size} tokens)")
         if len(token_ids) + 1 > self.model.context_length:
             raise context_too_long(len(token_ids), self.model.context_length)
-        lock = self._create_locks.setdefault(spec.client_id, asyncio.Lock())
-        async with lock:
+        async with self._create_locks.hold(spec.client_id):
             await self.refresh()
             self._check_quota(spec.client_id, len(token_ids))
             cache_id = "cache-" + uuid.uuid4().hex[:24]

@@ -31,9 +31,9 @@ async def complete(backend: GenerationBackend, request: CompletionRequest | Chat
 
 async def complete_prepared(backend: GenerationBackend, prepared: PreparedRequest, timeout_s: float) -> dict[str, Any]:
     chunks = backend.generate(prepared)
-    builder = ResponseBuilder(prepared.request)
+    builder = ResponseBuilder(prepared.request, num_choices=prepared.request.n, choices_per_prompt=prepared.request.n)
     try:
-        while builder.finish_reason is None:
+        while not builder.is_done:
             try:
                 async with asyncio.timeout(timeout_s):
                     chunk = await anext(chunks)

@@ -6,9 +6,12 @@
 2. Each period (`pd_controller.interval_s`) the leader measures each pool from the workers' LOAD replies:
    prefill load = queue time (queued and running work times the measured prefill time) / TTFT SLO; decode
    load = the larger of the measured step time / TBT SLO and the batch's fill. It feeds `SwitchPlanner`
-   (sched/pd_switch.py: pd_ratio with hysteresis, confirmation and dwell time), and when that names an
-   instance, sends it SWITCH and waits for the reply (the instance drains, switches, registers again).
-3. `stop()` cancels the loop; the candidacy goes with the lease when the membership stops.
+   (sched/pd_switch.py: a switch only when what it brings within the SLOs over the horizon outweighs what it
+   costs, with persistence and dwell scaled by that cost), and when that names an instance, sends it SWITCH and
+   waits for the reply (the instance drains, switches, registers again); how long that took is the instance's
+   measured switch cost.
+3. `stop()` cancels the loop (a supervised task: an unexpected exception is logged and the loop restarts); the
+   candidacy goes with the lease when the membership stops.
 
 Owns the planner, the loop task and the record of switches this conductor ordered. Borrows the view, the peer
 clients and the membership.
@@ -28,8 +31,9 @@ from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.view.cluster import ClusterView, WorkerState
 from mooncaked.roles.worker.switch_messages import SWITCH, SwitchRequest
 from mooncaked.rpc import RpcError
+from mooncaked.runtime.supervised import start_supervised, stop_task
 from mooncaked.sched.pd_ratio import PdRatioConfig
-from mooncaked.sched.pd_switch import SwitchCandidate, SwitchPlan, SwitchPlanner
+from mooncaked.sched.pd_switch import SwitchCandidate, SwitchPlan, SwitchPlanner, SwitchPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +56,16 @@ def decode_load(worker: WorkerState, tbt_slo_s: float) -> float:
     return max(step, fill)
 
 
+def switch_policy(config: Config) -> SwitchPolicy:
+    section = config.pd_controller
+    ratio = PdRatioConfig(trim_fraction=section.trim_fraction, tolerance=section.tolerance,
+                          scale_out_load=section.scale_out_load, scale_in_load=section.scale_in_load,
+                          max_step=1, min_per_side=section.min_per_side)
+    return SwitchPolicy(ratio, section.window, section.num_confirm, section.dwell_s, section.interval_s,
+                        section.horizon_s, section.gain_margin, section.switch_cost_s, section.dwell_per_cost,
+                        section.reversal_factor)
+
+
 class PdController:
     """See the module docstring."""
 
@@ -62,10 +76,7 @@ class PdController:
         self.view = view
         self.peers = peers
         self.membership = membership
-        ratio = PdRatioConfig(trim_fraction=section.trim_fraction, tolerance=section.tolerance,
-                              scale_out_load=section.scale_out_load, scale_in_load=section.scale_in_load,
-                              max_step=1, min_per_side=section.min_per_side)
-        self.planner = SwitchPlanner(ratio, section.window, section.num_confirm, section.dwell_s)
+        self.planner = SwitchPlanner(switch_policy(config))
         self.switches: deque[dict[str, Any]] = deque(maxlen=NUM_SWITCHES_KEPT)
         self.last_switch_at: dict[str, float] = {}
         self.is_leading = False
@@ -74,13 +85,11 @@ class PdController:
 
     async def start(self) -> None:
         await self.membership.campaign()
-        self._task = asyncio.create_task(self._run(), name="pd-controller")
+        self._task = start_supervised("pd-controller", self._run)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        task, self._task = self._task, None
+        await stop_task(task)
 
     def describe(self) -> dict[str, Any]:
         decision = self.planner.last_decision
@@ -88,6 +97,7 @@ class PdController:
                 "last_decision": None if decision is None else {"reason": decision.reason,
                                                                 "imbalance_factor": decision.imbalance_factor},
                 "prefill_loads": list(self.planner.prefill_loads), "decode_loads": list(self.planner.decode_loads),
+                "last_gain": self.planner.last_gain, "switch_cost_s": dict(self.planner.cost_s),
                 "num_switches": self.num_switches,
                 "switches": list(self.switches)}
 
@@ -133,11 +143,14 @@ class PdController:
 
     async def _apply(self, plan: SwitchPlan) -> None:
         decision = plan.decision
-        logger.info("P/D controller: switching %s %s -> %s (%s, imbalance %.2f)", plan.name, plan.from_role,
-                    plan.to_role, decision.reason, decision.imbalance_factor)
+        logger.info("P/D controller: switching %s %s -> %s (%s, imbalance %.2f, gain %.2f instances, expected "
+                    "cost %.1f s)", plan.name, plan.from_role, plan.to_role, decision.reason,
+                    decision.imbalance_factor, plan.gain, plan.cost_s)
         timeout_s = self.section.switch_timeout_s
         record: dict[str, Any] = {"instance": plan.name, "from_role": plan.from_role, "to_role": plan.to_role,
-                                  "reason": decision.reason, "at": time.time(), "is_switched": False}
+                                  "reason": decision.reason, "at": time.time(), "is_switched": False,
+                                  "gain": plan.gain, "expected_cost_s": plan.cost_s}
+        started = time.monotonic()
         try:
             reply = await self.peers.for_instance(self.view.instance_config(plan.name)).call(
                 SWITCH, SwitchRequest(plan.to_role, decision.reason, timeout_s), timeout_s=timeout_s + 5.0)
@@ -151,6 +164,7 @@ class PdController:
                 logger.info("P/D controller: %s did not switch: %s", plan.name, reply.reason)
                 record["error"] = reply.reason
         now = time.monotonic()
+        record["cost_s"] = now - started
         self.last_switch_at[plan.name] = now
-        self.planner.switched(plan.name, now)
+        self.planner.switched(plan.name, now, now - started, plan.from_role)
         self.switches.append(record)

@@ -1,7 +1,8 @@
 """One attempt at serving a request: place it, RESERVE, PREFILL, DECODE, and give back what it held.
 
 1. `LegWork` is what the attempt serves: the prompt (a migrated request's prompt plus the tokens it already
-   streamed), its block keys, the tokens left and the seed state; `leg_id` names it on the instances.
+   streamed), its block keys, the tokens left and the seed state; `leg_id` (`attempt_id`: unique per attempt)
+   names it on the instances.
 2. `place()` runs Algorithm 1 (a Rejection becomes a 429 or 503), leaving out instances this request saw fail.
 3. `reserve()`, `prefill()`, `open_decode()` and `next_item()` drive the legs, each with its deadline. A leg
    that fails in a way another instance can fix (unreachable, stopping, past its deadline) raises `LegFailed`
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -28,14 +30,21 @@ from mooncaked.roles.worker.messages import (DECODE, DecodeItem, DecodeRequest, 
                                              TokenSample, UNRESERVE, UnreserveRequest)
 from mooncaked.rpc import Cancelled, DeadlineExceeded, ResourceExhausted, RpcClient, RpcError, Unavailable
 from mooncaked.runtime.aio import aclose
-from mooncaked.sched.decode_admission import rejection_reason
+from mooncaked.sched.decode_admission import REASON_PAGES_NOT_FREED, rejection_reason
 from mooncaked.sched.types import Placement, REASON_DECODE_REFUSED, Rejection, RequestInfo
 
 logger = logging.getLogger(__name__)
 
 UNRESERVE_TIMEOUT_S = 2.0  # cleanup only: an unclaimed reservation also ends with its lease
-MIGRATION_CAUSES = frozenset(f"{leg}_{kind}" for leg in ("reserve", "prefill", "decode")
-                             for kind in ("lost", "deadline"))
+MIGRATION_CAUSES = frozenset({f"{leg}_{kind}" for leg in ("reserve", "prefill", "decode")
+                              for kind in ("lost", "deadline")} | {"decode_pages"})
+
+
+def attempt_id(request_id: str, num_migrations: int) -> str:
+    """The id an attempt goes by on the instances (reservation, KV pages, in-flight work): unique per attempt,
+    since the request id may be the client's own `X-Request-Id`, which other live requests may share. It starts
+    with the request id so that the instances' logs still name the client's."""
+    return f"{request_id}~{num_migrations}.{secrets.token_hex(8)}"
 
 
 @dataclass(frozen=True)
@@ -85,17 +94,22 @@ class Leg:
         self.is_decode_sent = False  # DECODE went out: the decode instance frees the reservation itself
         self.num_decode_items = 0
         self.is_settled = False
+        self.predicted_output_tokens = 0  # the output-length predictor's forecast at placement (0: none)
 
     # ---- placement ----------------------------------------------------------------------------------------
     def place(self, excluded: frozenset[str]) -> Placement:
         work = self.work
-        info = RequestInfo(work.leg_id, len(work.token_ids), work.block_keys, work.arrival_time)
+        max_tokens = work.sampling.max_tokens
+        predicted_tokens = self.view.forecast.tokens_for(work.client_id, max_tokens, len(work.token_ids))
+        info = RequestInfo(work.leg_id, len(work.token_ids), work.block_keys, work.arrival_time, max_tokens,
+                           predicted_tokens)
         now = time.monotonic()
         result = self.view.place(info, now, excluded=excluded)
         if isinstance(result, Rejection):
             raise Rejected(result.reason, self._rejection_error(result))
         self.view.flights.begin(info, result, now, max_tokens=work.max_tokens, client_id=work.client_id)
         self.placement = result
+        self.predicted_output_tokens = predicted_tokens
         logger.debug("placed: prefill %s, decode %s, prefix %d blocks (%d local, fetch %s), predicted TTFT %.3f s",
                      result.prefill_instance or "inline", result.decode_instance, result.num_prefix_blocks,
                      result.num_local_prefix_blocks, result.fetch_from_store, result.predicted_ttft_s)
@@ -117,7 +131,9 @@ class Leg:
                                  min(int(lease_s * 1000), self.config.store.max_lease_ms),
                                  is_inline_prefill=not placement.prefill_instance, tenant=work.tenant,
                                  priority=work.sampling.priority, is_batch=work.sampling.is_batch,
-                                 conductor_run=self.view.run_id)
+                                 conductor_run=self.view.run_id, decode_start_s=placement.predicted_ttft_s,
+                                 predicted_output_tokens=self.predicted_output_tokens,
+                                 num_sequences=work.sampling.num_sequences)
         self.may_hold_reservation = True  # from here a cancel or a lost reply may leave one behind
         waits = self.config.scheduler.admission in ("none", "baseline")  # RESERVE waits for room there
         timeout_s = conductor.prefill_timeout_s if waits else self.config.rpc.call_timeout_s
@@ -152,11 +168,13 @@ class Leg:
         self.view.flights.prefill_done(work.leg_id)
         return reply
 
-    def open_decode(self, first_token: TokenSample | None, max_tokens: int) -> None:
+    def open_decode(self, first_tokens: list[TokenSample], max_tokens: int) -> None:
+        """`first_tokens`: every sequence's, from the prefill ([]: prefill inline on the decode instance)."""
         placement, work, conductor = self._placed(), self.work, self.config.conductor
         request = DecodeRequest(work.leg_id, list(work.token_ids), list(work.block_keys),
-                                dataclasses.replace(work.sampling, max_tokens=max_tokens), first_token,
-                                key_isolation=work.key_isolation, tenant=work.tenant)
+                                dataclasses.replace(work.sampling, max_tokens=max_tokens),
+                                first_tokens[0] if first_tokens else None, key_isolation=work.key_isolation,
+                                tenant=work.tenant, more_first_tokens=first_tokens[1:])
         stream_s = conductor.first_token_timeout_s + max_tokens * conductor.token_timeout_s
         self.decode_stream = self._client(placement.decode_instance).stream(DECODE, request, timeout_s=stream_s)
         self.view.flights.decode_started(work.leg_id, time.monotonic())
@@ -190,6 +208,10 @@ class Leg:
             self.view.report_failure(instance, str(exc))
             return LegFailed(f"{leg}_lost", instance,
                              unavailable(f"The {leg} instance {instance} is unreachable; retry shortly."))
+        if isinstance(exc, ResourceExhausted) and exc.message.startswith(REASON_PAGES_NOT_FREED):
+            # the decode instance's memory forecast was wrong: another decode instance may have the pages
+            return LegFailed(f"{leg}_pages", instance, overloaded(f"{instance} had no KV pages free in time",
+                                                                  float(self.config.conductor.retry_after_s)))
         if isinstance(exc, ResourceExhausted) and exc.message.startswith(REASON_DECODE_REFUSED):
             return Rejected(REASON_DECODE_REFUSED, self._rejection_error(Rejection(self.work.leg_id,
                                                                                    REASON_DECODE_REFUSED)))

@@ -27,7 +27,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
-from mooncaked.api.backend import GenerationChunk, TokenLogprob
+from mooncaked.api.backend import GenerationChunk
 from mooncaked.api.errors import ApiError
 from mooncaked.config import Config
 from mooncaked.kv.keys import block_keys, isolated_namespace
@@ -35,7 +35,8 @@ from mooncaked.model.stopping import FINISH_LENGTH, FINISH_STOP, GenerationState
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.class_metrics import ClassMetrics
 from mooncaked.roles.conductor.frontend import ConductorRequest, ModelFrontend
-from mooncaked.roles.conductor.leg import Leg, LegFailed, LegWork, Rejected
+from mooncaked.roles.conductor.leg import Leg, LegFailed, LegWork, Rejected, attempt_id
+from mooncaked.roles.conductor.logprobs import prompt_logprobs, token_logprobs
 from mooncaked.roles.conductor.view.cluster import ClusterView
 from mooncaked.roles.conductor.view.prediction_errors import PredictionErrors, PredictionRecord
 from mooncaked.roles.worker.messages import FINISH_EOS, PrefillReply, SamplingSpec, StoreTenant, TokenSample
@@ -66,16 +67,18 @@ class RunServices(Protocol):
 
 
 class RequestRun:
-    """One request. Owns its current `Leg`, its `GenerationState` and its migration count until `chunks()` closes."""
+    """One request. Owns its current `Leg`, its `GenerationState`s (one per sequence: parallel sampling) and its
+    migration count until `chunks()` closes."""
 
-    def __init__(self, backend: RunServices, prepared: ConductorRequest, state: GenerationState,
+    def __init__(self, backend: RunServices, prepared: ConductorRequest, states: Sequence[GenerationState],
                  sampling: SamplingSpec) -> None:
         self.backend = backend
         self.config = backend.config
         self.view = backend.view
         self.prepared = prepared
         self.request_id = prepared.request_id
-        self.state = state
+        self.states = list(states)
+        self.state = states[0]  # a single sequence's: what a migration continues
         self.sampling = sampling  # max_tokens is the request's; a leg may ask for fewer
         self.leg: Leg | None = None
         self.first_placement: Placement | None = None
@@ -83,6 +86,7 @@ class RequestRun:
         self.num_migrations = 0
         self.num_cached_tokens = 0
         self.first_token_at: float | None = None
+        self.prompt_logprobs: list[TokenSample] | None = None  # asked for: from the prefill (or inline) leg
         self.last_token_at = 0.0
         self.status = "cancelled"  # until the request finishes or fails
 
@@ -117,8 +121,9 @@ class RequestRun:
         """The first attempt serves the prompt; a migrated one the prompt plus every token already streamed."""
         prepared, output = self.prepared, tuple(self.state.output_ids)
         sampling = dataclasses.replace(self.sampling, max_tokens=prepared.max_tokens - len(output),
-                                       num_sampled=len(output))
-        leg_id = self.request_id if not self.num_migrations else f"{self.request_id}~{self.num_migrations}"
+                                       num_sampled=len(output),
+                                       num_prompt_logprobs=None if output else self.sampling.num_prompt_logprobs)
+        leg_id = attempt_id(self.request_id, self.num_migrations)
         token_ids = prepared.prompt_token_ids + output
         namespace = isolated_namespace(self.backend.namespace, prepared.key_isolation)
         keys = prepared.block_keys if not output else tuple(
@@ -136,28 +141,35 @@ class RequestRun:
         if placement.prefill_instance:
             reply = await leg.prefill(reservation)
             self._record_prefill(reply)
-            chunk = self._make_chunk([reply.first_token], "")
-            assert chunk is not None
-            leg.is_decode_owed = chunk.finish_reason is not None
-            leg.open_decode(reply.first_token, 1 if leg.is_decode_owed else leg.work.sampling.max_tokens)
+            firsts = [reply.first_token, *reply.more_first_tokens]
+            chunks = [self._make_chunk([token], "", sequence) for sequence, token in enumerate(firsts)]
+            leg.is_decode_owed = self.is_done
+            leg.open_decode(firsts, 1 if leg.is_decode_owed else leg.work.sampling.max_tokens)
             self.backend.update_queue_metrics()
-            admitted = await self._admitted_after_prefill(leg) if chunk.finish_reason is None else None
-            yield chunk
-            if chunk.finish_reason is not None:
+            admitted = await self._admitted_after_prefill(leg) if not self.is_done else None
+            for chunk in chunks:
+                if chunk is not None:
+                    yield chunk
+            if self.is_done:
                 return
             if admitted is not None:
                 yield admitted
-                if admitted.finish_reason is not None:
+                if self.is_done:
                     return
         else:
-            leg.open_decode(None, leg.work.sampling.max_tokens)
+            leg.open_decode([], leg.work.sampling.max_tokens)
             self.backend.update_queue_metrics()
         while True:
             next_chunk = await self._next_chunk(leg)
             if next_chunk is not None:
                 yield next_chunk
-                if next_chunk.finish_reason is not None:
+                if self.is_done:
                     return
+
+    @property
+    def is_done(self) -> bool:
+        """Every sequence has finished (one ended by a stop string may still run on the decode instance)."""
+        return all(state.finish_reason is not None for state in self.states)
 
     async def _admitted_after_prefill(self, leg: Leg) -> GenerationChunk | None:
         """`baseline`: DECODE's first item (the decode instance's admission check happens on its arrival)."""
@@ -169,14 +181,18 @@ class RequestRun:
         item = await leg.next_item()
         if item.num_cached_tokens and leg.placement is not None and not leg.placement.prefill_instance:
             self._record_prefix(item.num_cached_tokens, 0)
-        return self._make_chunk(item.tokens, item.finish_reason)
+        if self.sampling.num_prompt_logprobs is not None and self.prompt_logprobs is None and item.tokens:
+            self.prompt_logprobs = list(item.prompt_logprobs)
+        return self._make_chunk(item.tokens, item.finish_reason, item.sequence)
 
     async def _migrate(self, failure: LegFailed) -> None:
         """Settle the failed attempt; raise its error when the request may not move again."""
         assert self.leg is not None
         await self.leg.settle()
-        self.failed_instances.add(failure.instance)
-        if self.num_migrations >= self.config.conductor.max_migrations or self.state.finish_reason is not None:
+        if failure.cause != "decode_pages":  # short of pages, not failed: it may take the request again later
+            self.failed_instances.add(failure.instance)
+        if self.num_migrations >= self.config.conductor.max_migrations or self.state.finish_reason is not None \
+                or len(self.states) > 1:  # a parallel sampling does not migrate: its sequences went apart
             logger.warning("%s; not migrating again (%d migrations)", failure, self.num_migrations)
             raise failure
         self.num_migrations += 1
@@ -197,21 +213,25 @@ class RequestRun:
         logger.info("rejected: %s", reason)
 
     # ---- output -------------------------------------------------------------------------------------------
-    def _make_chunk(self, samples: Sequence[TokenSample], decode_finish: str) -> GenerationChunk | None:
+    def _make_chunk(self, samples: Sequence[TokenSample], decode_finish: str,
+                    sequence: int = 0) -> GenerationChunk | None:
+        state = self.states[sequence]
+        if state.finish_reason is not None:
+            return None  # ended by a stop string here; the decode instance runs it on until the request ends
         token_ids: list[int] = []
         texts: list[str] = []
         finish_reason: str | None = None
         for sample in samples:
-            step = self.state.append(sample.token_id)
+            step = state.append(sample.token_id)
             token_ids.append(sample.token_id)
             texts.append(step.text)
             if step.finish_reason is not None:
                 finish_reason = step.finish_reason
                 break
         if finish_reason is None and decode_finish:
-            texts.append(self._flush())
+            texts.append(state.matcher.feed(state.detokenizer.flush()) + state.matcher.flush())
             finish_reason = FINISH_STOP if decode_finish == FINISH_EOS else FINISH_LENGTH
-            self.state.finish_reason = finish_reason
+            state.finish_reason = finish_reason
         if not token_ids and finish_reason is None:
             return None
         is_first = bool(token_ids) and self.first_token_at is None
@@ -220,30 +240,25 @@ class RequestRun:
             self.first_token_at = self.first_token_at or self.last_token_at
             if self.leg is not None:
                 self.view.flights.generated(self.leg.work.leg_id, len(self.state.output_ids))
-        if finish_reason is not None:
+        if self.is_done:
             self.status = "ok"
-        logprobs = self._logprobs(samples[: len(token_ids)]) if self.prepared.request.num_logprobs is not None \
-            else None
+        tokenizer = self.backend.model.tokenizer
+        logprobs = token_logprobs(tokenizer, samples[: len(token_ids)]) \
+            if self.sampling.num_logprobs is not None else None  # best_of asks for them to rank its sequences
         placement = self.first_placement if is_first else None
+        prompt = prompt_logprobs(tokenizer, self.prepared.prompt_token_ids, self.prompt_logprobs) \
+            if is_first and self.prompt_logprobs is not None else None
         return GenerationChunk(tuple(token_ids), "".join(texts), logprobs, finish_reason,
                                self.prepared.num_prompt_tokens, self.num_cached_tokens,
                                placement.predicted_ttft_s if placement else None,
-                               placement.predicted_tbt_s if placement else None)
+                               placement.predicted_tbt_s if placement else None, prompt_logprobs=prompt,
+                               index=sequence)
 
-    def _flush(self) -> str:
-        matcher = self.state.matcher
-        return matcher.feed(self.state.detokenizer.flush()) + matcher.flush()
-
-    def _logprobs(self, samples: Sequence[TokenSample]) -> tuple[TokenLogprob, ...]:
-        decode = self.backend.model.tokenizer.decode
-        return tuple(
-            TokenLogprob(decode([s.token_id], skip_special_tokens=False), s.logprob,
-                         tuple((decode([t], skip_special_tokens=False), lp)
-                               for t, lp in zip(s.top_token_ids, s.top_logprobs)))
-            for s in samples)
 
     # ---- bookkeeping --------------------------------------------------------------------------------------
     def _record_prefill(self, reply: PrefillReply) -> None:
+        if self.sampling.num_prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = list(reply.prompt_logprobs)
         if not self.num_migrations:  # a migrated attempt's cached tokens include streamed output
             self._record_prefix(reply.num_cached_tokens, reply.num_fetched_blocks)
 
@@ -262,7 +277,7 @@ class RequestRun:
             if self.leg is not None:
                 await self.leg.settle()
         finally:
-            num_output_tokens = len(self.state.output_ids)
+            num_output_tokens = sum(len(state.output_ids) for state in self.states)
             if self.status == "ok":
                 self.view.observe_output_length(self.prepared.max_tokens, self.prepared.num_prompt_tokens,
                                                 self.prepared.request.client_id, num_output_tokens)

@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import signal
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from aiohttp import web
@@ -37,7 +38,11 @@ from mooncaked.cluster.membership import Membership, StaticMembership
 from mooncaked.config import Config, ConfigError, InstanceConfig
 from mooncaked.config.schema import ConfigIssue
 from mooncaked.model.frontend import ModelFrontendInfo, load_frontend
+from mooncaked.model.grammar import GrammarTokenizer
 from mooncaked.model.loader import resolve_dtype
+from mooncaked.model.reasoning import reasoning_format_for
+from mooncaked.model.tokenizer import TextTokenizer
+from mooncaked.model.tool_formats import tool_format_for
 from mooncaked.model.weight_names import num_active_parameters
 from mooncaked.roles.base import PeerClients, RoleEndpoint
 from mooncaked.roles.conductor.backend import ConductorBackend
@@ -90,7 +95,7 @@ class ConductorRole:
         config = self.config
         model = config.model
         loaded = await asyncio.to_thread(load_frontend, model.source)
-        frontend = model_frontend(config, loaded)
+        frontend = await asyncio.to_thread(model_frontend, config, loaded)  # the grammar tokenizer takes ~0.4 s
         predictors = LivePredictors(default_predictors(config, loaded))
         self.view = ClusterView(config, self.peers, policy_config(config), predictors, view_settings(config),
                                 self.membership)
@@ -177,11 +182,32 @@ def _bound_port(runner: web.AppRunner) -> int:
 
 def model_frontend(config: Config, loaded: ModelFrontendInfo) -> ModelFrontend:
     names = tuple(dict.fromkeys((config.model.name, loaded.model_id)))
+    tool_format = tool_format_for(loaded.chat_template.source)
+    marker_ids = single_token_ids(loaded.tokenizer, tool_format.markers)
+    reasoning = reasoning_format_for(loaded.chat_template.source)
+    reasoning_ids = single_token_ids(loaded.tokenizer, (reasoning.start, reasoning.end) if reasoning else ())
     return ModelFrontend(model_id=loaded.model_id, served_names=names, tokenizer=loaded.tokenizer,
                          chat_template=loaded.chat_template, eos_token_ids=loaded.eos_token_ids,
                          vocab_size=loaded.args.vocab_size,
                          context_length=min(loaded.context_length, config.model.max_model_len),
-                         kv_geometry=loaded.args.kv_geometry)
+                         kv_geometry=loaded.args.kv_geometry,
+                         grammar_tokenizer=GrammarTokenizer(loaded.tokenizer, loaded.args.vocab_size,
+                                                            loaded.eos_token_ids),
+                         tool_format=tool_format, tool_marker_ids=marker_ids,
+                         are_tool_markers_special=any_special(loaded.tokenizer, marker_ids.values()),
+                         reasoning_format=reasoning, reasoning_marker_ids=reasoning_ids,
+                         are_reasoning_markers_special=any_special(loaded.tokenizer, reasoning_ids.values()))
+
+
+def single_token_ids(tokenizer: TextTokenizer, texts: Sequence[str]) -> dict[str, int]:
+    """The texts the vocabulary holds as one token each (a grammar names them by id), with their ids."""
+    ids = {text: tokenizer.encode(text, add_special_tokens=False) for text in texts}
+    return {text: token_ids[0] for text, token_ids in ids.items() if len(token_ids) == 1}
+
+
+def any_special(tokenizer: TextTokenizer, token_ids: Iterable[int]) -> bool:
+    """Whether any of the tokens is special (left out of decoded text unless asked for)."""
+    return any(not tokenizer.decode([token_id]) for token_id in token_ids)
 
 
 def policy_config(config: Config) -> PolicyConfig:

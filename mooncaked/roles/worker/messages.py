@@ -30,6 +30,14 @@ FINISH_LENGTH = "length"  # max_tokens reached
 
 
 @dataclass(frozen=True)
+class TokenBias(Message):
+    """One `logit_bias` entry: added to the token's logit before sampling."""
+
+    token_id: int
+    bias: float
+
+
+@dataclass(frozen=True)
 class SamplingSpec(Message):
     max_tokens: int
     temperature: float = 1.0
@@ -42,6 +50,23 @@ class SamplingSpec(Message):
     num_sampled: int = 0  # output tokens sampled before this leg (a migrated request's seed state)
     priority: int = 0  # lower first within its class (sched/priority.py orders the queues)
     is_batch: bool = False  # the batch class: behind every interactive request in the queues
+    # the sampling controls (model/logits_processing.py); penalties and min_tokens read the request's history: the
+    # leg's token_ids are the prompt followed by its last num_sampled tokens, the output streamed before this leg
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: list[TokenBias] = field(default_factory=list)
+    min_tokens: int = 0  # the request's, counted over its whole output (num_sampled included)
+    # constrained decoding: llguidance's grammar text (model/grammar.py grammar_for; "" for none); each instance
+    # rebuilds the matcher from the request's output so far (the leg's last num_sampled tokens)
+    grammar: str = ""
+    # prompt logprobs (echo with logprobs, vLLM's prompt_logprobs): None none; k the k most likely alternatives too;
+    # the prompt is then prefilled whole, without reusing a cached prefix
+    num_prompt_logprobs: Optional[int] = None
+    # parallel sampling (n, best_of): the prompt is prefilled once and this many sequences sample from it, each with
+    # its own seed stream (sampling.sequence_params); max_tokens is each sequence's
+    num_sequences: int = 1
 
 
 @dataclass(frozen=True)
@@ -50,6 +75,7 @@ class TokenSample(Message):
     logprob: float = 0.0
     top_token_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
+    rank: int = 0  # prompt logprobs: the token's rank at its position (1: the most likely); 0 not computed
 
 
 @dataclass(frozen=True)
@@ -83,6 +109,11 @@ class ReserveRequest(Message):
     # the reserving conductor process's run id (random per start; 0: unknown): a reservation of an earlier run of
     # the same conductor is an orphan once a later run calls, and is dropped
     conductor_run: int = 0
+    # the conductor's forecast: seconds from now to the request's decode start (its predicted TTFT), and the
+    # output tokens it predicts (0: max_tokens); the decode instance's memory forecast and page deadline use them
+    decode_start_s: float = 0.0
+    predicted_output_tokens: int = 0
+    num_sequences: int = 1  # parallel sampling: pages and batch slots for this many sequences
 
 
 @dataclass(frozen=True)
@@ -125,6 +156,8 @@ class PrefillReply(Message):
     num_fetched_blocks: int  # of those, blocks fetched from another host's store
     prefill_s: float  # from arrival on this instance to the reply (queueing included)
     compute_s: float = 0.0  # the forward of the batch this prompt ran in
+    prompt_logprobs: list[TokenSample] = field(default_factory=list)  # the prompt's tokens from the second on
+    more_first_tokens: list[TokenSample] = field(default_factory=list)  # sequences 1.. of a parallel sampling
 
 
 @dataclass(frozen=True)
@@ -136,6 +169,7 @@ class DecodeRequest(Message):
     first_token: Optional[TokenSample] = None  # None: prefill inline on the decode instance
     key_isolation: bytes = b""  # the request's isolation tag (kv/keys.py): its keys' namespace
     tenant: Optional[StoreTenant] = None
+    more_first_tokens: list[TokenSample] = field(default_factory=list)  # sequences 1.. of a parallel sampling
 
 
 @dataclass(frozen=True)
@@ -143,6 +177,8 @@ class DecodeItem(Message):
     tokens: list[TokenSample]
     finish_reason: str = ""  # "" while running, then FINISH_EOS or FINISH_LENGTH
     num_cached_tokens: int = 0  # set on the first item of an inline prefill
+    prompt_logprobs: list[TokenSample] = field(default_factory=list)  # an inline prefill's first item, when asked
+    sequence: int = 0  # parallel sampling: the sequence the tokens and the finish reason are of
 
 
 @dataclass(frozen=True)
@@ -176,6 +212,7 @@ class LoadReply(Message):
     pipeline_stages: list[list[float]] = field(default_factory=list)
     pipeline_handoffs_s: list[float] = field(default_factory=list)
     cpp_chunk_tokens: int = 0
+    num_queued_pages: int = 0  # decode: KV pages the reservations waiting for pages need
 
 
 RESERVE = Method("reserve", ReserveRequest, ReserveReply)

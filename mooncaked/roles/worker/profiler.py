@@ -25,7 +25,7 @@ import torch
 
 from mooncaked.engine.batch import DecodeSeq, PrefillSeq, build_decode_batch, build_prefill_batch
 from mooncaked.model.heap import release_free_heap
-from mooncaked.model.sampler import SamplingParams
+from mooncaked.model.sampling_params import SamplingParams
 from mooncaked.roles.worker.sampling import sample_rows
 from mooncaked.roles.worker.worker import Worker
 

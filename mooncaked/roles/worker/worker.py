@@ -5,11 +5,11 @@
    the host's shared weight file; prefill keeps plain projections, decode packed ones in their place, a switchable
    worker both: memory_plan.worker_packing), size the KV pages from the memory budget (engine.kv_budget; a budget too
    small for one max-length request fails here), allocate them (for its layers), build the runner, copier, staging pool
-   (pinned on the GPU's NUMA node) and sampler, register the pages as a transfer-engine segment (host pages, which
-   every move then reaches straight; GPU pages as "cuda:N" where RDMA can map them), connect to this host's store
-   (mapping its pool). With N > 1 tensor-parallel ranks (tp_worker.py) the model is rank 0's shard, the runner
-   drives the ranks, and the KV pages are every rank's (mapped here; moves copy each rank's heads:
-   roles/worker/request_kv.py), so the rest of the worker is the same at any degree.
+   (pinned on the GPU's NUMA node), sampler and grammar tokenizer (grammar.py), register the pages as a
+   transfer-engine segment (host pages, which every move then reaches straight; GPU pages as "cuda:N" where RDMA
+   can map them), connect to this host's store (mapping its pool). With N > 1 tensor-parallel ranks (tp_worker.py)
+   the model is rank 0's shard, the runner drives the ranks, and the KV pages are every rank's (mapped here; moves
+   copy each rank's heads: roles/worker/request_kv.py), so the rest of the worker is the same at any degree.
 2. `await compute(fn, *args)` runs model work on the single compute thread, keeping the event loop free for RPC,
    transfers and heartbeats. KV copies between pages and staging run on the single copy thread
    (`copy_thread`), so a layer's store or load never runs on the compute thread; each thread may be pinned to
@@ -55,6 +55,7 @@ from mooncaked.model.frontend import load_frontend
 from mooncaked.model.loader import LoadedModel
 from mooncaked.model.sampler import Sampler
 from mooncaked.roles.base import PeerClients, make_transfer_engine
+from mooncaked.roles.worker.grammar import WorkerGrammar
 from mooncaked.roles.worker.kv.placement import register_kv_pages, staging_placement
 from mooncaked.roles.worker.local_replica import load_replica
 from mooncaked.roles.worker.tp_worker import RankWatch, start_ranks
@@ -64,6 +65,7 @@ from mooncaked.runtime.numa import allowed_memory_nodes
 from mooncaked.sched.perf_model import PerformanceModel
 from mooncaked.store.client import StoreClient
 from mooncaked.store.move_ends import Staging
+from mooncaked.store.shm_pool import pool_path
 
 logger = logging.getLogger(__name__)
 
@@ -99,10 +101,11 @@ class Worker:
         self.runner: ModelRunner | TensorParallelRunner | None = None
         self.tp: TensorParallelRunner | None = None  # model.tensor_parallel_size > 1: the ranks (tp_worker.py)
         self.rank_watch: RankWatch | None = None
-        self.failure: str | None = None  # why the instance cannot serve any more (a rank exited)
+        self.failure: str | None = None  # why the instance cannot serve any more (a rank exited, a loop failed)
         self.failed = asyncio.Event()  # set with `failure`: the role stops and exits non-zero
         self.copier: KVCopier | None = None
         self.sampler: Sampler | None = None
+        self.grammar: WorkerGrammar | None = None  # constrained decoding (grammar.py), built at start
         self.namespace = b""
         self.perf = PerformanceModel()
         self.local_store_name = ""
@@ -126,7 +129,9 @@ class Worker:
             self.kv_pages, self.instance.name, lambda name, data: self.engine.register(name, data, placement.location),
             self.engine.unregister, numa_node=placement.numa_node)
         self._register_pages(placement.location)
-        self.sampler = Sampler(seed=model.seed, device=self.loaded.device)
+        self.sampler = Sampler(seed=model.seed, device=self.loaded.device, eos_token_ids=self.loaded.eos_token_ids)
+        self.grammar = await asyncio.to_thread(WorkerGrammar.build, self.loaded.tokenizer, self.vocab_size,
+                                               self.loaded.eos_token_ids)
         self.namespace = model_namespace(self.loaded.model_id, model.dtype, block_size, self.loaded.args.kv_geometry)
         self.local_store_name = await self._find_local_store()
         await self.store_client(self.local_store_name)
@@ -159,10 +164,11 @@ class Worker:
                                                        layers)
         assert tp.shard is not None
         self.tp, self.runner, self.loaded, self.kv_sizing = tp, tp, tp.shard.loaded, sizing
-        self.rank_watch = RankWatch(tp, self._fail)
+        self.rank_watch = RankWatch(tp, self.fail)
 
-    def _fail(self, reason: str) -> None:
-        """The instance cannot serve any more (a rank exited): its role stops and exits non-zero."""
+    def fail(self, reason: str) -> None:
+        """The instance cannot serve any more (a rank exited, a background loop failed): it reports unhealthy, and
+        its role stops and exits non-zero, so the process supervisor restarts it."""
         if self.failure is None:
             self.failure = reason
             logger.error("%s failed: %s; the instance stops", self.instance.name, reason)
@@ -217,6 +223,8 @@ class Worker:
         # off the event loop: a forward still running may need the loop (its writes) to reach its end
         await asyncio.to_thread(self._executor.shutdown, True, cancel_futures=True)
         await asyncio.to_thread(self.copy_thread.shutdown, True, cancel_futures=True)
+        if self.grammar is not None:
+            await asyncio.to_thread(self.grammar.close)
         if self.rank_watch is not None:  # ranks stopping now is no failure
             self.rank_watch.close()
         if self.tp is not None:
@@ -241,8 +249,15 @@ class Worker:
                 peer = self.store_instance(store_name)
                 rpc = self.peers.for_instance(peer)
                 self._stores[store_name] = await StoreClient.connect(
-                    rpc, host=self.instance.host, engine=self.engine, timeout_s=self.config.transfer.timeout_s)
+                    rpc, host=self.instance.host, pool_path=self.pool_path_of(peer), engine=self.engine,
+                    timeout_s=self.config.transfer.timeout_s)
             return self._stores[store_name]
+
+    def pool_path_of(self, store: InstanceConfig) -> str:
+        """Where the store's pool file is on its host, from this worker's own config (never from the store): its
+        entry in cluster.instances with its settings, else the common store section."""
+        configured = next((i for i in self.config.cluster.instances if i.name == store.name), store)
+        return pool_path(self.config.cluster.id, store.name, self.config.role_section(configured).shm_dir)
 
     def store_instance(self, store_name: str) -> InstanceConfig:
         """The configured store called `store_name`; InvalidArgument for anything else (it came off the wire)."""
@@ -265,6 +280,11 @@ class Worker:
     @property
     def block_size(self) -> int:
         return self.config.kv.block_size
+
+    @property
+    def vocab_size(self) -> int:
+        assert self.loaded is not None, "start() first"
+        return self.loaded.args.vocab_size
 
     @property
     def num_pages(self) -> int:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from pathlib import Path
 
 import aiohttp
@@ -16,10 +18,13 @@ from mooncaked.model.loader import load_model
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.backend import ConductorBackend
 from mooncaked.roles.conductor.frontend import prompt_token_ids
+from mooncaked.roles.conductor.leg import MIGRATION_CAUSES, Leg, LegFailed, LegWork
 from mooncaked.roles.conductor.role import (ConductorRole, default_predictors, model_frontend, policy_config,
                                             view_settings)
 from mooncaked.roles.conductor.view.cluster import ClusterView
 from mooncaked.roles.conductor.view.predictors import LivePredictors
+from mooncaked.roles.worker.messages import SamplingSpec
+from mooncaked.rpc import ResourceExhausted
 from mooncaked.runtime.metrics import Metrics
 from tests.roles.cluster_fixtures import cluster_config, instance, running_roles
 
@@ -59,6 +64,8 @@ async def test_prepare_tokenizes_resolves_max_tokens_and_keys(tmp_path: Path) ->
     ({"prompt": [5] * 1000, "max_tokens": 30}, 400, "max_tokens"),
     ({"prompt": [5, 400]}, 400, "prompt"),  # the tiny model's vocabulary has 320 tokens
     ({"prompt": []}, 400, "prompt"),
+    ({"prompt": [5], "logit_bias": {"320": 1}}, 400, "logit_bias"),
+    ({"prompt": [5], "stop_token_ids": [3, 320]}, 400, "stop_token_ids"),
 ])
 async def test_prepare_rejects_what_cannot_run(tmp_path: Path, body: dict[str, object], status: int,
                                                param: str) -> None:
@@ -69,16 +76,55 @@ async def test_prepare_rejects_what_cannot_run(tmp_path: Path, body: dict[str, o
 
 
 
-def test_prompt_token_ids_of_a_generation_and_of_a_context_differ_by_the_generation_prompt(tmp_path: Path) -> None:
+async def test_min_tokens_beyond_the_default_max_tokens_is_a_400_naming_it(tmp_path: Path) -> None:
+    backend = make_backend(make_config(tmp_path, conductor={"default_max_tokens": 7}))
+    body = {"messages": [{"role": "user", "content": "hi"}], "min_tokens": 8}
+    with pytest.raises(ApiError) as raised:
+        await backend.prepare(parse_chat_request(body, request_id="x", model_ids=backend.model_ids()))
+    assert raised.value.status == 400 and raised.value.param == "min_tokens"
+
+
+async def test_prompt_token_ids_of_a_generation_and_of_a_context_differ_by_the_generation_prompt(
+        tmp_path: Path) -> None:
     model = make_backend(make_config(tmp_path)).model
     messages = [{"role": "user", "content": "hi"}]
     chat = parse_chat_request({"messages": messages}, request_id="c", model_ids=list(model.served_names))
     for add_generation_prompt in (True, False):
         text = model.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
-        assert prompt_token_ids(model, chat, add_generation_prompt=add_generation_prompt) == \
+        assert await prompt_token_ids(model, chat, add_generation_prompt=add_generation_prompt) == \
             model.tokenizer.encode(text, add_special_tokens=False)
     completion = parse_completion_request({"prompt": "hi"}, request_id="p", model_ids=list(model.served_names))
-    assert prompt_token_ids(model, completion, add_generation_prompt=True) == model.tokenizer.encode("hi")
+    assert await prompt_token_ids(model, completion, add_generation_prompt=True) == model.tokenizer.encode("hi")
+
+
+@pytest.mark.parametrize("field", ["prompt", "messages"])
+async def test_text_far_beyond_the_context_is_refused_without_tokenizing_it(tmp_path: Path, field: str) -> None:
+    backend = make_backend(make_config(tmp_path))
+    text = "many words " * 200_000  # 2.2 M characters; the context holds 1024 tokens of at most a few characters
+    body: dict[str, object] = {"prompt": text} if field == "prompt" else {
+        "messages": [{"role": "user", "content": text}]}
+    parse = parse_completion_request if field == "prompt" else parse_chat_request
+    started = time.monotonic()
+    with pytest.raises(ApiError) as refused:
+        await backend.prepare(parse(body, request_id="long", model_ids=backend.model_ids()))
+    assert time.monotonic() - started < 0.5, "refused before tokenizing"
+    assert refused.value.status == 413 and refused.value.param == field
+    assert "2200000 characters: far more than this model's maximum context length of 1024 tokens" in \
+        refused.value.message
+
+
+async def test_tokenizing_a_long_prompt_leaves_the_event_loop_free(tmp_path: Path) -> None:
+    backend = make_backend(make_config(tmp_path, model={"max_model_len": 4096}))
+    text = "hello world, " * 8_000  # within what 4096 tokens may hold, so it is tokenized (then too long: 413)
+    request = parse_completion_request({"prompt": text}, request_id="t", model_ids=backend.model_ids())
+    preparing = asyncio.ensure_future(backend.prepare(request))
+    num_ticks = 0
+    while not preparing.done():
+        await asyncio.sleep(0.001)
+        num_ticks += 1
+    with pytest.raises(ApiError, match="tokens"):
+        preparing.result()
+    assert num_ticks >= 3, "the event loop ran while the prompt was tokenized"
 
 async def test_http_surface_with_no_worker_up(tmp_path: Path) -> None:
     keys_file = tmp_path / "keys"
@@ -152,3 +198,20 @@ def test_a_bad_prefill_profile_fails_start_up_naming_the_file(tmp_path: Path, co
     with pytest.raises(ConfigError, match="scheduler.prefill_profile") as raised:
         default_predictors(config, load_model("random:tiny"))
     assert str(path) in str(raised.value) and problem in str(raised.value)
+
+
+async def test_a_decode_instance_without_pages_in_time_makes_the_leg_move(tmp_path: Path) -> None:
+    """pages_not_freed (a wrong memory forecast) is a migration to another decode instance, not an error and not
+    a failure of the instance; a decode instance's other refusals stay 429s."""
+    config = make_config(tmp_path)
+    backend = make_backend(config)
+    try:
+        work = LegWork("r", (1, 2, 3), (), SamplingSpec(max_tokens=4), 0.0, 4, "")
+        leg = Leg(config, backend.view, backend.peers, work)
+        moved = leg._failure("decode", "d0", ResourceExhausted("pages_not_freed: 9 KV pages were not freed"))
+        assert isinstance(moved, LegFailed) and moved.cause == "decode_pages" and moved.cause in MIGRATION_CAUSES
+        assert backend.view.decode["d0"].last_error == ""  # not reported down
+        refused = leg._failure("decode", "d0", ResourceExhausted("memory: needs 9 KV pages, 0 free"))
+        assert isinstance(refused, ApiError) and refused.status == 429
+    finally:
+        await backend.peers.close()

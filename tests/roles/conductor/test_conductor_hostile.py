@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -38,7 +39,8 @@ async def live(tmp_path: Path) -> AsyncIterator[Live]:
     config = cluster_config(
         tmp_path, [instance("c0", "conductor"), instance("s0", "store"), instance("d0", "decode")],
         model={"max_model_len": 96},  # bounds what a generated request may ask to generate
-        conductor={"client_timeout_s": 1.0, "max_connections_per_client": LIMIT, "load_poll_interval_s": 0.05})
+        conductor={"client_timeout_s": 1.0, "max_connections_per_client": LIMIT, "load_poll_interval_s": 0.05,
+                   "batch_dir": str(tmp_path / "batches")})
     async with running_roles(config, ["s0", "d0", "c0"]) as roles:
         port = roles["c0"].bound_port  # type: ignore[attr-defined]
         connector = aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))  # not the address the floods come from
@@ -61,12 +63,13 @@ async def test_generated_bodies_get_an_answer_or_an_openai_error(live: Live, cas
     assert await live.good_request() == 200
 
 
-async def stalled_upload(port: int) -> bytes:
-    """Headers promising a body, one byte of it, then nothing: what the server answers before it closes."""
+async def stalled_upload(port: int, route: str = "POST /v1/completions", content_type: str = "application/json",
+                         first_bytes: bytes = b"{") -> bytes:
+    """Headers promising a body, its first bytes, then nothing: what the server answers before it closes."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 500\r\n\r\n{")
+        writer.write(f"{route} HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n"
+                     f"Content-Length: 5000\r\n\r\n".encode() + first_bytes)
         return await reader.read()
     except ConnectionResetError:
         return b""
@@ -87,3 +90,22 @@ async def test_stalled_uploads_are_cut_off_and_capped_while_others_are_served(
         assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] in ("request_timeout",
                                                                                   "too_many_connections")
     assert "did not arrive within conductor.client_timeout_s" in caplog.text
+
+
+MULTIPART_START = (b'--b\r\nContent-Disposition: form-data; name="file"; filename="in.jsonl"\r\n'
+                   b'Content-Type: application/jsonl\r\n\r\n{"custom_id": ')
+
+
+@pytest.mark.parametrize(("route", "content_type", "first_bytes"), [
+    ("POST /v1/caches", "application/json", b"{"),
+    ("PATCH /v1/caches/cache-0123456789abcdef01234567", "application/json", b"{"),
+    ("POST /v1/batches", "application/json", b"{"),
+    ("POST /v1/files", "multipart/form-data; boundary=b", MULTIPART_START),
+])
+async def test_every_route_that_reads_a_body_cuts_off_a_stalled_one(
+        live: Live, route: str, content_type: str, first_bytes: bytes) -> None:
+    started = time.monotonic()
+    answer = await asyncio.wait_for(stalled_upload(live.port, route, content_type, first_bytes), 10)
+    assert answer.split(b" ", 2)[1] == b"408", answer[:300]
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_timeout"
+    assert time.monotonic() - started < 5.0

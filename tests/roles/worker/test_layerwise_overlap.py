@@ -79,8 +79,8 @@ def keys_of(worker: Worker, tokens: list[int]) -> list[bytes]:
 
 
 async def prefill(worker: Worker, plans: Sequence[KvPlan]) -> list[int]:
-    samples = await worker.compute(run_prefill_forward, worker, plans, [GREEDY] * len(plans))
-    return [s.token_id for s in samples]
+    result = await worker.compute(run_prefill_forward, worker, plans, [GREEDY] * len(plans))
+    return [s.token_id for s in result.first_tokens]
 
 
 async def seed_remote_prefix(worker: Worker, tokens: list[int]) -> None:

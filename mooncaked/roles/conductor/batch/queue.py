@@ -11,7 +11,8 @@
    it runs again from its start, reusing the prefix KV the stores hold).
 4. `withdraw(batch_id)` drops a batch's waiting lines and cancels its running ones (cancel, expiry); `stop()`
    cancels everything (a restarted conductor runs again what was not answered).
-Owns the heap, the running line tasks and the dispatch task.
+Owns the heap, the running line tasks and the dispatch task (supervised: an unexpected exception is logged and
+dispatch restarts; runtime/supervised.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from mooncaked.roles.conductor.batch.lines import BatchLine
 from mooncaked.roles.conductor.class_metrics import ClassMetrics
 from mooncaked.roles.conductor.frontend import ConductorRequest
 from mooncaked.roles.conductor.view.cluster import ClusterView
+from mooncaked.runtime.supervised import start_supervised
 from mooncaked.sched.priority import BatchGate, batch_admission
 from mooncaked.sched.types import RequestInfo
 
@@ -81,7 +83,7 @@ class BatchQueue:
         return len(self._running)
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._dispatch(), name="batch-dispatch")
+        self._task = start_supervised("batch-dispatch", self._dispatch)
 
     async def stop(self) -> None:
         tasks = [*self._running, *([self._task] if self._task is not None else [])]

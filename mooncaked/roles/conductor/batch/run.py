@@ -2,8 +2,8 @@
 
 1. run() opens the batch's journal; a batch found `finalizing` (a conductor stopped while writing its files)
    only finishes.
-2. Validating: every line is parsed and prepared up front; bad lines are answered at once in the journal, an
-   empty or oversized file fails the batch. The valid lines not answered yet go to the manager's BatchQueue.
+2. Validating: every line is parsed (on a worker thread) and prepared (tokenized on one too) up front; bad
+   lines are answered at once in the journal, an empty or oversized file fails the batch. The valid lines not answered yet go to the manager's BatchQueue.
 3. In progress: each answer (answer()) is journaled before it counts; the run wakes on every answer, a status
    change (cancel) and the batch's expiry, which answers the lines left `batch_expired`.
 4. Finishing: the output and error files are written from the journal in line order, then the terminal status
@@ -92,8 +92,8 @@ class BatchRun:
         record, manager = self.record, self.manager
         data = await asyncio.to_thread(bj.input_path(manager.root, record.batch_id).read_bytes)
         tenant = manager.tenant_of(record.tenant_id) if record.tenant_id else None
-        parsed = parse_input(data, batch_id=record.batch_id, endpoint=record.endpoint,
-                             model_ids=manager.backend.model_ids(), client_id=record.owner, tenant=tenant)
+        parsed = await asyncio.to_thread(parse_input, data, batch_id=record.batch_id, endpoint=record.endpoint,
+                                         model_ids=manager.backend.model_ids(), client_id=record.owner, tenant=tenant)
         problem = _file_problem(parsed, manager.config.conductor.max_batch_lines)
         if problem:
             record.errors = [{"code": problem[0], "message": problem[1], "param": "input_file_id", "line": None}]
@@ -105,7 +105,7 @@ class BatchRun:
             item = await self._prepare(line)
             if item is not None:
                 queued.append(item)
-            await asyncio.sleep(0)  # tokenizing a large file must not starve interactive requests
+            await asyncio.sleep(0)  # a file of many lines must not starve interactive requests
         self._count()
         if record.status == bj.VALIDATING:
             self.set_status(bj.IN_PROGRESS)

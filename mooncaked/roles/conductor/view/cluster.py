@@ -19,7 +19,8 @@
 3. Membership changes (membership.py) arrive while serving: a joining store gets a follower, a joining worker a
    poller; one that leaves has them cancelled; one that is not `ready` (starting, draining) is polled but
    receives no new work; one whose role changed is removed and added again under its new role.
-4. `stop()` cancels the followers, pollers and sender and awaits them; the RPC clients belong to the caller.
+4. Followers, pollers and the sender are supervised tasks (runtime/supervised.py: an unexpected exception is
+   logged and the task restarts). `stop()` cancels them and awaits them; the RPC clients belong to the caller.
 
 Owner of the shadow index, the per-instance states, the in-flight table, the live predictors and the output-length
 predictor. All but the last are rebuilt from the stores' dumps and the workers' LOAD replies when the conductor
@@ -45,6 +46,7 @@ from mooncaked.roles.conductor.view.spare_marks import SpareMarkSender
 from mooncaked.roles.conductor.view.store_follower import FollowerSettings, StoreFollower
 from mooncaked.roles.worker.messages import LOAD, LoadReply, LoadRequest
 from mooncaked.rpc import RpcError
+from mooncaked.runtime.supervised import start_supervised
 from mooncaked.sched.output_length import OutputLengthPredictor
 from mooncaked.sched.replicas import BlockCosts, ReplicaTracker
 from mooncaked.sched.shadow_index import ShadowIndex
@@ -124,7 +126,7 @@ class ClusterView:
     async def start(self) -> None:
         self._is_started = True
         if self.replicas.is_active:
-            self._tasks.append(asyncio.create_task(self.spare_marks.run(), name="spare-marks"))
+            self._tasks.append(start_supervised("spare-marks", self.spare_marks.run))
         for name in [*self.followers, *self.prefill, *self.decode]:
             self._start_member_task(name)
         self.membership.add_listener(self._on_member)
@@ -191,11 +193,11 @@ class ClusterView:
         follower = self.followers.get(name)
         if follower is not None:
             self.index.add_store(name)
-            self._member_tasks[name] = asyncio.create_task(follower.run(), name=f"follow-{name}")
+            self._member_tasks[name] = start_supervised(f"follow-{name}", follower.run)
             return
         worker = self.prefill.get(name) or self.decode.get(name)
         if worker is not None:
-            self._member_tasks[name] = asyncio.create_task(self._poll(worker), name=f"load-{name}")
+            self._member_tasks[name] = start_supervised(f"load-{name}", lambda: self._poll(worker))
 
     def _remove_member(self, name: str) -> None:
         task = self._member_tasks.pop(name, None)

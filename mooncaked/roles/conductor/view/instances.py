@@ -18,6 +18,7 @@ from mooncaked.config import InstanceConfig
 from mooncaked.roles.conductor.view.outages import OutageHistory
 from mooncaked.roles.conductor.view.predictors import LivePredictors
 from mooncaked.roles.worker.messages import LoadReply
+from mooncaked.sched.decode_memory import DecodeHold, num_pages_for
 from mooncaked.sched.output_length import OutputLengthPredictor
 from mooncaked.sched.types import DecodeInstanceView, PipelineSpec, PrefillInstanceView
 
@@ -71,6 +72,13 @@ class OutputForecast:
                                        num_generated=flight.num_generated)
         return max(total - flight.num_generated, 1)
 
+    def tokens_for(self, client_id: str, max_tokens: int, num_prompt_tokens: int) -> int:
+        """A new request's predicted output tokens (0 when output lengths are not predicted: the uniform t_d)."""
+        if not self.is_enabled:
+            return 0
+        return min(self.predictor.predict(api_key=client_id, max_tokens=max_tokens,
+                                          num_prompt_tokens=num_prompt_tokens), max_tokens)
+
     def unknown_tokens(self, num_prompt_tokens: int) -> int:
         return self.predictor.predict(api_key="", max_tokens=self.default_max_tokens,
                                       num_prompt_tokens=num_prompt_tokens)
@@ -122,6 +130,26 @@ def inline_wait_s(worker: WorkerState, flights: list[InFlight], predictors: Live
     return (step_s / 2 if num_running else 0.0) + ahead_s
 
 
+def page_holds(load: LoadReply | None, flights: list[InFlight], forecast: OutputForecast, block_size: int,
+               step_s: float, now: float) -> tuple[DecodeHold, ...]:
+    """Every sequence's KV pages on a decode instance over its predicted life (sched/decode_memory.py): this
+    conductor's requests from their decode start (now once decoding) for their predicted remaining output (their
+    max_tokens without a predictor), and the pages LOAD says are in use beyond those, as other conductors'
+    requests that just started."""
+    holds = []
+    for f in flights:
+        num_pages = num_pages_for(f.num_context_tokens, f.max_tokens, block_size)
+        starts_at = now if f.decode_started_at is not None else max(f.ready_at, now)
+        num_left = forecast.remaining_tokens(f) if forecast.is_enabled else max(f.max_tokens - f.num_generated, 1)
+        holds.append(DecodeHold(num_pages, starts_at, starts_at + num_left * step_s))
+    if load is not None:
+        num_others = load.num_pages - load.num_free_pages - sum(h.num_pages for h in holds)
+        if num_others > 0:
+            num_prompt_tokens = load.num_context_tokens // max(load.num_running, 1)
+            holds.append(DecodeHold(num_others, now, now + forecast.unknown_tokens(num_prompt_tokens) * step_s))
+    return tuple(holds)
+
+
 def decode_view(worker: WorkerState, flights: list[InFlight], predictors: LivePredictors, forecast: OutputForecast,
                 block_size: int, now: float) -> DecodeInstanceView:
     """`flights`: this conductor's requests placed on `worker` (decoding, or still being prefilled)."""
@@ -144,14 +172,16 @@ def decode_view(worker: WorkerState, flights: list[InFlight], predictors: LivePr
     incoming = [f for f in flights if f.decode_started_at is None]
     model = predictors.decode_for(worker.instance.name)
     has_model = predictors.has_model(worker.instance.name)["decode"]
+    step_s = model.predict(max(num_running, 1), num_context_tokens)
     view = DecodeInstanceView(
         worker.instance.name, worker.store_id, num_running, num_context_tokens, worker.max_num_running,
         max_context_tokens, tuple(started_at), tuple(tokens),
         tuple((f.ready_at, f.num_context_tokens) for f in incoming), worker.is_placeable,
-        step_coefficients=model.coefficients if has_model else ())
+        step_coefficients=model.coefficients if has_model else (),
+        num_pages=load.num_pages if load is not None else 0,
+        page_holds=page_holds(load, flights, forecast, block_size, step_s, now))
     if not forecast.is_enabled:
         return view
-    step_s = model.predict(max(num_running, 1), num_context_tokens)
     ends_at = [now + forecast.remaining_tokens(f) * step_s for f in running]
     ends_at += [now + forecast.unknown_tokens(t) * step_s for t in tokens[len(running):]]
     decode_s = [forecast.remaining_tokens(f) * step_s for f in incoming]

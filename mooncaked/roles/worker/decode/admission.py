@@ -1,8 +1,12 @@
-"""Whether a decode instance takes a RESERVE call now, and the calls waiting for room (role.py, step 1).
+"""Whether a decode instance takes a RESERVE call, and the calls waiting for room (role.py, step 1).
 
-1. refusal: the instance's load now (free pages and reserved ones, running and reserved requests, their
-   context) under the admission policy: `sched.decode_admission.reserve_refusal`, the rule the simulator runs
-   too; "" takes the call.
+1. refusal, by admission policy, over the rules in sched/ that the simulator runs too:
+   - `early_rejection_predicted`: the pages and batch slots the instance is forecast to hold over the request's
+     predicted decode life (`sched.decode_memory.forecast_refusal`): running sequences until their predicted end,
+     reservations from their predicted decode start; a request that fits is accepted even while its pages are not
+     free yet (it waits in the reservation book's page queue);
+   - otherwise its load now (`sched.decode_admission.reserve_refusal`): free pages less those queued
+     reservations need, running and reserved requests, their context; "" takes the call.
 2. Under `none` and `baseline` (WAITING_POLICIES) a refused call, or any call while others wait, waits for room
    up to its deadline (wait_for_room), expiring stale reservations meanwhile; waiting calls take room in queue
    order: interactive first, then priority, then arrival (sched/priority.py); the book's `Room` wakes them.
@@ -20,6 +24,7 @@ from mooncaked.roles.worker.messages import ReserveRequest
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import CallContext
 from mooncaked.sched.decode_admission import DecodeLoadNow, StepLimit, reserve_refusal
+from mooncaked.sched.decode_memory import DecodeHold, forecast_refusal
 from mooncaked.sched.priority import queue_rank
 
 
@@ -40,11 +45,32 @@ class ReserveAdmission:
     def refusal(self, request: ReserveRequest, num_pages: int) -> str:
         pages = self.worker.pages
         assert pages is not None
-        book = self.reservations
-        load = DecodeLoadNow(pages.num_free - book.num_pages(), len(self.loop.running) + len(book),
+        book, section = self.reservations, self.worker.section
+        if self.config.scheduler.admission == "early_rejection_predicted":
+            now, step_s = time.monotonic(), self.step_s()
+            starts_at = now + request.decode_start_s
+            num_tokens = request.predicted_output_tokens or request.max_tokens
+            new = DecodeHold(num_pages, starts_at, starts_at + max(num_tokens, 1) * step_s, request.num_sequences)
+            return forecast_refusal(new, self.holds(now, step_s), pages.num_pages, section.max_batch_size)
+        load = DecodeLoadNow(pages.num_free - book.num_queued_pages(), len(self.loop.running) + book.num_sequences(),
                              self.loop.num_context_tokens + book.num_prompt_tokens())
         return reserve_refusal(self.config.scheduler.admission, load, num_pages, request.num_prompt_tokens,
-                               self.worker.section.max_batch_size, self.step_limit())
+                               section.max_batch_size, self.step_limit(), request.num_sequences)
+
+    def step_s(self) -> float:
+        """The predicted decode step now (the TBT SLO before anything was measured: a conservative guess)."""
+        step_s = self.step_limit().predict(max(len(self.loop.running), 1), self.loop.num_context_tokens)
+        return step_s if step_s > 0 else self.config.scheduler.tbt_slo_ms / 1000
+
+    def holds(self, now: float, step_s: float) -> list[DecodeHold]:
+        """Every sequence's pages over its predicted life: running ones until their predicted end (their
+        predicted output, else max_tokens, less what they generated), then the reservations'."""
+        holds = []
+        for seq in self.loop.running:
+            num_tokens = min(seq.predicted_num_tokens or seq.params.max_tokens, seq.params.max_tokens)
+            num_left = max(num_tokens - seq.num_generated, 1)
+            holds.append(DecodeHold(len(seq.kv.page_ids), now, now + num_left * step_s))
+        return holds + self.reservations.holds(now, step_s)
 
     async def wait_for_room(self, request: ReserveRequest, num_pages: int, ctx: CallContext) -> str:
         """`none` and `baseline`: wait for room up to the call's deadline, expiring stale reservations meanwhile.

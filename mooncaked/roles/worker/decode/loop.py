@@ -2,19 +2,22 @@
 
 1. `add(seq)` puts a sequence (its KV already in pages, its first token sampled) into the running batch;
    the loop wakes up. A sequence joins between steps, never inside one.
-2. A step runs on the compute thread: one decode forward over the whole batch, then one sample per row.
+2. A step runs on the compute thread: one decode forward over the whole batch (the grammar masks of constrained
+   sequences computed meanwhile on the mask thread), then one sample per row.
    Each sequence gets its token through its own queue; finished sequences leave the batch. The step's time
    (batch size, context) is a live sample of the worker's performance model.
 3. `remove(seq)` takes a sequence out (finished, or its client went away); it returns once no step uses the
    sequence's pages any more, so the caller may free them.
 4. `stop()` cancels the loop task and awaits it; sequences still running get a final Unavailable through their
    queues (the conductor migrates them: mid-stream failover).
+5. The loop task is supervised (runtime/supervised.py): an unexpected exception outside a step is logged, the
+   running sequences get Unavailable at once, and the worker is marked failed (the role stops, exits non-zero
+   and is restarted).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -23,14 +26,19 @@ from dataclasses import dataclass, field
 import torch
 
 from mooncaked.engine.batch import DecodeSeq, build_decode_batch
-from mooncaked.model.sampler import SamplingParams
+from mooncaked.model.grammar import GrammarState
+from mooncaked.model.sampling_params import SamplingParams
 from mooncaked.roles.worker.kv.request_kv import RequestKv
 from mooncaked.roles.worker.messages import FINISH_EOS, FINISH_LENGTH, TokenSample
-from mooncaked.roles.worker.sampling import reseed, sample_rows
+from mooncaked.roles.worker.sampling import history_of, reseed, sample_rows
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import Unavailable
+from mooncaked.runtime.supervised import start_supervised, stop_task
 
 logger = logging.getLogger(__name__)
+
+
+Outbox = asyncio.Queue[tuple[int, TokenSample, str] | BaseException]  # (sequence, token, finish reason) or failure
 
 
 @dataclass
@@ -43,9 +51,12 @@ class RunningSeq:
     num_prompt_tokens: int
     params: SamplingParams
     generator: torch.Generator | None
-    outbox: asyncio.Queue[tuple[TokenSample, str] | BaseException] = field(default_factory=asyncio.Queue)
+    outbox: Outbox = field(default_factory=asyncio.Queue)  # a parallel sampling's sequences share their call's
     finish_reason: str = ""
     num_sampled_before: int = 0  # output tokens sampled before this leg (the request's seed state)
+    predicted_num_tokens: int = 0  # output tokens the conductor predicted for this leg (0: none)
+    grammar: GrammarState | None = None  # constrained decoding: advanced by the loop's compute step
+    sequence: int = 0  # its place in a parallel sampling
 
     @property
     def num_generated(self) -> int:
@@ -56,6 +67,8 @@ def finish_reason_for(seq: RunningSeq, token_id: int, eos_token_ids: tuple[int, 
     """Why `seq` ends after `token_id` was appended ("" if it goes on)."""
     params = seq.params
     if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
+        return FINISH_EOS
+    if seq.grammar is not None and seq.grammar.is_done:  # the constrained output is complete
         return FINISH_EOS
     if seq.num_generated >= params.max_tokens or len(seq.token_ids) >= max_model_len:
         return FINISH_LENGTH
@@ -77,16 +90,21 @@ class DecodeLoop:
         self.num_steps = 0
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="decode-loop")
+        self._task = start_supervised("decode-loop", self._run, on_failure=self._loop_failed)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await stop_task(self._task)
+        self._task = None
+        self._end_running(f"{self.worker.instance.name} stopped decoding (stopping or switching role); continue the "
+                          "request elsewhere")
+
+    def _loop_failed(self, reason: str) -> None:
+        self.worker.fail(reason)
+        self._end_running(f"{self.worker.instance.name} failed ({reason}); continue the request elsewhere")
+
+    def _end_running(self, why: str) -> None:
         for seq in self.running:
-            seq.outbox.put_nowait(Unavailable(f"{self.worker.instance.name} stopped decoding (stopping or switching "
-                                              "role); continue the request elsewhere"))
+            seq.outbox.put_nowait(Unavailable(why))
         self.running = []
 
     def add(self, seq: RunningSeq) -> None:
@@ -153,6 +171,8 @@ class DecodeLoop:
         started = time.monotonic()
         worker = self.worker
         assert worker.runner is not None and worker.kv_pages is not None
+        assert worker.grammar is not None
+        masks = worker.grammar.masks([s.grammar for s in batch])  # computed while the forward runs
         seqs = [DecodeSeq(token_id=s.token_ids[-1], num_cached_tokens=len(s.token_ids) - 1, page_ids=s.kv.page_ids)
                 for s in batch]
         decode_batch = build_decode_batch(seqs, block_size=worker.block_size, num_pages=worker.kv_pages.num_pages,
@@ -160,7 +180,9 @@ class DecodeLoop:
         logits = worker.runner.decode(decode_batch)
         for seq in batch:
             reseed(seq.generator, seq.params, seq.num_sampled_before + seq.num_generated)
-        samples = sample_rows(worker, logits, [s.params for s in batch], [s.generator for s in batch])
+        histories = [history_of(s.token_ids, s.params, s.num_sampled_before + s.num_generated) for s in batch]
+        samples = sample_rows(worker, logits, [s.params for s in batch], [s.generator for s in batch], histories,
+                              [s.grammar for s in batch], masks)
         return samples, time.monotonic() - started
 
     def _deliver(self, batch: list[RunningSeq], samples: list[TokenSample]) -> None:
@@ -172,7 +194,7 @@ class DecodeLoop:
                 continue  # removed during the step: its token is dropped
             seq.token_ids.append(sample.token_id)
             reason = finish_reason_for(seq, sample.token_id, loaded.eos_token_ids, max_model_len)
-            seq.outbox.put_nowait((sample, reason))
+            seq.outbox.put_nowait((seq.sequence, sample, reason))
             if reason:
                 seq.finish_reason = reason
                 self.running.remove(seq)

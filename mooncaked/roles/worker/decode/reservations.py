@@ -1,11 +1,19 @@
-"""A decode instance's reservations: pages set aside and store space allocated for prefilled requests to come.
+"""A decode instance's reservations: KV pages set aside and store space allocated for prefilled requests to come.
 
-1. `add` records a reservation RESERVE accepted; `allocate` takes store space on this host for the prompt blocks
-   it lacks (plus a private block for the partial tail) and `reply` names them as destinations.
-2. DECODE claims a reservation (`get`) and drops it once its KV is loaded; UNRESERVE, a lease running out
-   (`expire`), its conductor calling again as a new run (`drop_orphans`: it restarted) or the role stopping
-   (`close`) drop it too. Dropping gives the pages back at once (waking RESERVE
-   calls waiting for room) and aborts the store handles, after `abort_grace_s` when a prefill may still write.
+1. `add` records a reservation RESERVE accepted and queues it for pages; `allocate` takes store space on this host
+   for the prompt blocks it lacks (plus a private block for the partial tail) and `reply` names them as
+   destinations.
+2. `grant` gives pages to queued reservations in queue order (interactive first, then priority, then arrival),
+   each as soon as the allocator has its pages and the batch a slot: the pages are allocated to the reservation's
+   own owner, so the free count is the allocator's and never more pages are set aside than exist. It runs
+   whenever pages free (`pages_freed`: a sequence ended, a reservation was dropped).
+3. DECODE claims a reservation (`get`), waits for its pages (`wait_granted`, bounded by the reservation's page
+   deadline: its predicted decode start plus `worker.page_wait_s`), and its request's KV takes them over
+   (`RequestKv(..., reserved_by=reservation.owner)`): from then on they are the request's, counted once. The
+   reservation is dropped once its KV is loaded; UNRESERVE, a lease running out (`expire`), its conductor calling
+   again as a new run (`drop_orphans`: it restarted) or the role stopping (`close`) drop it too. Dropping frees the
+   pages it still holds at once (granting them to the next in line) and aborts the store handles, after
+   `abort_grace_s` when a prefill may still write.
 """
 
 from __future__ import annotations
@@ -19,10 +27,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from mooncaked.engine.kv_pages import PageAllocator
 from mooncaked.roles.worker.kv.plan import store_owner
 from mooncaked.roles.worker.messages import Destination, ReserveReply, ReserveRequest
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import Unavailable
+from mooncaked.sched.decode_memory import DecodeHold
+from mooncaked.sched.priority import queue_rank
 from mooncaked.store.client import incarnation_of
 from mooncaked.store.messages import BlockLocation, WriteHandle
 
@@ -57,7 +68,8 @@ class Room:
 
 @dataclass
 class Reservation:
-    """Pages set aside and store space allocated for one request."""
+    """Pages set aside and store space allocated for one request. Its pages, once granted, are held by `owner` in
+    the worker's page allocator until its request takes them over."""
 
     request: ReserveRequest
     num_pages: int
@@ -67,6 +79,16 @@ class Reservation:
     present: list[BlockLocation] = field(default_factory=list)
     lease_id: int = 0
     tail: WriteHandle | None = None
+    rank: tuple[int, int, float] = (0, 0, 0.0)  # its place in the page queue (sched/priority.py)
+    decode_start_at: float = 0.0  # time.monotonic() of its predicted decode start (the conductor's forecast)
+    page_deadline: float = 0.0  # DECODE waits for its pages until then
+    granted: asyncio.Event = field(default_factory=asyncio.Event)
+    is_claimed: bool = False  # DECODE took it: its pages are the request's (or about to be)
+
+    @property
+    def owner(self) -> str:
+        """The page allocator's owner of its granted pages (its request takes them over)."""
+        return f"{self.request.request_id}#reserved"
 
     @property
     def incarnation(self) -> int:
@@ -79,8 +101,9 @@ class ReservationBook:
     """Owns the reservations, the deferred store aborts and the room RESERVE calls wait on (owned by the
     DecodeRole)."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Worker, num_running: Callable[[], int]) -> None:
         self.worker = worker
+        self.num_running = num_running  # sequences in the decode batch (the DecodeLoop's)
         self.by_id: dict[str, Reservation] = {}
         self.room = Room()
         self._deferred_aborts: set[asyncio.Task[None]] = set()
@@ -94,19 +117,78 @@ class ReservationBook:
     def get(self, request_id: str) -> Reservation | None:
         return self.by_id.get(request_id)
 
-    def num_pages(self) -> int:
-        return sum(r.num_pages for r in self.by_id.values())
+    def num_queued(self) -> int:
+        """Reservations waiting in the queue for pages."""
+        return sum(1 for r in self.by_id.values() if not r.granted.is_set())
+
+    def num_queued_pages(self) -> int:
+        """Pages the reservations waiting in the queue need."""
+        return sum(r.num_pages for r in self.by_id.values() if not r.granted.is_set())
 
     def num_prompt_tokens(self) -> int:
-        return sum(r.request.num_prompt_tokens for r in self.by_id.values())
+        return sum(r.request.num_prompt_tokens * r.request.num_sequences for r in self.by_id.values())
+
+    def num_sequences(self) -> int:
+        return sum(r.request.num_sequences for r in self.by_id.values())
 
     def next_expiry(self, default: float) -> float:
         return min((r.expires_at for r in self.by_id.values()), default=default)
 
     def add(self, request: ReserveRequest, num_pages: int, conductor: str = "") -> Reservation:
-        reservation = Reservation(request, num_pages, time.monotonic() + request.lease_ms / 1000, conductor)
+        """Record the reservation and queue it for pages (granted at once when they are free)."""
+        now = time.monotonic()
+        decode_start_at = now + request.decode_start_s
+        reservation = Reservation(request, num_pages, now + request.lease_ms / 1000, conductor,
+                                  rank=queue_rank(request.is_batch, request.priority, now),
+                                  decode_start_at=decode_start_at,
+                                  page_deadline=decode_start_at + self.worker.section.page_wait_s)
         self.by_id[request.request_id] = reservation
+        self.grant()
+        if not reservation.granted.is_set():
+            logger.info("reservation %s waits for %d KV pages (%d free)", request.request_id, num_pages,
+                        self._pages().num_free)
         return reservation
+
+    def grant(self) -> None:
+        """Pages and batch slots to queued reservations, in queue order; the first that does not fit stops it."""
+        pages = self._pages()
+        num_seqs = self.num_running() + sum(r.request.num_sequences for r in self.by_id.values()
+                                            if r.granted.is_set())
+        for reservation in sorted((r for r in self.by_id.values() if not r.granted.is_set()), key=lambda r: r.rank):
+            num_more = reservation.request.num_sequences
+            if reservation.num_pages > pages.num_free or num_seqs + num_more > self.worker.section.max_batch_size:
+                return
+            pages.allocate(reservation.num_pages, owner=reservation.owner)
+            reservation.granted.set()
+            num_seqs += num_more
+
+    async def wait_granted(self, reservation: Reservation, deadline: float) -> bool:
+        """Whether the reservation's pages were granted by `deadline` (time.monotonic())."""
+        if not reservation.granted.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(reservation.granted.wait(), max(deadline - time.monotonic(), 0.0))
+        return reservation.granted.is_set()
+
+    async def pages_freed(self) -> None:
+        """Pages or a batch slot came free: grant them, and wake RESERVE calls waiting for room."""
+        self.grant()
+        await self.room.freed()
+
+    def holds(self, now: float, step_s: float) -> list[DecodeHold]:
+        """What the reservations will hold (sched/decode_memory.py): their pages from their predicted decode start
+        for their predicted output (max_tokens when the conductor predicted none) at `step_s` a token."""
+        holds = []
+        for r in self.by_id.values():
+            starts_at = now if r.is_claimed else max(r.decode_start_at, now)
+            num_tokens = r.request.predicted_output_tokens or r.request.max_tokens
+            holds.append(DecodeHold(r.num_pages, starts_at, starts_at + max(num_tokens, 1) * step_s,
+                                    r.request.num_sequences))
+        return holds
+
+    def _pages(self) -> PageAllocator:
+        pages = self.worker.pages
+        assert pages is not None, "reservations are made on a started worker"
+        return pages
 
     async def expire(self) -> None:
         now = time.monotonic()
@@ -152,7 +234,8 @@ class ReservationBook:
         reservation = self.by_id.pop(request_id, None)
         if reservation is None:
             return
-        await self.room.freed()
+        self._pages().free_owner(reservation.owner)  # none left once its request took them over
+        await self.pages_freed()
         handle_ids = [h.handle_id for h in reservation.handles]
         if reservation.tail is not None:
             handle_ids.append(reservation.tail.handle_id)
@@ -165,12 +248,15 @@ class ReservationBook:
 
     async def _end_store_handles(self, handle_ids: list[int], lease_id: int, delay_s: float) -> None:
         store = self.worker.local_store
-        with contextlib.suppress(Exception):  # else the store reclaims them at lease expiry
+        try:
             if lease_id:
                 await store.release([lease_id])
             await asyncio.sleep(delay_s)  # a cancelled prefill's writes in flight land in reserved space
             if handle_ids:
                 await store.abort(handle_ids)
+        except Exception as exc:
+            logger.warning("ending a reservation's store lease and %d handles failed (%s: %s); the store reclaims "
+                           "them when their lease expires", len(handle_ids), type(exc).__name__, exc)
 
     async def close(self) -> None:
         """Drop every reservation; deferred aborts are cancelled (the store reclaims those at lease expiry)."""

@@ -9,9 +9,11 @@
    into pages layer by layer, layer i+1's read under way while layer i is copied into the pages, off the
    compute thread (running sequences keep decoding meanwhile); commit the full blocks (they become cache
    here), drop the tail block and join the batch. DECODE without one: prefill inline (the colocated path),
-   then join.
-3. Stream one item per step (several when the consumer lags) until EOS, a stop token or max_tokens; when the
-   stream ends for any reason, leave the batch and free the pages.
+   then join. A parallel sampling's further sequences (`num_sequences`, their first tokens drawn by the same
+   prefill) start from copies of those pages (sequences.py) and join as sequences of their own.
+3. Stream one item per step (several when the consumer lags), each naming its sequence, until every sequence
+   ended at EOS, a stop token or max_tokens; when the stream ends for any reason, leave the batch and free the
+   pages.
 """
 
 from __future__ import annotations
@@ -23,26 +25,30 @@ from collections.abc import AsyncIterator
 
 from mooncaked.cluster.membership import Membership
 from mooncaked.config import Config, InstanceConfig
+from mooncaked.model.grammar import GrammarState
 from mooncaked.model.sampler import make_generator
 from mooncaked.roles.base import RoleEndpoint
 from mooncaked.roles.worker.decode.admission import ReserveAdmission
-from mooncaked.roles.worker.decode.loop import DecodeLoop, RunningSeq, finish_reason_for
+from mooncaked.roles.worker.decode.loop import DecodeLoop, Outbox, RunningSeq, finish_reason_for
 from mooncaked.roles.worker.decode.reservations import Reservation, ReservationBook
+from mooncaked.roles.worker.decode.sequences import fork, load_prefilled, stream_items
+from mooncaked.roles.worker.grammar import follow_first_token
 from mooncaked.roles.worker.kv.plan import KvPlan, check_block_keys, plan_prompt_kv
 from mooncaked.roles.worker.kv.request_kv import RequestKv
-from mooncaked.roles.worker.kv.spans import StoreBlocks, num_blocks_for
+from mooncaked.roles.worker.kv.spans import num_blocks_for
 from mooncaked.roles.worker.messages import (DECODE, DecodeItem, DecodeRequest, LOAD, LoadReply, LoadRequest, RESERVE,
-                                             ReserveReply, ReserveRequest, SamplingSpec, TokenSample, UNRESERVE,
+                                             ReserveReply, ReserveRequest, SamplingSpec, UNRESERVE,
                                              UnreserveReply, UnreserveRequest)
-from mooncaked.roles.worker.prefill.forward import run_prefill_forward
+from mooncaked.roles.worker.prefill.forward import ForwardResult, run_prefill_forward
 from mooncaked.roles.worker.profiler import profile
-from mooncaked.roles.worker.sampling import to_params
+from mooncaked.roles.worker.sampling import history_of, sequence_params, to_params
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import CallContext, InvalidArgument, NotFound, ResourceExhausted
 from mooncaked.runtime.logs import request_id_var
 from mooncaked.runtime.metrics import Metrics
 from mooncaked.runtime.metrics_http import MetricsEndpoint
-from mooncaked.sched.decode_admission import WAITING_POLICIES, capacity_refusal, refusal_after_prefill
+from mooncaked.sched.decode_admission import (REASON_PAGES_NOT_FREED, WAITING_POLICIES, capacity_refusal,
+                                              refusal_after_prefill)
 from mooncaked.sched.perf_model import RecentMean
 
 logger = logging.getLogger(__name__)
@@ -62,7 +68,7 @@ class DecodeRole:
         self.metrics_endpoint = MetricsEndpoint(instance.host, instance.metrics_port, self.metrics,
                                                 self._refresh_metrics)
         self.loop = DecodeLoop(self.worker, on_step=self._observe_step)
-        self.reservations = ReservationBook(self.worker)
+        self.reservations = ReservationBook(self.worker, lambda: len(self.loop.running))
         self.endpoint = RoleEndpoint(config, instance, extra_info=self._info,
                                      is_healthy=lambda: not self.worker.failed.is_set())
         self.endpoint.add_method(RESERVE, self._reserve)
@@ -109,6 +115,7 @@ class DecodeRole:
 
     def _refresh_metrics(self) -> None:
         self.metrics.queues.set_length("decode", len(self.reservations))
+        self.metrics.queues.set_length("decode_pages", self.reservations.num_queued())
 
     def _observe_step(self, num_seqs: int, step_s: float) -> None:
         self.metrics.engine.observe_step("decode", num_requests=num_seqs, num_tokens=num_seqs, step_s=step_s)
@@ -122,22 +129,24 @@ class DecodeRole:
         await self.reservations.drop_orphans(ctx.peer_instance, request.conductor_run)
         coefficients = self.worker.perf.coefficients()
         return LoadReply(role="decode", num_running=len(self.loop.running), num_waiting=len(self.reservations),
-                         num_queued_tokens=0, num_free_pages=pages.num_free - self.reservations.num_pages(),
+                         num_queued_tokens=0, num_free_pages=pages.num_free,
                          num_pages=pages.num_pages, step_time_s=self.loop.mean_step_s,
                          num_context_tokens=self.loop.num_context_tokens,
                          prefill_coefficients=list(coefficients.prefill), decode_coefficients=list(coefficients.decode),
-                         overhead_s=self.inline_overhead.value, kv_cache_bytes=self.worker.kv_cache_bytes)
+                         overhead_s=self.inline_overhead.value, kv_cache_bytes=self.worker.kv_cache_bytes,
+                         num_queued_pages=self.reservations.num_queued_pages())
 
     # ---- 1. reserve ------------------------------------------------------------------------------------
     async def _reserve(self, request: ReserveRequest, ctx: CallContext) -> ReserveReply:
         request_id_var.set(request.request_id)
         if request.request_id in self.reservations:
             raise InvalidArgument(f"request {request.request_id} is already reserved")
-        if request.max_tokens < 1 or request.num_prompt_tokens < 1 or request.lease_ms < 1:
-            raise InvalidArgument("num_prompt_tokens, max_tokens and lease_ms must be >= 1")
+        if min(request.max_tokens, request.num_prompt_tokens, request.lease_ms, request.num_sequences) < 1:
+            raise InvalidArgument("num_prompt_tokens, max_tokens, lease_ms and num_sequences must be >= 1")
         await self.reservations.expire()
         await self.reservations.drop_orphans(ctx.peer_instance, request.conductor_run)
-        num_pages = num_blocks_for(request.num_prompt_tokens + request.max_tokens, self.worker.block_size)
+        num_pages = num_blocks_for(request.num_prompt_tokens + request.max_tokens,
+                                   self.worker.block_size) * request.num_sequences  # each sequence its own pages
         if reason := capacity_refusal(num_pages, self.worker.num_pages):
             return ReserveReply(is_accepted=False, reason=reason)
         reason = self.admission.refusal(request, num_pages)
@@ -146,6 +155,8 @@ class DecodeRole:
         if reason:
             return ReserveReply(is_accepted=False, reason=reason)
         reservation = self.reservations.add(request, num_pages, ctx.peer_instance)
+        if not reservation.granted.is_set():
+            self.metrics.reservations_waited_total.inc()
         if self.admission.waiting:
             await self.reservations.room.freed()  # the next in line may fit beside it
         if request.is_inline_prefill:
@@ -170,32 +181,15 @@ class DecodeRole:
         reservation = self.reservations.get(request.request_id)
         if reservation is None:
             raise NotFound(f"no reservation for request {request.request_id}: reserve first (or it expired)")
+        if reservation.is_claimed:
+            raise InvalidArgument(f"request {request.request_id} is already decoding")
         if len(request.token_ids) != reservation.request.num_prompt_tokens:
             raise InvalidArgument("token_ids do not match the reserved num_prompt_tokens")
         check_block_keys(self.worker, request.token_ids, request.block_keys, request.key_isolation)
         return reservation
 
-    async def _load_prefilled(self, request: DecodeRequest, reservation: Reservation) -> RequestKv:
-        worker, store = self.worker, self.worker.local_store
-        kv = RequestKv(worker, request.request_id, len(request.token_ids), reservation.request.max_tokens)
-        try:
-            index_of = {key: i for i, key in enumerate(request.block_keys)}
-            blocks = [(index_of[loc.key], loc.offset) for loc in reservation.present]
-            blocks += [(index_of[h.key], h.offset) for h in reservation.handles]
-            if reservation.tail is not None:
-                blocks.append((len(request.block_keys), reservation.tail.offset))
-            kv.start_loading([StoreBlocks(worker.local_store_name, [i for i, _ in blocks], [o for _, o in blocks],
-                                          reservation.incarnation)], kv.num_blocks)
-            await kv.wait_loaded()
-            if reservation.handles:
-                await store.commit([h.handle_id for h in reservation.handles])
-                reservation.handles = []
-        except BaseException:
-            await kv.release()
-            raise
-        return kv
-
-    async def _prefill_inline(self, request: DecodeRequest, ctx: CallContext) -> tuple[RequestKv, TokenSample, int]:
+    async def _prefill_inline(self, request: DecodeRequest, reservation: Reservation, ctx: CallContext,
+                              grammars: list[GrammarState | None]) -> tuple[RequestKv, ForwardResult, int]:
         """Prefill on this instance. Its forward is a sample of the prefill model; the rest of its time but the wait
         for the compute thread (planning, writes) is the inline overhead LOAD reports. The conductor predicts the
         wait itself (the running decode step's remainder and the inline prefills queued ahead), so it is left out
@@ -204,11 +198,13 @@ class DecodeRole:
         plan = await plan_prompt_kv(worker, request.request_id, list(request.token_ids), request.block_keys,
                                     timeout_s=max(ctx.deadline - time.monotonic(), 0.001),
                                     num_extra_tokens=request.sampling.max_tokens, key_isolation=request.key_isolation,
-                                    tenant=request.tenant)
+                                    tenant=request.tenant, reuses_prefix=request.sampling.num_prompt_logprobs is None,
+                                    reserved_by=reservation.owner)
         self._num_prefilling += 1
         try:
             submitted = time.monotonic()
-            samples, forward_start, forward_s = await worker.compute(_timed_forward, worker, plan, request.sampling)
+            result, forward_start, forward_s = await worker.compute(_timed_forward, worker, plan, request.sampling,
+                                                                    grammars)
             await plan.kv.wait_writes(self.config.transfer.timeout_s)
             await plan.close_store(commit=True)
         except BaseException:
@@ -219,65 +215,94 @@ class DecodeRole:
         num_prefix_tokens = plan.num_prefix_blocks * worker.block_size
         worker.perf.add_prefill(len(request.token_ids), num_prefix_tokens, forward_s)
         self.inline_overhead.add(time.monotonic() - started - forward_s - (forward_start - submitted))
-        return plan.kv, samples[0], num_prefix_tokens
+        return plan.kv, result, num_prefix_tokens
 
     # ---- 3. stream -------------------------------------------------------------------------------------
     async def _decode(self, request: DecodeRequest, ctx: CallContext) -> AsyncIterator[DecodeItem]:
         request_id_var.set(request.request_id)
-        params = to_params(request.sampling)
+        spec, num_seqs = request.sampling, request.sampling.num_sequences
+        params = to_params(spec, self.worker.vocab_size)
+        history_of(request.token_ids, params, spec.num_sampled)
+        if request.first_token is not None and len(request.more_first_tokens) != num_seqs - 1:
+            raise InvalidArgument(f"{num_seqs} sequences need {num_seqs - 1} more first tokens")
+        assert self.worker.grammar is not None
+        grammars = [self.worker.grammar.state_for(spec, request.token_ids) for _ in range(num_seqs)]
         reservation = self._claim(request)
-        num_cached_tokens = 0
+        reservation.is_claimed = True
+        num_cached_tokens, prompt_logprobs, kvs = 0, [], []
         try:
+            await self._wait_for_pages(reservation, ctx)
             refusal = refusal_after_prefill(self.config.scheduler.admission, len(self.loop.running),
                                             self.loop.num_context_tokens, len(request.token_ids),
                                             self.admission.step_limit())
             if refusal and request.first_token is not None:
                 raise ResourceExhausted(refusal)
             if request.first_token is None:
-                kv, first, num_cached_tokens = await self._prefill_inline(request, ctx)
+                kv, result, num_cached_tokens = await self._prefill_inline(request, reservation, ctx, grammars)
+                firsts = [result.first_tokens[0], *result.more_first_tokens[0]]
+                prompt_logprobs = result.prompt_logprobs[0]
             else:
-                kv, first = await self._load_prefilled(request, reservation), request.first_token
+                firsts = [request.first_token, *request.more_first_tokens]
+                for grammar, first in zip(grammars, firsts):
+                    if grammar is not None:
+                        follow_first_token(grammar, first.token_id)
+                kv = await load_prefilled(self.worker, request, reservation)
+            kvs.append(kv)
+            for sequence in range(1, num_seqs):
+                kvs.append(await fork(self.worker, kv, f"{request.request_id}#{sequence}", spec.max_tokens,
+                                      reserved_by=reservation.owner))
+        except BaseException:
+            for kv in kvs:
+                await kv.release()
+            raise
         finally:
             await self.reservations.drop(request.request_id)
-        seq = RunningSeq(request.request_id, kv, list(request.token_ids) + [first.token_id], len(request.token_ids),
-                         params, make_generator(params), num_sampled_before=request.sampling.num_sampled)
+        outbox: Outbox = asyncio.Queue()
+        seqs = [RunningSeq(request.request_id, kv, list(request.token_ids) + [first.token_id], len(request.token_ids),
+                           sequence_params(params, q), make_generator(sequence_params(params, q)), outbox,
+                           num_sampled_before=spec.num_sampled, grammar=grammars[q], sequence=q,
+                           predicted_num_tokens=reservation.request.predicted_output_tokens)
+                for q, (kv, first) in enumerate(zip(kvs, firsts))]
         try:
             assert self.worker.loaded is not None
-            reason = finish_reason_for(seq, first.token_id, self.worker.loaded.eos_token_ids,
-                                       self.config.model.max_model_len)
-            first_item = DecodeItem(tokens=[first] if request.first_token is None else [], finish_reason=reason,
-                                    num_cached_tokens=num_cached_tokens)
-            if first_item.tokens or reason:
-                yield first_item
-            if reason:
-                return
-            self.loop.add(seq)
-            async for item in self._items(seq):
+            for seq, first in zip(seqs, firsts):
+                reason = finish_reason_for(seq, first.token_id, self.worker.loaded.eos_token_ids,
+                                           self.config.model.max_model_len)
+                item = DecodeItem(tokens=[first] if request.first_token is None else [], finish_reason=reason,
+                                  num_cached_tokens=num_cached_tokens, prompt_logprobs=prompt_logprobs,
+                                  sequence=seq.sequence)
+                if item.tokens or reason:
+                    yield item
+                seq.finish_reason = reason
+            running = [seq for seq in seqs if not seq.finish_reason]
+            for seq in running:
+                self.loop.add(seq)
+            async for item in stream_items(outbox, len(running), self.config.conductor.token_timeout_s):
                 yield item
         finally:
-            await self.loop.remove(seq)
-            await kv.release()
-            await self.reservations.room.freed()
+            for seq in seqs:
+                await self.loop.remove(seq)
+                await seq.kv.release()
+            await self.reservations.pages_freed()
 
-    async def _items(self, seq: RunningSeq) -> AsyncIterator[DecodeItem]:
-        while True:
-            entries = [await asyncio.wait_for(seq.outbox.get(), self.config.conductor.token_timeout_s)]
-            while not seq.outbox.empty():
-                entries.append(seq.outbox.get_nowait())
-            tokens: list[TokenSample] = []
-            for entry in entries:
-                if isinstance(entry, BaseException):
-                    raise entry
-                sample, reason = entry
-                tokens.append(sample)
-                if reason:
-                    yield DecodeItem(tokens=tokens, finish_reason=reason)
-                    return
-            yield DecodeItem(tokens=tokens)
+    async def _wait_for_pages(self, reservation: Reservation, ctx: CallContext) -> None:
+        """A reservation admitted on a forecast may still wait for its pages (a sequence ran longer than predicted):
+        until its page deadline. Past it the prompt's prefilled blocks are committed here (cache for the next
+        attempt) and the request is told to move (REASON_PAGES_NOT_FREED: the conductor migrates it)."""
+        if await self.reservations.wait_granted(reservation, min(reservation.page_deadline, ctx.deadline)):
+            return
+        self.metrics.page_wait_timeouts_total.inc()
+        if reservation.handles:
+            await self.worker.local_store.commit([h.handle_id for h in reservation.handles])
+            reservation.handles = []
+        free = self.worker.pages.num_free if self.worker.pages is not None else 0
+        raise ResourceExhausted(f"{REASON_PAGES_NOT_FREED}: {reservation.num_pages} KV pages were not freed by the "
+                                f"predicted decode start plus {self.worker.section.page_wait_s:g} s ({free} free)")
 
 
-def _timed_forward(worker: Worker, plan: KvPlan, sampling: SamplingSpec) -> tuple[list[TokenSample], float, float]:
+def _timed_forward(worker: Worker, plan: KvPlan, sampling: SamplingSpec,
+                   grammars: list[GrammarState | None]) -> tuple[ForwardResult, float, float]:
     """Compute thread: an inline prefill's forward, when it started and its own time (no wait for the thread)."""
     started = time.monotonic()
-    samples = run_prefill_forward(worker, [plan], [sampling])
-    return samples, started, time.monotonic() - started
+    result = run_prefill_forward(worker, [plan], [sampling], [grammars])
+    return result, started, time.monotonic() - started

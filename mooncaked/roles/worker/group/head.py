@@ -34,6 +34,8 @@ from mooncaked.roles.worker.kv.plan import KvPlan
 from mooncaked.roles.worker.kv.spans import StoreBlocks
 from mooncaked.roles.worker.messages import PrefillRequest, TokenSample
 from mooncaked.roles.worker.prefill.forward import PrefillCancelled
+from mooncaked.roles.worker.group.stage_job import reads_history
+from mooncaked.roles.worker.sampling import to_params
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import Internal, RpcError, Unavailable
 
@@ -128,10 +130,13 @@ class PipelineRun:
     # ---- the later stages ----------------------------------------------------------------------------------
     def _stage_request(self, index: int) -> StageRequest:
         plan, request, layers = self.plan, self.request, self.stage.stage_layers[index]
+        is_last = index == len(self.stage.stage_layers) - 1
+        needs_history = reads_history(request.sampling, to_params(request.sampling, self.worker.vocab_size))
         return StageRequest(
             request.request_id, self.stage.group.name, index, layers.start, layers.end, plan.kv.num_tokens,
             plan.num_prefix_blocks, self.worker.section.cpp_chunk_tokens, request.sampling,
-            sources=_nonempty(plan.sources), writes=_nonempty(plan.layer_writes()))
+            sources=_nonempty(plan.sources), writes=_nonempty(plan.layer_writes()),
+            token_ids=list(request.token_ids) if is_last and needs_history else [])
 
     async def _open_stages(self) -> None:
         """Every later stage answers ready, or the run fails (a stage failed, or the deadline passed)."""

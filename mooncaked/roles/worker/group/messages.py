@@ -35,6 +35,9 @@ class StageRequest(Message):
     sampling: SamplingSpec  # the last stage samples the first token with it
     sources: list[StoreBlocks] = field(default_factory=list)  # with the incarnation of the runs that granted them
     writes: list[StoreBlocks] = field(default_factory=list)
+    # the prompt's token ids, sent to the last stage when its sampling reads the request's history (penalties,
+    # min_tokens: roles/worker/sampling.py); [] otherwise
+    token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

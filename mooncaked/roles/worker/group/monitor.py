@@ -8,18 +8,19 @@
    yet to report one is assumed to run like this one, per layer), or None until this stage has a fitted model
    (conductors then split their default model over the stages). The first stage predicts its queue with it and reports
    it in LOAD, so conductors predict the group's prefill time as a pipeline (fill, steady state, drain).
-3. `stop()` cancels the task and awaits it.
+3. The task is supervised (runtime/supervised.py: an unexpected exception is logged and the task restarts);
+   `stop()` cancels it and awaits it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 from mooncaked.roles.worker.messages import LOAD, LoadRequest
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import RpcError
+from mooncaked.runtime.supervised import start_supervised, stop_task
 from mooncaked.sched.pipeline import split_predictor
 from mooncaked.sched.predictors import PrefillTimePredictor
 from mooncaked.sched.types import PipelineSpec
@@ -39,14 +40,11 @@ class GroupMonitor:
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="cpp-group-monitor")
+        self._task = start_supervised("cpp-group-monitor", self._run)
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_task(task)
 
     def spec(self) -> PipelineSpec | None:
         """A stage that has not reported a fitted model yet is assumed to run like this one, per layer."""

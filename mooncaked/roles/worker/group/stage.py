@@ -21,7 +21,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
@@ -35,10 +34,11 @@ from mooncaked.roles.worker.group.messages import (CPP_ABORT, CPP_CHUNK, CPP_STA
                                                    StageAbort, StageAbortReply, StageItem, StageRequest)
 from mooncaked.roles.worker.group.stage_job import StageFailed, StageJob, check_request, num_prefix_tokens, open_job
 from mooncaked.roles.worker.prefill.forward import PrefillCancelled
-from mooncaked.roles.worker.sampling import generator_at, sample_rows, to_params
+from mooncaked.roles.worker.sampling import generator_at, history_of, sample_rows, to_params
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import CallContext, Cancelled, InvalidArgument, RpcError, Unavailable
 from mooncaked.runtime.logs import request_id_var
+from mooncaked.runtime.supervised import start_supervised, stop_task
 from mooncaked.sched.perf_model import RecentMean
 from mooncaked.transfer import SegmentRef, TransferOp, TransferRequest
 
@@ -80,20 +80,23 @@ class StageService:
         if not self.stage.is_last:
             self.send_slots = HiddenSlots(worker.engine, f"{name}/cpp-send", NUM_HIDDEN_SLOTS, chunk_tokens,
                                           hidden, loaded.dtype, pin=is_pinned)
-        self._loop_task = asyncio.create_task(self._chunk_loop(), name="cpp-chunk-loop")
+        self._loop_task = start_supervised("cpp-chunk-loop", self._chunk_loop, on_failure=self._loop_failed)
 
     async def stop(self) -> None:
         for job in list(self.jobs.values()):
             job.fail(Unavailable(f"{self.worker.instance.name} is stopping"))
         task, self._loop_task = self._loop_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_task(task)
         for slots in (self.receive_slots, self.send_slots):
             if slots is not None:
                 slots.wake()
                 slots.close()
+
+    def _loop_failed(self, reason: str) -> None:
+        """The chunk loop failed: every open prompt fails, and the worker is marked failed (it is restarted)."""
+        self.worker.fail(reason)
+        for job in list(self.jobs.values()):
+            job.fail(Unavailable(f"{self.worker.instance.name} failed ({reason})"))
 
     @property
     def is_idle(self) -> bool:
@@ -272,9 +275,11 @@ class StageService:
         if job.sender is not None:
             job.sender.send(index, out)
         elif is_last_chunk:
-            params = to_params(job.request.sampling)
-            job.first_token = sample_rows(self.worker, out, [params],
-                                          [generator_at(params, job.request.sampling.num_sampled)])[0]
+            spec = job.request.sampling
+            params = to_params(spec, self.worker.vocab_size)
+            job.first_token = sample_rows(self.worker, out, [params], [generator_at(params, spec.num_sampled)],
+                                          [history_of(job.request.token_ids, params, spec.num_sampled)],
+                                          [job.grammar])[0]
 
 
 def _segment(request: ChunkRequest) -> SegmentRef:

@@ -2,7 +2,8 @@
 
 1. check_request refuses a CPP_STAGE request this stage cannot serve (another group, stage or layers, a chunk size
    or length out of range, blocks that do not match the prompt, an unknown store), before anything is allocated.
-2. open_job allocates the prompt's pages (this stage's layers) and splits its new tokens into chunks; the service
+2. open_job rebuilds the last stage's grammar state (from the request's token ids), allocates the prompt's pages
+   (this stage's layers) and splits its new tokens into chunks; the service
    then adds the chunk sender and starts loading the reused prefix.
 3. While the prompt runs, the compute thread stores each layer of the last chunk through store_layer; fail records
    the first error and stops the job (nothing more is computed, sent or stored).
@@ -19,8 +20,10 @@ from mooncaked.engine.batch import PrefillSeq, split_prefill_chunks
 from mooncaked.roles.worker.group.forward import ChunkSender
 from mooncaked.roles.worker.group.messages import StageRequest
 from mooncaked.roles.worker.kv.request_kv import RequestKv
-from mooncaked.roles.worker.messages import TokenSample
-from mooncaked.roles.worker.sampling import to_params
+from mooncaked.model.grammar import GrammarState
+from mooncaked.model.sampling_params import SamplingParams
+from mooncaked.roles.worker.messages import SamplingSpec, TokenSample
+from mooncaked.roles.worker.sampling import history_of, to_params
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import Internal, InvalidArgument, ResourceExhausted
 
@@ -44,6 +47,7 @@ class StageJob:
     num_computed: int = 0
     first_token: TokenSample | None = None
     compute_s: float = 0.0
+    grammar: GrammarState | None = None  # the last stage's constrained decoding of the first token
     computed: asyncio.Event = field(default_factory=asyncio.Event)  # the last chunk ran, or the job failed
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while the compute thread is not in it
 
@@ -93,11 +97,23 @@ def check_request(worker: Worker, stage: GroupStage, request: StageRequest, open
         worker.store_instance(span.store_name)
     if any(i >= request.num_prefix_blocks for s in request.sources for i in s.block_indices):
         raise InvalidArgument("sources name blocks beyond the reused prefix")
-    to_params(request.sampling)
+    params = to_params(request.sampling, worker.vocab_size)
+    if stage.is_last and reads_history(request.sampling, params):
+        if len(request.token_ids) != request.num_tokens:
+            raise InvalidArgument(f"the last stage samples with penalties, min_tokens or a grammar: it needs the "
+                                  f"prompt's {request.num_tokens} token ids, got {len(request.token_ids)}")
+        history_of(request.token_ids, params, request.sampling.num_sampled)
+
+
+def reads_history(spec: SamplingSpec, params: SamplingParams) -> bool:
+    """Whether sampling the first token reads the prompt's token ids (StageRequest.token_ids)."""
+    return params.needs_history or bool(spec.grammar)
 
 
 def open_job(worker: Worker, request: StageRequest, deadline: float) -> StageJob:
     """A job for a checked request: its pages allocated, its new tokens split into chunks, idle."""
+    assert worker.grammar is not None
+    grammar = worker.grammar.state_for(request.sampling, request.token_ids) if request.token_ids else None
     try:
         kv = RequestKv(worker, request.request_id, request.num_tokens)
     except RuntimeError as exc:
@@ -105,5 +121,6 @@ def open_job(worker: Worker, request: StageRequest, deadline: float) -> StageJob
     num_cached_tokens = num_prefix_tokens(worker, request)
     seq = PrefillSeq([0] * (request.num_tokens - num_cached_tokens), num_cached_tokens, kv.page_ids)
     job = StageJob(request, kv, split_prefill_chunks(seq, request.chunk_tokens), deadline)
+    job.grammar = grammar
     job.idle.set()
     return job

@@ -109,8 +109,10 @@ async def plan_prompt_kv(worker: Worker, request_id: str, token_ids: list[int], 
                          timeout_s: float, num_extra_tokens: int = 0, fetch_store: str = "",
                          num_fetch_blocks: int = 0, decode_store: str = "",
                          destinations: Sequence[Destination] = (), key_isolation: bytes = b"",
-                         tenant: StoreTenant | None = None) -> KvPlan:
-    """Steps 1 of the module docstring; on failure everything taken so far is given back."""
+                         tenant: StoreTenant | None = None, reuses_prefix: bool = True,
+                         reserved_by: str = "") -> KvPlan:
+    """Steps 1 of the module docstring; on failure everything taken so far is given back. Without
+    `reuses_prefix` every token is computed (prompt logprobs need every row), cached blocks or not."""
     _check_prompt(worker, token_ids)
     keys = check_block_keys(worker, token_ids, keys, key_isolation)
     owner = store_owner(tenant)
@@ -118,7 +120,7 @@ async def plan_prompt_kv(worker: Worker, request_id: str, token_ids: list[int], 
         if store_name:
             worker.store_instance(store_name)
     try:
-        kv = RequestKv(worker, request_id, len(token_ids), num_extra_tokens)
+        kv = RequestKv(worker, request_id, len(token_ids), num_extra_tokens, reserved_by)
     except RuntimeError as exc:
         raise ResourceExhausted(f"not enough KV pages for {len(token_ids)} tokens: {exc}") from None
     plan = KvPlan(kv, list(token_ids), owner=owner)
@@ -128,7 +130,7 @@ async def plan_prompt_kv(worker: Worker, request_id: str, token_ids: list[int], 
         fetched = StoreBlocks(fetch_store, [], [])
         if fetch_store and fetch_store != worker.local_store_name and num_fetch_blocks > 0:
             fetched = await _lookup_remote(plan, fetch_store, keys[:num_fetch_blocks], timeout_s)
-        sources = await _reserve_local(plan, keys, fetched, timeout_s)
+        sources = await _reserve_local(plan, keys, fetched, timeout_s, reuses_prefix)
     except BaseException:
         await plan.close(commit=False)
         raise
@@ -177,7 +179,8 @@ async def _lookup_remote(plan: KvPlan, fetch_store: str, keys: list[bytes], time
                        [loc.offset for loc in found.locations], incarnation_of(found.locations))
 
 
-async def _reserve_local(plan: KvPlan, keys: list[bytes], fetched: StoreBlocks, timeout_s: float) -> list[StoreBlocks]:
+async def _reserve_local(plan: KvPlan, keys: list[bytes], fetched: StoreBlocks, timeout_s: float,
+                         reuses_prefix: bool) -> list[StoreBlocks]:
     """Allocate this host's store space for the blocks it lacks; the prefix and where each block of it is."""
     worker = plan.kv.worker
     local = worker.local_store
@@ -197,6 +200,8 @@ async def _reserve_local(plan: KvPlan, keys: list[bytes], fetched: StoreBlocks, 
     while num_prefix < len(keys) and (num_prefix in local_offsets or num_prefix in remote):
         num_prefix += 1
     num_prefix = min(num_prefix, (len(plan.token_ids) - 1) // worker.block_size)  # >= 1 token to compute
+    if not reuses_prefix:
+        num_prefix = 0
     plan.num_prefix_blocks = num_prefix
     from_local = [i for i in range(num_prefix) if i in local_offsets]
     from_remote = [i for i in range(num_prefix) if i not in local_offsets]

@@ -56,7 +56,10 @@ class RequestKv:
     """Owns one request's pages, its copies (CopyTracker), its staging while moves need it (StagingHold), its
     loader and its in-flight writes."""
 
-    def __init__(self, worker: Worker, request_id: str, num_tokens: int, num_extra_tokens: int = 0) -> None:
+    def __init__(self, worker: Worker, request_id: str, num_tokens: int, num_extra_tokens: int = 0,
+                 reserved_by: str = "") -> None:
+        """`reserved_by`: the owner holding pages set aside for this request (a decode reservation's): they become
+        this request's, and only the rest are allocated."""
         assert worker.pages is not None and worker.kv_pages is not None and worker.staging_pool is not None
         self.worker = worker
         self.kv_pages: KVPages = worker.kv_pages  # the worker's
@@ -65,7 +68,13 @@ class RequestKv:
         self.num_blocks = num_blocks_for(num_tokens, worker.block_size)
         self.num_full_blocks = num_tokens // worker.block_size
         num_pages = num_blocks_for(num_tokens + num_extra_tokens, worker.block_size)
-        self.page_ids: list[int] = worker.pages.allocate(num_pages, owner=request_id)
+        reserved = worker.pages.transfer(reserved_by, request_id, num_pages) if reserved_by else []
+        try:
+            more = worker.pages.allocate(max(num_pages - len(reserved), 0), owner=request_id)
+        except BaseException:
+            worker.pages.free(reserved, request_id)
+            raise
+        self.page_ids: list[int] = reserved + more
         self.is_direct = worker.host_pages is not None  # every move straight between the pages and the stores
         is_ranks_mapped = worker.tp is not None and self.kv_pages.device.type == "cpu"
         self.ranks_end = RankPagesEnd(self.kv_pages, self.page_ids) if is_ranks_mapped else None

@@ -8,21 +8,26 @@
    queues layer i's new KV for its destinations (copied and sent off this thread) and the next layer starts.
    A cancelled plan, or one whose loading failed, sends nothing more; when no plan is left the forward stops
    at the next layer boundary. A failed plan's rows compute on stale pages and its reply is the failure.
-3. The last chunk's logits give every prompt its first token.
+3. The last chunk's logits give every prompt its first token; the masks of prompts with a grammar are computed on
+   the mask thread while the forward runs. A prompt asking for prompt logprobs has every row's logits kept and
+   read (prompt_logprobs.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from mooncaked.engine.batch import build_prefill_batch, split_prefill_chunks
+from mooncaked.model.grammar import GrammarState
 from mooncaked.roles.worker.kv.plan import KvPlan
 from mooncaked.roles.worker.kv.request_kv import RequestKv
 from mooncaked.roles.worker.messages import SamplingSpec, TokenSample
-from mooncaked.roles.worker.sampling import generator_at, sample_rows, to_params
+from mooncaked.roles.worker.prefill.prompt_logprobs import collect, wants_prompt_logprobs
+from mooncaked.roles.worker.sampling import generator_at, history_of, sample_rows, sequence_params, to_params
 from mooncaked.roles.worker.worker import Worker
 
 
@@ -35,11 +40,26 @@ class ForwardPlan(Protocol):
     def store_layer(self, layer: int) -> None: ...
 
 
-def run_prefill_forward(worker: Worker, plans: Sequence[KvPlan], specs: Sequence[SamplingSpec]) -> list[TokenSample]:
+@dataclass(frozen=True)
+class ForwardResult:
+    first_tokens: list[TokenSample]  # one per prompt (its sequence 0's)
+    prompt_logprobs: list[list[TokenSample]]  # per prompt: its tokens from the second on, when its spec asks
+    more_first_tokens: list[list[TokenSample]]  # per prompt: its sequences 1.. (parallel sampling)
+
+
+def run_prefill_forward(worker: Worker, plans: Sequence[KvPlan], specs: Sequence[SamplingSpec],
+                        grammars: Sequence[Sequence[GrammarState | None]] | None = None) -> ForwardResult:
+    """`grammars[i][q]`: prompt i's sequence q's grammar state (its output so far consumed), advanced by its first
+    token; a prompt of `num_sequences` sequences draws that many first tokens from its logits row."""
     runner, kv_pages = worker.runner, worker.kv_pages
-    assert runner is not None and kv_pages is not None
+    assert runner is not None and kv_pages is not None and worker.grammar is not None
+    rows = [i for i, spec in enumerate(specs) for _ in range(spec.num_sequences)]
+    flat_grammars = [state for per_prompt in grammars for state in per_prompt] if grammars is not None else None
+    masks = worker.grammar.masks(flat_grammars) if flat_grammars is not None else None  # during the forward
     seqs = [plan.prefill_seq() for plan in plans]
     chunks = split_prefill_chunks(seqs[0], worker.section.prefill_chunk) if len(plans) == 1 else [seqs[0]]
+    is_every_row = wants_prompt_logprobs(specs)
+    prompt_logprobs: list[list[TokenSample]] = [[] for _ in plans]
     logits: torch.Tensor | None = None
     for index, chunk in enumerate(chunks):
         chunk_seqs = [chunk] if len(plans) == 1 else seqs
@@ -47,12 +67,27 @@ def run_prefill_forward(worker: Worker, plans: Sequence[KvPlan], specs: Sequence
                                     device=kv_pages.device)
         is_first, is_last = index == 0, index == len(chunks) - 1
         logits = runner.prefill(
-            batch,
+            batch, return_all_logits=is_every_row,
             before_layer=lambda i: before_layer(worker, plans, i, is_first),
             after_layer=lambda i: after_layer(worker, plans, i, is_last))
+        if is_every_row:
+            collect(logits, batch.cu_seqlens_q.tolist(), chunk_seqs, [plan.token_ids for plan in plans], specs,
+                    prompt_logprobs)
+            logits = logits.index_select(0, batch.last_token_indices)
     assert logits is not None
-    params = [to_params(spec) for spec in specs]
-    return sample_rows(worker, logits, params, [generator_at(p, s.num_sampled) for p, s in zip(params, specs)])
+    params = [sequence_params(to_params(specs[i], worker.vocab_size), q) for i, q in _sequences(specs)]
+    samples = sample_rows(worker, logits if len(rows) == len(plans) else logits[rows], params,
+                          [generator_at(p, specs[i].num_sampled) for p, i in zip(params, rows)],
+                          [history_of(plans[i].token_ids, p, specs[i].num_sampled) for p, i in zip(params, rows)],
+                          flat_grammars, masks)
+    starts = [rows.index(i) for i in range(len(plans))]
+    return ForwardResult([samples[s] for s in starts], prompt_logprobs,
+                         [samples[s + 1: s + spec.num_sequences] for s, spec in zip(starts, specs)])
+
+
+def _sequences(specs: Sequence[SamplingSpec]) -> list[tuple[int, int]]:
+    """(prompt, sequence) of every row the first tokens are drawn from."""
+    return [(i, q) for i, spec in enumerate(specs) for q in range(spec.num_sequences)]
 
 
 class PrefillCancelled(Exception):

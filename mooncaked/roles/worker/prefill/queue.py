@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from mooncaked.model.grammar import GrammarState
 from mooncaked.roles.worker.kv.plan import KvPlan
 from mooncaked.roles.worker.messages import PrefillReply, PrefillRequest
 
@@ -26,6 +27,7 @@ class PrefillJob:
     future: asyncio.Future[PrefillReply]
     deadline: float = 0.0  # the PREFILL call's (time.monotonic())
     is_running: bool = False
+    grammars: list[GrammarState | None] = field(default_factory=list)  # per sequence, rebuilt on arrival
     started_at: float = 0.0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 

@@ -13,6 +13,9 @@ stream KV out.
    token, reply. Whatever happens, `finally` aborts uncommitted handles, ends leases and frees pages.
 5. Each batch's time, split per prompt by compute share, refits the instance's performance model (profiled at
    start); LOAD reports the model, the predicted work the instance holds and its per-request overhead.
+6. The batch loop is supervised (runtime/supervised.py): an unexpected exception outside a batch's own error
+   handling is logged, the queued prompts fail with Unavailable (the conductor places them again) and the
+   worker is marked failed (the role stops, exits non-zero and is restarted).
 A prefill group's member (cluster.prefill_groups) holds only its layers: the first stage takes PREFILL, runs its
 queue one prompt at a time and drives each through the group's pipeline (roles/worker/group/head.py), reporting the
 group's pipeline in LOAD (roles/worker/group/monitor.py); the later stages serve the pipeline's calls
@@ -22,7 +25,6 @@ group's pipeline in LOAD (roles/worker/group/monitor.py); the later stages serve
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
@@ -35,16 +37,18 @@ from mooncaked.roles.worker.group.stage import StageService
 from mooncaked.roles.worker.kv.plan import plan_prompt_kv
 from mooncaked.roles.worker.messages import LOAD, PREFILL, LoadReply, LoadRequest, PrefillReply, PrefillRequest
 from mooncaked.roles.worker.messages import TokenSample
-from mooncaked.roles.worker.prefill.forward import PrefillCancelled, run_prefill_forward
+from mooncaked.roles.worker.prefill.forward import ForwardResult, PrefillCancelled, run_prefill_forward
 from mooncaked.roles.worker.prefill.load import PrefillLoad
+from mooncaked.roles.worker.prefill.prompt_logprobs import wants_prompt_logprobs
 from mooncaked.roles.worker.prefill.queue import PrefillJob
 from mooncaked.roles.worker.profiler import profile
-from mooncaked.roles.worker.sampling import to_params
+from mooncaked.roles.worker.sampling import history_of, to_params
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import CallContext, InvalidArgument, RpcError, Unavailable
 from mooncaked.runtime.logs import request_id_var
 from mooncaked.runtime.metrics import Metrics
 from mooncaked.runtime.metrics_http import MetricsEndpoint
+from mooncaked.runtime.supervised import start_supervised, stop_task
 from mooncaked.sched.prefill_batch import take_batch
 
 logger = logging.getLogger(__name__)
@@ -122,18 +126,22 @@ class PrefillRole:
         if self.load is None:
             assert self.worker.loaded is not None
             self.load = PrefillLoad(self.worker.perf, self.worker.loaded.args.hidden_size)
-        self._loop_task = asyncio.create_task(self._batch_loop(), name="prefill-batch-loop")
+        self._loop_task = start_supervised("prefill-batch-loop", self._batch_loop, on_failure=self._loop_failed)
 
     async def deactivate(self) -> None:
         """Stop the batch loop and fail what is still queued (nothing, after a drain); the worker stays."""
         task, self._loop_task = self._loop_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_task(task)
+        self._fail_queued(f"{self.instance.name} stopped taking prefills")
+
+    def _loop_failed(self, reason: str) -> None:
+        self.worker.fail(reason)
+        self._fail_queued(f"{self.instance.name} failed ({reason}); place the prompt elsewhere")
+
+    def _fail_queued(self, why: str) -> None:
         for job in self._queue:
             if not job.future.done():
-                job.future.set_exception(Unavailable(f"{self.instance.name} stopped taking prefills"))
+                job.future.set_exception(Unavailable(why))
 
     @property
     def is_idle(self) -> bool:
@@ -190,14 +198,22 @@ class PrefillRole:
         if stage is not None and not stage.is_first:
             raise InvalidArgument(f"{self.instance.name} is {stage.describe()}; send PREFILL to its first stage "
                                   f"{stage.group.members[0]}")
-        to_params(request.sampling)  # invalid sampling parameters fail here, not inside a batch
+        params = to_params(request.sampling, self.worker.vocab_size)  # invalid ones fail here, not inside a batch
+        history_of(request.token_ids, params, request.sampling.num_sampled)
+        assert self.worker.grammar is not None
+        grammars = [self.worker.grammar.state_for(request.sampling, request.token_ids)
+                    for _ in range(request.sampling.num_sequences)]
+        if (request.sampling.num_prompt_logprobs is not None or request.sampling.num_sequences > 1) and stage:
+            raise InvalidArgument(f"prompt logprobs and parallel sampling are not served by prefill groups "
+                                  f"({stage.describe()}); send the prompt to a single prefill instance")
         plan = await plan_prompt_kv(self.worker, request.request_id, request.token_ids, request.block_keys,
                                     fetch_store=request.fetch_store, num_fetch_blocks=request.num_fetch_blocks,
                                     decode_store=request.decode_store, destinations=request.destinations,
                                     timeout_s=max(ctx.deadline - time.monotonic(), 0.001),
-                                    key_isolation=request.key_isolation, tenant=request.tenant)
+                                    key_isolation=request.key_isolation, tenant=request.tenant,
+                                    reuses_prefix=request.sampling.num_prompt_logprobs is None)
         job = PrefillJob(request, plan, arrived_at, time.monotonic(), asyncio.get_running_loop().create_future(),
-                         deadline=ctx.deadline)
+                         deadline=ctx.deadline, grammars=grammars)
         job.idle.set()
         try:
             self._queue.append(job)
@@ -214,8 +230,9 @@ class PrefillRole:
 
     def _take_batch(self) -> list[PrefillJob]:
         section = self.worker.section
+        is_every_row = wants_prompt_logprobs([job.request.sampling for job in self._queue])  # their logits alone
         return take_batch(self._queue, section.max_batch_tokens, section.prefill_chunk,
-                          is_one_at_a_time=self.pipeline is not None)
+                          is_one_at_a_time=self.pipeline is not None or is_every_row)
 
     async def _batch_loop(self) -> None:
         while True:
@@ -234,11 +251,11 @@ class PrefillRole:
         assert self.load is not None
         self.load.batch_started([job.prompt for job in batch], started)
         try:
-            first_tokens, stage_s = await self._compute(batch)
+            result, stage_s = await self._compute(batch)
             elapsed_s = time.monotonic() - started
             self._observe(batch, started, elapsed_s)
             self.load.batch_finished([job.prompt for job in batch], elapsed_s if stage_s is None else stage_s)
-            await self._finish(batch, first_tokens, elapsed_s)
+            await self._finish(batch, result, elapsed_s)
         except Exception as exc:
             if isinstance(exc, RpcError):  # a prefill group's stage failed: the error names it
                 logger.warning("prefill batch of %d failed: %s", len(batch), exc)
@@ -253,9 +270,10 @@ class PrefillRole:
                 job.is_running = False
                 job.idle.set()
 
-    async def _finish(self, batch: list[PrefillJob], samples: list[TokenSample], elapsed_s: float) -> None:
+    async def _finish(self, batch: list[PrefillJob], result: ForwardResult, elapsed_s: float) -> None:
         assert self.load is not None
-        for job, sample in zip(batch, samples):
+        for job, sample, prompt_logprobs, more in zip(batch, result.first_tokens, result.prompt_logprobs,
+                                                      result.more_first_tokens):
             if job.future.done():
                 continue
             try:
@@ -267,9 +285,10 @@ class PrefillRole:
             self.load.replied(now - job.arrived_at, job.started_at - job.enqueued_at, elapsed_s)
             job.future.set_result(PrefillReply(
                 first_token=sample, num_cached_tokens=job.num_prefix_tokens,
-                num_fetched_blocks=job.plan.num_fetched_blocks, prefill_s=now - job.enqueued_at, compute_s=elapsed_s))
+                num_fetched_blocks=job.plan.num_fetched_blocks, prefill_s=now - job.enqueued_at, compute_s=elapsed_s,
+                prompt_logprobs=prompt_logprobs, more_first_tokens=more))
 
-    async def _compute(self, batch: list[PrefillJob]) -> tuple[list[TokenSample], float | None]:
+    async def _compute(self, batch: list[PrefillJob]) -> tuple[ForwardResult, float | None]:
         """The forward on the compute thread (a group's first stage: through the pipeline, with the seconds of
         this stage's part of it; None elsewhere: the batch's whole time is its sample). Cancelled (the role is
         stopping), it marks every plan cancelled and still waits for the thread to leave the batch (at its next
@@ -277,7 +296,7 @@ class PrefillRole:
         if self.pipeline is not None:
             job = batch[0]
             first_token, compute_s = await self.pipeline.run(job.request, job.plan, job.deadline)
-            return [first_token], compute_s
+            return ForwardResult([first_token], [[]], [[]]), compute_s
         forward = asyncio.ensure_future(self.worker.compute(self._forward, batch))
         try:
             return await asyncio.shield(forward), None
@@ -287,6 +306,7 @@ class PrefillRole:
             await asyncio.wait([forward])
             raise
 
-    def _forward(self, batch: list[PrefillJob]) -> list[TokenSample]:
-        return run_prefill_forward(self.worker, [job.plan for job in batch], [job.request.sampling for job in batch])
+    def _forward(self, batch: list[PrefillJob]) -> ForwardResult:
+        return run_prefill_forward(self.worker, [job.plan for job in batch], [job.request.sampling for job in batch],
+                                   [job.grammars for job in batch])
 

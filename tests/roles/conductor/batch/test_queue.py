@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from mooncaked.api.requests import CompletionRequest, SamplingOptions
+import pytest
+
+from mooncaked.api.requests import CompletionRequest
+from mooncaked.api.sampling_options import SamplingOptions
 from mooncaked.roles.conductor.batch.lines import BatchLine
 from mooncaked.roles.conductor.batch.queue import BatchQueue, QueuedLine
 from mooncaked.roles.conductor.class_metrics import ClassMetrics
@@ -87,4 +90,31 @@ async def test_order_bound_gate_retry_and_preemption() -> None:
         await queue.withdraw("b")
         assert queue.num_waiting == 0 and queue.num_running == 0
     finally:
+        await queue.stop()
+
+
+class FailingOnceView(View):
+    """Its first placement raises: a bug or a bad sample the dispatch loop did not expect."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_calls = 0
+
+    def place(self, request: RequestInfo, now: float) -> Placement:
+        self.num_calls += 1
+        if self.num_calls == 1:
+            raise ZeroDivisionError("injected")
+        return super().place(request, now)
+
+
+async def test_dispatch_survives_an_unexpected_exception(caplog: pytest.LogCaptureFixture) -> None:
+    lines, view = Lines(), FailingOnceView()
+    queue = make(lines, view)
+    await queue.start()
+    try:
+        queue.submit([queued(1)])
+        await lines.wait_started(1)  # after the restart
+        assert "background loop batch-dispatch failed: ZeroDivisionError: injected; restarting it" in caplog.text
+    finally:
+        lines.release[1].set_result(True)
         await queue.stop()

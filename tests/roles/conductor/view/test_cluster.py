@@ -21,6 +21,7 @@ from mooncaked.roles.store import StoreRole
 from mooncaked.roles.worker.messages import LoadReply
 from mooncaked.sched.types import REASON_DECODE_FULL, REASON_NO_DECODE, Placement, Rejection, RequestInfo
 from mooncaked.store.client import StoreClient
+from mooncaked.store.shm_pool import pool_path
 from tests.roles.cluster_fixtures import cluster_config, instance
 
 BLOCK_BYTES = 4096
@@ -48,7 +49,8 @@ def make_view(config: Config, peers: PeerClients) -> ClusterView:
 @contextlib.asynccontextmanager
 async def store_client(config: Config, peers: PeerClients, name: str) -> AsyncIterator[StoreClient]:
     store = config.instance_named(name)
-    client = await StoreClient.connect(peers.for_instance(store), host=store.host, timeout_s=5.0)
+    client = await StoreClient.connect(peers.for_instance(store), host=store.host, timeout_s=5.0,
+                                       pool_path=pool_path(config.cluster.id, name, config.store.shm_dir))
     try:
         yield client
     finally:

@@ -11,6 +11,7 @@ from mooncaked.roles.conductor.view.store_follower import FollowerSettings, Stor
 from mooncaked.roles.store import StoreRole
 from mooncaked.sched.shadow_index import ShadowIndex
 from mooncaked.store.client import StoreClient
+from mooncaked.store.shm_pool import pool_path
 from tests.roles.cluster_fixtures import cluster_config, instance
 
 BLOCK_BYTES = 4096
@@ -46,7 +47,9 @@ async def test_follower_dumps_again_when_its_event_window_is_gone(tmp_path: Path
     peers = PeerClients(config, config.instance_named("c0"))
     follower = make_follower(config, peers)
     index = follower.index
-    client = await StoreClient.connect(follower.client, host=follower.store.host, timeout_s=5.0)
+    client = await StoreClient.connect(follower.client, host=follower.store.host, timeout_s=5.0,
+                                       pool_path=pool_path(config.cluster.id, follower.store.name,
+                                                           config.store.shm_dir))
     try:
         await put(client, [key(0)])
         await follower.sync_step(events_s=0.1)

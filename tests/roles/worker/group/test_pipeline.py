@@ -10,6 +10,7 @@ store s2, its prefill_chunk equal to the group's cpp_chunk_tokens so both cut th
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -26,7 +27,10 @@ from mooncaked.roles.worker.messages import (DECODE, PREFILL, RESERVE, DecodeReq
 from mooncaked.roles.worker.prefill.role import PrefillRole
 from mooncaked.runtime.lifecycle import Role
 from mooncaked.store.client import StoreClient
+from mooncaked.store.shm_pool import pool_path
 from tests.roles.cluster_fixtures import cluster_config, instance, running_roles
+from mooncaked.model.grammar import grammar_for
+from tests.model.sampling_reference import reference_adjust
 from tests.roles.engine_reference import greedy_tokens
 
 GREEDY = SamplingSpec(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -66,7 +70,8 @@ async def prefill(clients: PeerClients, config: Config, name: str, request_id: s
 async def stored_blocks(clients: PeerClients, config: Config, store: str, keys: list[bytes]) -> list[bytes]:
     """The bytes of every committed block of `keys` in `store` (read through its shared-memory pool)."""
     instance_config = config.instance_named(store)
-    client = await StoreClient.connect(clients.for_instance(instance_config), host=instance_config.host)
+    client = await StoreClient.connect(clients.for_instance(instance_config), host=instance_config.host,
+                                       pool_path=pool_path(config.cluster.id, store, config.store.shm_dir))
     try:
         found = await client.lookup(keys, lease_ms=10_000)
         assert client.pool is not None
@@ -160,6 +165,46 @@ async def test_greedy_decode_after_a_group_prefill_equals_the_reference(tmp_path
                                         timeout_s=30):
             out.extend(t.token_id for t in item.tokens)
         assert out == expected
+        assert_nothing_held(roles)
+
+
+async def test_the_last_stage_samples_with_penalties_over_the_request_history(tmp_path: Path) -> None:
+    """A migrated leg's prompt ends with the output streamed before it: the last stage, which alone samples, gets the
+    token ids and counts that output (frequency, presence) and the whole history (repetition) like one instance."""
+    config = group_config(tmp_path, 24)
+    tokens = prompt(9, 60)
+    num_output = 12
+    spec = SamplingSpec(max_tokens=1, temperature=0.0, ignore_eos=True, num_sampled=num_output,
+                        frequency_penalty=2.0, presence_penalty=1.0, repetition_penalty=1.5)
+
+    def adjust(row: list[float], output: list[int]) -> list[float]:
+        return reference_adjust(row, prompt=tokens[:-num_output], output=tokens[-num_output:] + output,
+                                repetition_penalty=1.5, frequency_penalty=2.0, presence_penalty=1.0)
+
+    expected = greedy_tokens(load_model("random:tiny"), tokens, 1, adjust=adjust)
+    async with cluster(config) as (roles, clients):
+        replies = [await clients.for_instance(config.instance_named(name)).call(
+            PREFILL, PrefillRequest(f"r-{name}", tokens, keys_for(config, tokens), spec), timeout_s=30)
+            for name in ("g0", "p2")]
+        assert [reply.first_token.token_id for reply in replies] == expected * 2
+        assert_nothing_held(roles)
+
+
+async def test_the_last_stage_samples_under_the_request_grammar(tmp_path: Path) -> None:
+    """A migrated leg under a grammar: the last stage rebuilds it from the output in the prompt's tail."""
+    config = group_config(tmp_path, 24)
+    tokenizer = load_model("random:tiny").tokenizer
+    choices = ["alpha-7", "alps-2", "beta"]
+    tokens = prompt(4, 50) + tokenizer.encode("alp", add_special_tokens=False)
+    spec = SamplingSpec(max_tokens=1, temperature=0.0, ignore_eos=True, num_sampled=3,
+                        grammar=grammar_for("choice", json.dumps(choices)))
+    allowed = {tokenizer.encode(text, add_special_tokens=False)[0] for text in ("h", "s")}
+    async with cluster(config) as (roles, clients):
+        replies = [await clients.for_instance(config.instance_named(name)).call(
+            PREFILL, PrefillRequest(f"r-{name}", tokens, keys_for(config, tokens), spec), timeout_s=30)
+            for name in ("g0", "p2")]
+        assert replies[0].first_token.token_id == replies[1].first_token.token_id
+        assert replies[0].first_token.token_id in allowed
         assert_nothing_held(roles)
 
 

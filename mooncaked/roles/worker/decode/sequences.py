@@ -1,0 +1,78 @@
+"""A DECODE call's sequences on their way into the batch, and their stream of items (role.py, steps 2 and 3).
+
+1. `load_prefilled(worker, request, reservation)`: the prompt's blocks, from this host's store (the prefill
+   instance wrote them), loaded into a request's pages layer by layer off the compute thread; the reserved full
+   blocks are committed (cache on this host).
+2. `fork(worker, kv, request_id, max_tokens)`: a parallel sampling's further sequence: its own pages (its share
+   of the reservation's), starting as a copy of the prompt's (the prompt was prefilled once; each sequence then
+   writes its own tail and output).
+3. `stream_items(outbox, num_running, timeout_s)`: the loop's tokens of the call's running sequences, as DECODE
+   items (one per sequence per drain, several tokens when the consumer lags), until every sequence has finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from mooncaked.roles.worker.decode.loop import Outbox
+from mooncaked.roles.worker.decode.reservations import Reservation
+from mooncaked.roles.worker.kv.request_kv import RequestKv
+from mooncaked.roles.worker.kv.spans import StoreBlocks
+from mooncaked.roles.worker.messages import DecodeItem, DecodeRequest, TokenSample
+from mooncaked.roles.worker.worker import Worker
+
+
+async def load_prefilled(worker: Worker, request: DecodeRequest, reservation: Reservation) -> RequestKv:
+    store = worker.local_store
+    kv = RequestKv(worker, request.request_id, len(request.token_ids), reservation.request.max_tokens,
+                   reserved_by=reservation.owner)
+    try:
+        index_of = {key: i for i, key in enumerate(request.block_keys)}
+        blocks = [(index_of[loc.key], loc.offset) for loc in reservation.present]
+        blocks += [(index_of[h.key], h.offset) for h in reservation.handles]
+        if reservation.tail is not None:
+            blocks.append((len(request.block_keys), reservation.tail.offset))
+        kv.start_loading([StoreBlocks(worker.local_store_name, [i for i, _ in blocks], [o for _, o in blocks],
+                                      reservation.incarnation)], kv.num_blocks)
+        await kv.wait_loaded()
+        if reservation.handles:
+            await store.commit([h.handle_id for h in reservation.handles])
+            reservation.handles = []
+    except BaseException:
+        await kv.release()
+        raise
+    return kv
+
+
+async def fork(worker: Worker, kv: RequestKv, request_id: str, max_tokens: int, reserved_by: str = "") -> RequestKv:
+    """A sequence of its own, its prompt pages copied from `kv`'s (on the copy thread: no forward reads them);
+    `reserved_by`: the reservation whose pages it takes."""
+    assert worker.kv_pages is not None
+    child = RequestKv(worker, request_id, kv.num_tokens, max_tokens, reserved_by=reserved_by)
+    try:
+        await asyncio.get_running_loop().run_in_executor(
+            worker.copy_thread, worker.kv_pages.copy_pages, kv.page_ids[: kv.num_blocks],
+            child.page_ids[: kv.num_blocks])
+    except BaseException:
+        await child.release()
+        raise
+    return child
+
+
+async def stream_items(outbox: Outbox, num_running: int, timeout_s: float) -> AsyncIterator[DecodeItem]:
+    while num_running:
+        entries = [await asyncio.wait_for(outbox.get(), timeout_s)]
+        while not outbox.empty():
+            entries.append(outbox.get_nowait())
+        pending: dict[int, list[TokenSample]] = {}
+        for entry in entries:
+            if isinstance(entry, BaseException):
+                raise entry
+            sequence, sample, reason = entry
+            pending.setdefault(sequence, []).append(sample)
+            if reason:
+                yield DecodeItem(tokens=pending.pop(sequence), finish_reason=reason, sequence=sequence)
+                num_running -= 1
+        for sequence, tokens in pending.items():
+            yield DecodeItem(tokens=tokens, sequence=sequence)

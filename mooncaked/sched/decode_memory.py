@@ -1,0 +1,61 @@
+"""Decode memory at a request's decode start (paper section 6.2): the forecast that prediction-based early rejection
+admits on, run by the conductor, the decode instance's RESERVE and the simulator alike.
+
+1. Every sequence a decode instance holds or has promised to hold is a `DecodeHold`: its KV pages (prompt and
+   max_tokens, as the decode role allocates them) from `starts_at` (now for a running sequence; the predicted
+   decode start for a placed one) until `ends_at` (its predicted end, from the output-length predictor).
+2. `peak_use` gives the most pages and sequences held at once over a time window: at its start and at every
+   later hold's start inside it (holds only end between those times, so the peak is at one of them).
+3. `forecast_refusal` admits a new hold when, over its whole predicted life, the peak leaves room for its pages
+   and its batch slot; otherwise the reason names what runs short. A forecast can be wrong (a sequence runs
+   longer than predicted): the decode instance then makes the request wait for its pages, bounded by a deadline
+   (roles/worker/decode/), and the forecast only decides what is refused before any prefill.
+
+Pure: no I/O, no clock; `now` and every time are passed in, in seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DecodeHold:
+    """One sequence's claim on a decode instance: `num_pages` KV pages over [starts_at, ends_at)."""
+
+    num_pages: int
+    starts_at: float
+    ends_at: float
+    num_seqs: int = 1  # batch slots: a parallel sampling's sequences
+
+    def is_held_at(self, at_time: float) -> bool:
+        return self.starts_at <= at_time < self.ends_at
+
+
+def num_pages_for(num_prompt_tokens: int, max_tokens: int, block_size: int) -> int:
+    """The pages a decode instance allocates for a request: its prompt and every token it may generate."""
+    return -(-(num_prompt_tokens + max_tokens) // block_size)
+
+
+def peak_use(holds: Sequence[DecodeHold], starts_at: float, ends_at: float) -> tuple[int, int]:
+    """(pages, sequences) at their highest over [starts_at, ends_at)."""
+    times = [starts_at] + [h.starts_at for h in holds if starts_at < h.starts_at < ends_at]
+    peak_pages = peak_seqs = 0
+    for at_time in times:
+        held = [h for h in holds if h.is_held_at(at_time)]
+        peak_pages = max(peak_pages, sum(h.num_pages for h in held))
+        peak_seqs = max(peak_seqs, sum(h.num_seqs for h in held))
+    return peak_pages, peak_seqs
+
+
+def forecast_refusal(new: DecodeHold, holds: Sequence[DecodeHold], num_pages: int, max_num_seqs: int) -> str:
+    """Why `new` does not fit beside `holds` over its predicted life ("" when it does); a reason starts with
+    memory or batch, as the decode instance's own refusals do."""
+    peak_pages, peak_seqs = peak_use(holds, new.starts_at, max(new.ends_at, new.starts_at + 1e-9))
+    if peak_pages + new.num_pages > num_pages:
+        return (f"memory: needs {new.num_pages} KV pages at its predicted decode start, {num_pages - peak_pages} "
+                f"of {num_pages} predicted free")
+    if peak_seqs + new.num_seqs > max_num_seqs:
+        return f"batch: {peak_seqs} sequences predicted at its decode start (max {max_num_seqs})"
+    return ""

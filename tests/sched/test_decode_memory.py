@@ -1,0 +1,50 @@
+"""The decode-memory forecast (sched/decode_memory.py): peaks over a hold's life, against a brute-force scan."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mooncaked.sched.decode_memory import DecodeHold, forecast_refusal, num_pages_for, peak_use
+
+
+def test_pages_cover_the_prompt_and_every_token_it_may_generate() -> None:
+    assert num_pages_for(100, 28, 64) == 2 and num_pages_for(100, 29, 64) == 3
+
+
+def test_a_sequence_predicted_to_end_before_the_decode_start_leaves_room() -> None:
+    running = [DecodeHold(6, 0.0, 5.0), DecodeHold(2, 0.0, 50.0)]
+    assert forecast_refusal(DecodeHold(4, 6.0, 20.0), running, 8, 32) == ""
+    assert forecast_refusal(DecodeHold(4, 1.0, 20.0), running, 8, 32).startswith("memory: needs 4 KV pages")
+    # a placed request starting later inside the new one's life counts too
+    placed = [*running, DecodeHold(5, 10.0, 30.0)]
+    assert forecast_refusal(DecodeHold(4, 6.0, 20.0), placed, 8, 32).startswith("memory")
+    assert forecast_refusal(DecodeHold(4, 6.0, 9.0), placed, 8, 32) == ""
+    assert forecast_refusal(DecodeHold(1, 6.0, 20.0), running, 100, 1).startswith("batch")
+
+
+HOLDS = st.lists(st.builds(lambda p, s, d: DecodeHold(p, float(s), float(s + d)), st.integers(0, 20),
+                           st.integers(0, 50), st.integers(1, 50)), max_size=12)
+
+
+@given(holds=HOLDS, start=st.integers(0, 60), duration=st.integers(1, 60), pages=st.integers(0, 30),
+       num_pages=st.integers(0, 120), max_num_seqs=st.integers(1, 14))
+def test_the_forecast_refuses_exactly_when_some_moment_of_the_new_hold_overflows(
+        holds: list[DecodeHold], start: int, duration: int, pages: int, num_pages: int, max_num_seqs: int) -> None:
+    new = DecodeHold(pages, float(start), float(start + duration))
+    # integer times: scanning every integer instant of the new hold's life finds every peak
+    moments = [[h for h in holds if h.is_held_at(float(t))] for t in range(start, start + duration)]
+    is_over = any(sum(h.num_pages for h in m) + pages > num_pages or len(m) + 1 > max_num_seqs for m in moments)
+    assert bool(forecast_refusal(new, holds, num_pages, max_num_seqs)) == is_over
+    peak_pages, peak_seqs = peak_use(holds, float(start), float(start + duration))
+    assert peak_pages == max(sum(h.num_pages for h in m) for m in moments)
+    assert peak_seqs == max(len(m) for m in moments)
+
+
+def test_the_conductor_the_decode_role_and_the_simulator_forecast_with_this_rule() -> None:
+    from mooncaked.roles.worker.decode import admission as decode_admission
+    from mooncaked.sched import admission
+    from mooncaked.sim import decode_reserve
+
+    assert admission.forecast_refusal is forecast_refusal  # select_decode's room, which the conductor runs
+    assert decode_admission.forecast_refusal is forecast_refusal and decode_reserve.forecast_refusal is forecast_refusal
