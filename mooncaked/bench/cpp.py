@@ -92,7 +92,8 @@ class Prompts:
 
     def __init__(self, config: Config, vocab_size: int, seed: int) -> None:
         frontend = load_frontend(config.model.source)
-        self.namespace = model_namespace(frontend.model_id, config.model.dtype, config.kv.block_size)
+        self.namespace = model_namespace(frontend.model_id, config.model.dtype, config.kv.block_size,
+                                         frontend.args.kv_geometry)
         self.block_size = config.kv.block_size
         self.vocab_size = min(vocab_size, frontend.args.vocab_size)
         self.rng = random.Random(seed)

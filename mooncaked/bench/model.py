@@ -31,6 +31,7 @@ from mooncaked.bench.decode_compare import OursGenerator, Timing, chat_prompts, 
 from mooncaked.bench.report import write_json
 from mooncaked.engine.batch import PrefillSeq, build_prefill_batch
 from mooncaked.model.frontend import EMBEDDED_SMOLLM2
+from mooncaked.model.hf_config import to_hf_config
 from mooncaked.model.llama import LlamaDecoderLayer, LlamaForCausalLM, Linear
 from mooncaked.model.loader import LoadedModel, load_model
 from mooncaked.model.packed_gemm import PACKINGS
@@ -68,7 +69,8 @@ def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
         state["lm_head.weight"] = _dense(model.lm_head)
     for i, layer in enumerate(model.layers):
         assert isinstance(layer, LlamaDecoderLayer)
-        assert layer.gate_up_proj is not None and layer.down_proj is not None, "a dense model's layers"
+        assert layer.gate_up_proj is not None and layer.down_proj is not None and layer.qkv_proj is not None, (
+            "a dense GQA model's layers")
         p = f"model.layers.{i}."
         q, k, v = _dense(layer.qkv_proj).split([args.q_size, args.kv_size, args.kv_size])
         gate, up = _dense(layer.gate_up_proj).split(args.intermediate_size)
@@ -93,7 +95,7 @@ def _dense(linear: Linear) -> torch.Tensor:
 def build_hf_model(loaded: LoadedModel) -> Any:
     import transformers
 
-    config = transformers.LlamaConfig(**loaded.args.to_hf_config())
+    config = transformers.LlamaConfig(**to_hf_config(loaded.args))
     hf = transformers.LlamaForCausalLM(config).eval()
     hf.load_state_dict(hf_state_dict(loaded.model), strict=False)
     return hf

@@ -33,6 +33,7 @@ from mooncaked.bench.decode_compare import OursGenerator, Timing, chat_prompts, 
 from mooncaked.bench.report import report
 from mooncaked.engine.batch import DecodeSeq, PrefillSeq, build_decode_batch, build_prefill_batch
 from mooncaked.model.config import ModelArgs
+from mooncaked.model.hf_config import to_hf_config
 from mooncaked.model.loader import LoadedModel, load_model
 from mooncaked.model.weight_names import random_hf_state_dict
 
@@ -43,7 +44,7 @@ TARGET_ACTIVE_COST_B1 = 1.3  # MoE step / dense step of equal active parameters 
 
 def write_hf_checkpoint(args: ModelArgs, seed: int, path: Path) -> None:
     """The seeded random weights `random:` models load, as a checkpoint transformers reads."""
-    config = args.to_hf_config()
+    config = to_hf_config(args)
     config["torch_dtype"] = "float32"
     (path / "config.json").write_text(json.dumps(config))
     save_file({name: t.contiguous() for name, t in random_hf_state_dict(args, seed).items()},

@@ -26,7 +26,8 @@ from mooncaked import kernels
 from mooncaked.engine.batch import DecodeBatch, PrefillBatch
 from mooncaked.engine.cuda_graphs import DecodeGraphs
 from mooncaked.engine.kv_pages import KVPages
-from mooncaked.model.llama import AttendFn, LlamaForCausalLM
+from mooncaked.model.llama import LlamaForCausalLM
+from mooncaked.model.mla import AttendFn
 
 LayerCallback = Callable[[int], None]
 
@@ -45,10 +46,14 @@ class ModelRunner:
         if kv_pages.device != model.device:
             raise ValueError(f"KV pages on {kv_pages.device} but model on {model.device}")
         kernels.resolve_backend(backend, kv_pages.buffer)  # validates the name
+        if args.mla is not None and backend == "auto":
+            # Triton's attention tiles a query-head group by a whole KV head's width: DeepSeek-V3's 128 heads over a
+            # 576-wide latent ask 768 KiB of shared memory (an H200 has 227 KiB); the torch path runs SDPA there
+            backend = "torch"
         self.model = model
         self.kv_pages = kv_pages
         self.backend = backend
-        self.scale = args.head_dim ** -0.5
+        self.scale = args.attention_scale
         self.first_layer = layers.start  # page layer of model layer i: i - first_layer
         self.layer_windows = [args.layer_sliding_window(i) for i in range(args.num_layers)]
         self.graphs: DecodeGraphs | None = None

@@ -73,7 +73,7 @@ def prefill_attention(
         row = block_tables[s, first_block:]
         num_keys = seq_len - first_block * k_pages.shape[1]
         k = gather_pages(k_pages, row, num_keys)  # [L', Hkv, D], key 0 at position first_block * B
-        v = gather_pages(v_pages, row, num_keys)
+        v = k if v_pages is k_pages else gather_pages(v_pages, row, num_keys)  # an MLA latent is its own value
         out[q_start:q_end] = _attend(q[q_start:q_end], k, v, scale, num_cached - first_block * k_pages.shape[1],
                                      sliding_window)
     return out
@@ -191,7 +191,8 @@ def _decode_padded(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
     block_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
     token_shape = (num_seqs, plan.page_ids.shape[0] // num_seqs * block_size, num_kv_heads, head_dim)
     k = k_pages.index_select(0, plan.page_ids).view(token_shape)[:, : plan.max_len]  # [S, Lmax, Hkv, D]
-    v = v_pages.index_select(0, plan.page_ids).view(token_shape)[:, : plan.max_len]
+    # an MLA latent is its own value: one gather
+    v = k if v_pages is k_pages else v_pages.index_select(0, plan.page_ids).view(token_shape)[:, : plan.max_len]
     # The GROUP query heads of one kv head act as GROUP query rows: no K/V expansion, and SDPA on CPU runs
     # this faster than with enable_gqa.
     o = F.scaled_dot_product_attention(

@@ -22,11 +22,12 @@ KEY_BYTES = 16
 _ROOT_KEY = bytes(KEY_BYTES)
 
 
-def model_namespace(model_id: str, dtype: str, block_size: int) -> bytes:
-    """16-byte namespace for one (model, dtype, block size) combination."""
+def model_namespace(model_id: str, dtype: str, block_size: int, kv_geometry: str) -> bytes:
+    """16-byte namespace for one (model, dtype, block size, KV geometry) combination: objects of different layouts
+    (an MLA latent, GQA K/V of other head counts) never share a key, even under one model id."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    text = f"mooncaked/v1|{model_id}|{dtype}|{block_size}".encode()
+    text = f"mooncaked/v1|{model_id}|{dtype}|{block_size}|{kv_geometry}".encode()
     return hashlib.blake2b(text, digest_size=KEY_BYTES).digest()
 
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
+from mooncaked.model.mla_args import MLAArgs
 from mooncaked.model.moe_args import MoEArgs
-from mooncaked.model.rope_scaling import DynamicScaling, Llama3Scaling, LinearScaling, RopeScaling, YarnScaling
+from mooncaked.model.rope_scaling import RopeScaling, YarnScaling, yarn_mscale
 
 # Hugging Face model_type of each supported family (model.families holds their differences).
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,10 @@ class ModelArgs:
     full_attention_layers: tuple[int, ...] = ()  # layers exempt from sliding_window (Qwen's max_window_layers)
     rope_freq_factors: tuple[float, ...] | None = None  # per-frequency divisors (a GGUF's rope_freqs tensor)
     moe: MoEArgs | None = None  # the sparse MLP of the layers moe.sparse_layers names (Qwen3-MoE); None: all dense
+    # Multi-head Latent Attention (DeepSeek-V3); then num_kv_heads is 1 (the latent) and head_dim the query/key
+    # head's width (qk_nope_head_dim + qk_rope_head_dim)
+    mla: MLAArgs | None = None
+    num_mtp_layers: int = 0  # multi-token-prediction layers a checkpoint holds after the model's (not run)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -69,7 +73,7 @@ class ModelArgs:
             raise ValueError(f"model config: a {self.family} model cannot have qkv_bias={self.qkv_bias}, "
                              f"o_bias={self.o_bias}, mlp_bias={self.mlp_bias}, qk_norm={self.qk_norm}, "
                              f"sliding_window={self.sliding_window}, full_attention_layers="
-                             f"{self.full_attention_layers}, moe={self.moe}")
+                             f"{self.full_attention_layers}, moe={self.moe}, mla={self.mla}")
         if self.rope_freq_factors is not None and (len(self.rope_freq_factors) != self.head_dim // 2 or not all(
                 math.isfinite(f) and f > 0 for f in self.rope_freq_factors)):
             raise ValueError(f"model config: rope_freq_factors must be {self.head_dim // 2} positive numbers")
@@ -86,6 +90,10 @@ class ModelArgs:
         if any(not 0 <= i < self.num_layers for i in self.full_attention_layers):
             raise ValueError(f"model config: full_attention_layers {self.full_attention_layers} must be layer "
                              f"indices below num_layers ({self.num_layers})")
+        if self.mla is not None and (self.num_kv_heads, self.head_dim) != (1, self.mla.qk_head_dim):
+            raise ValueError(f"model config: an MLA model caches one latent (num_kv_heads 1, not {self.num_kv_heads}) "
+                             f"and its heads are qk_nope_head_dim + qk_rope_head_dim = {self.mla.qk_head_dim} wide, "
+                             f"not {self.head_dim}")
         if self.moe is not None and any(i >= self.num_layers for i in self.moe.sparse_layers):
             raise ValueError(f"model config: MoE layers {self.moe.sparse_layers} must be below num_layers "
                              f"({self.num_layers})")
@@ -100,18 +108,33 @@ class ModelArgs:
 
     @property
     def num_kv_planes(self) -> int:
-        """Tensors the KV cache holds per layer: K and V."""
-        return 2
+        """Tensors the KV cache holds per layer: K and V, or (MLA) one latent that is both."""
+        return 1 if self.mla is not None else 2
 
     @property
     def kv_head_dim(self) -> int:
-        """Width of one KV head in the cache."""
-        return self.head_dim
+        """Width of one KV head in the cache (MLA: the latent and the rope key)."""
+        return self.mla.latent_dim if self.mla is not None else self.head_dim
 
     @property
     def rope_head_dim(self) -> int:
         """Dimensions RoPE rotates per head (the cos/sin tables' width)."""
-        return self.head_dim
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale: 1 / sqrt(query head width), for MLA times YaRN's mscale(factor, mscale_all_dim)^2 as
+        DeepSeek-V3 applies it."""
+        scale = self.head_dim ** -0.5
+        s = self.rope_scaling
+        if self.mla is not None and isinstance(s, YarnScaling) and s.mscale_all_dim:
+            scale *= yarn_mscale(s.factor, s.mscale_all_dim) ** 2
+        return scale
+
+    @property
+    def kv_geometry(self) -> str:
+        """The KV cache's layout per token, `layers x planes x KV heads x width` (part of the block keys' namespace)."""
+        return f"{self.num_layers}x{self.num_kv_planes}x{self.num_kv_heads}x{self.kv_head_dim}"
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
         """KV cache bytes of one token over every layer and KV head (what a store object holds per token)."""
@@ -130,76 +153,23 @@ class ModelArgs:
         """The attention window of layer `layer_idx` (None: it sees every earlier token)."""
         return None if layer_idx in self.full_attention_layers else self.sliding_window
 
-    def to_hf_config(self) -> dict[str, Any]:
-        """The equivalent `config.json` dict of this family (tests and benchmarks compare with transformers)."""
-        config: dict[str, Any] = {
-            "architectures": [_ARCHITECTURES[self.family]], "model_type": self.family,
-            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings, "hidden_act": "silu",
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
-        }
-        config.update(self._hf_family_options())
-        if self.rope_scaling is not None:
-            config["rope_scaling"] = _hf_rope_scaling(self.rope_scaling)
-        return config
 
-    def _hf_family_options(self) -> dict[str, Any]:
-        if self.family == "llama":
-            return {"attention_bias": self.qkv_bias, "mlp_bias": self.mlp_bias}
-        if self.family == "mistral":
-            return {"sliding_window": self.sliding_window}
-        layer_types = ["full_attention" if self.layer_sliding_window(i) is None else "sliding_attention"
-                       for i in range(self.num_layers)]
-        options: dict[str, Any] = {"use_sliding_window": self.sliding_window is not None,
-                                   "sliding_window": self.sliding_window, "layer_types": layer_types}
-        if self.family in ("qwen3", "qwen3_moe"):
-            options["attention_bias"] = self.qkv_bias
-        if self.moe is not None:
-            options.update(_hf_moe_options(self.moe, self.num_layers))
-        return options
-
-
-def _hf_rope_scaling(s: RopeScaling) -> dict[str, Any]:
-    if isinstance(s, Llama3Scaling):
-        return {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-                "high_freq_factor": s.high_freq_factor,
-                "original_max_position_embeddings": s.original_max_position_embeddings}
-    if isinstance(s, YarnScaling):
-        optional = {"mscale": s.mscale, "mscale_all_dim": s.mscale_all_dim, "attention_factor": s.attention_factor}
-        return {"rope_type": "yarn", "factor": s.factor,
-                "original_max_position_embeddings": s.original_max_position_embeddings, "beta_fast": s.beta_fast,
-                "beta_slow": s.beta_slow, "truncate": s.truncate,
-                **{key: value for key, value in optional.items() if value is not None}}
-    rope_type = "linear" if isinstance(s, LinearScaling) else "dynamic"
-    assert isinstance(s, (LinearScaling, DynamicScaling))
-    return {"rope_type": rope_type, "factor": s.factor}
-
-
-def _hf_moe_options(moe: MoEArgs, num_layers: int) -> dict[str, Any]:
-    """Qwen3-MoE's fields for `moe` (sparse layers given as mlp_only_layers, the complement)."""
-    return {"num_experts": moe.num_experts, "num_experts_per_tok": moe.num_experts_per_token,
-            "moe_intermediate_size": moe.intermediate_size, "norm_topk_prob": moe.norm_topk_prob,
-            "decoder_sparse_step": 1, "mlp_only_layers": [i for i in range(num_layers) if not moe.is_sparse(i)]}
-
-
-# What each family's transformers class can express (so to_hf_config is exact).
+# What each family's transformers class can express (so model.hf_config.to_hf_config is exact).
 _FAMILY_RULES: dict[str, Callable[[ModelArgs], bool]] = {
-    "llama": lambda a: a.o_bias == a.qkv_bias and not a.qk_norm and a.sliding_window is None and a.moe is None,
+    "llama": lambda a: (a.o_bias == a.qkv_bias and not a.qk_norm and a.sliding_window is None and a.moe is None
+                        and a.mla is None),
     "mistral": lambda a: not (a.qkv_bias or a.o_bias or a.mlp_bias or a.qk_norm or a.full_attention_layers
-                              or a.moe),
-    "qwen2": lambda a: a.qkv_bias and not (a.o_bias or a.mlp_bias or a.qk_norm or a.moe),
-    "qwen3": lambda a: a.qk_norm and a.o_bias == a.qkv_bias and not a.mlp_bias and a.moe is None,
+                              or a.moe or a.mla),
+    "qwen2": lambda a: a.qkv_bias and not (a.o_bias or a.mlp_bias or a.qk_norm or a.moe or a.mla),
+    "qwen3": lambda a: a.qk_norm and a.o_bias == a.qkv_bias and not a.mlp_bias and a.moe is None and a.mla is None,
     "qwen3_moe": lambda a: a.qk_norm and a.o_bias == a.qkv_bias and not a.mlp_bias and a.moe is not None and (
         a.moe.scoring == "softmax" and a.moe.num_groups == 1 and a.moe.num_shared_experts == 0
-        and a.moe.routed_scaling_factor == 1.0 and not a.moe.has_correction_bias),
+        and a.moe.routed_scaling_factor == 1.0 and not a.moe.has_correction_bias) and a.mla is None,
+    "deepseek_v3": lambda a: a.mla is not None and not (a.qkv_bias or a.o_bias or a.mlp_bias or a.qk_norm
+                                                        or a.sliding_window) and (
+        a.moe is None or (a.moe.scoring == "sigmoid" and a.moe.has_correction_bias
+                          and a.moe.sparse_layers == tuple(range(min(a.moe.sparse_layers), a.num_layers)))),
 }
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The decoder every supported family shares (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE), as plain PyTorch modules.
+"""The decoder every supported family shares (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3), as plain
+PyTorch modules.
 
 1. `LlamaForCausalLM(args, dtype, device, shape)` allocates empty weights (no init cost) for the heads and
    MLP columns `shape` names (the whole model on one device). Q/K/V and gate/up are fused into one matmul
@@ -6,8 +7,9 @@
    Projection weights are stored transposed, [in, out]: MKL runs x @ W for a few rows (batched decode) up to
    ~1.8x faster than x @ W.T (measured at M=8, 576x3072 fp32, 2 threads).
    The families differ only in ModelArgs flags: q/k/v (and o, MLP) biases, q/k RMSNorm before RoPE (Qwen3),
-   per-layer sliding windows (applied by the runner's attention), tied embeddings, RoPE scaling, and a
-   Mixture-of-Experts MLP on the layers `args.moe` names (model.moe).
+   per-layer sliding windows (applied by the runner's attention), tied embeddings, RoPE scaling, a
+   Mixture-of-Experts MLP on the layers `args.moe` names (model.moe), and Multi-head Latent Attention in place of
+   GQA with `args.mla` (model.mla; o_proj stays the layer's).
    With `is_weights_deferred` it allocates none: `bind_weights(views)` then makes each parameter a given tensor
    (a view of the host's memory-mapped weight file, model.weight_file; `weight_layout()` lists what it needs).
 2. `load_weights(named tensors)` streams Hugging Face named tensors (safetensors, GGUF or a random init)
@@ -23,7 +25,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -32,14 +34,13 @@ from torch import nn
 from mooncaked.model import tensor_parallel
 from mooncaked.model.config import LayerRange, ModelArgs, ShardShape
 from mooncaked.model.layers import Linear, RMSNorm
+from mooncaked.model.mla import AttendFn, LatentAttention
 from mooncaked.model.moe import SparseMoE
 from mooncaked.model.rope import RopeCache, apply_rope
 from mooncaked.model.tensor_parallel import Slice, sliced_shape
 from mooncaked.model.weight_names import CheckpointError, check_complete, check_tensor, hf_tensor_shapes, is_ignored
-from mooncaked.model.weight_targets import WeightTarget, layer_targets, plain
+from mooncaked.model.weight_targets import WeightTarget, attention_targets, mlp_targets, plain
 
-# attend(layer_idx, q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]) -> attention output [T, H, D]
-AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -55,9 +56,15 @@ class LlamaDecoderLayer(nn.Module):
         self.kv_size = shape.kv_size
         self.intermediate_size = shape.intermediate_size
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
-        self.qkv_proj = Linear(args.hidden_size, shape.q_size + 2 * shape.kv_size, dtype, device, args.qkv_bias)
         is_bias_rank = shape.rank == 0  # row-parallel biases are added once, by rank 0
-        self.o_proj = Linear(shape.q_size, args.hidden_size, dtype, device, args.o_bias and is_bias_rank)
+        self.qkv_proj: Linear | None = None
+        self.latent_attention: LatentAttention | None = None
+        if args.mla is None:
+            self.qkv_proj = Linear(args.hidden_size, shape.q_size + 2 * shape.kv_size, dtype, device, args.qkv_bias)
+            self.o_proj = Linear(shape.q_size, args.hidden_size, dtype, device, args.o_bias and is_bias_rank)
+        else:
+            self.latent_attention = LatentAttention(args, shape, dtype, device)
+            self.o_proj = Linear(shape.num_heads * args.mla.v_head_dim, args.hidden_size, dtype, device)
         self.q_norm = RMSNorm(shape.head_dim, args.rms_norm_eps, dtype, device) if args.qk_norm else None
         self.k_norm = RMSNorm(shape.head_dim, args.rms_norm_eps, dtype, device) if args.qk_norm else None
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
@@ -73,8 +80,23 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn) -> torch.Tensor:
         """hidden [T, hidden_size] -> [T, hidden_size]."""
-        num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(self.input_layernorm(hidden))  # [T, q_size + 2 * kv_size]
+        if self.latent_attention is not None:
+            attn = self.latent_attention(self.input_layernorm(hidden), cos, sin, attend, self.layer_idx)  # [T, H * v_head_dim]
+        else:
+            attn = self._attention(self.input_layernorm(hidden), cos, sin, attend)  # [T, q_size]
+        hidden = self._row_parallel(self.o_proj, attn, hidden)
+        if self.moe is not None:
+            return self._moe(hidden)
+        assert self.gate_up_proj is not None and self.down_proj is not None
+        gate_up = self.gate_up_proj(self.post_attention_layernorm(hidden))  # [T, 2 * intermediate]
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self._row_parallel(self.down_proj, F.silu(gate).mul_(up), hidden)
+
+    def _attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+        """GQA: x [T, hidden_size] (normed) -> the heads' outputs [T, q_size], for o_proj."""
+        assert self.qkv_proj is not None
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads:])], dim=1)
@@ -82,14 +104,7 @@ class LlamaDecoderLayer(nn.Module):
         q = qk[:, : self.num_heads]
         k = qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        attn = attend(self.layer_idx, q, k, v)  # [T, H, D]
-        hidden = self._row_parallel(self.o_proj, attn.reshape(num_tokens, self.q_size), hidden)
-        if self.moe is not None:
-            return self._moe(hidden)
-        assert self.gate_up_proj is not None and self.down_proj is not None
-        gate_up = self.gate_up_proj(self.post_attention_layernorm(hidden))  # [T, 2 * intermediate]
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self._row_parallel(self.down_proj, F.silu(gate).mul_(up), hidden)
+        return attend(self.layer_idx, q, k, v).reshape(num_tokens, self.q_size)  # [T, H, D] -> [T, q_size]
 
     def _moe(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden_size] + the MoE MLP of its norm; a shard's partial output is all-reduced, rank 0
@@ -108,10 +123,19 @@ class LlamaDecoderLayer(nn.Module):
                  "post_attention_layernorm.weight": self.post_attention_layernorm.weight}
         if self.q_norm is not None and self.k_norm is not None:
             norms.update({"self_attn.q_norm.weight": self.q_norm.weight, "self_attn.k_norm.weight": self.k_norm.weight})
+        targets = {p + name: WeightTarget(weight) for name, weight in norms.items()}
+        if self.latent_attention is not None:
+            v_width = self.latent_attention.mla.v_head_dim
+            columns = (1, self.shape.head_offset * v_width, self.shape.num_heads * v_width)
+            targets |= self.latent_attention.weight_targets(p) | {
+                p + "self_attn.o_proj.weight": WeightTarget(plain(self.o_proj), True, columns)}
+        else:
+            assert self.qkv_proj is not None
+            targets |= attention_targets(p, self.shape, self.qkv_proj, self.o_proj)
         if self.moe is not None:
-            return layer_targets(p, self.shape, (self.qkv_proj, self.o_proj, None, None), norms) | (
-                self.moe.weight_targets(p))
-        return layer_targets(p, self.shape, (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj), norms)
+            return targets | self.moe.weight_targets(p)
+        assert self.gate_up_proj is not None and self.down_proj is not None
+        return targets | mlp_targets(p, self.shape, self.gate_up_proj, self.down_proj)
 
     def _row_parallel(self, linear: Linear, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + x @ W (+ bias), W's input columns split across the ranks: each rank's partial product is

@@ -50,9 +50,12 @@ def weight_bytes(args: ModelArgs, dtype: torch.dtype, packing: Packing = "plain"
     return num_elements * dtype.itemsize + both
 
 
+_REPLICATED = ("norm", "mlp.gate.", "q_a_proj", "kv_a_proj_with_mqa")  # the MoE router, MLA's down-projections
+
+
 def _is_sharded(name: str) -> bool:
-    """Split across tensor-parallel ranks (column- or row-wise, or whole experts); the MoE router is replicated."""
-    return ("self_attn." in name or "mlp." in name) and "norm" not in name and "mlp.gate." not in name
+    """Split across tensor-parallel ranks (column- or row-wise, or whole experts)."""
+    return ("self_attn." in name or "mlp." in name) and not any(part in name for part in _REPLICATED)
 
 
 def projection_bytes(args: ModelArgs, dtype: torch.dtype, layers: LayerRange | None = None) -> int:
@@ -68,9 +71,12 @@ def projection_bytes(args: ModelArgs, dtype: torch.dtype, layers: LayerRange | N
 def activation_bytes(args: ModelArgs, num_tokens: int, num_logit_rows: int, dtype: torch.dtype) -> int:
     """Transient bytes of a forward over `num_tokens` tokens producing `num_logit_rows` rows of logits: per token
     the residual stream, its normed copy and the attention output (3 x hidden), q/k/v before and after RoPE
-    (2 x qkv), the MLP's gate/up and product (3 x intermediate; a MoE layer's per chosen expert, plus its gathered
-    input and output rows); fp32 logits and their softmax."""
+    (2 x qkv; MLA: the query, its absorbed form and the attention output, each head as wide as the cached entry),
+    the MLP's gate/up and product (3 x intermediate; a MoE layer's per chosen expert, plus its gathered input and
+    output rows); fp32 logits and their softmax."""
     qkv = args.q_size + 2 * args.kv_size
+    if args.mla is not None:
+        qkv = args.q_size + args.num_heads * (args.mla.latent_dim + args.mla.v_head_dim) + args.mla.latent_dim
     mlp = 3 * args.intermediate_size
     if args.moe is not None:
         moe = args.moe

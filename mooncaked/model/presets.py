@@ -10,6 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 from mooncaked.model.config import ModelArgs
+from mooncaked.model.mla_args import MLAArgs
 from mooncaked.model.moe_args import MoEArgs
 
 # Random-weight presets for tests and benchmarks. Vocabulary 320 covers the 256 byte tokens plus specials of
@@ -38,6 +39,11 @@ _PRESETS: dict[str, ModelArgs] = {
                          eos_token_ids=(2,), family="qwen3_moe", qk_norm=True,
                          moe=MoEArgs(num_experts=16, num_experts_per_token=4, intermediate_size=192,
                                      sparse_layers=(0, 1, 2, 3), norm_topk_prob=True)),
+    # DeepSeek-V3's latent attention, tiny and dense: a 32-wide latent and an 8-wide rope key cached per token
+    "tiny-mla": ModelArgs(vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                          num_kv_heads=1, head_dim=24, max_position_embeddings=4096, bos_token_id=1, eos_token_ids=(2,),
+                          family="deepseek_v3", mla=MLAArgs(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                                                            v_head_dim=16)),
     "moe-512-dense": ModelArgs(vocab_size=320, hidden_size=512, intermediate_size=768, num_layers=4, num_heads=8,
                                num_kv_heads=4, head_dim=64, rms_norm_eps=1e-6, max_position_embeddings=4096,
                                bos_token_id=1, eos_token_ids=(2,), family="qwen3", qk_norm=True),

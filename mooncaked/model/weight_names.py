@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from mooncaked.model.config import LayerRange, ModelArgs
+from mooncaked.model.mla_args import MLAArgs
 from mooncaked.model.moe_args import MoEArgs
 from mooncaked.runtime.errors import StartupError
 
@@ -43,14 +44,14 @@ def hf_tensor_shapes(args: ModelArgs, layers: LayerRange | None = None) -> dict[
 def _layer_shapes(args: ModelArgs, layer_idx: int, h: int, inter: int) -> dict[str, tuple[int, ...]]:
     p = f"model.layers.{layer_idx}."
     # The order of the first nine is the draw order of random_hf_state_dict (seeded presets stay the same).
-    shapes: dict[str, tuple[int, ...]] = {
-        p + "input_layernorm.weight": (h,),
-        p + "self_attn.q_proj.weight": (args.q_size, h),
-        p + "self_attn.k_proj.weight": (args.kv_size, h),
-        p + "self_attn.v_proj.weight": (args.kv_size, h),
-        p + "self_attn.o_proj.weight": (h, args.q_size),
-        p + "post_attention_layernorm.weight": (h,),
-    }
+    shapes: dict[str, tuple[int, ...]] = {p + "input_layernorm.weight": (h,)}
+    if args.mla is not None:
+        shapes.update(_mla_shapes(args, args.mla, p))
+    else:
+        a = p + "self_attn."
+        shapes.update({a + "q_proj.weight": (args.q_size, h), a + "k_proj.weight": (args.kv_size, h),
+                       a + "v_proj.weight": (args.kv_size, h), a + "o_proj.weight": (h, args.q_size)})
+    shapes[p + "post_attention_layernorm.weight"] = (h,)
     if args.moe is not None and args.moe.is_sparse(layer_idx):
         shapes.update(_moe_shapes(args.moe, p, h))
     else:
@@ -68,6 +69,21 @@ def _layer_shapes(args: ModelArgs, layer_idx: int, h: int, inter: int) -> dict[s
         shapes.update({p + "mlp.gate_proj.bias": (inter,), p + "mlp.up_proj.bias": (inter,),
                        p + "mlp.down_proj.bias": (h,)})
     return shapes
+
+
+def _mla_shapes(args: ModelArgs, mla: MLAArgs, p: str) -> dict[str, tuple[int, ...]]:
+    """Multi-head Latent Attention's projections (DeepSeek-V3 names)."""
+    h, q = args.hidden_size, args.num_heads * mla.qk_head_dim
+    a = p + "self_attn."
+    if mla.q_lora_rank is None:
+        shapes: dict[str, tuple[int, ...]] = {a + "q_proj.weight": (q, h)}
+    else:
+        shapes = {a + "q_a_proj.weight": (mla.q_lora_rank, h), a + "q_a_layernorm.weight": (mla.q_lora_rank,),
+                  a + "q_b_proj.weight": (q, mla.q_lora_rank)}
+    return shapes | {
+        a + "kv_a_proj_with_mqa.weight": (mla.latent_dim, h), a + "kv_a_layernorm.weight": (mla.kv_lora_rank,),
+        a + "kv_b_proj.weight": (args.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank),
+        a + "o_proj.weight": (h, args.num_heads * mla.v_head_dim)}
 
 
 def _moe_shapes(moe: MoEArgs, p: str, h: int) -> dict[str, tuple[int, ...]]:
@@ -100,8 +116,14 @@ def num_active_parameters(args: ModelArgs) -> int:
 
 
 def is_ignored(name: str, args: ModelArgs) -> bool:
-    """A tensor the model may find in a checkpoint and does not need."""
-    return name.endswith("rotary_emb.inv_freq") or (args.tie_word_embeddings and name == "lm_head.weight")
+    """A tensor the model may find in a checkpoint and does not need (a DeepSeek checkpoint's multi-token
+    prediction layers, after the model's)."""
+    if name.endswith("rotary_emb.inv_freq") or (args.tie_word_embeddings and name == "lm_head.weight"):
+        return True
+    if args.num_mtp_layers and name.startswith("model.layers."):
+        index = name.split(".")[2]
+        return index.isdigit() and args.num_layers <= int(index) < args.num_layers + args.num_mtp_layers
+    return False
 
 
 def check_tensor(name: str, shape: tuple[int, ...], expected: Mapping[str, tuple[int, ...]], source: str) -> None:

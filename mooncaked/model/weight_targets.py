@@ -1,6 +1,7 @@
 """Where each Hugging Face tensor of a decoder layer lands in the fused, transposed parameters of one shard.
 
-1. `layer_targets(prefix, shape, projections, norms)`: name -> WeightTarget for one layer. Column-parallel
+1. `attention_targets(prefix, shape, qkv, o_proj)` and `mlp_targets(prefix, shape, gate_up, down)`: name ->
+   WeightTarget for one layer's GQA attention and dense MLP (model.moe and model.mla map theirs). Column-parallel
    projections (q/k/v, gate/up) take the shard's output rows of the [out, in] tensor, row-parallel ones (o,
    down) its input columns; at TP=1 the slices are whole. Row-parallel biases live on rank 0 only (the
    all-reduce sums the ranks' outputs, so each is added once).
@@ -36,16 +37,12 @@ class WeightTarget:
         self.dst.copy_(src)
 
 
-def layer_targets(p: str, s: ShardShape, projections: tuple[Linear, Linear, Linear | None, Linear | None],
-                  norms: Mapping[str, torch.Tensor]) -> dict[str, WeightTarget]:
-    """Targets of one layer's tensors (names `p` + ...): its (qkv, o, gate_up, down) projections and its norm
-    weights by Hugging Face name within the layer; gate_up and down are None in a layer whose MLP is a Mixture of
-    Experts (model.moe maps those)."""
-    qkv, o_proj, gate_up, down_proj = projections
+def attention_targets(p: str, s: ShardShape, qkv: Linear, o_proj: Linear) -> dict[str, WeightTarget]:
+    """Targets of a GQA layer's attention tensors (names `p` + ...): q/k/v rows into the fused qkv projection,
+    o_proj's input columns, their biases."""
     q_end, k_end = s.q_size, s.q_size + s.kv_size
     q_rows, kv_rows = (s.head_offset * s.head_dim, s.q_size), (s.kv_head_offset * s.head_dim, s.kv_size)
-    targets = {p + name: WeightTarget(weight) for name, weight in norms.items()}
-    targets |= {
+    targets = {
         p + "self_attn.q_proj.weight": WeightTarget(plain(qkv)[:, :q_end], True, (0, *q_rows)),
         p + "self_attn.k_proj.weight": WeightTarget(plain(qkv)[:, q_end:k_end], True, (0, *kv_rows)),
         p + "self_attn.v_proj.weight": WeightTarget(plain(qkv)[:, k_end:], True, (0, *kv_rows)),
@@ -57,12 +54,11 @@ def layer_targets(p: str, s: ShardShape, projections: tuple[Linear, Linear, Line
         targets[p + "self_attn.v_proj.bias"] = WeightTarget(qkv.bias[k_end:], narrow=(0, *kv_rows))
     if o_proj.bias is not None:  # row-parallel biases: rank 0 only
         targets[p + "self_attn.o_proj.bias"] = WeightTarget(o_proj.bias)
-    if gate_up is not None and down_proj is not None:
-        targets |= _mlp_targets(p, s, gate_up, down_proj)
     return targets
 
 
-def _mlp_targets(p: str, s: ShardShape, gate_up: Linear, down_proj: Linear) -> dict[str, WeightTarget]:
+def mlp_targets(p: str, s: ShardShape, gate_up: Linear, down_proj: Linear) -> dict[str, WeightTarget]:
+    """Targets of a dense MLP's tensors: gate/up rows into the fused projection, down_proj's input columns."""
     inter = s.intermediate_size
     inter_rows = (s.intermediate_offset, inter)
     targets = {

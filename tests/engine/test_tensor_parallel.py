@@ -74,15 +74,19 @@ def started() -> Iterator[list[TensorParallelRunner]]:
     *[(case_id, 8 << 20, 320, False) for case_id in TP_CASES],
     ("mistral-sliding-window", 0, 320, False), ("qwen2.5-qkv-bias-tied", 1024, 320, False),
     ("llama3.1-untied-rope-llama3", 8 << 20, 321, False), ("qwen3-qk-norm-tied", 0, 321, False),
-    ("qwen3-moe-mlp-only-layer", 8 << 20, 320, False), ("qwen3-moe-mlp-only-layer", 8 << 20, 320, True)],
+    ("qwen3-moe-mlp-only-layer", 8 << 20, 320, False), ("qwen3-moe-mlp-only-layer", 8 << 20, 320, True),
+    ("deepseek-v3-mla-yarn-grouped-experts", 8 << 20, 320, False),
+    ("deepseek-v3-mla-yarn-grouped-experts", 8 << 20, 320, True)],
     ids=TP_CASES + ["mistral-gloo-only", "qwen2.5-prefill-gloo-decode-shared-memory",
                     "llama3.1-replicated-head", "qwen3-tied-replicated-head-gloo-only",
-                    "qwen3-moe-experts-column-sharded", "qwen3-moe-expert-parallel"])
+                    "qwen3-moe-experts-column-sharded", "qwen3-moe-expert-parallel",
+                    "deepseek-v3-mla-heads-split-latent-replicated", "deepseek-v3-expert-parallel"])
 def test_tp2_gives_the_tokens_of_tp1(case_id: str, slot_bytes: int, vocab_size: int, is_expert_parallel: bool,
                                      tmp_path: Path, started: list[TensorParallelRunner]) -> None:
     """All-reduces through shared memory, through gloo only, or both (prefill rows do not fit 1 KiB slots); the
     output head split by vocabulary rows (320) or, where 2 does not divide the vocabulary (321), replicated; a MoE
-    model's experts column-sharded or, expert-parallel, 4 whole experts per rank."""
+    model's experts column-sharded or, expert-parallel, 4 whole experts per rank; an MLA model's query heads split,
+    its latent (one KV "head") replicated on both ranks."""
     case = next(c for c in CASES if c.case_id == case_id)
     write_checkpoint(replace(case, config={**case.config, "vocab_size": vocab_size}), tmp_path, seed=7)
     loaded = load_model(str(tmp_path), packing="plain")

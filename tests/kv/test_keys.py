@@ -6,7 +6,7 @@ import pytest
 
 from mooncaked.kv.keys import KEY_BYTES, block_keys, model_namespace
 
-NS = model_namespace("smollm2-135m", "float32", 4)
+NS = model_namespace("smollm2-135m", "float32", 4, "2x2x2x16")
 
 
 def test_only_full_blocks_get_keys() -> None:
@@ -23,19 +23,20 @@ def test_keys_chain_on_the_prefix() -> None:
     assert c[:2] == a  # a shared prefix gives shared keys
 
 
-def test_namespace_separates_models_dtypes_block_sizes() -> None:
+def test_namespace_separates_models_dtypes_block_sizes_and_kv_geometries() -> None:
     tokens = list(range(8))
-    namespaces = [model_namespace("m1", "float32", 4), model_namespace("m2", "float32", 4),
-                  model_namespace("m1", "bfloat16", 4)]
+    namespaces = [model_namespace("m1", "float32", 4, "2x2x2x16"), model_namespace("m2", "float32", 4, "2x2x2x16"),
+                  model_namespace("m1", "bfloat16", 4, "2x2x2x16"),
+                  model_namespace("m1", "float32", 4, "2x1x1x40")]  # an MLA latent under the same model id
     keys = {block_keys(tokens, 4, ns)[0] for ns in namespaces}
-    assert len(keys) == 3
-    assert model_namespace("m1", "float32", 4) != model_namespace("m1", "float32", 8)
+    assert len(keys) == 4
+    assert model_namespace("m1", "float32", 4, "2x2x2x16") != model_namespace("m1", "float32", 8, "2x2x2x16")
 
 
 def test_deterministic_known_value() -> None:
-    key = block_keys(list(range(64)), 64, model_namespace("m", "float32", 64))[0]
-    assert key == block_keys(list(range(64)), 64, model_namespace("m", "float32", 64))[0]
-    assert key.hex() == "a4f941252f99387d0e24ed29b0dd2e37"
+    key = block_keys(list(range(64)), 64, model_namespace("m", "float32", 64, "2x2x2x16"))[0]
+    assert key == block_keys(list(range(64)), 64, model_namespace("m", "float32", 64, "2x2x2x16"))[0]
+    assert key.hex() == "eb881f08bd5539ac5d743b17e9c3aca1"  # the namespace folds in the KV geometry
 
 
 def test_bad_input() -> None:
@@ -48,7 +49,7 @@ def test_bad_input() -> None:
 def test_isolation_tags_separate_tenants_and_salts_and_the_empty_tag_shares() -> None:
     from mooncaked.kv.keys import isolated_namespace, isolation_tag
 
-    namespace = model_namespace("m", "float32", 16)
+    namespace = model_namespace("m", "float32", 16, "2x2x2x16")
     assert isolation_tag() == b"" and isolated_namespace(namespace, b"") == namespace
     tags = {isolation_tag(tenant="a"), isolation_tag(tenant="b"), isolation_tag(cache_salt="a"),
             isolation_tag(tenant="a", cache_salt="x"), isolation_tag(tenant="a", cache_salt="y"),

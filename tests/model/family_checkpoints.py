@@ -91,6 +91,16 @@ _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
 QWEN3_MOE = {"head_dim": 16, "num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
              "moe_intermediate_size": 32, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [1]}
 
+# Multi-head Latent Attention with a query bottleneck, YaRN (mscale != mscale_all_dim: both scales matter), a dense
+# first layer, then 8 experts in 4 groups (2 groups and 2 experts a token), one shared expert, a correction bias
+DEEPSEEK_V3 = {"num_hidden_layers": 3, "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 32,
+               "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8, "n_group": 4,
+               "topk_group": 2, "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 16,
+               "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+               "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                                   "mscale": 0.9, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
+                                   "rope_theta": 10000.0}}
+
 CASES = [
     FamilyCase("llama2-mha", "llama", {**_BASE, "num_key_value_heads": 4}, INST_TEMPLATE,
                template_in_tokenizer_config=True),
@@ -113,6 +123,7 @@ CASES = [
                CHATML_TOOLS_TEMPLATE),
     FamilyCase("qwen3-moe-mlp-only-layer", "qwen3_moe", {**_BASE, **QWEN3_MOE}, CHATML_TOOLS_TEMPLATE,
                extra_template_kwargs={"enable_thinking": False}),
+    FamilyCase("deepseek-v3-mla-yarn-grouped-experts", "deepseek_v3", {**_BASE, **DEEPSEEK_V3}, HEADER_TEMPLATE),
 ]
 CASE_IDS = [c.case_id for c in CASES]
 
@@ -126,7 +137,8 @@ def hf_config(case: FamilyCase) -> Any:
 
 
 def random_hf_model(case: FamilyCase, seed: int) -> Any:
-    """A transformers model of `case` with every parameter random (norms near 1, biases non-zero)."""
+    """A transformers model of `case` with every parameter random (norms near 1, biases non-zero; a router's
+    score correction bias too, a buffer)."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_config(hf_config(case)).eval()
@@ -138,6 +150,9 @@ def random_hf_model(case: FamilyCase, seed: int) -> Any:
                 param.copy_(1.0 + 0.1 * noise)
             else:
                 param.copy_(noise * (0.1 if name.endswith("bias") else 0.05))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.05)
     return model
 
 

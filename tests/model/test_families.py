@@ -75,6 +75,11 @@ def test_loaded_family_and_options(family: Family) -> None:
     args, config = family.loaded.args, hf_config(family.case)
     assert args.family == family.case.model_type
     assert args.tie_word_embeddings == config.tie_word_embeddings
+    if args.mla is not None:  # one cached latent "head" of the latent and the rope key, per token and layer
+        assert (args.num_heads, args.num_kv_heads, args.head_dim, args.kv_head_dim, args.num_kv_planes) == (
+            config.num_attention_heads, 1, config.qk_nope_head_dim + config.qk_rope_head_dim,
+            config.kv_lora_rank + config.qk_rope_head_dim, 1)
+        return
     assert (args.num_heads, args.num_kv_heads, args.head_dim) == (
         config.num_attention_heads, config.num_key_value_heads,
         getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
@@ -89,8 +94,9 @@ def test_loaded_family_and_options(family: Family) -> None:
 @pytest.mark.parametrize("backend, is_packed", [("torch", True), ("torch", False), ("triton", True)],
                          ids=["torch-mkl-packed", "torch-plain-gemm", "triton-interpreter"])
 def test_paged_logits_match_transformers(family: Family, backend: str, is_packed: bool) -> None:
-    if backend == "triton" and family.case.case_id not in ("mistral-sliding-window", "qwen3-qk-norm-tied"):
-        pytest.skip("the Triton interpreter is slow: two families cover its window and q/k-norm paths")
+    if backend == "triton" and family.case.case_id not in ("mistral-sliding-window", "qwen3-qk-norm-tied",
+                                                           "deepseek-v3-mla-yarn-grouped-experts"):
+        pytest.skip("the Triton interpreter is slow: three families cover its window, q/k-norm and latent paths")
     loaded = family.loaded if is_packed else load_model(str(family.path), cpu_packed_gemm=False)
     logits, tokens = _paged_logits(_runner(loaded, backend), PROMPTS[0], steps=8)
     with torch.no_grad():

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from mooncaked.model.config import ModelArgs
 from mooncaked.model.families import ConfigError, UnsupportedModel, args_from_hf_config
+from mooncaked.model.hf_config import to_hf_config
 from mooncaked.model.loader import load_model
 from mooncaked.model.presets import random_preset
 from mooncaked.model.rope_scaling import Llama3Scaling
@@ -34,8 +35,8 @@ def _saved_config(family: str, **overrides: Any) -> dict[str, Any]:
 @pytest.mark.parametrize("case", CASES, ids=[c.case_id for c in CASES])
 def test_to_hf_config_round_trips(case: Any) -> None:
     args = args_from_hf_config(hf_config(case).to_dict())
-    assert args_from_hf_config(args.to_hf_config()) == args
-    config = args.to_hf_config()
+    assert args_from_hf_config(to_hf_config(args)) == args
+    config = to_hf_config(args)
     rebuilt = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
     assert args_from_hf_config(rebuilt.to_dict()) == args
 
@@ -112,6 +113,35 @@ def test_bad_moe_values_are_named(overrides: dict[str, Any], message: str) -> No
         args_from_hf_config(_saved_config("qwen3_moe", **overrides))
 
 
+@pytest.mark.parametrize("overrides, error, message", [
+    ({"topk_group": 5}, ConfigError, r"topk_group \(5\) exceeds n_group \(4\)"),
+    ({"n_group": 3}, ConfigError, r"n_group \(3\) does not divide the 8 experts"),
+    ({"kv_lora_rank": 0}, ConfigError, "kv_lora_rank must be positive"),
+    ({"qk_rope_head_dim": 7}, ConfigError, "qk_rope_head_dim must be even"),
+    ({"q_lora_rank": "32"}, ConfigError, "q_lora_rank must be an integer"),
+    ({"scoring_func": "softmax"}, UnsupportedModel, "scoring_func 'softmax' is not supported for deepseek_v3"),
+    ({"topk_method": "greedy"}, UnsupportedModel, "topk_method 'greedy'"),
+    ({"attention_bias": True}, UnsupportedModel, "attention_bias True"),
+    ({"first_k_dense_replace": -1}, ConfigError, "first_k_dense_replace must be >= 0"),
+])
+def test_bad_deepseek_values_are_named(overrides: dict[str, Any], error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        args_from_hf_config(_saved_config("deepseek_v3", **overrides))
+
+
+def test_deepseek_shapes_and_kimi_k2() -> None:
+    """The tiny case: MLA with a query bottleneck, one dense layer, sigmoid-routed grouped experts; Kimi K2's
+    model_type reads as the same family."""
+    args = args_from_hf_config(_saved_config("deepseek_v3"))
+    assert args.mla is not None and args.mla.q_lora_rank == 32 and args.moe is not None
+    assert args.moe.sparse_layers == (1, 2) and args.moe.num_shared_experts == 1 and args.moe.has_correction_bias
+    assert args.kv_bytes_per_token(2) == 3 * (32 + 8) * 2  # the latent and the rope key per layer, bf16
+    kimi = args_from_hf_config(_saved_config("deepseek_v3", model_type="kimi_k2"))
+    assert kimi == args
+    plain_q = args_from_hf_config(_saved_config("deepseek_v3", q_lora_rank=None))
+    assert plain_q.mla is not None and plain_q.mla.q_lora_rank is None
+
+
 def test_moe_model_without_sparse_layers_is_refused() -> None:
     with pytest.raises(UnsupportedModel, match="no layer of this qwen3_moe model has experts"):
         args_from_hf_config(_saved_config("qwen3_moe", mlp_only_layers=[0, 1, 2]))
@@ -132,7 +162,7 @@ _JSON_VALUES = st.recursive(
 
 
 @settings(max_examples=300, deadline=None)
-@given(model_type=st.sampled_from(["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"]), data=st.data())
+@given(model_type=st.sampled_from(["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"]), data=st.data())
 def test_hostile_configs_raise_value_errors_with_a_message(model_type: str, data: st.DataObject) -> None:
     config = copy.deepcopy(_saved_config(model_type))
     for _ in range(data.draw(st.integers(min_value=1, max_value=3))):
@@ -156,6 +186,9 @@ def test_directory_errors_name_the_file(tmp_path: Path) -> None:
         load_model(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(_saved_config("llama", hidden_act="relu")))
     with pytest.raises(UnsupportedModel, match=r"config.json: hidden_act 'relu'"):
+        load_model(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(_saved_config("deepseek_v3", topk_group=5)))
+    with pytest.raises(ConfigError, match=r"config.json: model config: topk_group \(5\) exceeds n_group \(4\)"):
         load_model(str(tmp_path))
 
 

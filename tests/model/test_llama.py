@@ -9,6 +9,7 @@ from mooncaked.engine.batch import DecodeSeq, PrefillSeq, build_decode_batch, bu
 from mooncaked.engine.kv_pages import KVPages, PageAllocator
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.model import packed_gemm
+from mooncaked.model.hf_config import to_hf_config
 from mooncaked.model.presets import random_preset
 from mooncaked.model.rope_scaling import Llama3Scaling
 from mooncaked.model.llama import LlamaForCausalLM
@@ -24,7 +25,7 @@ def _pair(**overrides: object) -> tuple[LlamaForCausalLM, torch.nn.Module]:
     state = random_hf_state_dict(args, seed=3)
     ours = LlamaForCausalLM(args)
     ours.load_hf_state_dict(state)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**args.to_hf_config())).eval()
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**to_hf_config(args))).eval()
     hf.load_state_dict(state, strict=False)
     return ours, hf
 

@@ -13,6 +13,7 @@ from mooncaked.engine.kv_pages import KVPages, PageAllocator
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.model.chat_template import CHATML_TEMPLATE
 from mooncaked.model.frontend import ModelLoadError, load_frontend
+from mooncaked.model.hf_config import to_hf_config
 from mooncaked.model.loader import LoadedModel, load_model
 from mooncaked.model.presets import random_preset
 from mooncaked.model.tokenizer import byte_level_test_tokenizer
@@ -47,7 +48,7 @@ def test_embedded_smollm2_answers_paris(smollm2: LoadedModel) -> None:
 def test_hf_checkpoint_directory_matches_transformers(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     args = random_preset("tiny")
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**args.to_hf_config())).eval()
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**to_hf_config(args))).eval()
     hf.load_state_dict(random_hf_state_dict(args, seed=7), strict=False)
     hf.save_pretrained(tmp_path)
     byte_level_test_tokenizer().backend.save(str(tmp_path / "tokenizer.json"))

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mooncaked.model.families import args_from_hf_config
+from mooncaked.model.hf_config import to_hf_config
 from mooncaked.model.presets import random_preset
 from mooncaked.model.rope_scaling import Llama3Scaling, YarnScaling
 from mooncaked.model.rope import RopeCache, apply_rope, inverse_frequencies
@@ -21,7 +22,7 @@ def test_llama3_scaled_frequencies_match_transformers() -> None:
     scaling = Llama3Scaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                           original_max_position_embeddings=8192)
     args = random_preset("small", rope_theta=500000.0, rope_scaling=scaling, head_dim=128, num_heads=2)
-    config = transformers.LlamaConfig(**args.to_hf_config())
+    config = transformers.LlamaConfig(**to_hf_config(args))
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     torch.testing.assert_close(inverse_frequencies(128, 500000.0, scaling), expected, atol=0, rtol=1e-6)
 
@@ -74,7 +75,7 @@ def test_scaled_rotary_embedding_equals_transformers(family: str, scaling_id: st
     torch.testing.assert_close(cos[:, 0], expected_cos, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(signed_sin[:, 0, args.head_dim // 2:], expected_sin[:, args.head_dim // 2:], atol=1e-6,
                                rtol=1e-6)
-    assert args_from_hf_config(args.to_hf_config()) == args
+    assert args_from_hf_config(to_hf_config(args)) == args
 
 
 def test_yarn_changes_frequencies_and_scale() -> None:

@@ -24,6 +24,7 @@ pytest.importorskip("transformers")
 QWEN3 = next(c for c in CASES if c.model_type == "qwen3")
 LLAMA = next(c for c in CASES if c.case_id == "llama3.1-untied-rope-llama3")
 MOE = next(c for c in CASES if c.model_type == "qwen3_moe")  # 8 experts of 32 columns on layers 0 and 2
+DEEPSEEK = next(c for c in CASES if c.model_type == "deepseek_v3")  # 3 layers, num_nextn_predict_layers 1
 
 
 @pytest.fixture
@@ -93,6 +94,18 @@ def test_damaged_moe_checkpoint_is_named_before_allocation(tmp_path: Path, edit:
     _rewrite(tmp_path / "model.safetensors", edit)
     with pytest.raises(CheckpointError, match=message):
         load_model(str(tmp_path))
+
+
+def test_deepseek_checkpoint_ignores_its_mtp_layer_and_names_a_missing_latent_projection(tmp_path: Path) -> None:
+    """A multi-token-prediction layer after the model's (model.layers.3) is not read; a missing kv_b_proj is named."""
+    write_checkpoint(DEEPSEEK, tmp_path, seed=4)
+    path = tmp_path / "model.safetensors"
+    _rewrite(path, {"model.layers.3.self_attn.kv_b_proj.weight": torch.zeros(128, 32),
+                    "model.layers.3.eh_proj.weight": torch.zeros(64, 128)})
+    assert load_model(str(tmp_path)).args.num_mtp_layers == 1
+    _rewrite(path, {"model.layers.1.self_attn.kv_b_proj.weight": None})
+    with pytest.raises(CheckpointError, match="missing 1 tensor.*'model.layers.1.self_attn.kv_b_proj.weight'"):
+        load_model(str(tmp_path), packing="plain")
 
 
 def test_truncated_shard_and_broken_index_are_named(sharded: Path) -> None:

@@ -87,7 +87,7 @@ async def test_supervisor_restart_drain_and_clean_exit(tmp_path: Path) -> None:
         decode = clients.for_instance(config.instance_named("d0"))
         tokens = list(range(3, 40))
         loaded = load_model("random:tiny")
-        keys = block_keys(tokens, 16, model_namespace(loaded.model_id, config.model.dtype, 16))
+        keys = block_keys(tokens, 16, model_namespace(loaded.model_id, config.model.dtype, 16, loaded.args.kv_geometry))
         spec = SamplingSpec(max_tokens=300, temperature=0.0, ignore_eos=True)
         reply = await decode.call(RESERVE, ReserveRequest("drain", keys, len(tokens), 300, 60_000,
                                                           is_inline_prefill=True), timeout_s=10)

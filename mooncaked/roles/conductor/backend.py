@@ -56,7 +56,7 @@ class ConductorBackend:
         self.view = view
         self.peers = peers
         self.metrics = metrics
-        self.namespace = model_namespace(model.model_id, config.model.dtype, config.kv.block_size)
+        self.namespace = model_namespace(model.model_id, config.model.dtype, config.kv.block_size, model.kv_geometry)
         self.num_active = 0
         self.prediction_errors = PredictionErrors(metrics.predictions)
         self.grammars = GrammarCache(model.grammar_tokenizer)

@@ -42,6 +42,7 @@ class ModelFrontend:
     eos_token_ids: tuple[int, ...]
     vocab_size: int
     context_length: int  # the model's, already capped by model.max_model_len
+    kv_geometry: str  # ModelArgs.kv_geometry: part of the block keys' namespace
     grammar_tokenizer: GrammarTokenizer  # llguidance's view of the vocabulary: structured outputs' checks
     tool_format: ToolCallFormat = HERMES  # how the model writes tool calls (model/tool_formats.py)
     tool_marker_ids: Mapping[str, int] = field(default_factory=dict)  # its markers that are one token each

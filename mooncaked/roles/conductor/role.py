@@ -190,6 +190,7 @@ def model_frontend(config: Config, loaded: ModelFrontendInfo) -> ModelFrontend:
                          chat_template=loaded.chat_template, eos_token_ids=loaded.eos_token_ids,
                          vocab_size=loaded.args.vocab_size,
                          context_length=min(loaded.context_length, config.model.max_model_len),
+                         kv_geometry=loaded.args.kv_geometry,
                          grammar_tokenizer=GrammarTokenizer(loaded.tokenizer, loaded.args.vocab_size,
                                                             loaded.eos_token_ids),
                          tool_format=tool_format, tool_marker_ids=marker_ids,

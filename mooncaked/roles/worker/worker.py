@@ -132,7 +132,7 @@ class Worker:
         self.sampler = Sampler(seed=model.seed, device=self.loaded.device, eos_token_ids=self.loaded.eos_token_ids)
         self.grammar = await asyncio.to_thread(WorkerGrammar.build, self.loaded.tokenizer, self.vocab_size,
                                                self.loaded.eos_token_ids)
-        self.namespace = model_namespace(self.loaded.model_id, model.dtype, block_size)
+        self.namespace = model_namespace(self.loaded.model_id, model.dtype, block_size, self.loaded.args.kv_geometry)
         self.local_store_name = await self._find_local_store()
         await self.store_client(self.local_store_name)
         logger.info("%s loaded %s%s; %s", self.instance.name, self.loaded.model_id,

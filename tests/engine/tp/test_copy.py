@@ -15,6 +15,7 @@ from mooncaked.engine.kv_copy import KVCopier, new_staging
 from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.tp.copy import RankPagesEnd
 from mooncaked.engine.tp.pages import ShardedPages
+from mooncaked.model.config import ModelArgs
 from mooncaked.model.presets import random_preset
 from mooncaked.model.tensor_parallel import shard_shape
 from mooncaked.store.client import _copy_spans
@@ -31,9 +32,11 @@ def spans_of(pages: KVPages, offsets: list[int], layer: int) -> list[Span]:
             for n, offset in enumerate(offsets)]
 
 
-def ranks_of(whole: KVPages, num_ranks: int, num_model_kv_heads: int) -> tuple[ShardedPages, list[KVPages]]:
-    """`num_ranks` ranks' pages holding `whole`'s KV of their heads (each replica of a replicated head)."""
-    args = random_preset("tiny", num_heads=4, num_kv_heads=num_model_kv_heads, head_dim=whole.head_dim)
+def ranks_of(whole: KVPages, num_ranks: int, num_model_kv_heads: int,
+             args: ModelArgs | None = None) -> tuple[ShardedPages, list[KVPages]]:
+    """`num_ranks` ranks' pages holding `whole`'s KV of their heads (each replica of a replicated head); `args`:
+    the model's (default a tiny GQA one of `num_model_kv_heads`)."""
+    args = args or random_preset("tiny", num_heads=4, num_kv_heads=num_model_kv_heads, head_dim=whole.head_dim)
     ranks = [KVPages.for_model(args, num_pages=NUM_PAGES, block_size=whole.block_size, dtype=whole.dtype,
                                device="cpu", shard=shard_shape(args, rank, num_ranks)) for rank in range(num_ranks)]
     for pages in ranks:
@@ -101,6 +104,39 @@ def test_the_copier_stages_the_ranks_pages_as_tp1s(num_kv_heads: int, num_ranks:
     for pages in ranks:
         heads = slice(pages.kv_head_offset, pages.kv_head_offset + pages.num_kv_heads)
         assert torch.equal(pages.buffer[:, :, page_ids], whole.buffer[:, :, page_ids][:, :, :, :, heads])
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2])
+def test_an_mla_models_objects_hold_its_latents_once_at_every_degree(num_ranks: int) -> None:
+    """One plane of one latent "head" per layer (replicated on every rank): objects of layers x block_size x
+    (kv_lora_rank + qk_rope_head_dim) values, the same bytes through staging and straight into a pool, and loads
+    fill every rank."""
+    args = random_preset("tiny-mla")
+    whole = KVPages.for_model(args, num_pages=NUM_PAGES, block_size=3, dtype=torch.float32, device="cpu")
+    assert whole.num_planes == 1 and whole.k_pages[1] is whole.v_pages[1]
+    assert whole.object_nbytes == args.num_layers * 3 * (32 + 8) * 4
+    whole.buffer.copy_(torch.randn(whole.buffer.shape, generator=torch.Generator().manual_seed(num_ranks)))
+    sharded, ranks = ranks_of(whole, num_ranks, 1, args)
+    page_ids = [4, 1]
+    copier = KVCopier("cpu", backend="torch")
+    expected, ours = new_staging(whole, len(page_ids)), new_staging(sharded, len(page_ids))
+    copier.store_all_layers(whole, expected, page_ids).synchronize()
+    assert torch.equal(expected[0, :, 0], whole.buffer[:, 0, 4])  # [layers, block, 1, latent]: the page's bytes
+    copy_layers(copier, TransferOp.WRITE, sharded, ours, page_ids, by_layer=True)
+    assert torch.equal(ours, expected)
+    offsets = [whole.object_nbytes * (2 * n + 1) for n in range(len(page_ids))]
+    direct, staged = (np.zeros(whole.object_nbytes * 2 * len(page_ids), np.uint8) for _ in range(2))
+    end = RankPagesEnd(sharded, page_ids)
+    for layer in range(whole.num_layers):
+        end.copy_spans(direct, TransferOp.WRITE, spans_of(whole, offsets, layer))
+        _copy_spans(staged, expected.view(-1).view(torch.uint8).numpy(), TransferOp.WRITE,
+                    spans_of(whole, offsets, layer))
+    assert np.array_equal(direct, staged) and direct.any()
+    for pages in ranks:
+        pages.buffer.zero_()
+    for layer in range(whole.num_layers):
+        end.copy_spans(direct, TransferOp.READ, spans_of(whole, offsets, layer))
+    assert all(torch.equal(pages.buffer[:, :, page_ids], whole.buffer[:, :, page_ids]) for pages in ranks)
 
 
 def copy_layers(copier: KVCopier, op: TransferOp, pages: KVPages, staging: torch.Tensor, page_ids: list[int],

@@ -48,7 +48,8 @@ async def test_prepare_tokenizes_resolves_max_tokens_and_keys(tmp_path: Path) ->
     ids = list(range(3, 3 + 40))
     prepared = await backend.prepare(parse_completion_request({"prompt": ids, "max_tokens": 5}, request_id="a",
                                                               model_ids=backend.model_ids()))
-    namespace = model_namespace(load_model("random:tiny").model_id, config.model.dtype, config.kv.block_size)
+    tiny = load_model("random:tiny")
+    namespace = model_namespace(tiny.model_id, config.model.dtype, config.kv.block_size, tiny.args.kv_geometry)
     assert prepared.prompt_token_ids == tuple(ids) and prepared.max_tokens == 5
     assert prepared.block_keys == tuple(block_keys(ids, 16, namespace)) and len(prepared.block_keys) == 2
     chat = await backend.prepare(parse_chat_request({"messages": [{"role": "user", "content": "hi"}]},

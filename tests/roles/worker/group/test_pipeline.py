@@ -54,7 +54,8 @@ def prompt(seed: int, length: int) -> list[int]:
 
 def keys_for(config: Config, tokens: list[int]) -> list[bytes]:
     loaded = load_model(config.model.source, dtype=config.model.dtype, seed=config.model.seed)
-    namespace = model_namespace(loaded.model_id, config.model.dtype, config.kv.block_size)
+    namespace = model_namespace(loaded.model_id, config.model.dtype, config.kv.block_size,
+                                loaded.args.kv_geometry)
     return block_keys(tokens, config.kv.block_size, namespace)
 
 
