@@ -10,8 +10,9 @@
 3. DECODE claims a reservation (`get`), waits for its pages (`wait_granted`, bounded by the reservation's page
    deadline: its predicted decode start plus `worker.page_wait_s`), and its request's KV takes them over
    (`RequestKv(..., reserved_by=reservation.owner)`): from then on they are the request's, counted once. The
-   reservation is dropped once its KV is loaded; UNRESERVE, a lease running out (`expire`), its conductor calling
-   again as a new run (`drop_orphans`: it restarted) or the role stopping (`close`) drop it too. Dropping frees the
+   reservation is dropped once its KV is loaded; UNRESERVE, a lease running out (`expire`, every EXPIRY_PERIOD_S
+   from `start` to `stop`, not only on the next RESERVE), its conductor calling again as a new run
+   (`drop_orphans`: it restarted) or the role stopping (`close`) drop it too. Dropping frees the
    pages it still holds at once (granting them to the next in line) and aborts the store handles, after
    `abort_grace_s` when a prefill may still write.
 """
@@ -32,12 +33,15 @@ from mooncaked.roles.worker.kv.plan import store_owner
 from mooncaked.roles.worker.messages import Destination, ReserveReply, ReserveRequest
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import Unavailable
+from mooncaked.runtime.supervised import start_supervised, stop_task
 from mooncaked.sched.decode_memory import DecodeHold
 from mooncaked.sched.priority import queue_rank
 from mooncaked.store.client import incarnation_of
 from mooncaked.store.messages import BlockLocation, WriteHandle
 
 logger = logging.getLogger(__name__)
+
+EXPIRY_PERIOD_S = 1.0  # how late past its lease an unclaimed reservation may be given back
 
 
 class Room:
@@ -107,6 +111,20 @@ class ReservationBook:
         self.by_id: dict[str, Reservation] = {}
         self.room = Room()
         self._deferred_aborts: set[asyncio.Task[None]] = set()
+        self._expiry_task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Expire unclaimed reservations every EXPIRY_PERIOD_S, whether or not another RESERVE comes."""
+        self._expiry_task = start_supervised("reservation-expiry", self._expire_loop)
+
+    async def stop(self) -> None:
+        task, self._expiry_task = self._expiry_task, None
+        await stop_task(task)
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(EXPIRY_PERIOD_S)
+            await self.expire()
 
     def __len__(self) -> int:
         return len(self.by_id)
@@ -259,7 +277,9 @@ class ReservationBook:
                            "them when their lease expires", len(handle_ids), type(exc).__name__, exc)
 
     async def close(self) -> None:
-        """Drop every reservation; deferred aborts are cancelled (the store reclaims those at lease expiry)."""
+        """Stop the expiry; drop every reservation; deferred aborts are cancelled (the store reclaims those at lease
+        expiry)."""
+        await self.stop()
         for request_id in list(self.by_id):
             await self.drop(request_id, is_prefill_done=False)
         for task in list(self._deferred_aborts):

@@ -100,12 +100,15 @@ class DecodeRole:
         await self.worker.stop()
 
     def activate(self) -> None:
-        """Start the decode loop on the (started) worker; a switchable instance calls this when it becomes decode."""
+        """Start the decode loop and the reservations' expiry on the (started) worker; a switchable instance calls
+        this when it becomes decode."""
         self.loop.start()
+        self.reservations.start()
 
     async def deactivate(self) -> None:
         """Stop the loop (its sequences end with an error) and give back every reservation; the worker stays."""
         await self.loop.stop()
+        await self.reservations.stop()
         for request_id in list(self.reservations.by_id):
             await self.reservations.drop(request_id, is_prefill_done=False)
 
@@ -143,6 +146,9 @@ class DecodeRole:
             raise InvalidArgument(f"request {request.request_id} is already reserved")
         if min(request.max_tokens, request.num_prompt_tokens, request.lease_ms, request.num_sequences) < 1:
             raise InvalidArgument("num_prompt_tokens, max_tokens, lease_ms and num_sequences must be >= 1")
+        if request.lease_ms > self.config.store.max_lease_ms:
+            raise InvalidArgument(f"lease_ms must be at most store.max_lease_ms ({self.config.store.max_lease_ms}), "
+                                  f"got {request.lease_ms}")
         await self.reservations.expire()
         await self.reservations.drop_orphans(ctx.peer_instance, request.conductor_run)
         num_pages = num_blocks_for(request.num_prompt_tokens + request.max_tokens,

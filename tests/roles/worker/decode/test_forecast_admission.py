@@ -17,7 +17,7 @@ from mooncaked.config import Config
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.worker.messages import (DECODE, LOAD, RESERVE, DecodeRequest, LoadReply, LoadRequest,
                                              ReserveRequest, SamplingSpec)
-from mooncaked.rpc import ResourceExhausted, RpcClient
+from mooncaked.rpc import InvalidArgument, ResourceExhausted, RpcClient
 from tests.roles.cluster_fixtures import cluster_config, instance, running_roles
 from tests.roles.test_disagg_roles import keys_for
 
@@ -95,3 +95,23 @@ async def test_a_wrong_forecast_tells_the_request_to_move_at_its_page_deadline(t
             await decode_all(decode, config, "next", next_tokens, 100)  # at 0.5 s + page_wait_s
         after = await load(decode)
         assert after.num_queued_pages == 0 and after.num_free_pages == 1  # "next" is gone; "long" still holds 15
+
+
+async def test_an_unclaimed_reservation_expires_without_another_reserve_and_leases_are_bounded(
+        tmp_path: Path) -> None:
+    """A reservation whose DECODE never comes is given back when its lease runs out, not at the next RESERVE; a
+    lease longer than store.max_lease_ms is refused."""
+    async with decode_instance(tmp_path) as (config, decode):
+        tokens = prompt(5, 40)
+        request = ReserveRequest("lost", keys_for(config, tokens), len(tokens), 8, 200, is_inline_prefill=True)
+        assert (await decode.call(RESERVE, request, timeout_s=DEADLINE_S)).is_accepted
+        assert (await load(decode)).num_waiting == 1
+        deadline = asyncio.get_running_loop().time() + 5.0  # its 0.2 s lease and one expiry period, with room
+        while (await load(decode)).num_waiting and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        idle = await load(decode)
+        assert idle.num_waiting == 0 and idle.num_free_pages == NUM_PAGES
+        too_long = ReserveRequest("long", keys_for(config, tokens), len(tokens), 8,
+                                  config.store.max_lease_ms + 1, is_inline_prefill=True)
+        with pytest.raises(InvalidArgument, match="lease_ms must be at most store.max_lease_ms"):
+            await decode.call(RESERVE, too_long, timeout_s=DEADLINE_S)
