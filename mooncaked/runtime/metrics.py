@@ -227,8 +227,8 @@ class Metrics:
         self.predictions = PredictionMetrics(self.registry)
         self.tenants = TenantMetrics(self.registry)
         self.reservations_waited_total = Counter(
-            "mooncaked_reservations_waited", "Decode reservations admitted on a forecast that found no KV pages free "
-            "and waited in the page queue.", registry=self.registry)
+            "mooncaked_reservations_waited", "DECODE calls whose reservation found no KV pages free and waited in "
+            "the page queue.", registry=self.registry)
         self.page_wait_timeouts_total = Counter(
             "mooncaked_page_wait_timeouts", "DECODE calls whose reservation got no KV pages by its deadline (a "
             "forecast was wrong: the conductor moves the request).", registry=self.registry)

@@ -88,6 +88,7 @@ class Reservation:
     page_deadline: float = 0.0  # DECODE waits for its pages until then
     granted: asyncio.Event = field(default_factory=asyncio.Event)
     is_claimed: bool = False  # DECODE took it: its pages are the request's (or about to be)
+    is_at_decode: bool = False  # its pages are wanted only from DECODE on (admitted on the forecast at decode start)
 
     @property
     def owner(self) -> str:
@@ -136,12 +137,15 @@ class ReservationBook:
         return self.by_id.get(request_id)
 
     def num_queued(self) -> int:
-        """Reservations waiting in the queue for pages."""
-        return sum(1 for r in self.by_id.values() if not r.granted.is_set())
+        """Reservations waiting in the queue for pages (wanted now)."""
+        return sum(1 for r in self._queued())
 
     def num_queued_pages(self) -> int:
-        """Pages the reservations waiting in the queue need."""
-        return sum(r.num_pages for r in self.by_id.values() if not r.granted.is_set())
+        """Pages the reservations waiting in the queue need (wanted now)."""
+        return sum(r.num_pages for r in self._queued())
+
+    def _queued(self) -> list[Reservation]:
+        return [r for r in self.by_id.values() if not r.granted.is_set() and (r.is_claimed or not r.is_at_decode)]
 
     def num_prompt_tokens(self) -> int:
         return sum(r.request.num_prompt_tokens * r.request.num_sequences for r in self.by_id.values())
@@ -152,17 +156,21 @@ class ReservationBook:
     def next_expiry(self, default: float) -> float:
         return min((r.expires_at for r in self.by_id.values()), default=default)
 
-    def add(self, request: ReserveRequest, num_pages: int, conductor: str = "") -> Reservation:
-        """Record the reservation and queue it for pages (granted at once when they are free)."""
+    def add(self, request: ReserveRequest, num_pages: int, conductor: str = "", is_at_decode: bool = False
+            ) -> Reservation:
+        """Record the reservation and queue it for pages, granted when they are free: at once, or with
+        `is_at_decode` once DECODE claims it (a prefill's seconds hold no pages that a request decoding meanwhile
+        could use; the forecast it was admitted on counts its pages from its predicted decode start)."""
         now = time.monotonic()
         decode_start_at = now + request.decode_start_s
         reservation = Reservation(request, num_pages, now + request.lease_ms / 1000, conductor,
                                   rank=queue_rank(request.is_batch, request.priority, now),
                                   decode_start_at=decode_start_at,
-                                  page_deadline=decode_start_at + self.worker.section.page_wait_s)
+                                  page_deadline=decode_start_at + self.worker.section.page_wait_s,
+                                  is_at_decode=is_at_decode)
         self.by_id[request.request_id] = reservation
         self.grant()
-        if not reservation.granted.is_set():
+        if not reservation.granted.is_set() and not is_at_decode:
             logger.info("reservation %s waits for %d KV pages (%d free)", request.request_id, num_pages,
                         self._pages().num_free)
         return reservation
@@ -172,7 +180,8 @@ class ReservationBook:
         pages = self._pages()
         num_seqs = self.num_running() + sum(r.request.num_sequences for r in self.by_id.values()
                                             if r.granted.is_set())
-        for reservation in sorted((r for r in self.by_id.values() if not r.granted.is_set()), key=lambda r: r.rank):
+        queued = (r for r in self.by_id.values() if not r.granted.is_set() and (r.is_claimed or not r.is_at_decode))
+        for reservation in sorted(queued, key=lambda r: r.rank):
             num_more = reservation.request.num_sequences
             if reservation.num_pages > pages.num_free or num_seqs + num_more > self.worker.section.max_batch_size:
                 return

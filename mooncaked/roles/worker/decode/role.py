@@ -160,9 +160,8 @@ class DecodeRole:
             reason = await self.admission.wait_for_room(request, num_pages, ctx)
         if reason:
             return ReserveReply(is_accepted=False, reason=reason)
-        reservation = self.reservations.add(request, num_pages, ctx.peer_instance)
-        if not reservation.granted.is_set():
-            self.metrics.reservations_waited_total.inc()
+        is_at_decode = self.config.scheduler.admission == "early_rejection_predicted"
+        reservation = self.reservations.add(request, num_pages, ctx.peer_instance, is_at_decode)
         if self.admission.waiting:
             await self.reservations.room.freed()  # the next in line may fit beside it
         if request.is_inline_prefill:
@@ -235,6 +234,7 @@ class DecodeRole:
         grammars = [self.worker.grammar.state_for(spec, request.token_ids) for _ in range(num_seqs)]
         reservation = self._claim(request)
         reservation.is_claimed = True
+        self.reservations.grant()  # one wanted at DECODE joins the page queue now
         num_cached_tokens, prompt_logprobs, kvs = 0, [], []
         try:
             await self._wait_for_pages(reservation, ctx)
@@ -295,6 +295,8 @@ class DecodeRole:
         """A reservation admitted on a forecast may still wait for its pages (a sequence ran longer than predicted):
         until its page deadline. Past it the prompt's prefilled blocks are committed here (cache for the next
         attempt) and the request is told to move (REASON_PAGES_NOT_FREED: the conductor migrates it)."""
+        if not reservation.granted.is_set():
+            self.metrics.reservations_waited_total.inc()
         if await self.reservations.wait_granted(reservation, min(reservation.page_deadline, ctx.deadline)):
             return
         self.metrics.page_wait_timeouts_total.inc()

@@ -15,6 +15,7 @@ import pytest
 
 from mooncaked.config import Config
 from mooncaked.roles.base import PeerClients
+from mooncaked.roles.worker.decode.role import DecodeRole
 from mooncaked.roles.worker.messages import (DECODE, LOAD, RESERVE, DecodeRequest, LoadReply, LoadRequest,
                                              ReserveRequest, SamplingSpec)
 from mooncaked.rpc import InvalidArgument, ResourceExhausted, RpcClient
@@ -26,15 +27,17 @@ NUM_PAGES = 16  # 16 tokens a page: 256 tokens
 
 
 @asynccontextmanager
-async def decode_instance(tmp_path: Path) -> AsyncIterator[tuple[Config, RpcClient]]:
+async def decode_instance(tmp_path: Path) -> AsyncIterator[tuple[Config, RpcClient, DecodeRole]]:
     config = cluster_config(tmp_path, [instance("s0", "store"), instance("d0", "decode"), instance("c0", "conductor")],
                             # before any step is measured, a step is predicted to take the TBT SLO: 0.1 s here
                             scheduler={"admission": "early_rejection_predicted", "tbt_slo_ms": 100.0},
                             worker={"num_kv_pages": NUM_PAGES, "page_wait_s": 0.3, "profile_s": 0.0})
-    async with running_roles(config, ["s0", "d0"]):
+    async with running_roles(config, ["s0", "d0"]) as roles:
+        role = roles["d0"]
+        assert isinstance(role, DecodeRole)
         clients = PeerClients(config, config.instance_named("c0"))
         try:
-            yield config, clients.for_instance(config.instance_named("d0"))
+            yield config, clients.for_instance(config.instance_named("d0")), role
         finally:
             await clients.close()
 
@@ -67,13 +70,13 @@ async def load(decode: RpcClient) -> LoadReply:
 
 
 async def test_a_request_whose_pages_free_before_its_decode_start_waits_for_them(tmp_path: Path) -> None:
-    async with decode_instance(tmp_path) as (config, decode):
+    async with decode_instance(tmp_path) as (config, decode, role):
         long_tokens, next_tokens = prompt(1, 40), prompt(2, 40)
         assert await reserve(decode, config, "long", long_tokens, 200, predicted_output_tokens=2) == (True, "")
         # 15 of the 16 pages, predicted to decode for 2 tokens: freed long before "next" starts decoding
         assert await reserve(decode, config, "next", next_tokens, 100, decode_start_s=30.0) == (True, "")
-        queued = await load(decode)
-        assert queued.num_queued_pages == 9 and queued.num_free_pages == 1
+        reserved = await load(decode)  # pages are wanted only from DECODE on
+        assert reserved.num_queued_pages == 0 and reserved.num_free_pages == NUM_PAGES
         # the same request starting now would find the pages held: refused before any prefill
         accepted, reason = await reserve(decode, config, "now", next_tokens, 100)
         assert not accepted and reason.startswith("memory: needs 9 KV pages")
@@ -85,23 +88,26 @@ async def test_a_request_whose_pages_free_before_its_decode_start_waits_for_them
 
 
 async def test_a_wrong_forecast_tells_the_request_to_move_at_its_page_deadline(tmp_path: Path) -> None:
-    async with decode_instance(tmp_path) as (config, decode):
-        long_tokens, next_tokens = prompt(3, 40), prompt(4, 40)
-        # predicted to decode for 1 token from now, "long" never comes: its pages stay set aside, and the forecast
-        # that admitted "next" was wrong
-        assert await reserve(decode, config, "long", long_tokens, 200, predicted_output_tokens=1) == (True, "")
-        assert await reserve(decode, config, "next", next_tokens, 100, decode_start_s=0.5) == (True, "")
-        with pytest.raises(ResourceExhausted, match="pages_not_freed"):
-            await decode_all(decode, config, "next", next_tokens, 100)  # at 0.5 s + page_wait_s
+    async with decode_instance(tmp_path) as (config, decode, role):
+        next_tokens = prompt(4, 40)
+        assert role.worker.pages is not None
+        # pages held beyond any forecast (a sequence running far longer than predicted): the forecast admits "next"
+        held = role.worker.pages.allocate(15, owner="longer-than-predicted")
+        try:
+            assert await reserve(decode, config, "next", next_tokens, 100, decode_start_s=0.2) == (True, "")
+            with pytest.raises(ResourceExhausted, match="pages_not_freed"):
+                await decode_all(decode, config, "next", next_tokens, 100)  # at 0.2 s + page_wait_s
+        finally:
+            role.worker.pages.free(held, "longer-than-predicted")
         after = await load(decode)
-        assert after.num_queued_pages == 0 and after.num_free_pages == 1  # "next" is gone; "long" still holds 15
+        assert after.num_queued_pages == 0 and after.num_free_pages == NUM_PAGES  # "next" is gone, nothing leaked
 
 
 async def test_an_unclaimed_reservation_expires_without_another_reserve_and_leases_are_bounded(
         tmp_path: Path) -> None:
     """A reservation whose DECODE never comes is given back when its lease runs out, not at the next RESERVE; a
     lease longer than store.max_lease_ms is refused."""
-    async with decode_instance(tmp_path) as (config, decode):
+    async with decode_instance(tmp_path) as (config, decode, role):
         tokens = prompt(5, 40)
         request = ReserveRequest("lost", keys_for(config, tokens), len(tokens), 8, 200, is_inline_prefill=True)
         assert (await decode.call(RESERVE, request, timeout_s=DEADLINE_S)).is_accepted

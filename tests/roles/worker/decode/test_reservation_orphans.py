@@ -10,8 +10,9 @@ from tests.roles.cluster_fixtures import cluster_config, instance, running_roles
 
 
 async def test_a_new_conductor_run_drops_the_reservations_of_its_earlier_run(tmp_path: Path) -> None:
+    # early_rejection: a reservation holds its pages from RESERVE on, so dropping one shows in the free pages
     config = cluster_config(tmp_path, [instance("s0", "store"), instance("d0", "decode"), instance("c0", "conductor"),
-                                       instance("c1", "conductor")])
+                                       instance("c1", "conductor")], scheduler={"admission": "early_rejection"})
     async with running_roles(config, ["s0", "d0"]):
         as_c0 = PeerClients(config, config.instance_named("c0"))
         as_c1 = PeerClients(config, config.instance_named("c1"))
