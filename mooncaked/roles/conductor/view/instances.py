@@ -135,15 +135,19 @@ def page_holds(load: LoadReply | None, flights: list[InFlight], forecast: Output
     """Every sequence's KV pages on a decode instance over its predicted life (sched/decode_memory.py): this
     conductor's requests from their decode start (now once decoding) for their predicted remaining output (their
     max_tokens without a predictor), and the pages LOAD says are in use beyond those, as other conductors'
-    requests that just started."""
+    requests that just started (the pages in use less those of this conductor's decoding requests)."""
     holds = []
+    num_pages_decoding = 0
     for f in flights:
         num_pages = num_pages_for(f.num_context_tokens, f.max_tokens, block_size)
         starts_at = now if f.decode_started_at is not None else max(f.ready_at, now)
         num_left = forecast.remaining_tokens(f) if forecast.is_enabled else max(f.max_tokens - f.num_generated, 1)
         holds.append(DecodeHold(num_pages, starts_at, starts_at + num_left * step_s))
+        if f.decode_started_at is not None:
+            num_pages_decoding += num_pages
     if load is not None:
-        num_others = load.num_pages - load.num_free_pages - sum(h.num_pages for h in holds)
+        # Only this conductor's decoding requests hold pages now: one still in prefill takes its pages at DECODE.
+        num_others = load.num_pages - load.num_free_pages - num_pages_decoding
         if num_others > 0:
             num_prompt_tokens = load.num_context_tokens // max(load.num_running, 1)
             holds.append(DecodeHold(num_others, now, now + forecast.unknown_tokens(num_prompt_tokens) * step_s))

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from mooncaked.config import InstanceConfig
 from mooncaked.roles.conductor.view.instances import (InFlight, OutputForecast, WorkerState, decode_view, inline_wait_s,
-                                                      prefill_view)
+                                                      page_holds, prefill_view)
 from mooncaked.roles.conductor.view.predictors import LivePredictors
 from mooncaked.roles.worker.messages import LoadReply
 from mooncaked.sched.output_length import OutputLengthPredictor
@@ -112,3 +112,19 @@ def test_a_malformed_pipeline_report_is_no_pipeline(stages: list[list[float]], c
     if spec is not None:
         assert len(spec.stage_coefficients) >= 2 and spec.chunk_tokens >= 1
         assert math.isfinite(PipelinePredictor(spec).predict(2000, 100))
+
+
+def test_pages_in_use_beyond_this_conductors_decoding_requests_are_other_conductors() -> None:
+    """A request still in prefill holds no pages yet (it takes them at DECODE): only the decoding ones are
+    subtracted from the pages LOAD says are in use."""
+    lengths = OutputLengthPredictor(quantile=1.0, min_samples=1)
+    forecast = OutputForecast(lengths, default_max_tokens=50, is_enabled=True)
+    running = flight("a", 0.0, max_tokens=28, decode_started_at=2.0)  # 100 + 28 tokens: 8 pages of 16
+    incoming = flight("b", 0.0, max_tokens=28)
+    reported = load(role="decode", num_pages=100, num_free_pages=80, num_context_tokens=100)
+    holds = page_holds(reported, [running, incoming], forecast, 16, 0.1, now=3.0)
+    assert [h.num_pages for h in holds] == [8, 8, 20 - 8]
+    assert holds[2].starts_at == 3.0
+    idle = page_holds(load(role="decode", num_pages=100, num_free_pages=92), [running, incoming], forecast, 16, 0.1,
+                      now=3.0)
+    assert [h.num_pages for h in idle] == [8, 8]
