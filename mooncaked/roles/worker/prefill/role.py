@@ -34,11 +34,11 @@ from mooncaked.roles.base import RoleEndpoint
 from mooncaked.roles.worker.group.head import PipelineHead
 from mooncaked.roles.worker.group.monitor import GroupMonitor
 from mooncaked.roles.worker.group.stage import StageService
-from mooncaked.roles.worker.kv.plan import plan_prompt_kv
 from mooncaked.roles.worker.messages import LOAD, PREFILL, LoadReply, LoadRequest, PrefillReply, PrefillRequest
 from mooncaked.roles.worker.messages import TokenSample
 from mooncaked.roles.worker.prefill.forward import ForwardResult, PrefillCancelled, run_prefill_forward
 from mooncaked.roles.worker.prefill.load import PrefillLoad
+from mooncaked.roles.worker.prefill.page_line import PageLine, plan_in_line
 from mooncaked.roles.worker.prefill.prompt_logprobs import wants_prompt_logprobs
 from mooncaked.roles.worker.prefill.queue import PrefillJob
 from mooncaked.roles.worker.profiler import profile
@@ -72,6 +72,7 @@ class PrefillRole:
         self.endpoint.add_method(LOAD, self._load, is_eager=True)
         self._queue: list[PrefillJob] = []
         self._running: list[PrefillJob] = []
+        self.page_line: PageLine | None = None  # from activate(): prompts waiting for KV pages
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self.load: PrefillLoad | None = None  # from start(): needs the model's hidden size
@@ -126,6 +127,9 @@ class PrefillRole:
         if self.load is None:
             assert self.worker.loaded is not None
             self.load = PrefillLoad(self.worker.perf, self.worker.loaded.args.hidden_size)
+        pages = self.worker.pages
+        assert pages is not None
+        self.page_line = PageLine(lambda: pages.num_free, pages.num_pages)
         self._loop_task = start_supervised("prefill-batch-loop", self._batch_loop, on_failure=self._loop_failed)
 
     async def deactivate(self) -> None:
@@ -133,6 +137,8 @@ class PrefillRole:
         task, self._loop_task = self._loop_task, None
         await stop_task(task)
         self._fail_queued(f"{self.instance.name} stopped taking prefills")
+        if self.page_line is not None:
+            self.page_line.close(f"{self.instance.name} stopped taking prefills")
 
     def _loop_failed(self, reason: str) -> None:
         self.worker.fail(reason)
@@ -146,10 +152,10 @@ class PrefillRole:
     @property
     def is_idle(self) -> bool:
         is_stage_idle = self.stage_service is None or self.stage_service.is_idle
-        return not self._queue and not self._running and is_stage_idle
+        return not self._queue and not self._running and not self.page_line and is_stage_idle
 
     def _refresh_metrics(self) -> None:
-        self.metrics.queues.set_length("prefill", len(self._queue))
+        self.metrics.queues.set_length("prefill", len(self._queue) + len(self.page_line or ()))
 
     def _observe(self, batch: list[PrefillJob], started: float, elapsed_s: float) -> None:
         worker = self.worker
@@ -177,13 +183,17 @@ class PrefillRole:
         num_running = len(self._running) + (len(self.stage_service.jobs) if self.stage_service else 0)
         is_member = self.worker.stage is not None  # its model covers its layers only: not a whole-model predictor
         own = list(coefficients.prefill)
-        return LoadReply(role="prefill", num_running=num_running, num_waiting=len(self._queue),
-                         num_queued_tokens=sum(job.num_new_tokens for job in self._queue + self._running),
+        waiting = self.page_line.waiting if self.page_line is not None else []
+        queued = [job.prompt for job in self._queue] + [(waiter.num_tokens, 0) for waiter in waiting]
+        return LoadReply(role="prefill", num_running=num_running, num_waiting=len(queued),
+                         num_queued_tokens=sum(job.num_new_tokens for job in self._queue + self._running)
+                         + sum(waiter.num_tokens for waiter in waiting),
                          num_free_pages=pages.num_free, num_pages=pages.num_pages,
                          step_time_s=load.mean_batch_s, prefill_coefficients=[] if is_member else own,
                          decode_coefficients=list(coefficients.decode),
-                         pending_work_s=load.pending_work_s([job.prompt for job in self._queue], now),
-                         held_request_ids=[job.request.request_id for job in self._running + self._queue],
+                         pending_work_s=load.pending_work_s(queued, now),
+                         held_request_ids=[job.request.request_id for job in self._running + self._queue]
+                         + [waiter.request_id for waiter in waiting],
                          overhead_s=load.overhead.value, kv_cache_bytes=self.worker.kv_cache_bytes,
                          stage_coefficients=own if is_member else [],
                          chunk_handoff_s=self.stage_service.handoff.value if self.stage_service else 0.0,
@@ -206,12 +216,10 @@ class PrefillRole:
         if (request.sampling.num_prompt_logprobs is not None or request.sampling.num_sequences > 1) and stage:
             raise InvalidArgument(f"prompt logprobs and parallel sampling are not served by prefill groups "
                                   f"({stage.describe()}); send the prompt to a single prefill instance")
-        plan = await plan_prompt_kv(self.worker, request.request_id, request.token_ids, request.block_keys,
-                                    fetch_store=request.fetch_store, num_fetch_blocks=request.num_fetch_blocks,
-                                    decode_store=request.decode_store, destinations=request.destinations,
-                                    timeout_s=max(ctx.deadline - time.monotonic(), 0.001),
-                                    key_isolation=request.key_isolation, tenant=request.tenant,
-                                    reuses_prefix=request.sampling.num_prompt_logprobs is None)
+        page_line = self.page_line
+        if page_line is None:
+            raise Unavailable(f"{self.instance.name} is not taking prefills; place the prompt elsewhere")
+        plan = await plan_in_line(page_line, self.worker, request, ctx.deadline)
         job = PrefillJob(request, plan, arrived_at, time.monotonic(), asyncio.get_running_loop().create_future(),
                          deadline=ctx.deadline, grammars=grammars)
         job.idle.set()
@@ -227,6 +235,7 @@ class PrefillRole:
             await job.idle.wait()  # pages stay allocated until the compute thread has left this job
             await plan.close(commit=job.future.done() and not job.future.cancelled()
                              and job.future.exception() is None)
+            page_line.freed()
 
     def _take_batch(self) -> list[PrefillJob]:
         section = self.worker.section
