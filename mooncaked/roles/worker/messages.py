@@ -199,7 +199,9 @@ class LoadReply(Message):
     prefill_coefficients: list[float] = field(default_factory=list)  # PrefillTimePredictor's; [] until fitted
     decode_coefficients: list[float] = field(default_factory=list)  # DecodeStepPredictor's; [] until fitted
     pending_work_s: float = 0.0  # prefill: predicted seconds of work held (rest of the running batch + queue)
-    held_request_ids: list[str] = field(default_factory=list)  # prefill: the requests pending_work_s counts
+    # prefill: the requests pending_work_s counts; decode: the running batch's and the reservations' (for
+    # operators and `bench chaos`: which requests a failure of this instance hits)
+    held_request_ids: list[str] = field(default_factory=list)
     overhead_s: float = 0.0  # recent mean seconds a request spends outside queue and compute (decode: inline prefills)
     kv_cache_bytes: int = 0  # bytes of its KV pages (all layers' K and V)
     # a prefill group's member (cluster.prefill_groups) reports its own layers' model here, not in
