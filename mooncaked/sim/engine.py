@@ -208,7 +208,7 @@ class Simulator:
 
     def _reserve_refusal(self, decode: DecodeInstance, record: RequestRecord, placement: Placement, predicted: int,
                          now: float) -> str:
-        return self.reserve.refusal(decode, record.input_length, record.output_length, placement.predicted_ttft_s,
+        return self.reserve.refusal(decode, record.input_length, record.output_length, placement.predicted_decode_start_s,
                                     predicted, self.predicted_tokens, now)
 
     def _decode_view(self, decode: DecodeInstance, is_predicted: bool, now: float) -> DecodeInstanceView:
@@ -225,7 +225,7 @@ class Simulator:
     def _place(self, now: float, request: TraceRequest, placement: Placement, record: RequestRecord) -> None:
         """A placement with a prefill instance: its job there, and the request incoming on its decode instance."""
         decode = self.decode_by_id[placement.decode_instance]
-        decode.incoming[request.index] = (now + placement.predicted_ttft_s, request.input_length)
+        decode.incoming[request.index] = (now + placement.predicted_decode_start_s, request.input_length)
         self.prefill_side.place(now, request, placement, record)
 
     def _hand_to_decode(self, now: float, job: PrefillJob, record: RequestRecord) -> None:
@@ -286,7 +286,7 @@ class Simulator:
         record.prefill_instance = record.decode_instance = decode.instance_id
         record.is_inline = True
         record.prefix_blocks = record.local_prefix_blocks = placement.num_prefix_blocks
-        decode.incoming[request.index] = (now + placement.predicted_ttft_s, request.input_length)
+        decode.incoming[request.index] = (now + placement.predicted_decode_start_s, request.input_length)
         decode.inline.append((request.index, self.prefill_side.noisy(placement.predicted_prefill_s)))
         if not decode.is_stepping:
             self._start_step(now, decode)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from mooncaked.roles.conductor.role import ConductorRole
 from mooncaked.roles.worker.decode.role import DecodeRole
 from mooncaked.roles.worker.prefill import forward as prefill_forward
 from mooncaked.roles.worker.prefill.role import PrefillRole
-from mooncaked.sched.predictors import DecodeStepPredictor
+from mooncaked.sched.predictors import DecodeStepPredictor, PrefillTimePredictor
 from tests.roles.cluster_fixtures import running_roles
 from tests.roles.test_conductor_flow import GREEDY, completion, eventually, make_config, prompt, url
 
@@ -79,17 +80,25 @@ async def _first_prediction(http: aiohttp.ClientSession, config_url: str, seed: 
 
 async def test_a_cold_conductor_predicts_its_first_request_and_a_restarted_one_at_once(tmp_path: Path) -> None:
     """A model whose prefill takes long enough to be measured (SmolLM2's shape, random weights): the instances
-    profile themselves, so the first prediction of a fresh conductor, and of a restarted one, is within 35%."""
+    profile themselves, so the first prediction of a fresh conductor, and of a restarted one, is the prefill
+    instance's own fitted model (not the device fallback), with no sample of its own yet. How close that model
+    comes to the measured TTFT is a timing, measured by `bench serve` (`ttft_prediction_mape_first20`), not here."""
     config = make_config(tmp_path, model={"source": "random:smollm2-135m", "max_model_len": 2048},
                          kv={"block_size": 64}, store={"dram_bytes": 256 << 20},
                          worker={"profile_s": 4.0, "prefill_chunk": 1024, "max_batch_tokens": 4096,
                                  "num_kv_pages": 64, "max_batch_size": 8})
     base = url(config, "")
-    async with running_roles(config, ["s0", "p0", "d0"]), aiohttp.ClientSession() as http:
+    async with running_roles(config, ["s0", "p0", "d0"]) as workers, aiohttp.ClientSession() as http:
+        prefill = workers["p0"]
+        assert isinstance(prefill, PrefillRole) and prefill.load is not None
         for seed in (40, 41):  # the second conductor starts after the first stopped: no state carries over
             async with running_roles(config, ["c0"]):
+                load = prefill.load
+                model = PrefillTimePredictor(load.coefficients(time.monotonic()).prefill)
+                expected = model.predict(512, 0) + load.overhead.value  # idle: no queue, nothing cached
                 predicted, actual = await _first_prediction(http, base, seed)
-            assert abs(predicted - actual) / actual <= 0.35, (seed, predicted, actual)
+            assert predicted == pytest.approx(expected, rel=0.02), (seed, predicted, expected, actual)
+            assert actual > 0
 
 
 async def test_a_batched_prefill_splits_its_time_into_per_request_samples(

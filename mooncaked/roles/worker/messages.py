@@ -109,8 +109,9 @@ class ReserveRequest(Message):
     # the reserving conductor process's run id (random per start; 0: unknown): a reservation of an earlier run of
     # the same conductor is an orphan once a later run calls, and is dropped
     conductor_run: int = 0
-    # the conductor's forecast: seconds from now to the request's decode start (its predicted TTFT), and the
-    # output tokens it predicts (0: max_tokens); the decode instance's memory forecast and page deadline use them
+    # the conductor's forecast: seconds from now to the request's decode start (its predicted TTFT, later when the
+    # memory forecast defers it), and the output tokens it predicts (0: max_tokens); the decode instance's memory
+    # forecast and page deadline use them
     decode_start_s: float = 0.0
     predicted_output_tokens: int = 0
     num_sequences: int = 1  # parallel sampling: pages and batch slots for this many sequences
