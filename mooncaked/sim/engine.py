@@ -247,7 +247,8 @@ class Simulator:
         if self.config.cluster.decode_hosts_in_pool:
             decode.store.put(job.keys, now)
         ready = kv_ready_at(now, job.num_prompt_tokens, job.compute_s, self.costs)
-        seq = DecodeSeq(job.request_index, job.num_prompt_tokens + 1, record.output_length - 1, now, ready_at=ready)
+        seq = DecodeSeq(job.request_index, job.num_prompt_tokens + 1, record.output_length - 1, now, ready_at=ready,
+                        is_first_token_held=job.placement.decode_defer_s > 0)
         decode.incoming[job.request_index] = (ready, seq.context_tokens)
         self._push(ready, DECODE_READY, (decode, seq))
 
@@ -258,7 +259,10 @@ class Simulator:
             self._start_step(now, decode)
 
     def _start_step(self, now: float, decode: DecodeInstance) -> None:
-        admit_waiting(decode, now)
+        for seq in admit_waiting(decode, now):
+            if seq.is_first_token_held:  # its first token goes out as its decode starts
+                record = self.records[seq.request_index]
+                record.ttft_s = max(record.ttft_s, now - record.arrival_s)
         decode.inline_in_step, decode.inline = decode.inline, []
         if not decode.running and not decode.inline_in_step:
             decode.is_stepping = False
