@@ -5,15 +5,18 @@ the cluster came back whole.
    `--num-prefill` prefill and two decode instances of `--model` (the tiny random model by default).
 2. A steady load of streaming greedy requests (chaos_load.py) runs while the cluster is killed, in turn, at
    `--victims` (default: a decode instance, a prefill instance, the store, the conductor), each at a seeded random
-   moment `--min-wait-s`..`--max-wait-s` into the load: its pid comes from its INFO reply, then SIGKILL.
-3. Per kill: the requests in flight at that moment and how each ended (completed, error, hung, lost), how many
-   requests the conductor migrated meanwhile, and the seconds until a probe request succeeds again.
+   moment `--min-wait-s`..`--max-wait-s` into the load and then only once it holds requests of the load (a
+   prefill or decode instance's LOAD names them; the store and the conductor hold every request in flight),
+   waiting up to `--hold-timeout-s` for that: its pid comes from its INFO reply, then SIGKILL.
+3. Per kill: the requests in flight at that moment and how each ended (completed, error, hung, lost), the ones
+   the victim held and how many of those completed (on a killed prefill or decode instance: by migration), how
+   many requests the conductor migrated meanwhile, and the seconds until a probe request succeeds again.
 4. Then the load pauses and drains, and within `--settle-s` every resource must be back to its baseline: no
    reservation, pending allocation or read lease left on any store or decode instance, every worker's KV pages
    free. What is not is counted in `leaked`.
 5. JSON: `kills` (one record each) and totals `requests`, `completed`, `migrated`, `errors`, `hung`, `lost`,
-   `max_recovery_s`, `leaked`, plus `failover_completion` (of requests in flight on a killed prefill or decode
-   instance, the fraction that completed).
+   `max_recovery_s`, `leaked`, `idle_kills` (kills that found the victim holding nothing by the hold timeout), plus
+   `failover_completion` (of the requests a killed prefill or decode instance held, the fraction that completed).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any
 
 import aiohttp
 
-from mooncaked.bench.chaos_load import OUTCOMES, SteadyLoad
+from mooncaked.bench.chaos_load import OUTCOMES, SteadyLoad, index_of
 from mooncaked.bench.cluster import ClusterProcess, free_port, instance, write_config
 from mooncaked.bench.report import report
 from mooncaked.config import Config, load_config
@@ -50,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-tokens", type=int, default=48)
     parser.add_argument("--min-wait-s", type=float, default=2.0, help="load before a kill, at least")
     parser.add_argument("--max-wait-s", type=float, default=5.0, help="load before a kill, at most")
+    parser.add_argument("--hold-timeout-s", type=float, default=20.0, help="after the wait, how long to wait for "
+                        "the victim to hold requests of the load before killing it anyway (an idle kill)")
     parser.add_argument("--request-timeout-s", type=float, default=60.0, help="a request that has not ended by "
                         "then is hung")
     parser.add_argument("--settle-s", type=float, default=40.0, help="resources must be back to baseline by then")
@@ -89,6 +94,18 @@ class Probe:
 
     async def pid(self, name: str) -> int:
         return int((await self.clients[name].call(INFO, InfoRequest(), timeout_s=5.0)).pid)
+
+    async def held(self, name: str, in_flight: list[int]) -> list[int]:
+        """The load's requests in flight that `name` holds now: a worker's from its LOAD, every one for the others."""
+        entry = self.config.instance_named(name)
+        if entry.role not in ("prefill", "decode"):
+            return in_flight
+        try:
+            load = await self.clients[name].call(LOAD, LoadRequest(), timeout_s=2.0)
+        except RpcError:
+            return []
+        indices = {index_of(attempt) for attempt in load.held_request_ids}
+        return [i for i in in_flight if i in indices]
 
     async def leftovers(self) -> dict[str, int]:
         """Resources still held: reservations, pending allocations, read leases, KV pages in use."""
@@ -156,7 +173,11 @@ async def kill_one(victim: str, args: argparse.Namespace, load: SteadyLoad, prob
     await asyncio.sleep(rng.uniform(args.min_wait_s, args.max_wait_s))
     pid = await probe.pid(victim)
     migrated_before = await migrations(session, url)
+    hold_deadline = time.monotonic() + args.hold_timeout_s
+    while not (held := await probe.held(victim, load.in_flight())) and time.monotonic() < hold_deadline:
+        await asyncio.sleep(0.02)  # polls the victim's LOAD: the kill waits for it to hold a request
     in_flight = load.in_flight()
+    held = [i for i in held if i in in_flight]  # one that ended meanwhile needs no failover
     killed_at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     recovered_s = await recovery_s(session, url, killed_at, timeout_s=args.start_timeout_s)
@@ -164,11 +185,12 @@ async def kill_one(victim: str, args: argparse.Namespace, load: SteadyLoad, prob
     migrated = max(await migrations(session, url) - migrated_before, 0.0)
     load.is_sending = False
     await load.wait_ended(load.in_flight(), args.request_timeout_s + 5.0)
-    held = await settle(probe, args.settle_s)
+    leaked = await settle(probe, args.settle_s)
     outcomes = [load.outcomes[i] for i in in_flight]
-    record: dict[str, Any] = {"victim": victim, "pid": pid, "in_flight": len(in_flight),
+    record: dict[str, Any] = {"victim": victim, "pid": pid, "in_flight": len(in_flight), "held": len(held),
+                              "held_completed": sum(1 for i in held if load.outcomes[i].status == "completed"),
                               "migrated": int(migrated) if victim != "c0" else 0,
-                              "recovery_s": recovered_s, "leaked": held, "num_leaked": len(held)}
+                              "recovery_s": recovered_s, "leaked": leaked, "num_leaked": len(leaked)}
     for status in OUTCOMES:
         record[status] = sum(1 for o in outcomes if o.status == status)
     record["errors_seen"] = sorted({o.detail for o in outcomes if o.status == "error"})[:5]
@@ -178,7 +200,7 @@ async def kill_one(victim: str, args: argparse.Namespace, load: SteadyLoad, prob
 def totals(kills: list[dict[str, Any]], load: SteadyLoad) -> dict[str, Any]:
     outcomes = load.outcomes
     on_workers = [k for k in kills if k["victim"].startswith(("p", "d"))]
-    in_flight_workers = sum(k["in_flight"] for k in on_workers)
+    held_on_workers = sum(k["held"] for k in on_workers)
     return {
         "requests": len(outcomes),
         "completed": sum(1 for o in outcomes if o.status == "completed"),
@@ -188,8 +210,9 @@ def totals(kills: list[dict[str, Any]], load: SteadyLoad) -> dict[str, Any]:
         "lost": sum(1 for o in outcomes if o.status == "lost"),
         "max_recovery_s": max((k["recovery_s"] for k in kills), default=0.0),
         "leaked": sum(k["num_leaked"] for k in kills),
-        "failover_completion": (sum(k["completed"] for k in on_workers) / in_flight_workers
-                                if in_flight_workers else None),
+        "idle_kills": sum(1 for k in kills if not k["held"]),
+        "failover_completion": (sum(k["held_completed"] for k in on_workers) / held_on_workers
+                                if held_on_workers else None),
     }
 
 
@@ -220,15 +243,17 @@ async def _bench(args: argparse.Namespace, victims: list[str]) -> dict[str, Any]
 
 def format_table(result: dict[str, Any]) -> str:
     lines = [f"chaos: {result['model']}, {result['rate']:g} req/s, {result['num_prefill']} prefill + 2 decode",
-             f"{'victim':>7} {'in flight':>9} {'done':>5} {'migr':>5} {'err':>4} {'hung':>5} {'lost':>5} "
-             f"{'recovery s':>10} {'leaked':>6}"]
+             f"{'victim':>7} {'in flight':>9} {'held':>5} {'held done':>9} {'done':>5} {'migr':>5} {'err':>4} "
+             f"{'hung':>5} {'lost':>5} {'recovery s':>10} {'leaked':>6}"]
     for k in result["kills"]:
-        lines.append(f"{k['victim']:>7} {k['in_flight']:>9} {k['completed']:>5} {k['migrated']:>5} {k['error']:>4} "
-                     f"{k['hung']:>5} {k['lost']:>5} {k['recovery_s']:>10.2f} {k['num_leaked']:>6}")
+        lines.append(f"{k['victim']:>7} {k['in_flight']:>9} {k['held']:>5} {k['held_completed']:>9} "
+                     f"{k['completed']:>5} {k['migrated']:>5} {k['error']:>4} {k['hung']:>5} {k['lost']:>5} "
+                     f"{k['recovery_s']:>10.2f} {k['num_leaked']:>6}")
     completion = result["failover_completion"]
     lines.append(f"total: {result['requests']} requests, {result['completed']} completed, {result['migrated']} "
                  f"migrated, {result['errors']} errors, {result['hung']} hung, {result['lost']} lost; max recovery "
-                 f"{result['max_recovery_s']:.2f} s; leaked {result['leaked']}; failover completion "
+                 f"{result['max_recovery_s']:.2f} s; leaked {result['leaked']}; idle kills {result['idle_kills']}; "
+                 f"failover completion "
                  f"{'-' if completion is None else f'{completion:.1%}'}")
     return "\n".join(lines)
 

@@ -7,6 +7,7 @@
    cancels it) or `lost` (the stream ended with neither [DONE] nor an error, or [DONE] came with tokens missing:
    a silent truncation).
 3. `in_flight()` names the requests not ended yet; `wait_ended(ids, timeout_s)` waits for some to end.
+Request i goes by `X-Request-Id: chaos-<i>`, so an instance's LOAD names the requests it holds (`index_of`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,15 @@ from dataclasses import dataclass
 import aiohttp
 
 OUTCOMES = ("completed", "error", "hung", "lost")
+ID_PREFIX = "chaos-"
+
+
+def index_of(attempt_id: str) -> int | None:
+    """The load's index of a request from the id an instance knows it by (`chaos-<i>~<attempt>...`), or None."""
+    request_id = attempt_id.split("~", 1)[0]
+    if not request_id.startswith(ID_PREFIX) or not request_id[len(ID_PREFIX):].isdigit():
+        return None
+    return int(request_id[len(ID_PREFIX):])
 
 
 @dataclass
@@ -104,7 +114,8 @@ class SteadyLoad:
 
     async def _stream(self, session: aiohttp.ClientSession, body: dict[str, object],
                       outcome: Outcome) -> tuple[str, str]:
-        async with session.post(self.url + "/v1/completions", json=body) as response:
+        headers = {"X-Request-Id": f"{ID_PREFIX}{outcome.index}"}
+        async with session.post(self.url + "/v1/completions", json=body, headers=headers) as response:
             if response.status != 200:
                 return "error", f"HTTP {response.status}: {(await response.text())[:200]}"
             async for raw in response.content:

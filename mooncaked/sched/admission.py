@@ -6,7 +6,11 @@
    - `early_rejection_predicted`: the batch at this request's predicted prefill completion `ready_time`:
      running requests predicted to end by then have left, requests placed here whose prefill ends by then have
      joined (section 4.3.4). A request's decode time is its own prediction when the view carries one (output-
-     length prediction), else the paper's uniform t_d (`decode_time_s`).
+     length prediction), else the paper's uniform t_d (`decode_time_s`). When the memory forecast has no room
+     at `ready_time` but has by `ready_time + max_defer_s`, the instance has room with its decode start deferred
+     to then (`decode_defer_s`): the prefill runs now, the first token streams, and the decode instance's
+     reservation waits for the pages the forecast frees by then. The caller bounds the deferral by the TTFT SLO
+     (the stream pauses after its first token at most as long as a TTFT could last).
 2. `rejects_at_arrival` says whether the policy refuses up front on that TBT: never for `none` and `baseline`;
    `admission_rejection` is the check at arrival every placement runs (Algorithm 1 lines 18-19): the TTFT SLO
    (every policy but `none`), then the decode instance's room and predicted TBT (early rejection).
@@ -20,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mooncaked.sched.decode_memory import DecodeHold, forecast_refusal
+from mooncaked.sched.decode_memory import DecodeHold, earliest_fit, forecast_refusal
 from mooncaked.sched.predictors import DecodeStepPredictor
 from mooncaked.sched.types import (REASON_DECODE_FULL, REASON_TBT_SLO, REASON_TTFT_SLO, DecodeInstanceView,
                                    PolicyConfig, Rejection)
@@ -33,6 +37,7 @@ class DecodeChoice:
     view: DecodeInstanceView | None
     predicted_tbt_s: float
     has_room: bool
+    decode_defer_s: float = 0.0  # its decode starts this long after `ready_time` (the forecast's room then)
 
 
 def rejects_at_arrival(config: PolicyConfig) -> bool:
@@ -83,15 +88,18 @@ def select_decode(
     *,
     num_pages: int = 0,
     num_output_tokens: int = 0,
+    max_defer_s: float = 0.0,
 ) -> DecodeChoice:
     """SelectDecodingInstance: the available instance with the lowest predicted TBT once this request joins.
 
     Instances with room are preferred; ties go to the earlier view. Room is the batch's slots and context now,
     or, under `early_rejection_predicted` with the request's `num_pages` and the view's pages known, the pages and
     slots forecast over the request's predicted decode life (sched/decode_memory.py): from `ready_time` for its
-    predicted output (`num_output_tokens` at the predicted step; the uniform t_d when none).
+    predicted output (`num_output_tokens` at the predicted step; the uniform t_d when none), or deferred by at
+    most `max_defer_s` (step 1); an instance with room at `ready_time` is preferred to a deferred one.
     """
     best: DecodeChoice = DecodeChoice(None, float("inf"), False)
+    best_key: tuple[bool, float, float] = (False, -float("inf"), -float("inf"))
     is_predicted = config.admission == "early_rejection_predicted"
     for view in decode_views:
         if not view.is_available:
@@ -103,14 +111,22 @@ def select_decode(
         num_running += 1
         num_tokens += num_context_tokens
         tbt = step_model(view, predictor).predict(num_running, num_tokens)
+        defer_s = 0.0
         if is_predicted and num_pages and view.num_pages:
             decode_s = num_output_tokens * tbt if num_output_tokens else config.decode_time_s
             hold = DecodeHold(num_pages, ready_time, ready_time + decode_s)
-            has_room = not forecast_refusal(hold, view.page_holds, view.num_pages, view.max_num_running)
+            starts_at = earliest_fit(hold, view.page_holds, view.num_pages, view.max_num_running,
+                                     ready_time + max(max_defer_s, 0.0))
+            has_room = starts_at is not None
+            if starts_at is not None and starts_at > ready_time:
+                defer_s = starts_at - ready_time
+                num_running, num_tokens = predicted_batch(view, starts_at, config.decode_time_s)
+                tbt = step_model(view, predictor).predict(num_running + 1, num_tokens + num_context_tokens)
         else:
             has_room = num_running <= view.max_num_running and num_tokens <= view.max_context_tokens
-        if (has_room, -tbt) > (best.has_room, -best.predicted_tbt_s):
-            best = DecodeChoice(view, tbt, has_room)
+        key = (has_room, -defer_s, -tbt)
+        if key > best_key:
+            best, best_key = DecodeChoice(view, tbt, has_room, defer_s), key
     return best
 
 

@@ -89,7 +89,8 @@ def schedule(
     ttft = prefill.ttft_s
     decode = select_decode(request.num_prompt_tokens, decode_views, config, policy.predictors.decode, now,
                            now + ttft, num_pages=decode_pages(request, config),
-                           num_output_tokens=request.predicted_output_tokens)
+                           num_output_tokens=request.predicted_output_tokens,
+                           max_defer_s=config.ttft_slo_s - ttft)
     if decode.view is None:
         return Rejection(request.request_id, REASON_NO_DECODE, ttft, 0.0)
     rejection = admission_rejection(request.request_id, config, ttft, decode)
@@ -108,6 +109,7 @@ def schedule(
         predicted_prefill_s=prefill.prefill_s,
         predicted_ttft_s=ttft,
         predicted_tbt_s=decode.predicted_tbt_s,
+        decode_defer_s=decode.decode_defer_s,
     )
 
 

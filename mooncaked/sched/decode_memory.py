@@ -7,7 +7,9 @@ admits on, run by the conductor, the decode instance's RESERVE and the simulator
 2. `peak_use` gives the most pages and sequences held at once over a time window: at its start and at every
    later hold's start inside it (holds only end between those times, so the peak is at one of them).
 3. `forecast_refusal` admits a new hold when, over its whole predicted life, the peak leaves room for its pages
-   and its batch slot; otherwise the reason names what runs short. A forecast can be wrong (a sequence runs
+   and its batch slot; otherwise the reason names what runs short. `earliest_fit` finds the earliest later start
+   at which it would fit (room only appears when a hold ends), for a request whose prefill may finish before its
+   decode can start. A forecast can be wrong (a sequence runs
    longer than predicted): the decode instance then makes the request wait for its pages, bounded by a deadline
    (roles/worker/decode/), and the forecast only decides what is refused before any prefill.
 
@@ -59,3 +61,16 @@ def forecast_refusal(new: DecodeHold, holds: Sequence[DecodeHold], num_pages: in
     if peak_seqs + new.num_seqs > max_num_seqs:
         return f"batch: {peak_seqs} sequences predicted at its decode start (max {max_num_seqs})"
     return ""
+
+
+def earliest_fit(new: DecodeHold, holds: Sequence[DecodeHold], num_pages: int, max_num_seqs: int,
+                 latest_start: float) -> float | None:
+    """The earliest start in [new.starts_at, latest_start] at which `new`, moved there with its length, fits
+    beside `holds` (None when none does): its own start, or the end of a hold."""
+    length = new.ends_at - new.starts_at
+    ends = sorted({h.ends_at for h in holds if new.starts_at < h.ends_at <= latest_start})
+    for start in [new.starts_at, *ends]:
+        moved = DecodeHold(new.num_pages, start, start + length, new.num_seqs)
+        if not forecast_refusal(moved, holds, num_pages, max_num_seqs):
+            return start
+    return None

@@ -44,6 +44,8 @@ def place(request: RequestInfo, prefill_views: Sequence[PrefillInstanceView],
         inline = place_inline(request, decode_views, prefix_lengths, policy, now, is_limited=True)
         return inline if isinstance(inline, Placement) else result
     decode = next(view for view in decode_views if view.instance_id == result.decode_instance)
+    if result.decode_defer_s > 0:  # an inline prefill takes its pages now: not while the forecast has none
+        return result
     if uncached_tokens(request, prefix_lengths.get(decode.store_id, 0), policy) <= decode.inline_max_tokens:
         return place_inline(request, [decode], prefix_lengths, policy, now, is_limited=False)
     return result

@@ -138,6 +138,12 @@ class Placement:
     predicted_prefill_s: float
     predicted_ttft_s: float
     predicted_tbt_s: float
+    decode_defer_s: float = 0.0  # the decode starts this long after the predicted TTFT (sched/admission.py)
+
+    @property
+    def predicted_decode_start_s(self) -> float:
+        """Seconds from placement to the predicted decode start."""
+        return self.predicted_ttft_s + self.decode_defer_s
 
 
 @dataclass(frozen=True)

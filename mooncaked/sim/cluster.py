@@ -138,6 +138,9 @@ class DecodeSeq:
     gaps: list[float] = field(default_factory=list)
     is_past_handoff: bool = False  # the first gap (prefill's first token -> first decode token) is behind
     ready_at: float = 0.0  # its KV is loaded: from then on a wait for pages or a batch slot counts as a gap
+    # its decode start was deferred (sched/admission.py): the conductor holds its first token until it joins the
+    # batch, so that wait counts in its TTFT instead of as a gap
+    is_first_token_held: bool = False
 
 
 @dataclass

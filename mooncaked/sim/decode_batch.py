@@ -3,7 +3,8 @@
 1. `kv_ready_at`: a request handed over after its prefill is ready to decode once the part of its KV stream not
    hidden behind the prefill and the load into HBM are done.
 2. `admit_waiting`: at each step's start, waiting requests join the running batch in order while it has room (a
-   batch slot and their KV pages); how long one waited once its KV was loaded counts as one of its token gaps.
+   batch slot and their KV pages); how long one waited once its KV was loaded counts as one of its token gaps, or,
+   when its decode start was deferred (the conductor holds its first token back until then), in its TTFT.
 3. `advance_one_token`: a step gives every running request one token and one token gap (the gap from the
    prefill's first token counts only with `run.tbt_counts_handoff`); the finished leave the batch.
 """
@@ -20,15 +21,19 @@ def kv_ready_at(now: float, num_prompt_tokens: int, prefill_compute_s: float, co
     return now + stream_s + kv_bytes / costs.h2d_bandwidth
 
 
-def admit_waiting(decode: DecodeInstance, now: float) -> None:
+def admit_waiting(decode: DecodeInstance, now: float) -> list[DecodeSeq]:
+    """The requests that joined the batch."""
+    admitted: list[DecodeSeq] = []
     while decode.waiting and decode.has_room_for(decode.waiting[0]):
         seq = decode.waiting.popleft()
+        admitted.append(seq)
         decode.incoming.pop(seq.request_index, None)
-        if now > seq.ready_at:  # it waited for pages or a slot after its KV was there: the user saw that pause
+        if now > seq.ready_at and not seq.is_first_token_held:  # the user saw that pause after the first token
             seq.gaps.append(now - seq.ready_at)
         seq.started_at = now
         decode.running[seq.request_index] = seq
         decode.num_context_tokens += seq.context_tokens
+    return admitted
 
 
 def advance_one_token(decode: DecodeInstance, now: float, counts_handoff: bool) -> list[DecodeSeq]:

@@ -30,7 +30,7 @@ class DecodeReserve:
 
     def refusal(self, decode: DecodeInstance, num_prompt_tokens: int, max_tokens: int, decode_start_s: float,
                 predicted_tokens: int, all_predicted: Mapping[int, int], now: float) -> str:
-        """Why RESERVE refuses the request now ("" when it takes it); `decode_start_s`: its predicted TTFT."""
+        """Why RESERVE refuses the request now ("" when it takes it); `decode_start_s`: its predicted decode start."""
         config = self.config.scheduler
         num_pages = num_pages_for(num_prompt_tokens, max_tokens, decode.block_size)
         if config.admission == "early_rejection_predicted":

@@ -208,7 +208,7 @@ class Simulator:
 
     def _reserve_refusal(self, decode: DecodeInstance, record: RequestRecord, placement: Placement, predicted: int,
                          now: float) -> str:
-        return self.reserve.refusal(decode, record.input_length, record.output_length, placement.predicted_ttft_s,
+        return self.reserve.refusal(decode, record.input_length, record.output_length, placement.predicted_decode_start_s,
                                     predicted, self.predicted_tokens, now)
 
     def _decode_view(self, decode: DecodeInstance, is_predicted: bool, now: float) -> DecodeInstanceView:
@@ -225,7 +225,7 @@ class Simulator:
     def _place(self, now: float, request: TraceRequest, placement: Placement, record: RequestRecord) -> None:
         """A placement with a prefill instance: its job there, and the request incoming on its decode instance."""
         decode = self.decode_by_id[placement.decode_instance]
-        decode.incoming[request.index] = (now + placement.predicted_ttft_s, request.input_length)
+        decode.incoming[request.index] = (now + placement.predicted_decode_start_s, request.input_length)
         self.prefill_side.place(now, request, placement, record)
 
     def _hand_to_decode(self, now: float, job: PrefillJob, record: RequestRecord) -> None:
@@ -247,7 +247,8 @@ class Simulator:
         if self.config.cluster.decode_hosts_in_pool:
             decode.store.put(job.keys, now)
         ready = kv_ready_at(now, job.num_prompt_tokens, job.compute_s, self.costs)
-        seq = DecodeSeq(job.request_index, job.num_prompt_tokens + 1, record.output_length - 1, now, ready_at=ready)
+        seq = DecodeSeq(job.request_index, job.num_prompt_tokens + 1, record.output_length - 1, now, ready_at=ready,
+                        is_first_token_held=job.placement.decode_defer_s > 0)
         decode.incoming[job.request_index] = (ready, seq.context_tokens)
         self._push(ready, DECODE_READY, (decode, seq))
 
@@ -258,7 +259,10 @@ class Simulator:
             self._start_step(now, decode)
 
     def _start_step(self, now: float, decode: DecodeInstance) -> None:
-        admit_waiting(decode, now)
+        for seq in admit_waiting(decode, now):
+            if seq.is_first_token_held:  # its first token goes out as its decode starts
+                record = self.records[seq.request_index]
+                record.ttft_s = max(record.ttft_s, now - record.arrival_s)
         decode.inline_in_step, decode.inline = decode.inline, []
         if not decode.running and not decode.inline_in_step:
             decode.is_stepping = False
@@ -286,7 +290,7 @@ class Simulator:
         record.prefill_instance = record.decode_instance = decode.instance_id
         record.is_inline = True
         record.prefix_blocks = record.local_prefix_blocks = placement.num_prefix_blocks
-        decode.incoming[request.index] = (now + placement.predicted_ttft_s, request.input_length)
+        decode.incoming[request.index] = (now + placement.predicted_decode_start_s, request.input_length)
         decode.inline.append((request.index, self.prefill_side.noisy(placement.predicted_prefill_s)))
         if not decode.is_stepping:
             self._start_step(now, decode)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from mooncaked.roles.conductor.role import ConductorRole
 from mooncaked.roles.worker.decode.role import DecodeRole
 from mooncaked.roles.worker.prefill import forward as prefill_forward
 from mooncaked.roles.worker.prefill.role import PrefillRole
-from mooncaked.sched.predictors import DecodeStepPredictor
+from mooncaked.sched.predictors import DecodeStepPredictor, PrefillTimePredictor
 from tests.roles.cluster_fixtures import running_roles
 from tests.roles.test_conductor_flow import GREEDY, completion, eventually, make_config, prompt, url
 
@@ -79,17 +80,25 @@ async def _first_prediction(http: aiohttp.ClientSession, config_url: str, seed: 
 
 async def test_a_cold_conductor_predicts_its_first_request_and_a_restarted_one_at_once(tmp_path: Path) -> None:
     """A model whose prefill takes long enough to be measured (SmolLM2's shape, random weights): the instances
-    profile themselves, so the first prediction of a fresh conductor, and of a restarted one, is within 35%."""
+    profile themselves, so the first prediction of a fresh conductor, and of a restarted one, is the prefill
+    instance's own fitted model (not the device fallback), with no sample of its own yet. How close that model
+    comes to the measured TTFT is a timing, measured by `bench serve` (`ttft_prediction_mape_first20`), not here."""
     config = make_config(tmp_path, model={"source": "random:smollm2-135m", "max_model_len": 2048},
                          kv={"block_size": 64}, store={"dram_bytes": 256 << 20},
                          worker={"profile_s": 4.0, "prefill_chunk": 1024, "max_batch_tokens": 4096,
                                  "num_kv_pages": 64, "max_batch_size": 8})
     base = url(config, "")
-    async with running_roles(config, ["s0", "p0", "d0"]), aiohttp.ClientSession() as http:
+    async with running_roles(config, ["s0", "p0", "d0"]) as workers, aiohttp.ClientSession() as http:
+        prefill = workers["p0"]
+        assert isinstance(prefill, PrefillRole) and prefill.load is not None
         for seed in (40, 41):  # the second conductor starts after the first stopped: no state carries over
             async with running_roles(config, ["c0"]):
+                load = prefill.load
+                model = PrefillTimePredictor(load.coefficients(time.monotonic()).prefill)
+                expected = model.predict(512, 0) + load.overhead.value  # idle: no queue, nothing cached
                 predicted, actual = await _first_prediction(http, base, seed)
-            assert abs(predicted - actual) / actual <= 0.35, (seed, predicted, actual)
+            assert predicted == pytest.approx(expected, rel=0.02), (seed, predicted, expected, actual)
+            assert actual > 0
 
 
 async def test_a_batched_prefill_splits_its_time_into_per_request_samples(
@@ -119,3 +128,32 @@ async def test_a_batched_prefill_splits_its_time_into_per_request_samples(
         step = prefill.metrics.registry.get_sample_value("mooncaked_step_time_seconds_sum", {"phase": "prefill"})
         assert step is not None and sum(s for _, _, s in samples) == pytest.approx(step, rel=1e-9)
         assert samples[2][2] > samples[1][2] > 0  # the longer prompt of the batch pays more of it
+
+
+async def test_a_request_whose_pages_free_within_its_ttft_slo_is_deferred_not_refused(tmp_path: Path) -> None:
+    """13 of the decode instance's 16 pages held by a sequence the conductor knows only from LOAD (predicted to
+    run 3 more steps of 1 s); a request needing 4 pages is admitted with its decode start deferred to that
+    hold's end (3 s, within the TTFT SLO) instead of refused as decode_full, its first token held back until its
+    decode starts; it decodes once the pages free."""
+    config = make_config(tmp_path, scheduler={"admission": "early_rejection_predicted", "tbt_slo_ms": 5000.0},
+                         conductor={"default_max_tokens": 3},
+                         worker={"num_kv_pages": 16, "page_wait_s": 30.0, "profile_s": 0.0})
+    async with running_roles(config, ["s0", "p0", "d0", "c0"]) as roles, aiohttp.ClientSession() as http:
+        await _slow_decode_model(roles)
+        decode, conductor = roles["d0"], roles["c0"]
+        assert isinstance(decode, DecodeRole) and decode.worker.pages is not None
+        assert isinstance(conductor, ConductorRole) and conductor.view is not None
+        view = conductor.view
+        held = decode.worker.pages.allocate(13, owner="longer-than-predicted")
+        d0 = next(worker for worker in view.workers if worker.instance.name == "d0")
+        await eventually(lambda: d0.load is not None and d0.load.num_free_pages == 3)
+        body = {"prompt": prompt(60, 40), "max_tokens": 20, **GREEDY}  # 60 tokens: 4 pages
+        answer = asyncio.ensure_future(completion(http, config, body))
+        await eventually(lambda: decode.reservations.num_queued_pages() == 4 or answer.done(), timeout_s=20.0)
+        assert not answer.done()  # waiting for its pages, not refused
+        decode.worker.pages.free(held, "longer-than-predicted")
+        await decode.reservations.pages_freed()
+        result = await answer
+        assert result["usage"]["completion_tokens"] == 20
+        async with http.get(url(config, "/metrics")) as response:
+            assert "mooncaked_rejections_total{" not in await response.text()

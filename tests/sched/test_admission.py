@@ -5,6 +5,7 @@ import pytest
 from mooncaked.sched.admission import predicted_batch, select_decode
 from mooncaked.sched.algorithm import SchedulerPolicy, schedule
 from mooncaked.sched.decode_admission import StepLimit, refusal_after_prefill
+from mooncaked.sched.decode_memory import DecodeHold
 from mooncaked.sched.predictors import DecodeStepPredictor, Predictors, PrefillTimePredictor, TransferTimePredictor
 from mooncaked.sched.shadow_index import ShadowIndex
 from mooncaked.sched.types import DecodeInstanceView, Placement, PolicyConfig, PrefillInstanceView, Rejection, RequestInfo
@@ -102,3 +103,32 @@ def test_an_instance_predicts_with_its_own_reported_step_model():
     placed = schedule(REQUEST, [fast], [FILLING], ShadowIndex(), _policy("early_rejection"), 100.0)
     assert isinstance(placed, Placement)
     assert placed.predicted_prefill_s == pytest.approx(0.2) and placed.predicted_ttft_s == pytest.approx(0.25)
+
+
+def test_a_decode_start_is_deferred_to_when_the_forecast_frees_its_pages_within_the_ttft_slo():
+    """2000 prompt tokens + 100 output in blocks of 64: 33 pages of 40. Ready at 102 (2 s prefill); the 30 pages
+    held now free at 105 (a 3 s deferral, within the 10 s TTFT SLO less the 2 s TTFT) or at 111 (9 s: past it)."""
+    request = RequestInfo("r", 2000, (), max_tokens=100)
+
+    def decide(ends_at: float):
+        holds = (DecodeHold(30, 100.0, ends_at),)
+        decode = DecodeInstanceView("d", "sd", 1, 2000, 64, 10**9, num_pages=40, page_holds=holds)
+        return schedule(request, [PrefillInstanceView("p", "sp")], [decode], ShadowIndex(),
+                        _policy("early_rejection_predicted", block_size=64), 100.0)
+
+    deferred = decide(105.0)
+    assert isinstance(deferred, Placement) and deferred.predicted_ttft_s == pytest.approx(2.0)
+    assert deferred.decode_defer_s == pytest.approx(3.0) and deferred.predicted_decode_start_s == pytest.approx(5.0)
+    now_free = decide(101.0)
+    assert isinstance(now_free, Placement) and now_free.decode_defer_s == 0.0
+    too_late = decide(111.0)
+    assert isinstance(too_late, Rejection) and too_late.reason == "decode_full"
+
+
+def test_an_instance_with_room_at_the_decode_start_is_preferred_to_a_deferred_one():
+    config = _policy("early_rejection_predicted", block_size=64).config
+    busy = DecodeInstanceView("busy", "sb", 0, 0, 64, 10**9, num_pages=40, page_holds=(DecodeHold(30, 100.0, 104.0),))
+    idle = DecodeInstanceView("idle", "si", 3, 3000, 64, 10**9, num_pages=40)
+    choice = select_decode(2000, [busy, idle], config, DECODE, now=100.0, ready_time=102.0, num_pages=33,
+                           max_defer_s=8.0)
+    assert choice.view is idle and choice.decode_defer_s == 0.0 and choice.has_room

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mooncaked.sched.decode_memory import DecodeHold, forecast_refusal, num_pages_for, peak_use
+from mooncaked.sched.decode_memory import DecodeHold, earliest_fit, forecast_refusal, num_pages_for, peak_use
 
 
 def test_pages_cover_the_prompt_and_every_token_it_may_generate() -> None:
@@ -48,3 +48,23 @@ def test_the_conductor_the_decode_role_and_the_simulator_forecast_with_this_rule
 
     assert admission.forecast_refusal is forecast_refusal  # select_decode's room, which the conductor runs
     assert decode_admission.forecast_refusal is forecast_refusal and decode_reserve.forecast_refusal is forecast_refusal
+
+
+@given(holds=HOLDS, start=st.integers(0, 60), duration=st.integers(1, 60), pages=st.integers(0, 30),
+       num_pages=st.integers(0, 120), max_num_seqs=st.integers(1, 14), slack=st.integers(0, 80))
+def test_the_earliest_fit_is_the_first_integer_start_at_which_the_moved_hold_fits(
+        holds: list[DecodeHold], start: int, duration: int, pages: int, num_pages: int, max_num_seqs: int,
+        slack: int) -> None:
+    new = DecodeHold(pages, float(start), float(start + duration))
+    fit = earliest_fit(new, holds, num_pages, max_num_seqs, float(start + slack))
+    # integer hold ends: a brute-force scan of every integer start in the window finds the same first one
+    fits = [t for t in range(start, start + slack + 1)
+            if not forecast_refusal(DecodeHold(pages, float(t), float(t + duration)), holds, num_pages, max_num_seqs)]
+    assert fit == (float(fits[0]) if fits else None)
+
+
+def test_a_request_that_fits_only_later_is_given_the_end_of_the_hold_that_frees_its_pages() -> None:
+    running = [DecodeHold(6, 0.0, 5.0), DecodeHold(2, 0.0, 50.0)]
+    assert earliest_fit(DecodeHold(4, 1.0, 20.0), running, 8, 32, latest_start=30.0) == 5.0
+    assert earliest_fit(DecodeHold(4, 1.0, 20.0), running, 8, 32, latest_start=4.0) is None
+    assert earliest_fit(DecodeHold(4, 6.0, 20.0), running, 8, 32, latest_start=6.0) == 6.0

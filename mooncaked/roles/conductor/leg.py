@@ -131,7 +131,7 @@ class Leg:
                                  min(int(lease_s * 1000), self.config.store.max_lease_ms),
                                  is_inline_prefill=not placement.prefill_instance, tenant=work.tenant,
                                  priority=work.sampling.priority, is_batch=work.sampling.is_batch,
-                                 conductor_run=self.view.run_id, decode_start_s=placement.predicted_ttft_s,
+                                 conductor_run=self.view.run_id, decode_start_s=placement.predicted_decode_start_s,
                                  predicted_output_tokens=self.predicted_output_tokens,
                                  num_sequences=work.sampling.num_sequences)
         self.may_hold_reservation = True  # from here a cancel or a lost reply may leave one behind

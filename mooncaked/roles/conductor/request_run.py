@@ -172,8 +172,12 @@ class RequestRun:
         return all(state.finish_reason is not None for state in self.states)
 
     async def _admitted_after_prefill(self, leg: Leg) -> GenerationChunk | None:
-        """`baseline`: DECODE's first item (the decode instance's admission check happens on its arrival)."""
-        if self.config.scheduler.admission != "baseline":
+        """DECODE's first item, before the first token goes out, under `baseline` (the decode instance's admission
+        check happens on its arrival) and for a placement whose decode start the memory forecast deferred (the
+        stream then starts when its decode does, with no pause after its first token: the wait counts in TTFT,
+        which the deferral keeps within its SLO)."""
+        is_deferred = leg.placement is not None and leg.placement.decode_defer_s > 0
+        if self.config.scheduler.admission != "baseline" and not is_deferred:
             return None
         return await self._next_chunk(leg)
 

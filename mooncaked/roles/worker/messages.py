@@ -109,8 +109,9 @@ class ReserveRequest(Message):
     # the reserving conductor process's run id (random per start; 0: unknown): a reservation of an earlier run of
     # the same conductor is an orphan once a later run calls, and is dropped
     conductor_run: int = 0
-    # the conductor's forecast: seconds from now to the request's decode start (its predicted TTFT), and the
-    # output tokens it predicts (0: max_tokens); the decode instance's memory forecast and page deadline use them
+    # the conductor's forecast: seconds from now to the request's decode start (its predicted TTFT, later when the
+    # memory forecast defers it), and the output tokens it predicts (0: max_tokens); the decode instance's memory
+    # forecast and page deadline use them
     decode_start_s: float = 0.0
     predicted_output_tokens: int = 0
     num_sequences: int = 1  # parallel sampling: pages and batch slots for this many sequences
@@ -199,7 +200,9 @@ class LoadReply(Message):
     prefill_coefficients: list[float] = field(default_factory=list)  # PrefillTimePredictor's; [] until fitted
     decode_coefficients: list[float] = field(default_factory=list)  # DecodeStepPredictor's; [] until fitted
     pending_work_s: float = 0.0  # prefill: predicted seconds of work held (rest of the running batch + queue)
-    held_request_ids: list[str] = field(default_factory=list)  # prefill: the requests pending_work_s counts
+    # prefill: the requests pending_work_s counts; decode: the running batch's and the reservations' (for
+    # operators and `bench chaos`: which requests a failure of this instance hits)
+    held_request_ids: list[str] = field(default_factory=list)
     overhead_s: float = 0.0  # recent mean seconds a request spends outside queue and compute (decode: inline prefills)
     kv_cache_bytes: int = 0  # bytes of its KV pages (all layers' K and V)
     # a prefill group's member (cluster.prefill_groups) reports its own layers' model here, not in

@@ -25,7 +25,7 @@ class InFlightTable:
               client_id: str = "") -> None:
         self._flights[request.request_id] = InFlight(
             request.request_id, placement.prefill_instance, placement.decode_instance,
-            placement.predicted_prefill_s, now, now + placement.predicted_ttft_s, request.num_prompt_tokens,
+            placement.predicted_prefill_s, now, now + placement.predicted_decode_start_s, request.num_prompt_tokens,
             max_tokens=max_tokens, client_id=client_id, is_prefilled=not placement.prefill_instance)
 
     def prefill_done(self, request_id: str) -> None:

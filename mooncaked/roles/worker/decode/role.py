@@ -137,7 +137,9 @@ class DecodeRole:
                          num_context_tokens=self.loop.num_context_tokens,
                          prefill_coefficients=list(coefficients.prefill), decode_coefficients=list(coefficients.decode),
                          overhead_s=self.inline_overhead.value, kv_cache_bytes=self.worker.kv_cache_bytes,
-                         num_queued_pages=self.reservations.num_queued_pages())
+                         num_queued_pages=self.reservations.num_queued_pages(),
+                         held_request_ids=[seq.request_id for seq in self.loop.running]
+                         + list(self.reservations.by_id))
 
     # ---- 1. reserve ------------------------------------------------------------------------------------
     async def _reserve(self, request: ReserveRequest, ctx: CallContext) -> ReserveReply:

@@ -80,9 +80,15 @@ async def test_a_request_whose_pages_free_before_its_decode_start_waits_for_them
         # the same request starting now would find the pages held: refused before any prefill
         accepted, reason = await reserve(decode, config, "now", next_tokens, 100)
         assert not accepted and reason.startswith("memory: needs 9 KV pages")
-        long_done = asyncio.ensure_future(decode_all(decode, config, "long", long_tokens, 200))
-        assert await decode_all(decode, config, "next", next_tokens, 100) == 100  # waited for long's pages
-        assert await long_done == 200
+        spec = SamplingSpec(max_tokens=200, temperature=0.0, ignore_eos=True)
+        long_stream = decode.stream(DECODE, DecodeRequest("long", long_tokens, keys_for(config, long_tokens), spec),
+                                    timeout_s=DEADLINE_S)
+        num_long_tokens = len((await anext(long_stream)).tokens)  # decoding: its 15 pages are taken
+        next_done = asyncio.ensure_future(decode_all(decode, config, "next", next_tokens, 100))
+        async for item in long_stream:
+            num_long_tokens += len(item.tokens)
+        assert num_long_tokens == 200
+        assert await next_done == 100  # it waited for long's pages
         idle = await load(decode)
         assert idle.num_free_pages == NUM_PAGES and idle.num_queued_pages == 0
 
