@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import json
 import logging
 import os
 import sys
@@ -93,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "check-config":
         return _check_config(args.file, args.overrides)
+    if args.command == "sim" and getattr(args, "model_config", None):
+        args.set = [*_sim_model_settings(args.model_config, args.model_dtype_bytes), *args.set]
     if args.command in ("bench", "sim"):
         return int(args.runner(args))
     if not args.role:
@@ -103,6 +106,19 @@ def _dispatch(args: argparse.Namespace) -> int:
         raise CliError(f"unknown role {args.role!r}: use one of {', '.join((*ROLES, 'all'))}")
     config = with_default_paths(load_config(args.config, args.overrides), os.environ)
     return _run_role(args, config)
+
+
+def _sim_model_settings(path: str, dtype_bytes: int) -> list[str]:
+    """`--set model.KEY=VALUE` items of the model whose config.json is `path` (or in it)."""
+    from mooncaked.model.families import args_from_hf_config
+    from mooncaked.model.sim_shape import sim_model_settings
+    config_path = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+    try:
+        args = args_from_hf_config(json.loads(config_path.read_text()))
+        settings = sim_model_settings(args, dtype_bytes)
+    except (OSError, ValueError) as exc:
+        raise CliError(f"--model-config {path}: {exc}") from exc
+    return [f"model.{key}={value}" for key, value in settings.items()]
 
 
 def with_default_paths(config: Config, environ: Mapping[str, str]) -> Config:

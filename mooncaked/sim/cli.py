@@ -1,7 +1,7 @@
 """`mooncaked sim`: trace replay on virtual time, the cache study, and the documented experiments.
 
     mooncaked sim [run] --trace FILE [--config sim.yaml] [--json FILE] [--plots DIR] [--speed X]
-                  [--scheduler NAME] [--admission NAME] [--set section.key=value ...]
+                  [--scheduler NAME] [--admission NAME] [--model-config PATH] [--set section.key=value ...]
     mooncaked sim cache --trace FILE [--capacities 1000,10000,...,inf] [--policies lru,lfu,length_aware] [--json FILE]
     mooncaked sim experiments --trace FILE [--config sim.yaml] [--json FILE] [--plots DIR]
     mooncaked sim prediction-study --trace FILE [--errors 0,0.1,0.3,0.5] [--config sim.yaml] [--json FILE]
@@ -14,6 +14,8 @@
 The main CLI calls `add_arguments(parser)` on its `sim` subparser and `run(args)` for the exit code. The first
 positional word picks the mode (`run` when omitted). Progress goes to stderr, tables to stdout. In pool-study
 mode the config file and --set apply on top of the study's own defaults (`mooncaked.sim.pool_study`).
+`--model-config` is read by the main CLI (the simulator cannot load a model's config itself: model/sim_shape.py),
+which puts the model's settings in front of `--set`.
 """
 
 from __future__ import annotations
@@ -47,6 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduler", choices=SCHEDULERS, help="prefill scheduler")
     parser.add_argument("--admission", choices=ADMISSION_POLICIES, help="admission policy")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="config override")
+    parser.add_argument("--model-config", metavar="PATH", help="a model's Hugging Face config.json (or its directory):"
+                        " its KV bytes per token, active parameters and attention width replace the model section's "
+                        "(applied before --set)")
+    parser.add_argument("--model-dtype-bytes", type=int, default=2, help="with --model-config: bytes per weight and "
+                        "KV value (2: bf16)")
     parser.add_argument("--capacities", default="1000,10000,30000,50000,100000,inf", help="cache mode: blocks")
     parser.add_argument("--policies", default=",".join(POLICY_NAMES), help="cache mode: eviction policies")
     parser.add_argument("--errors", default="0,0.1,0.3,0.5",

@@ -59,6 +59,10 @@ class ModelConfig:
     flops_a: float = 4.0
     flops_b: float = 22.0
     weight_bytes: float = 141e9
+    # from a model's own config (`mooncaked sim --model-config`, model/sim_shape.py); 0: Eq. 1's LLaMA shape above
+    kv_bytes_per_token: int = 0  # else l * 2 * (d / gqa) * s
+    active_parameters: float = 0.0  # else prefill's linear FLOPs are l * b * d^2 per token, not 2 x these
+    attention_width: int = 0  # else d in Eq. 1's quadratic term
 
 
 @dataclass(frozen=True)
@@ -111,7 +115,7 @@ _SECTIONS: dict[str, type] = {
 _NON_NEGATIVE = {"link_latency_s", "prefill_overhead_s", "decode_overhead_s", "decode_per_request_s",
                  "max_requests", "output_length_cap", "prefill_noise", "seed", "dram_blocks_per_host",
                  "output_length_noise", "replica_displaced_reuse", "num_prefill_groups", "cpp_min_tokens",
-                 "inline_prefill_max_tokens"}
+                 "inline_prefill_max_tokens", "kv_bytes_per_token", "active_parameters", "attention_width"}
 
 
 def load_sim_config(path: str | Path, base: SimConfig | None = None) -> SimConfig:

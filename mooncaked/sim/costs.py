@@ -1,7 +1,10 @@
 """The simulator's cost model, derived from the model and GPU sections of the sim config.
 
-1. KV bytes per token = l * 2 * (d / gqa) * s (the paper's Table 1 notation: 320 KiB for LLaMA3-70B).
-2. Prefill time: Eq. 1 on the new tokens at `gpu.flops * gpu.mfu`, plus a fixed overhead.
+1. KV bytes per token = l * 2 * (d / gqa) * s (the paper's Table 1 notation: 320 KiB for LLaMA3-70B), or the
+   model's own (`model.kv_bytes_per_token`, from its config: an MLA model caches one latent per token and layer).
+2. Prefill time: Eq. 1 on the new tokens at `gpu.flops * gpu.mfu`, plus a fixed overhead; with
+   `model.active_parameters` its linear term is 2 FLOPs per active weight and new token (an MoE model computes
+   with the experts it routes to only) and its quadratic term takes `model.attention_width` for d.
 3. Decode step: read all weights and every running token's KV at `hbm_bandwidth * hbm_utilisation`, plus a fixed
    and a per-request overhead (tensor-parallel all-reduces, sampling).
 4. Transfers: bytes / link bandwidth + latency; loading a request's KV into a decode GPU: bytes / B_h2d.
@@ -32,7 +35,13 @@ class CostModel:
 
 def build_cost_model(config: SimConfig) -> CostModel:
     model, gpu, cluster = config.model, config.gpu, config.cluster
-    kv_bytes_per_token = model.num_layers * 2 * (model.hidden_size // model.gqa) * model.dtype_bytes
+    kv_bytes_per_token = (model.kv_bytes_per_token
+                          or model.num_layers * 2 * (model.hidden_size // model.gqa) * model.dtype_bytes)
+    flops_a, flops_b = model.flops_a, model.flops_b
+    if model.attention_width:
+        flops_a = model.flops_a * model.attention_width / model.hidden_size
+    if model.active_parameters:
+        flops_b = 2 * model.active_parameters / (model.num_layers * model.hidden_size ** 2)
     bytes_per_block = kv_bytes_per_token * config.scheduler.block_size
     link_bandwidth = cluster.link_bandwidth_gbps * 1e9 / 8
     prefill = PrefillTimePredictor.from_model(
@@ -40,8 +49,8 @@ def build_cost_model(config: SimConfig) -> CostModel:
         hidden_size=model.hidden_size,
         gpu_flops=gpu.flops,
         mfu=gpu.mfu,
-        a=model.flops_a,
-        b=model.flops_b,
+        a=flops_a,
+        b=flops_b,
         overhead_s=gpu.prefill_overhead_s,
     )
     decode = DecodeStepPredictor.from_model(
