@@ -254,7 +254,7 @@ class RequestRun:
             if is_first and self.prompt_logprobs is not None else None
         return GenerationChunk(tuple(token_ids), "".join(texts), logprobs, finish_reason,
                                self.prepared.num_prompt_tokens, self.num_cached_tokens,
-                               placement.predicted_ttft_s if placement else None,
+                               placement.predicted_decode_start_s if placement else None,  # deferred: its wait
                                placement.predicted_tbt_s if placement else None, prompt_logprobs=prompt,
                                index=sequence)
 
