@@ -5,7 +5,8 @@ registers segment "src" of N seeded random bytes, prints {"endpoint": "A:port"} 
 closes.
 
 `python -m mooncaked.bench.network_peer fetch --host A --nics ... --endpoint E --bytes N --seed S` prints
-{"ready": true}, then per stdin line "fetch K" READs the peer's whole "src" K times in a row, printing per
+{"ready": true}, then per stdin line "fetch K" READs the first N bytes of the peer's "src" (of
+`--source-bytes`, default N) K times in a row, printing per
 transfer {"start", "end" (time.monotonic, the same clock in every namespace), "bytes", "is_intact" (its
 sha256 equals that of the seeded bytes), "error"}, then {"done": true, "path_states": {...}}; it ends when its
 stdin closes.
@@ -72,7 +73,8 @@ async def fetch(args: argparse.Namespace) -> None:
     engine = make_engine(args)
     await engine.start()
     try:
-        expected = hashlib.sha256(seeded_bytes(args.bytes, args.seed).tobytes()).digest()
+        source = seeded_bytes(args.source_bytes or args.bytes, args.seed)
+        expected = hashlib.sha256(source[: args.bytes].tobytes()).digest()
         dst = np.zeros(args.bytes, np.uint8)
         engine.register("dst", dst)
         _emit({"ready": True})
@@ -116,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nics", default="")
     parser.add_argument("--endpoint", default="")
     parser.add_argument("--bytes", type=int, required=True)
+    parser.add_argument("--source-bytes", type=int, default=0, help="fetch: the server's --bytes (0: --bytes)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--connections", type=int, default=4)
     parser.add_argument("--frame-bytes", type=int, default=1 << 20)

@@ -5,7 +5,9 @@
    a path is eligible when it is usable (not cooling down), the piece has not failed on it (unless it has failed
    on every usable path) and no usable path has a better topology tier for this piece.
 3. A worker reports `succeed`, `retry` (path error: the run goes back at the front, for another path) or
-   `reject` (the remote refused it: the batch fails). Retries are bounded by `max_retries` per piece.
+   `reject` (the remote refused it: the batch fails). Retries are bounded by `max_retries` per piece. A worker
+   that connects only once `has_work` says a run waits reports a failed connection with `fail_path`: it counts
+   against the path, no run is charged.
 4. When every path to the peer is cooling down, pending pieces fail at once instead of waiting.
 5. Failure domains: paths that fail together (the connections over one NIC pair) share one health record, so
    one failure cools the whole pair down and a retried piece avoids every path of the pair it failed on. By
@@ -118,12 +120,29 @@ class PeerQueue:
 
     def take(self, path: str, timeout_s: float) -> Piece | None:
         """The next run for `path`, or None after `timeout_s` or once closed."""
+        return self._wait_eligible(path, timeout_s, is_taken=True)
+
+    def has_work(self, path: str, timeout_s: float) -> bool:
+        """Whether `path` is usable and a run waits for it, within `timeout_s` (nothing is taken)."""
+        return self._wait_eligible(path, timeout_s, is_taken=False) is not None
+
+    def fail_path(self, path: str, error: str) -> None:
+        """A failure of `path` that held no run (its connection failed); fails the pending pieces when no path
+        is usable any more."""
+        with self._cond:
+            now = self._clock()
+            self.health.record_failure(self.domain(path), now, error)
+            if not self._any_usable(now):
+                self._fail_pending_locked(None, error)
+            self._cond.notify_all()
+
+    def _wait_eligible(self, path: str, timeout_s: float, is_taken: bool) -> Piece | None:
         deadline = self._clock() + timeout_s
         with self._cond:
             while self._closed_error is None:
                 now = self._clock()
                 if self.health.is_usable(self.domain(path), now):
-                    piece = self._pop_eligible(path, now)
+                    piece = self._pop_eligible(path, now, is_taken)
                     if piece is not None:
                         return piece
                     wake_at = deadline
@@ -194,7 +213,7 @@ class PeerQueue:
         """Whether some path may carry a piece now; a queue without paths yet is waiting for them."""
         return not self.paths or any(self.health.is_usable(self.domain(path), now) for path in self.paths)
 
-    def _pop_eligible(self, path: str, now: float) -> Piece | None:
+    def _pop_eligible(self, path: str, now: float, is_taken: bool = True) -> Piece | None:
         index = 0
         while index < len(self._pending):
             piece = self._pending[index]
@@ -202,6 +221,8 @@ class PeerQueue:
                 del self._pending[index]
                 continue
             if self._is_eligible(piece, path, now):
+                if not is_taken:
+                    return piece
                 if piece.length > piece.run_bytes:
                     return piece.split_head(piece.run_bytes)
                 del self._pending[index]

@@ -4,7 +4,8 @@
    lazily and run the client side of the handshake (handshake.py) before their first frame. A connection idle
    for half of `idle_timeout_s` is closed and made anew before its next frame, so the server, which closes
    connections idle for `idle_timeout_s`, never closes one under a frame.
-2. A worker takes a run of slices from the peer's queue and sends one frame: WRITE sends the header and the
+2. A worker connects once its path has work (before it takes any: a path that cannot connect holds no run, it
+   only counts a failure), then takes a run of slices from the peer's queue and sends one frame: WRITE sends the header and the
    local segment's memoryview in one `sendmsg`; READ receives the payload with `recv_into` straight into the
    local segment. No intermediate copies. Up to two frames are outstanding per connection.
 3. A socket error closes that connection and hands the run back for another path; a refusal from the server
@@ -161,6 +162,15 @@ class TcpPeerLink:
         in_flight: InFlight = collections.deque()
         tags = itertools.count(1)
         while not self._is_stopping.is_set():
+            if sock is not None and not in_flight and time.monotonic() - last_used > self._reuse_limit_s:
+                self._close(path, sock)  # the server may close it any moment now: a fresh one instead
+                sock = None
+            if sock is None:
+                if not self.queue.has_work(path, _TAKE_POLL_S):
+                    continue
+                sock = self._connect_for_work(path)  # before taking a run: a dead path holds none
+                last_used = time.monotonic()
+                continue
             piece = self.queue.take(path, 0.0 if in_flight else _TAKE_POLL_S)
             try:
                 if piece is None:
@@ -168,29 +178,33 @@ class TcpPeerLink:
                         self._complete_oldest(sock, path, in_flight)
                         last_used = time.monotonic()
                     continue
-                if sock is not None and not in_flight and time.monotonic() - last_used > self._reuse_limit_s:
-                    self._close(path, sock)  # the server may close it any moment now: a fresh one instead
-                    sock = None
                 if piece.op is TransferOp.WRITE:
                     while any(p.op is TransferOp.READ for _, p in in_flight):
                         self._complete_oldest(sock, path, in_flight)
                 in_flight.append((next(tags), piece))
-                sock = sock or self._connect(path)
                 _send_frame(sock, piece, in_flight[-1][0])
                 if len(in_flight) >= _PIPELINE_DEPTH:
                     self._complete_oldest(sock, path, in_flight)
                 last_used = time.monotonic()
-            except wire.RemoteRejected as exc:  # the handshake was refused: another path cannot help
-                self._close(path, sock)
-                sock = None
-                for failed_piece in _take_failed(in_flight, piece):
-                    self.queue.reject(failed_piece, str(exc))
             except OSError as exc:
                 self._close(path, sock)
                 sock = None
                 for failed_piece in _take_failed(in_flight, piece):
                     self.queue.retry(path, failed_piece, f"{path}: {type(exc).__name__}: {exc}")
         self._close(path, sock)
+
+    def _connect_for_work(self, path: str) -> socket.socket | None:
+        """A connection for `path`, or None: a failure counts against the path (its runs stay queued for
+        others); a refused handshake fails a run of the path (another path cannot help)."""
+        try:
+            return self._connect(path)
+        except wire.RemoteRejected as exc:
+            piece = self.queue.take(path, 0.0)
+            if piece is not None:
+                self.queue.reject(piece, str(exc))
+        except OSError as exc:
+            self.queue.fail_path(path, f"{path}: {type(exc).__name__}: {exc}")
+        return None
 
     def _complete_oldest(self, sock: socket.socket | None, path: str, in_flight: InFlight) -> None:
         assert sock is not None, "frames are in flight only on a connected socket"
