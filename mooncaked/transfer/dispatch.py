@@ -85,6 +85,7 @@ class PeerQueue:
         self._clock = clock
         self._default_tiers = {path: 0 for path in self.paths}
         self._domains: dict[str, str] = {}
+        self._num_failures: collections.Counter[str] = collections.Counter()  # by domain, ever
         self._tiers_for: Callable[[str], dict[str, int]] | None = None
         self._pending: collections.deque[Piece] = collections.deque()
         self._cond = threading.Condition()
@@ -104,6 +105,12 @@ class PeerQueue:
 
     def domain(self, path: str) -> str:
         return self._domains.get(path, path)
+
+    def num_failures(self, path: str) -> int:
+        """Failures ever recorded on `path`'s domain: a connection made before the latest one may be dead too
+        (a pulled cable fails every connection of its NIC, each only when it next moves bytes)."""
+        with self._cond:
+            return self._num_failures[self.domain(path)]
 
     def put(self, pieces: Iterable[Piece]) -> None:
         with self._cond:
@@ -132,6 +139,7 @@ class PeerQueue:
         with self._cond:
             now = self._clock()
             self.health.record_failure(self.domain(path), now, error)
+            self._num_failures[self.domain(path)] += 1
             if not self._any_usable(now):
                 self._fail_pending_locked(None, error)
             self._cond.notify_all()
@@ -164,6 +172,7 @@ class PeerQueue:
             now = self._clock()
             domain = self.domain(path)
             self.health.record_failure(domain, now, error)
+            self._num_failures[domain] += 1
             piece.num_attempts += 1
             piece.failed_paths = piece.failed_paths | {p for p in self.paths if self.domain(p) == domain} | {path}
             if piece.num_attempts > self.max_retries:

@@ -17,7 +17,8 @@
    NIC's ("tcp:<endpoint>@<local>><remote>#<i>"). Each NIC pair is one failure domain of the PeerQueue: a
    failure cools the pair down and its runs go to the other pairs; after the cooldown the pair is tried again,
    so a NIC that comes back carries slices again. A peer that advertises no NICs, shares no subnet, or cannot
-   be reached for the first handshake gets the plain paths of 1. Runs go to the NIC pairs whose local NIC
+   be reached for the first handshake gets the plain paths of 1. An idle connection whose pair failed since it
+   was made is made anew before it carries a run (it may be as dead as the one that failed). Runs go to the NIC pairs whose local NIC
    serves the run's memory (`serving_tier`), to the others only when none of those is usable.
 """
 
@@ -161,13 +162,17 @@ class TcpPeerLink:
         last_used = 0.0
         in_flight: InFlight = collections.deque()
         tags = itertools.count(1)
+        num_failures_at_connect = 0
         while not self._is_stopping.is_set():
-            if sock is not None and not in_flight and time.monotonic() - last_used > self._reuse_limit_s:
-                self._close(path, sock)  # the server may close it any moment now: a fresh one instead
+            if sock is not None and not in_flight and (
+                    time.monotonic() - last_used > self._reuse_limit_s  # the server may close it any moment now
+                    or self.queue.num_failures(path) != num_failures_at_connect):  # its NIC pair failed since
+                self._close(path, sock)
                 sock = None
             if sock is None:
                 if not self.queue.has_work(path, _TAKE_POLL_S):
                     continue
+                num_failures_at_connect = self.queue.num_failures(path)
                 sock = self._connect_for_work(path)  # before taking a run: a dead path holds none
                 last_used = time.monotonic()
                 continue

@@ -157,6 +157,7 @@ def test_a_failure_cools_down_every_path_of_its_domain_and_its_runs_go_elsewhere
     assert run is not None
     queue.retry("a#0", run, "link down")
     assert queue.path_states() == {"a#0": False, "a#1": False, "b#0": True}
+    assert (queue.num_failures("a#1"), queue.num_failures("b#0")) == (1, 0), "a#1's idle connection is suspect"
     assert queue.take("a#1", 0) is None, "the whole NIC pair cools down"
     retried = queue.take("b#0", 0)
     assert retried is not None and retried.remote_offset == 0 and "a#1" in retried.failed_paths
