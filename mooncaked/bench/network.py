@@ -13,7 +13,8 @@ Stages (every transfer is a READ of seeded bytes, checked by sha256 at the clien
      `hung` (ran past their deadline `transfer_timeout_s` plus a second), `migrated` (completed intact while
      the fault was on: their slices moved to the surviving NIC), `recovery_s` (from the heal to the end of the
      first transfer at >= 80% of the median healthy transfer's rate), the mean rate before, during (from one
-     bucket after the fault) and after the fault (from `cooldown_s` plus a bucket after the heal), and the rate
+     bucket after the fault), `failed_over` (from 2 x io_timeout_s, when the failure has surely been noticed, to
+     the heal) and after the fault (from `cooldown_s` plus a bucket after the heal), and the rate
      over time in `bucket_s` buckets. A failed transfer is followed by a 0.1 s pause (a caller's back-off).
 Needs root (network namespaces); without, it says why and exits 2.
 """
@@ -39,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate-mbit", type=float, default=100.0, help="every link's rate, both directions")
     parser.add_argument("--mib", type=int, default=16, help="multi_nic: MiB per transfer")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--fault-mib", type=int, default=4, help="faults: MiB per transfer")
+    parser.add_argument("--fault-mib", type=int, default=8, help="faults: MiB per transfer")
     parser.add_argument("--lead-s", type=float, default=3.0)
     parser.add_argument("--fault-s", type=float, default=4.0)
     parser.add_argument("--tail-s", type=float, default=5.0)
@@ -138,6 +139,8 @@ def summarize_fault(transfers: list[dict[str, Any]], fail_at: float, heal_at: fl
         "recovery_s": round(recovered[0]["end"] - heal_at, 2) if recovered else None,
         "mbit_s_before": window_mean(buckets, args.bucket_s, fail_at - start, args.bucket_s),
         "mbit_s_during": window_mean(buckets, fail_at - start + args.bucket_s, heal_at - start, args.bucket_s),
+        "mbit_s_failed_over": window_mean(buckets, fail_at - start + 2 * args.io_timeout_s + args.bucket_s,
+                                          heal_at - start, args.bucket_s),
         "mbit_s_after": window_mean(buckets, heal_at - start + args.cooldown_s + args.bucket_s, end - start,
                                     args.bucket_s),
         "fault_at_s": round(fail_at - start, 2), "heal_at_s": round(heal_at - start, 2),
@@ -173,9 +176,10 @@ def table(result: dict[str, Any]) -> str:
              f"{result['multi_nic_ratio']:.2f} (link utilisation {result['link_utilisation_2nic']:.2f}, CPU share "
              f"{result['cpu_share_2nic']})",
              f"{'fault':<10} {'requests':>8} {'completed':>9} {'failed':>6} {'lost':>4} {'hung':>4} {'migrated':>8} "
-             f"{'recovery_s':>10} {'before':>7} {'during':>7} {'after':>7}  (Mbit/s)"]
+             f"{'recovery_s':>10} {'before':>7} {'during':>7} {'f.over':>7} {'after':>7}  (Mbit/s)"]
     for name, fault in result["faults"].items():
         lines.append(f"{name:<10} {fault['requests']:>8} {fault['completed']:>9} {fault['failed']:>6} "
                      f"{fault['lost']:>4} {fault['hung']:>4} {fault['migrated']:>8} {fault['recovery_s']!s:>10} "
-                     f"{fault['mbit_s_before']!s:>7} {fault['mbit_s_during']!s:>7} {fault['mbit_s_after']!s:>7}")
+                     f"{fault['mbit_s_before']!s:>7} {fault['mbit_s_during']!s:>7} "
+                     f"{fault['mbit_s_failed_over']!s:>7} {fault['mbit_s_after']!s:>7}")
     return "\n".join(lines)

@@ -189,7 +189,6 @@ async def test_a_stopped_decode_process_hands_its_stream_on_once_marked_down(tmp
                 started = asyncio.get_running_loop().time()
                 streamed, _ = await stream_interrupted(http, url(config, "/v1/completions"), body, stop_d0)
                 elapsed_s = asyncio.get_running_loop().time() - started
-                print(f"stream with d0 stopped: {elapsed_s:.2f}s")
                 assert streamed == text
                 assert elapsed_s < 20.0, f"{elapsed_s:.1f}s: the stream waited for the no-token deadline"
                 assert (await metric(http, config, "mooncaked_migrations_total{")).startswith(
