@@ -11,11 +11,13 @@ Stages (every transfer is a READ of seeded bytes, checked by sha256 at the clien
      up; partition: every port of the server's host does. Per fault: `requests` (transfers), `completed`
      (intact), `failed` (ended with an error, within their deadline), `lost` (reported done with wrong bytes),
      `hung` (ran past their deadline `transfer_timeout_s` plus a second), `migrated` (completed intact while
-     the fault was on: their slices moved to the surviving NIC), `recovery_s` (from the heal to the end of the
+     the fault was on: their slices moved to the surviving NIC), `completed_after_heal`, `recovery_s` (from the heal to the end of the
      first transfer at >= 80% of the median healthy transfer's rate), the mean rate before, during (from one
      bucket after the fault), `failed_over` (from 2 x io_timeout_s, when the failure has surely been noticed, to
      the heal) and after the fault (from `cooldown_s` plus a bucket after the heal), and the rate
      over time in `bucket_s` buckets. A failed transfer is followed by a 0.1 s pause (a caller's back-off).
+  3. With `--cluster`: a whole cluster in a 3-host test network, the host of the busiest decode instance
+     partitioned under `streams` streams (network_cluster.py), as `faults.cluster_partition`.
 Needs root (network namespaces); without, it says why and exits 2.
 """
 
@@ -28,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mooncaked.bench import testnet
+from mooncaked.bench import network_cluster, testnet
 from mooncaked.bench.network_driver import PeerProcess, seconds, start_client, start_server
 from mooncaked.bench.report import report
 
@@ -49,6 +51,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cooldown-s", type=float, default=1.0, help="transfer.path_cooldown_s of the client")
     parser.add_argument("--io-timeout-s", type=float, default=1.0, help="transfer.io_timeout_s of both ends: a "
                         "failed link is noticed after 1 to 2 times this")
+    parser.add_argument("--cluster", action="store_true", help="also partition a host under a whole cluster's "
+                        "streams (network_cluster.py)")
+    parser.add_argument("--streams", type=int, default=6, help="--cluster: concurrent streams")
+    parser.add_argument("--max-tokens", type=int, default=900, help="--cluster: tokens per stream")
+    parser.add_argument("--partition-s", type=float, default=5.0, help="--cluster: how long the host is cut off")
+    parser.add_argument("--stream-timeout-s", type=float, default=120.0, help="--cluster: a stream not ended "
+                        "by then is hung")
+    parser.add_argument("--start-timeout-s", type=float, default=180.0)
     parser.add_argument("--json", default=None, help="write the result here")
 
 
@@ -71,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
             "nic_down": run_fault(faulty, lambda: net.set_link(1, 1, False), lambda: net.set_link(1, 1, True), args),
             "partition": run_fault(faulty, lambda: net.partition(1), lambda: net.heal(1), args),
         }
+    if args.cluster:
+        faults["cluster_partition"] = network_cluster.run_partition(args)
     result = {"rate_mbit": args.rate_mbit, **multi_nic, "faults": faults,
               "hung": sum(f["hung"] for f in faults.values()), "lost": sum(f["lost"] for f in faults.values())}
     report(result, table(result), args.json)
@@ -136,6 +148,7 @@ def summarize_fault(transfers: list[dict[str, Any]], fail_at: float, heal_at: fl
         "lost": sum(t["error"] is None and not t["is_intact"] for t in transfers),
         "hung": sum(seconds(t) > args.transfer_timeout_s + 1.0 for t in transfers),
         "migrated": sum(t["start"] < heal_at and t["end"] > fail_at for t in intact),
+        "completed_after_heal": sum(t["start"] >= heal_at for t in intact),
         "recovery_s": round(recovered[0]["end"] - heal_at, 2) if recovered else None,
         "mbit_s_before": window_mean(buckets, args.bucket_s, fail_at - start, args.bucket_s),
         "mbit_s_during": window_mean(buckets, fail_at - start + args.bucket_s, heal_at - start, args.bucket_s),
@@ -178,6 +191,12 @@ def table(result: dict[str, Any]) -> str:
              f"{'fault':<10} {'requests':>8} {'completed':>9} {'failed':>6} {'lost':>4} {'hung':>4} {'migrated':>8} "
              f"{'recovery_s':>10} {'before':>7} {'during':>7} {'f.over':>7} {'after':>7}  (Mbit/s)"]
     for name, fault in result["faults"].items():
+        if name == "cluster_partition":
+            lines.append(f"cluster: {fault['victim']} (running {fault['running_at_partition']}) partitioned: "
+                         f"{fault['requests']} streams, {fault['completed']} completed, {fault['failed']} failed, "
+                         f"{fault['lost']} lost, {fault['hung']} hung, {fault['migrated']} migrated, recovery "
+                         f"{fault['recovery_s']} s, stream s {fault['stream_s']}, errors {fault['errors']}")
+            continue
         lines.append(f"{name:<10} {fault['requests']:>8} {fault['completed']:>9} {fault['failed']:>6} "
                      f"{fault['lost']:>4} {fault['hung']:>4} {fault['migrated']:>8} {fault['recovery_s']!s:>10} "
                      f"{fault['mbit_s_before']!s:>7} {fault['mbit_s_during']!s:>7} "

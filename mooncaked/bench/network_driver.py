@@ -17,10 +17,11 @@ _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 class PeerProcess:
-    """One network_peer process in a test-network host (the network's `down()` kills it), spoken to by lines."""
+    """One network_peer (or network_load) process in a test-network host (the network's `down()` kills it),
+    spoken to by JSON lines."""
 
-    def __init__(self, net: TestNet, host: int, args: list[str]) -> None:
-        self.process = net.exec(host, [sys.executable, "-m", "mooncaked.bench.network_peer", *args],
+    def __init__(self, net: TestNet, host: int, args: list[str], module: str = "mooncaked.bench.network_peer") -> None:
+        self.process = net.exec(host, [sys.executable, "-m", module, *args],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
     def send(self, line: str) -> None:

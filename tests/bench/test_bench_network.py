@@ -33,6 +33,5 @@ def test_network_bench_smoke(tmp_path: Path) -> None:
     assert result["hung"] == 0 and result["lost"] == 0
     nic_down, partition = result["faults"]["nic_down"], result["faults"]["partition"]
     assert nic_down["failed"] == 0 and nic_down["completed"] == nic_down["requests"] > 0
-    assert partition["recovery_s"] is not None, "transfers run at full rate again after the heal (tail 2 s, the "\
-        "pairs' cooldown 1 s)"
+    assert partition["completed_after_heal"] > 0, "transfers run again after the heal (tail 2 s, cooldown 1 s)"
     assert testnet.DEFAULT_PREFIX not in " ".join(testnet.list_namespaces()), "the bench left namespaces"
