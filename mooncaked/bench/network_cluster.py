@@ -5,8 +5,9 @@
    its host; each host's NICs are in `transfer.nics`, so KV moves over both NICs of each pair of hosts. The tiny
    random model, 512 KV pages per decode instance (one holds every stream of a run); the conductor's no-token
    deadline is the default 30 s, its LOAD polls time out after 1 s.
-2. A load client inside host 0 (network_load.py) waits until the conductor sees every member up, streams one
-   reference completion, then `streams` concurrent greedy completions of the same prompt; once each has 3 chunks,
+2. A load client inside host 0 (network_load.py) waits until the conductor sees every member up, streams
+   `streams` concurrent greedy completions of one prompt undisturbed (the reference text, and
+   `undisturbed_stream_s`, their median time), then as many again; once each has 3 chunks,
    the host of the decode instance running most of them is partitioned (every NIC's switch port down) for
    `partition_s`, then healed.
 3. Result: `requests`, `completed` (the full text, equal to the reference: migrated streams included), `lost`
@@ -78,7 +79,7 @@ def run_partition(args: argparse.Namespace) -> dict[str, Any]:
         load.send(f"ready {args.start_timeout_s}")
         if not load.read()["ready"]:
             raise RuntimeError(f"the cluster did not come up within {args.start_timeout_s:g}s: {_log_tails(directory)}")
-        reference, _ = _stream(load, 1, args)
+        undisturbed, _ = _stream(load, args.streams, args)
         load.send(f"stream {args.streams} {args.max_tokens} {args.stream_timeout_s}")
         running = load.read()["running"]  # every stream has its first chunks
         victim = max(running, key=lambda name: (running[name], name))
@@ -91,8 +92,11 @@ def run_partition(args: argparse.Namespace) -> dict[str, Any]:
         fleet = load.read()
         load.send("metric mooncaked_migrations_total")
         migrations = sum(float(line.rsplit(" ", 1)[1]) for line in load.read()["lines"] if "{" in line)
-    return {"victim": victim, "running_at_partition": running,
-            **summarize(results, reference[0]["text"], fleet, healed_at, migrations, args)}
+    if len({r["text"] for r in undisturbed}) != 1 or any(r["error"] for r in undisturbed):
+        raise RuntimeError(f"the undisturbed streams differ or failed: {[r['error'] for r in undisturbed]}")
+    undisturbed_s = statistics.median(r["end"] - r["start"] for r in undisturbed)
+    return {"victim": victim, "running_at_partition": running, "undisturbed_stream_s": round(undisturbed_s, 2),
+            **summarize(results, undisturbed[0]["text"], fleet, healed_at, migrations, args)}
 
 
 def _stream(load: PeerProcess, count: int, args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
