@@ -5,7 +5,9 @@ the cluster came back whole.
    `--num-prefill` prefill and two decode instances of `--model` (the tiny random model by default).
 2. A steady load of streaming greedy requests (chaos_load.py) runs while the cluster is killed, in turn, at
    `--victims` (default: a decode instance, a prefill instance, the store, the conductor), each at a seeded random
-   moment `--min-wait-s`..`--max-wait-s` into the load: its pid comes from its INFO reply, then SIGKILL.
+   moment `--min-wait-s`..`--max-wait-s` into the load, and a prefill or decode victim only once its LOAD reply
+   shows it holding requests (polled every 10 ms, at most `--busy-timeout-s`; `victim_held` says how many): its
+   pid comes from its INFO reply, then SIGKILL.
 3. Per kill: the requests in flight at that moment and how each ended (completed, error, hung, lost), how many
    requests the conductor migrated meanwhile, and the seconds until a probe request succeeds again.
 4. Then the load pauses and drains, and within `--settle-s` every resource must be back to its baseline: no
@@ -39,6 +41,7 @@ from mooncaked.rpc import INFO, InfoRequest, RpcClient, RpcError
 from mooncaked.store import messages as kv_msg
 
 VICTIMS = ("d0", "p0", "s0", "c0")
+_BUSY_POLL_S = 0.01
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "then is hung")
     parser.add_argument("--settle-s", type=float, default=40.0, help="resources must be back to baseline by then")
     parser.add_argument("--start-timeout-s", type=float, default=180.0)
+    parser.add_argument("--busy-timeout-s", type=float, default=20.0, help="a prefill or decode victim is killed "
+                        "only once it holds requests, waiting at most this long")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the result here")
 
@@ -108,6 +113,19 @@ class Probe:
                 held[f"{entry.name}.unreachable"] = 1
         return held
 
+    async def wait_busy(self, name: str, timeout_s: float) -> int:
+        """Poll worker `name` until it holds requests (running or waiting); how many (0 after `timeout_s`)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                load = await self.clients[name].call(LOAD, LoadRequest(), timeout_s=2.0)
+            except RpcError:
+                load = None
+            held = 0 if load is None else load.num_running + load.num_waiting
+            if held or time.monotonic() >= deadline:
+                return held
+            await asyncio.sleep(_BUSY_POLL_S)
+
     async def close(self) -> None:
         for client in self.clients.values():
             await client.close()
@@ -155,6 +173,7 @@ async def kill_one(victim: str, args: argparse.Namespace, load: SteadyLoad, prob
     load.is_sending = True
     await asyncio.sleep(rng.uniform(args.min_wait_s, args.max_wait_s))
     pid = await probe.pid(victim)
+    victim_held = await probe.wait_busy(victim, args.busy_timeout_s) if victim.startswith(("p", "d")) else None
     migrated_before = await migrations(session, url)
     in_flight = load.in_flight()
     killed_at = time.monotonic()
@@ -166,7 +185,7 @@ async def kill_one(victim: str, args: argparse.Namespace, load: SteadyLoad, prob
     await load.wait_ended(load.in_flight(), args.request_timeout_s + 5.0)
     held = await settle(probe, args.settle_s)
     outcomes = [load.outcomes[i] for i in in_flight]
-    record: dict[str, Any] = {"victim": victim, "pid": pid, "in_flight": len(in_flight),
+    record: dict[str, Any] = {"victim": victim, "pid": pid, "in_flight": len(in_flight), "victim_held": victim_held,
                               "migrated": int(migrated) if victim != "c0" else 0,
                               "recovery_s": recovered_s, "leaked": held, "num_leaked": len(held)}
     for status in OUTCOMES:
@@ -220,10 +239,12 @@ async def _bench(args: argparse.Namespace, victims: list[str]) -> dict[str, Any]
 
 def format_table(result: dict[str, Any]) -> str:
     lines = [f"chaos: {result['model']}, {result['rate']:g} req/s, {result['num_prefill']} prefill + 2 decode",
-             f"{'victim':>7} {'in flight':>9} {'done':>5} {'migr':>5} {'err':>4} {'hung':>5} {'lost':>5} "
+             f"{'victim':>7} {'held':>5} {'in flight':>9} {'done':>5} {'migr':>5} {'err':>4} {'hung':>5} {'lost':>5} "
              f"{'recovery s':>10} {'leaked':>6}"]
     for k in result["kills"]:
-        lines.append(f"{k['victim']:>7} {k['in_flight']:>9} {k['completed']:>5} {k['migrated']:>5} {k['error']:>4} "
+        held = "-" if k["victim_held"] is None else k["victim_held"]
+        lines.append(f"{k['victim']:>7} {held:>5} {k['in_flight']:>9} {k['completed']:>5} {k['migrated']:>5} "
+                     f"{k['error']:>4} "
                      f"{k['hung']:>5} {k['lost']:>5} {k['recovery_s']:>10.2f} {k['num_leaked']:>6}")
     completion = result["failover_completion"]
     lines.append(f"total: {result['requests']} requests, {result['completed']} completed, {result['migrated']} "

@@ -11,11 +11,12 @@ Stages (every transfer is a READ of seeded bytes, checked by sha256 at the clien
      up; partition: every port of the server's host does. Per fault: `requests` (transfers), `completed`
      (intact), `failed` (ended with an error, within their deadline), `lost` (reported done with wrong bytes),
      `hung` (ran past their deadline `transfer_timeout_s` plus a second), `migrated` (completed intact while
-     the fault was on: their slices moved to the surviving NIC), `completed_after_heal`, `recovery_s` (from the heal to the end of the
-     first transfer at >= 80% of the median healthy transfer's rate), the mean rate before, during (from one
-     bucket after the fault), `failed_over` (from 2 x io_timeout_s, when the failure has surely been noticed, to
-     the heal) and after the fault (from `cooldown_s` plus a bucket after the heal), and the rate
-     over time in `bucket_s` buckets. A failed transfer is followed by a 0.1 s pause (a caller's back-off).
+     the fault was on: their slices moved to the surviving NIC), `completed_after_heal` (intact transfers
+     started after the heal), `recovery_s` (from the heal to the end of the first transfer at >= 80% of the
+     median healthy transfer's rate), the mean rate before, during (from one bucket after the fault),
+     `failed_over` (from 2 x io_timeout_s, when the failure has surely been noticed, to the heal) and after the
+     fault (from `cooldown_s` plus a bucket after the heal), and the rate over time in `bucket_s` buckets. A
+     failed transfer is followed by a 0.1 s pause (a caller's back-off).
   3. With `--cluster`: a whole cluster in a 3-host test network, the host of the busiest decode instance
      partitioned under `streams` streams (network_cluster.py), as `faults.cluster_partition`.
 Needs root (network namespaces); without, it says why and exits 2.

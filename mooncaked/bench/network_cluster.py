@@ -127,4 +127,5 @@ def summarize(results: list[dict[str, Any]], reference: str, fleet: dict[str, An
 
 
 def _log_tails(directory: Path) -> str:
-    return "; ".join(f"{log.stem}: {log.read_text(errors='replace')[-300:]!r}" for log in sorted(directory.glob("*.log")))
+    logs = sorted(directory.glob("*.log"))
+    return "; ".join(f"{log.stem}: {log.read_text(errors='replace')[-300:]!r}" for log in logs)

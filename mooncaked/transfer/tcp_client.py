@@ -1,11 +1,11 @@
 """TCP transport, client side: several data connections to one peer, each driven by its own thread.
 
-1. `TcpPeerLink.start` starts one worker thread per connection (path "tcp:<endpoint>#<i>"); sockets connect
-   lazily and run the client side of the handshake (handshake.py) before their first frame. A connection idle
-   for half of `idle_timeout_s` is closed and made anew before its next frame, so the server, which closes
-   connections idle for `idle_timeout_s`, never closes one under a frame.
-2. A worker connects once its path has work (before it takes any: a path that cannot connect holds no run, it
-   only counts a failure), then takes a run of slices from the peer's queue and sends one frame: WRITE sends the header and the
+1. `TcpPeerLink.start` starts one worker thread per connection (path "tcp:<endpoint>#<i>"). A worker connects,
+   with the client side of the handshake (handshake.py), once its path has work and before it takes any: a path
+   that cannot connect holds no run, it only counts a failure. A connection idle for half of `idle_timeout_s` is
+   closed and made anew before its next frame, so the server, which closes connections idle for
+   `idle_timeout_s`, never closes one under a frame.
+2. A worker takes a run of slices from the peer's queue and sends one frame: WRITE sends the header and the
    local segment's memoryview in one `sendmsg`; READ receives the payload with `recv_into` straight into the
    local segment. No intermediate copies. Up to two frames are outstanding per connection.
 3. A socket error closes that connection and hands the run back for another path; a refusal from the server
@@ -18,8 +18,9 @@
    failure cools the pair down and its runs go to the other pairs; after the cooldown the pair is tried again,
    so a NIC that comes back carries slices again. A peer that advertises no NICs, shares no subnet, or cannot
    be reached for the first handshake gets the plain paths of 1. An idle connection whose pair failed since it
-   was made is made anew before it carries a run (it may be as dead as the one that failed). Runs go to the NIC pairs whose local NIC
-   serves the run's memory (`serving_tier`), to the others only when none of those is usable.
+   was made is made anew before it carries a run (it may be as dead as the one that failed). Runs go to the
+   NIC pairs whose local NIC serves the run's memory (`serving_tier`), to the others only when none of those
+   is usable.
 """
 
 from __future__ import annotations

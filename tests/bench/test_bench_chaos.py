@@ -18,6 +18,7 @@ def test_a_killed_decode_instance_loses_no_request(tmp_path: Path, capsys: pytes
     result = json.loads(out.read_text())
     (kill,) = result["kills"]
     assert kill["victim"] == "d0" and kill["recovery_s"] < 15
+    assert kill["victim_held"] > 0, "the decode instance was killed while it held requests"
     assert result["hung"] == 0 and result["lost"] == 0 and result["leaked"] == 0, result
     assert kill["completed"] == kill["in_flight"] and result["clean_exit"]
     assert "d0" in capsys.readouterr().out
