@@ -17,8 +17,9 @@ Stages (every transfer is a READ of seeded bytes, checked by sha256 at the clien
      `failed_over` (from 2 x io_timeout_s, when the failure has surely been noticed, to the heal) and after the
      fault (from `cooldown_s` plus a bucket after the heal), and the rate over time in `bucket_s` buckets. A
      failed transfer is followed by a 0.1 s pause (a caller's back-off).
-  3. With `--cluster`: a whole cluster in a 3-host test network, the host of the busiest decode instance
-     partitioned under `streams` streams (network_cluster.py), as `faults.cluster_partition`.
+  3. With `--cluster`: a whole cluster in a 3-host test network, the busiest decode instance's host partitioned
+     and then its process SIGSTOPped under `streams` streams (network_cluster.py), as `faults.cluster_partition`
+     and `faults.cluster_sigstop`.
 Needs root (network namespaces); without, it says why and exits 2.
 """
 
@@ -52,11 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cooldown-s", type=float, default=1.0, help="transfer.path_cooldown_s of the client")
     parser.add_argument("--io-timeout-s", type=float, default=1.0, help="transfer.io_timeout_s of both ends: a "
                         "failed link is noticed after 1 to 2 times this")
-    parser.add_argument("--cluster", action="store_true", help="also partition a host under a whole cluster's "
-                        "streams (network_cluster.py)")
+    parser.add_argument("--cluster", action="store_true", help="also partition a host, and stop a process, under "
+                        "a whole cluster's streams (network_cluster.py)")
     parser.add_argument("--streams", type=int, default=6, help="--cluster: concurrent streams")
     parser.add_argument("--max-tokens", type=int, default=900, help="--cluster: tokens per stream")
-    parser.add_argument("--partition-s", type=float, default=5.0, help="--cluster: how long the host is cut off")
+    parser.add_argument("--partition-s", type=float, default=5.0, help="--cluster: how long a fault lasts")
     parser.add_argument("--stream-timeout-s", type=float, default=120.0, help="--cluster: a stream not ended "
                         "by then is hung")
     parser.add_argument("--start-timeout-s", type=float, default=180.0)
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
             "partition": run_fault(faulty, lambda: net.partition(1), lambda: net.heal(1), args),
         }
     if args.cluster:
-        faults["cluster_partition"] = network_cluster.run_partition(args)
+        faults.update(network_cluster.run_faults(args))
     result = {"rate_mbit": args.rate_mbit, **multi_nic, "faults": faults,
               "hung": sum(f["hung"] for f in faults.values()), "lost": sum(f["lost"] for f in faults.values())}
     report(result, table(result), args.json)
@@ -192,11 +193,12 @@ def table(result: dict[str, Any]) -> str:
              f"{'fault':<10} {'requests':>8} {'completed':>9} {'failed':>6} {'lost':>4} {'hung':>4} {'migrated':>8} "
              f"{'recovery_s':>10} {'before':>7} {'during':>7} {'f.over':>7} {'after':>7}  (Mbit/s)"]
     for name, fault in result["faults"].items():
-        if name == "cluster_partition":
-            lines.append(f"cluster: {fault['victim']} (running {fault['running_at_partition']}) partitioned: "
+        if name.startswith("cluster_"):
+            lines.append(f"{name}: {fault['victim']} (running {fault['running_at_fault']}): "
                          f"{fault['requests']} streams, {fault['completed']} completed, {fault['failed']} failed, "
                          f"{fault['lost']} lost, {fault['hung']} hung, {fault['migrated']} migrated, recovery "
-                         f"{fault['recovery_s']} s, stream s {fault['stream_s']}, errors {fault['errors']}")
+                         f"{fault['recovery_s']} s, stream s {fault['stream_s']} (undisturbed "
+                         f"{fault['undisturbed_stream_s']}), errors {fault['errors']}")
             continue
         lines.append(f"{name:<10} {fault['requests']:>8} {fault['completed']:>9} {fault['failed']:>6} "
                      f"{fault['lost']:>4} {fault['hung']:>4} {fault['migrated']:>8} {fault['recovery_s']!s:>10} "

@@ -1,4 +1,4 @@
-"""A whole cluster in a test network, and a host partitioned under its streams (`bench network --cluster`).
+"""A whole cluster in a test network, and a decode instance cut off under its streams (`bench network --cluster`).
 
 1. Three hosts of 2 NICs each (testnet.py): host 0 runs the conductor, a store and a prefill instance; hosts 1 and
    2 each a store and a decode instance. Every role is its own process (`mooncaked --role R --instance I`) inside
@@ -7,22 +7,26 @@
    deadline is the default 30 s, its LOAD polls time out after 1 s.
 2. A load client inside host 0 (network_load.py) waits until the conductor sees every member up, streams
    `streams` concurrent greedy completions of one prompt undisturbed (the reference text, and
-   `undisturbed_stream_s`, their median time), then as many again; once each has 3 chunks,
-   the host of the decode instance running most of them is partitioned (every NIC's switch port down) for
-   `partition_s`, then healed.
+   `undisturbed_stream_s`, their median time), then per fault as many again; once each has 3 chunks, the decode
+   instance running most of them is cut off for `partition_s`, then restored: `cluster_partition`, its host
+   partitioned (every NIC's switch port down); `cluster_sigstop`, its process SIGSTOPped, then SIGCONTed (a gray
+   failure: sockets open, nothing answers).
 3. Result: `requests`, `completed` (the full text, equal to the reference: migrated streams included), `lost`
    (ended without an error but with other text), `failed` (ended with an error), `hung` (no end within
-   `stream_timeout_s`), `migrated` (the conductor's mooncaked_migrations_total), `recovery_s` (from the heal until
-   the conductor's view shows every member up again), and the stream times (the slowest over the median).
+   `stream_timeout_s`), `migrated` (the round's increase of the conductor's mooncaked_migrations_total),
+   `recovery_s` (from the heal until the conductor's view shows every member up again), and the stream times.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,38 +69,67 @@ def cluster_config(net: testnet.TestNet, directory: Path) -> Path:
     return path
 
 
-def run_partition(args: argparse.Namespace) -> dict[str, Any]:
+def run_faults(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """One cluster, an undisturbed round of streams, then a round under each fault: `cluster_partition` (the
+    busiest decode instance's host cut off) and `cluster_sigstop` (its process stopped: sockets open, nothing
+    answers), each for `partition_s`."""
     with tempfile.TemporaryDirectory(prefix="mooncaked-testnet-") as tmp, \
             testnet.TestNet(3, 2, args.rate_mbit) as net:
         directory = Path(tmp)
         config = cluster_config(net, directory)
+        processes = {}
         for name, role, host, _ in INSTANCES:
             with open(directory / f"{name}.log", "wb") as log:
-                net.exec(host, [sys.executable, "-m", "mooncaked", "--role", role, "--config",
-                                str(config), "--instance", name], stdout=log, stderr=log)
+                processes[name] = net.exec(host, [sys.executable, "-m", "mooncaked", "--role", role, "--config",
+                                                  str(config), "--instance", name], stdout=log, stderr=log)
         load = PeerProcess(net, 0, ["--url", f"http://{net.nic_address(0, 0)}:{CONDUCTOR_PORT}"],
                            module="mooncaked.bench.network_load")
         load.send(f"ready {args.start_timeout_s}")
         if not load.read()["ready"]:
             raise RuntimeError(f"the cluster did not come up within {args.start_timeout_s:g}s: {_log_tails(directory)}")
         undisturbed, _ = _stream(load, args.streams, args)
-        load.send(f"stream {args.streams} {args.max_tokens} {args.stream_timeout_s}")
-        running = load.read()["running"]  # every stream has its first chunks
-        victim = max(running, key=lambda name: (running[name], name))
-        victim_host = next(host for name, _, host, _ in INSTANCES if name == victim)
-        net.partition(victim_host)
-        time.sleep(args.partition_s)  # the fault's length
-        net.heal(victim_host)
-        healed_at = time.monotonic()
-        results = [load.read() for _ in range(args.streams)]
-        fleet = load.read()
-        load.send("metric mooncaked_migrations_total")
-        migrations = sum(float(line.rsplit(" ", 1)[1]) for line in load.read()["lines"] if "{" in line)
-    if len({r["text"] for r in undisturbed}) != 1 or any(r["error"] for r in undisturbed):
-        raise RuntimeError(f"the undisturbed streams differ or failed: {[r['error'] for r in undisturbed]}")
-    undisturbed_s = statistics.median(r["end"] - r["start"] for r in undisturbed)
-    return {"victim": victim, "running_at_partition": running, "undisturbed_stream_s": round(undisturbed_s, 2),
-            **summarize(results, undisturbed[0]["text"], fleet, healed_at, migrations, args)}
+        if len({r["text"] for r in undisturbed}) != 1 or any(r["error"] for r in undisturbed):
+            raise RuntimeError(f"the undisturbed streams differ or failed: {[r['error'] for r in undisturbed]}")
+        undisturbed_s = round(statistics.median(r["end"] - r["start"] for r in undisturbed), 2)
+
+        def partition(victim: str) -> Callable[[], None]:
+            host = next(h for name, _, h, _ in INSTANCES if name == victim)
+            net.partition(host)
+            return lambda: net.heal(host)
+
+        def stop(victim: str) -> Callable[[], None]:
+            pid = processes[victim].pid
+            os.kill(pid, signal.SIGSTOP)
+            return lambda: os.kill(pid, signal.SIGCONT)
+
+        faults = {}
+        for fault, inject in (("cluster_partition", partition), ("cluster_sigstop", stop)):
+            faults[fault] = {"undisturbed_stream_s": undisturbed_s,
+                             **_fault_round(load, inject, undisturbed[0]["text"], args)}
+    return faults
+
+
+def _fault_round(load: PeerProcess, inject: Callable[[str], Callable[[], None]], reference: str,
+                 args: argparse.Namespace) -> dict[str, Any]:
+    """Streams; once each has its first chunks, `inject` the fault into the decode instance running most of them
+    for `partition_s`, then undo it."""
+    migrations_before = _migrations(load)
+    load.send(f"stream {args.streams} {args.max_tokens} {args.stream_timeout_s}")
+    running = load.read()["running"]  # every stream has its first chunks
+    victim = max(running, key=lambda name: (running[name], name))
+    undo = inject(victim)
+    time.sleep(args.partition_s)  # the fault's length
+    undo()
+    healed_at = time.monotonic()
+    results = [load.read() for _ in range(args.streams)]
+    fleet = load.read()
+    return {"victim": victim, "running_at_fault": running,
+            **summarize(results, reference, fleet, healed_at, _migrations(load) - migrations_before, args)}
+
+
+def _migrations(load: PeerProcess) -> float:
+    load.send("metric mooncaked_migrations_total")
+    return sum(float(line.rsplit(" ", 1)[1]) for line in load.read()["lines"] if "{" in line)
 
 
 def _stream(load: PeerProcess, count: int, args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
