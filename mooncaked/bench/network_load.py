@@ -47,16 +47,17 @@ async def is_all_up(http: aiohttp.ClientSession, url: str) -> bool:
     return bool(members) and all(member.get("is_up") for member in members)
 
 
-async def num_running(http: aiohttp.ClientSession, url: str, count: int) -> dict[str, int]:
-    """Each decode instance's running sequences as the conductor's LOAD polls see them, once they count `count`
-    (or after 2 s: the polls lag the streams by up to their interval)."""
+async def num_running(http: aiohttp.ClientSession, url: str, count: int, at_most: bool = False) -> dict[str, int]:
+    """Each decode instance's running sequences as the conductor's LOAD polls see them, once they count at least
+    (`at_most`: at most) `count`, or after 2 s (the polls lag the streams by up to their interval)."""
     deadline = time.monotonic() + 2.0
     while True:
         async with asyncio.timeout(2.0), http.get(f"{url}/v1/cluster") as response:
             cluster = await response.json()
         running = {i["name"]: (i.get("load") or {}).get("num_running", 0) for i in cluster["instances"]
                    if i["role"] == "decode"}
-        if sum(running.values()) >= count or time.monotonic() > deadline:
+        total = sum(running.values())
+        if (total <= count if at_most else total >= count) or time.monotonic() > deadline:
             return running
         await asyncio.sleep(_POLL_S / 4)
 
@@ -103,6 +104,7 @@ async def stream_one(http: aiohttp.ClientSession, url: str, max_tokens: int, tim
 
 
 async def stream_many(http: aiohttp.ClientSession, url: str, count: int, max_tokens: int, timeout_s: float) -> None:
+    await num_running(http, url, 0, at_most=True)  # the conductor's view no longer counts an earlier round's
     events = [asyncio.Event() for _ in range(count)]
     tasks = [asyncio.ensure_future(stream_one(http, url, max_tokens, timeout_s, event)) for event in events]
     fleet: dict[str, float | None] = {"down_at": None, "up_again_at": None}
