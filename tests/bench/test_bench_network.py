@@ -3,6 +3,7 @@ and hang nothing, and the rate buckets spread each transfer's bytes over its tim
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 
 from mooncaked.bench import testnet
 from mooncaked.bench.network import rate_buckets, window_mean
+from mooncaked.bench.network_cluster import summarize
 from mooncaked.cli import main
 
 
@@ -35,3 +37,15 @@ def test_network_bench_smoke(tmp_path: Path) -> None:
     assert nic_down["failed"] == 0 and nic_down["completed"] == nic_down["requests"] > 0
     assert partition["completed_after_heal"] > 0, "transfers run again after the heal (tail 2 s, cooldown 1 s)"
     assert testnet.DEFAULT_PREFIX not in " ".join(testnet.list_namespaces()), "the bench left namespaces"
+
+
+def test_a_cluster_round_counts_each_stream_once() -> None:
+    args = argparse.Namespace(max_tokens=3)
+    stream = {"text": "abc", "num_tokens": 3, "error": None, "start": 0.0, "end": 2.0, "is_hung": False}
+    results = [stream, {**stream, "end": 3.0}, {**stream, "text": "abX"}, {**stream, "num_tokens": 2},
+               {**stream, "error": "HTTP 429", "text": ""}, {**stream, "error": "no end", "is_hung": True}]
+    summary = summarize(results, "abc", {"up_again_at": 12.5}, 10.0, 2.0, args)
+    assert (summary["requests"], summary["completed"], summary["lost"], summary["failed"], summary["hung"]) == \
+        (6, 2, 2, 1, 1)
+    assert summary["migrated"] == 2 and summary["recovery_s"] == 2.5 and summary["errors"] == ["HTTP 429", "no end"]
+    assert summarize([], "abc", {}, 10.0, 0.0, args)["recovery_s"] is None
