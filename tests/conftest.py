@@ -7,13 +7,18 @@
 3. Hypothesis draws the same examples on every run (`derandomize`), so `make test` passes or fails the same way
    each time; `HYPOTHESIS_PROFILE=explore make test` draws new ones to hunt for bugs (pin what it finds with
    `@example`).
+4. `make_testnet(num_hosts, num_nics, rate_mbit)` lays out a test network (mooncaked/bench/testnet.py) that is
+   torn down after the test, whether it passed or not; tests using it skip where namespaces cannot be made.
 """
 
 import os
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 from hypothesis import settings
+
+from mooncaked.bench import testnet
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
@@ -31,3 +36,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+_TESTNET_UNAVAILABLE: list[str] = []  # the probe's answer, once per session
+
+
+@pytest.fixture
+def make_testnet() -> Iterator[Callable[..., testnet.TestNet]]:
+    """A factory of test networks, each torn down (processes, namespaces, links) after the test."""
+    if not _TESTNET_UNAVAILABLE:
+        _TESTNET_UNAVAILABLE.append(testnet.unavailable_reason())
+    if _TESTNET_UNAVAILABLE[0]:
+        pytest.skip(_TESTNET_UNAVAILABLE[0])
+    made: list[testnet.TestNet] = []
+
+    def make(num_hosts: int, num_nics: int, rate_mbit: float | None = None) -> testnet.TestNet:
+        net = testnet.TestNet(num_hosts, num_nics, rate_mbit)
+        made.append(net)
+        return net.up()
+
+    yield make
+    for net in made:
+        net.down()

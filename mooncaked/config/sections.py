@@ -66,6 +66,16 @@ class KvSection:
 
 
 @dataclass(frozen=True)
+class NicConfig:
+    """One NIC of a host for TCP transfers (transfer/nics.py)."""
+
+    name: str
+    address: str = bounded("", doc="its IP address, with /prefix: its subnet (NIC pairs join within one)")
+    numa_node: Optional[int] = bounded(None, min=0, max=1023, doc="memory it serves: cpu:<node> (null: all)")
+    devices: list[str] = bounded([], doc="GPUs it serves too, e.g. [cuda:0]")
+
+
+@dataclass(frozen=True)
 class TransferSection:
     transports: list[str] = bounded(["local", "tcp"])
     slice_bytes: int = bounded(64 * 1024, min=4096)
@@ -81,6 +91,7 @@ class TransferSection:
     sysfs_root: str = "/sys"
     topology: Optional[dict[str, Any]] = None
     max_endpoints: int = bounded(256, min=1)
+    nics: dict[str, list[NicConfig]] = bounded({}, doc="host (as in cluster.instances) -> its NICs")
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import dataclasses
 from mooncaked.config.cluster import InstanceConfig, PrefillGroupConfig
 from mooncaked.config.schema import ConfigIssue, build, suggest
 from mooncaked.config.sections import ROLE_SECTION, Config, WorkerSection
+from mooncaked.transfer.nics import Nic
 
 
 def validate(config: Config) -> list[ConfigIssue]:
@@ -28,6 +29,7 @@ def validate(config: Config) -> list[ConfigIssue]:
         if transport not in ("local", "tcp", "rdma"):
             issues.append(ConfigIssue("transfer.transports", f"unknown transport {transport!r}"
                                       + suggest(transport, ["local", "tcp", "rdma"])))
+    issues.extend(_validate_nics(config))
     if config.conductor.tenants_file is not None and config.conductor.api_keys_file is not None:
         issues.append(ConfigIssue("conductor.tenants_file", "set either tenants_file or api_keys_file, not both "
                                   "(a tenant's api_keys list replaces the keys file)"))
@@ -47,6 +49,22 @@ def validate(config: Config) -> list[ConfigIssue]:
                 issues.extend(_validate_kv_budget(merged, config.model.device, where))
     issues.extend(_validate_prefill_groups(config))
     issues.extend(_validate_tensor_parallel(config))
+    return issues
+
+
+def _validate_nics(config: Config) -> list[ConfigIssue]:
+    """Each host's NICs parse (transfer/nics.py) and have unique names and addresses."""
+    issues = []
+    for host, nics in config.transfer.nics.items():
+        for index, nic in enumerate(nics):
+            try:
+                Nic.parse(nic.name, nic.address, nic.numa_node, nic.devices)
+            except ValueError as exc:
+                issues.append(ConfigIssue(f"transfer.nics.{host}[{index}]", str(exc)))
+        for what in ("name", "address"):
+            values = [getattr(nic, what).partition("/")[0] for nic in nics]
+            if len(set(values)) < len(values):
+                issues.append(ConfigIssue(f"transfer.nics.{host}", f"two NICs with one {what}: {values}"))
     return issues
 
 

@@ -21,11 +21,12 @@ from mooncaked.config.schema import ConfigIssue
 from mooncaked.rpc import (HEALTH, INFO, CallContext, HealthReply, HealthRequest, InfoReply, InfoRequest, Method,
                            RpcClient, RpcServer)
 from mooncaked.transfer import TransferEngine
+from mooncaked.transfer.nics import Nic
 from mooncaked.transfer.topology import Topology
 
 
 def make_transfer_engine(config: Config, host: str, port: int) -> TransferEngine:
-    """The transfer engine of one process, from the `transfer` section."""
+    """The transfer engine of one process, from the `transfer` section (with the NICs listed for `host`)."""
     transfer = config.transfer
     topology = Topology.from_config(transfer.topology) if transfer.topology is not None else None
     return TransferEngine(
@@ -36,7 +37,8 @@ def make_transfer_engine(config: Config, host: str, port: int) -> TransferEngine
         connect_timeout_s=config.rpc.connect_timeout_s,
         io_timeout_s=transfer.io_timeout_s, idle_timeout_s=transfer.idle_timeout_s, topology=topology, sysfs_root=transfer.sysfs_root,
         max_endpoints=transfer.max_endpoints, cluster_id=config.cluster.id,
-        secret=read_secret(config.cluster.secret_file))
+        secret=read_secret(config.cluster.secret_file),
+        nics=[Nic.parse(nic.name, nic.address, nic.numa_node, nic.devices) for nic in transfer.nics.get(host, [])])
 
 
 def read_secret(path: str | None) -> bytes | None:

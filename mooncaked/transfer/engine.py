@@ -8,8 +8,8 @@
    NIC can map it (GPUDirect), else raises: the caller then stages through pinned host memory.
 3. `submit(requests)` validates every request (bounds of local and same-host segments, known segments, endpoint
    syntax), then routes each one (routing.py): `local` (memcpy) when the remote segment is on this host, else
-   `tcp` (or `rdma` when enabled and available), cut into slices spread over the peer's paths. It returns a batch
-   id.
+   `tcp` (or `rdma` when enabled and available), cut into slices spread over the peer's paths (with `nics`, the
+   connections over every NIC pair of the two hosts: tcp_client.py). It returns a batch id.
 4. `status(batch_id)` reports progress; `await wait(batch_id, timeout_s)` returns when every byte moved, raises
    TransferError on failure or deadline, and forgets the batch.
 5. `stop` refuses new batches, drains pending ones for up to `drain_timeout_s`, fails the rest, then stops the
@@ -29,6 +29,7 @@ from mooncaked.transfer.control import DescribeReply, DescribeRequest, QpExchang
 from mooncaked.transfer.dispatch import Piece, run_bytes_for
 from mooncaked.transfer.handshake import DataCredentials
 from mooncaked.transfer.local import LocalTransport
+from mooncaked.transfer.nics import Nic
 from mooncaked.transfer.options import TransferOptions
 from mooncaked.transfer.rdma_transport import RdmaTransport
 from mooncaked.transfer.routing import RouteContext, is_device, route_request
@@ -70,10 +71,12 @@ class TransferEngine:
         qp_exchange: QpExchange | None = None,
         cluster_id: str = "",
         secret: bytes | None = None,
+        nics: Sequence[Nic] = (),
     ) -> None:
         """Options as in TransferOptions; `verbs` replaces pyverbs (tests pass a fake); `qp_exchange` carries
         RDMA control messages over RPC instead of this engine's data listener; `cluster_id` and `secret` are
-        what the data handshake checks (peers must have the same)."""
+        what the data handshake checks (peers must have the same); `nics`: this host's NICs (nics.py), listened on
+        and striped over by TCP transfers."""
         self.options = TransferOptions(
             transports=tuple(transports), slice_bytes=slice_bytes, num_connections_per_peer=num_connections_per_peer,
             max_retries=max_retries, path_cooldown_s=path_cooldown_s, topology=topology,
@@ -82,7 +85,7 @@ class TransferEngine:
             connect_timeout_s=connect_timeout_s, io_timeout_s=io_timeout_s, idle_timeout_s=idle_timeout_s,
             stop_timeout_s=stop_timeout_s,
             sysfs_root=sysfs_root, max_endpoints=max_endpoints, rdma_slices_per_run=rdma_slices_per_run,
-            rdma_max_send_wr=max(64, rdma_slices_per_run),
+            rdma_max_send_wr=max(64, rdma_slices_per_run), nics=tuple(nics),
         )
         self.host = host
         self.transports = self.options.transports
@@ -96,7 +99,7 @@ class TransferEngine:
         self._server = DataServer(
             host, port, self._segments, lambda payload: self.handle_control(payload).decode(),
             credentials=self._credentials, handshake_timeout_s=connect_timeout_s, io_timeout_s=io_timeout_s,
-            idle_timeout_s=idle_timeout_s, send_buffer_bytes=tcp_send_buffer_bytes,
+            idle_timeout_s=idle_timeout_s, send_buffer_bytes=tcp_send_buffer_bytes, nics=nics,
         )
         self._links: dict[str, TcpPeerLink] = {}
         self._links_lock = threading.Lock()
@@ -229,6 +232,7 @@ class TransferEngine:
                 record, route.request_index, request.op, route.local_view, request.remote.name,
                 request.remote_offset, request.length, self._run_bytes(request.length),
                 local_segment=request.local_segment,
+                location=self.segment_location(request.local_segment) or "",
             )
             pieces_by_peer.setdefault(request.remote.endpoint, []).append(piece)
         for endpoint, pieces in pieces_by_peer.items():

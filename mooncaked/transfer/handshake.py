@@ -8,7 +8,9 @@
 3. Client: with a secret it checks the server's proof, and refuses a server that gives none (it could be anyone
    listening on that port); then AUTH: a flag byte (has a proof) and the proof (zeros without a secret).
 4. Server: with a secret, a missing or wrong proof gets one error reply and the connection closes; else a last
-   reply (tag 0, STATUS_OK). Only then are request frames read: before it, no segment byte is read or written.
+   reply (tag 0, STATUS_OK) whose message is the server's NIC advertisement (nics.py; empty without NICs), so
+   only an authenticated client learns the server's addresses. Only then are request frames read: before it, no
+   segment byte is read or written.
 
 Proofs are those of `mooncaked.runtime.auth` under their own label, so an RPC proof is no data proof. Both sides run on
 blocking sockets under the kernel timeouts of `wire.set_io_timeout`: a stalled peer is a TimeoutError.
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 
 from mooncaked.runtime import auth
 from mooncaked.transfer import wire
+from mooncaked.transfer.nics import Nic, decode_advert
 
 DATA_AUTH_LABEL = b"mooncaked-data-v2"
 HELLO = struct.Struct("<4sBxH16s")  # magic, wire version, pad, cluster id length, client nonce
@@ -54,8 +57,9 @@ class HandshakeRefused(wire.RemoteRejected):
 
 # ---- client side ------------------------------------------------------------------------------------------------
 
-def client_handshake(sock: socket.socket, credentials: DataCredentials, endpoint: str) -> None:
-    """Authenticate a freshly connected data socket; HandshakeRefused or ConnectionError/TimeoutError if not."""
+def client_handshake(sock: socket.socket, credentials: DataCredentials, endpoint: str) -> list[Nic]:
+    """Authenticate a freshly connected data socket and return the server's NICs; HandshakeRefused or
+    ConnectionError/TimeoutError if not."""
     client_nonce = auth.new_nonce()
     cluster_id = credentials.cluster_id.encode()
     sock.sendall(HELLO.pack(MAGIC, wire.WIRE_VERSION, len(cluster_id), client_nonce) + cluster_id)
@@ -75,7 +79,11 @@ def client_handshake(sock: socket.socket, credentials: DataCredentials, endpoint
         proof = auth.handshake_proof(secret, DATA_AUTH_LABEL, auth.SIDE_CLIENT, credentials.cluster_id,
                                      client_nonce, server_nonce)
     sock.sendall(AUTH.pack(secret is not None, proof))
-    _expect_ok(sock, endpoint)
+    advert = _expect_ok(sock, endpoint)
+    try:
+        return decode_advert(advert)
+    except ValueError as exc:
+        raise ConnectionError(f"{endpoint}: {exc}") from None
 
 
 def _expect_ok(sock: socket.socket, endpoint: str) -> bytes:
@@ -88,8 +96,9 @@ def _expect_ok(sock: socket.socket, endpoint: str) -> bytes:
 
 # ---- server side ------------------------------------------------------------------------------------------------
 
-def serve_handshake(sock: socket.socket, credentials: DataCredentials) -> str:
-    """Run the server side; "" when the peer is accepted, else why not (the peer got one error reply)."""
+def serve_handshake(sock: socket.socket, credentials: DataCredentials, advert: bytes = b"") -> str:
+    """Run the server side, ending with `advert` (this engine's NICs); "" when the peer is accepted, else why not
+    (the peer got one error reply)."""
     head = bytearray(HELLO.size)
     wire.recv_exactly(sock, memoryview(head))
     magic, version, cluster_id_len, client_nonce = HELLO.unpack(head)
@@ -121,7 +130,7 @@ def serve_handshake(sock: socket.socket, credentials: DataCredentials) -> str:
                            "configure cluster.secret_file on the client")
         if not auth.proofs_match(client_proof, expected):
             return _refuse(sock, wire.STATUS_UNAUTHENTICATED, "wrong cluster secret")
-    wire.send_reply_bytes(sock, HANDSHAKE_TAG, wire.STATUS_OK, b"")
+    wire.send_reply_bytes(sock, HANDSHAKE_TAG, wire.STATUS_OK, advert)
     return ""
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mooncaked.transfer.nics import Nic
 from mooncaked.transfer.topology import Topology
 
 KNOWN_TRANSPORTS = ("local", "tcp", "rdma")
@@ -34,6 +35,7 @@ class TransferOptions:
     max_endpoints: int = 256  # RDMA queue pairs kept, active and passive together (SIEVE beyond)
     rdma_slices_per_run: int = 16  # work requests one path posts before polling
     rdma_max_send_wr: int = 64
+    nics: tuple[Nic, ...] = ()  # this host's NICs for TCP transfers (nics.py); empty: the engine's host only
 
     def __post_init__(self) -> None:
         unknown = [t for t in self.transports if t not in KNOWN_TRANSPORTS]
@@ -54,5 +56,8 @@ class TransferOptions:
         if not 0 < self.io_timeout_s < self.idle_timeout_s:
             raise ValueError(f"0 < io_timeout_s < idle_timeout_s is required, got {self.io_timeout_s} and "
                              f"{self.idle_timeout_s}")
+        names = [nic.name for nic in self.nics]
+        if len(set(names)) < len(names) or len({nic.address for nic in self.nics}) < len(names):
+            raise ValueError(f"NIC names and addresses must be unique, got {[nic.text for nic in self.nics]}")
         if self.rdma_max_send_wr < self.rdma_slices_per_run:
             raise ValueError("rdma_max_send_wr must be >= rdma_slices_per_run (one run is posted at once)")

@@ -1,6 +1,8 @@
 """The engine's data listener: serves READ/WRITE frames against registered segments (TCP transport).
 
-1. `start` binds the listening socket and starts the accept thread; it returns the bound port.
+1. `start` binds the listening socket and starts the accept thread; it returns the bound port. With NICs it
+   also listens on each NIC's address, on the same port (a port chosen by the kernel that is taken on some NIC
+   address is given up and another chosen, up to _BIND_ATTEMPTS times), one accept thread per address.
 2. Each accepted connection gets one thread with a blocking socket. It first runs the server side of the
    handshake (handshake.py: cluster id, and the cluster secret when one is configured) within
    `handshake_timeout_s`; a peer that fails it gets one error reply and is closed before any frame is read.
@@ -21,16 +23,18 @@ objects (measured: see `mooncaked bench transfer`). For a READ the reply header 
 
 from __future__ import annotations
 
+import errno
 import logging
 import select
 import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from mooncaked.transfer import wire
 from mooncaked.transfer.handshake import DataCredentials, serve_handshake
+from mooncaked.transfer.nics import Nic, encode_advert
 from mooncaked.transfer.segments import SegmentTable
 
 logger = logging.getLogger(__name__)
@@ -38,6 +42,7 @@ logger = logging.getLogger(__name__)
 ControlHandler = Callable[[bytes], str]
 _DRAIN_BYTES = 1 << 20
 _ACCEPT_POLL_S = 0.25
+_BIND_ATTEMPTS = 8
 MAX_HANDSHAKES_PER_ADDRESS = 64
 
 
@@ -56,9 +61,13 @@ class DataServer:
         io_timeout_s: float,
         idle_timeout_s: float,
         send_buffer_bytes: int = 0,
+        nics: Sequence[Nic] = (),
     ) -> None:
-        """`send_buffer_bytes`: SO_SNDBUF of each connection, which carries READ payloads (0: kernel default)."""
+        """`send_buffer_bytes`: SO_SNDBUF of each connection, which carries READ payloads (0: kernel default);
+        `nics`: this host's NICs, listened on besides `host` and advertised to authenticated clients."""
         self._host = host
+        self._nic_addresses = [nic.address for nic in nics if nic.address != host]
+        self._advert = encode_advert(nics) if nics else b""
         self._credentials = credentials
         self._handshake_timeout_s = handshake_timeout_s
         self._io_timeout_s = io_timeout_s
@@ -67,7 +76,7 @@ class DataServer:
         self._port = port
         self._segments = segments
         self._control = control
-        self._listener: socket.socket | None = None
+        self._listeners: list[socket.socket] = []
         self._connections: set[socket.socket] = set()
         self._num_handshaking: Counter[str] = Counter()  # by peer address
         self._capped: set[str] = set()  # addresses warned about at the handshake cap
@@ -76,16 +85,22 @@ class DataServer:
         self._is_stopping = threading.Event()
 
     def start(self) -> int:
-        listener = socket.create_server((self._host, self._port), backlog=128, reuse_port=False)
-        listener.settimeout(_ACCEPT_POLL_S)
-        self._listener = listener
-        self._spawn(self._accept_loop, "rdma-accept")
-        return int(listener.getsockname()[1])
+        for attempt in range(_BIND_ATTEMPTS):
+            try:
+                self._listeners = _bind_all([self._host, *self._nic_addresses], self._port)
+                break
+            except OSError as exc:
+                if self._port != 0 or exc.errno != errno.EADDRINUSE or attempt == _BIND_ATTEMPTS - 1:
+                    raise
+        for listener in self._listeners:
+            listener.settimeout(_ACCEPT_POLL_S)
+            self._spawn(self._accept_loop, f"rdma-accept-{listener.getsockname()[0]}", listener)
+        return int(self._listeners[0].getsockname()[1])
 
     def stop(self, timeout_s: float) -> None:
         self._is_stopping.set()
-        if self._listener is not None:
-            _shutdown(self._listener)  # wakes the accept loop at once
+        for listener in self._listeners:
+            _shutdown(listener)  # wakes the accept loop at once
         with self._lock:
             connections = list(self._connections)
         for conn in connections:
@@ -93,8 +108,8 @@ class DataServer:
         deadline = time.monotonic() + timeout_s
         for thread in list(self._threads):
             thread.join(max(deadline - time.monotonic(), 0.0))
-        if self._listener is not None:
-            self._listener.close()
+        for listener in self._listeners:
+            listener.close()
 
     def _spawn(self, target: Callable[..., None], name: str, *args: object) -> None:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
@@ -103,11 +118,10 @@ class DataServer:
             self._threads.append(thread)
         thread.start()
 
-    def _accept_loop(self) -> None:
-        assert self._listener is not None
+    def _accept_loop(self, listener: socket.socket) -> None:
         while not self._is_stopping.is_set():
             try:
-                conn, peer = self._listener.accept()
+                conn, peer = listener.accept()
             except TimeoutError:
                 continue
             except OSError:
@@ -159,7 +173,7 @@ class DataServer:
     def _is_authenticated(self, conn: socket.socket, address: str, peer: str) -> bool:
         try:
             wire.set_io_timeout(conn, self._handshake_timeout_s)
-            refusal = serve_handshake(conn, self._credentials)
+            refusal = serve_handshake(conn, self._credentials, self._advert)
         except OSError as exc:
             logger.warning("data connection from %s closed during the handshake: %s", peer, exc)
             return False
@@ -219,6 +233,20 @@ class DataServer:
             return True
         wire.send_reply(conn, header.tag, wire.STATUS_OK, answer)
         return True
+
+
+def _bind_all(addresses: list[str], port: int) -> list[socket.socket]:
+    """Listeners on every address, all on one port (the first's when `port` is 0); all or none."""
+    listeners: list[socket.socket] = []
+    try:
+        for address in addresses:
+            listeners.append(socket.create_server((address, port), backlog=128, reuse_port=False))
+            port = int(listeners[0].getsockname()[1])
+    except OSError:
+        for listener in listeners:
+            listener.close()
+        raise
+    return listeners
 
 
 def _is_readable_within(conn: socket.socket, timeout_s: float) -> bool:

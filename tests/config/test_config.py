@@ -261,3 +261,14 @@ def test_group_members_must_agree_and_not_switch(tmp_path: Path) -> None:
     assert "cluster.prefill_groups[0].name: required key is missing" in missing
     assert "worker.cpp_chunk_tokens: must be >= 16" in errors_of(tmp_path, {"worker": {"cpp_chunk_tokens": 8}})
     assert "scheduler.cpp_min_tokens: must be >= 0" in errors_of(tmp_path, {"scheduler": {"cpp_min_tokens": -1}})
+
+
+def test_nics_are_listed_per_host_and_checked(tmp_path: Path) -> None:
+    nics = {"10.0.0.1": [{"name": "eth0", "address": "10.0.0.1/24", "numa_node": 0, "devices": ["cuda:0"]},
+                         {"name": "eth1", "address": "10.0.1.1/24"}]}
+    config = load_config(write(tmp_path, {"transfer": {"nics": nics}}))
+    assert [nic.name for nic in config.transfer.nics["10.0.0.1"]] == ["eth0", "eth1"]
+    message = errors_of(tmp_path, {"transfer": {"nics": {"h": [{"name": "eth0", "address": "10.0.0.300"},
+                                                               {"name": "eth0", "address": "10.0.0.2"}]}}})
+    assert "transfer.nics.h[0]: NIC eth0: address must be an IP address" in message
+    assert "two NICs with one name" in message

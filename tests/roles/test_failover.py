@@ -161,3 +161,39 @@ async def test_a_decode_instance_that_stops_decoding_hands_its_streams_on(tmp_pa
         assert streamed == text
         assert (await metric(http, config, "mooncaked_migrations_total{")).startswith(
             'mooncaked_migrations_total{cause="decode_lost"} 1.0')
+
+
+async def test_a_stopped_decode_process_hands_its_stream_on_once_marked_down(tmp_path: Path) -> None:
+    """A SIGSTOPped decode instance keeps its sockets open, so no RPC fails: the stream moves when the conductor's
+    LOAD poll marks the instance down, not at the (here 60 s) no-token deadline."""
+    config = cluster_config(tmp_path, [instance(name, role) for name, role in (
+        ("s0", "store"), ("p0", "prefill"), ("d0", "decode"), ("d1", "decode"), ("c0", "conductor"))],
+        worker=WORKER, conductor={"token_timeout_s": 60.0, "first_token_timeout_s": 60.0,
+                                  "load_poll_interval_s": 0.2, "load_poll_timeout_s": 1.0},
+        rpc={"connect_timeout_s": 0.5})
+    tokens = prompt(63, 40)
+    num_tokens = 200
+    _, text = expected_text(tokens, num_tokens)
+    async with running_roles(config, ["s0", "p0"]), aiohttp.ClientSession() as http:
+        d0 = start_decode_process(tmp_path / "cluster.yaml", "d0")
+        try:
+            async with running_roles(config, ["d1", "c0"]) as roles:
+                conductor = roles["c0"]
+                assert isinstance(conductor, ConductorRole) and conductor.view is not None
+                view = conductor.view
+                await eventually(lambda: view.decode["d0"].is_up and view.decode["d1"].is_up, timeout_s=60.0)
+                body = {"prompt": tokens, "max_tokens": num_tokens, "stream": True, **GREEDY}
+
+                async def stop_d0() -> None:
+                    os.kill(d0.pid, signal.SIGSTOP)
+
+                started = asyncio.get_running_loop().time()
+                streamed, _ = await stream_interrupted(http, url(config, "/v1/completions"), body, stop_d0)
+                elapsed_s = asyncio.get_running_loop().time() - started
+                assert streamed == text
+                assert elapsed_s < 20.0, f"{elapsed_s:.1f}s: the stream waited for the no-token deadline"
+                assert (await metric(http, config, "mooncaked_migrations_total{")).startswith(
+                    'mooncaked_migrations_total{cause="decode_lost"} 1.0')
+        finally:
+            d0.kill()  # SIGKILL ends a stopped process too
+            d0.wait(timeout=10)

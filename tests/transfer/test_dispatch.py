@@ -143,3 +143,39 @@ def test_close_fails_pending_batches(loop: asyncio.AbstractEventLoop) -> None:
     queue.close("engine stopped")
     assert batch.error == "batch 1: engine stopped"
     assert queue.take("p0", 0) is None
+
+
+def test_a_failure_cools_down_every_path_of_its_domain_and_its_runs_go_elsewhere(
+        loop: asyncio.AbstractEventLoop) -> None:
+    clock = Clock()
+    queue = PeerQueue("peer:1", [], PathHealth(1, cooldown_s=5.0), 3, clock)
+    batch = BatchRecord(1, 300, loop)
+    queue.put([make_piece(batch, 300, 100)])  # no paths yet (NICs being learnt): the piece waits
+    assert batch.state is BatchState.PENDING and queue.take("a#0", 0) is None
+    queue.set_paths(["a#0", "a#1", "b#0"], {"a#0": "a", "a#1": "a", "b#0": "b"})
+    run = queue.take("a#0", 0)
+    assert run is not None
+    queue.retry("a#0", run, "link down")
+    assert queue.path_states() == {"a#0": False, "a#1": False, "b#0": True}
+    assert (queue.num_failures("a#1"), queue.num_failures("b#0")) == (1, 0), "a#1's idle connection is suspect"
+    assert queue.take("a#1", 0) is None, "the whole NIC pair cools down"
+    retried = queue.take("b#0", 0)
+    assert retried is not None and retried.remote_offset == 0 and "a#1" in retried.failed_paths
+    clock.now += 5.0
+    assert queue.take("a#1", 0) is not None, "after the cooldown the pair carries runs again"
+
+
+def test_runs_go_to_the_paths_serving_their_memory_first(loop: asyncio.AbstractEventLoop) -> None:
+    clock = Clock()
+    queue = PeerQueue("peer:1", [], PathHealth(1, cooldown_s=5.0), 3, clock)
+    queue.set_paths(["near", "far"], tiers_for=lambda location: {"near": 0 if location == "cpu:0" else 1,
+                                                                   "far": 0 if location == "cpu:1" else 1})
+    batch = BatchRecord(1, 200, loop)
+    piece = make_piece(batch, 200, 100)
+    piece.location = "cpu:1"
+    queue.put([piece])
+    assert queue.take("near", 0) is None
+    run = queue.take("far", 0)
+    assert run is not None
+    queue.retry("far", run, "reset")
+    assert queue.take("near", 0) is not None, "the other tier once the serving path cools down"

@@ -4,7 +4,10 @@
    streamed), its block keys, the tokens left and the seed state; `leg_id` (`attempt_id`: unique per attempt)
    names it on the instances.
 2. `place()` runs Algorithm 1 (a Rejection becomes a 429 or 503), leaving out instances this request saw fail.
-3. `reserve()`, `prefill()`, `open_decode()` and `next_item()` drive the legs, each with its deadline. A leg
+3. `reserve()`, `prefill()`, `open_decode()` and `next_item()` drive the legs, each with its deadline; a wait for
+   the next token also ends as soon as the view reports the decode instance down (`watch_down`: a stopped
+   process keeps its connection open, so only the polls notice it) once it has waited a LOAD poll's deadline
+   (`conductor.load_poll_timeout_s`), as `decode_lost`. A leg
    that fails in a way another instance can fix (unreachable, stopping, past its deadline) raises `LegFailed`
    with the cause; every other failure raises the `ApiError` the client gets.
 4. `settle()` closes the DECODE stream (cancelling it remotely), runs an owed DECODE to its end, and UNRESERVEs a
@@ -184,12 +187,31 @@ class Leg:
         instance, conductor = self._placed().decode_instance, self.config.conductor
         timeout_s = conductor.token_timeout_s if self.num_decode_items else conductor.first_token_timeout_s
         self.is_decode_sent = True  # the stream sends its request on the first anext
+        is_reported_down = False
+        loop = asyncio.get_running_loop()
+        waiting_since = loop.time()
         try:
-            async with asyncio.timeout(timeout_s):
-                item = await anext(self.decode_stream)
+            async with asyncio.timeout(timeout_s) as scope:
+
+                def give_up() -> None:  # the instance is down (a stopped process keeps its sockets open)
+                    nonlocal is_reported_down
+                    # a stream that has waited less than a poll's deadline may only have met one slow poll of a
+                    # busy instance; while the instance stays down, each later failed poll asks again
+                    if not is_reported_down and loop.time() - waiting_since >= conductor.load_poll_timeout_s:
+                        is_reported_down = True
+                        scope.reschedule(loop.time())
+
+                stop_watching = self.view.watch_down(instance, give_up)
+                try:
+                    item = await anext(self.decode_stream)
+                finally:
+                    stop_watching()
         except StopAsyncIteration:
             raise internal_error("The decode instance ended the stream without a finish reason.") from None
         except TimeoutError:
+            if is_reported_down:
+                error = unavailable(f"The decode instance {instance} stopped answering; retry shortly.")
+                raise LegFailed("decode_lost", instance, error) from None
             error = deadline_exceeded(f"No token from decode instance {instance} within {timeout_s:g} s.")
             raise LegFailed("decode_deadline", instance, error) from None
         except RpcError as exc:

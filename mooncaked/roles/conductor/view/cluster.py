@@ -10,7 +10,8 @@
    enough; a prefill group is one candidate, its first stage, available only while every member is up), then
    `begin()`, `prefill_done()`, `decode_started()` and `finish()` so the queue model (predicted prefill time
    of dispatched requests per prefill instance, placed requests per decode instance) stays current between
-   polls. `report_failure()` marks an instance down until its next successful poll. Every LOAD reply carries
+   polls. `report_failure()` marks an instance down until its next successful poll, and calls what watches it
+   (`watch_down`: a DECODE stream waiting for its next token gives up at once). Every LOAD reply carries
    the instance's own fitted performance model, which `place()` predicts with (roles/conductor/view/predictors.py);
    finished requests teach the output-length predictor, which forecasts each decode instance's batch. A placement also
    tells the replica tracker and the store recency (`mooncaked.sched.replicas`, `.store_recency`) where the
@@ -33,6 +34,7 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from mooncaked.cluster.membership import Membership, MemberRecord, StaticMembership, store_on_host
@@ -255,6 +257,17 @@ class ClusterView:
             logger.warning("%s %s is down: %s", worker.instance.role, instance_name, reason)
             worker.outages.record(time.monotonic())
         worker.is_up, worker.last_error = False, reason
+        for watcher in list(worker.down_watchers):
+            watcher()
+
+    def watch_down(self, instance_name: str, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback` at each report of `instance_name` down (a failed poll or leg) until the returned
+        function is called."""
+        worker = self.prefill.get(instance_name) or self.decode.get(instance_name)
+        if worker is None:
+            return lambda: None
+        worker.down_watchers.add(callback)
+        return lambda: worker.down_watchers.discard(callback)
 
     # ---- placement ----------------------------------------------------------------------------------------
     def place(self, request: RequestInfo, now: float, excluded: frozenset[str] = frozenset()) -> Placement | Rejection:

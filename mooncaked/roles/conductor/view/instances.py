@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from mooncaked.config import InstanceConfig
@@ -36,6 +37,7 @@ class WorkerState:
     has_polled: asyncio.Event = field(default_factory=asyncio.Event)
     state: str = "ready"  # its membership state: only a ready instance gets new work
     outages: OutageHistory = field(default_factory=OutageHistory)
+    down_watchers: set[Callable[[], None]] = field(default_factory=set)  # called at each report of it down
 
     @property
     def is_placeable(self) -> bool:
