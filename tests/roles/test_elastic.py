@@ -167,8 +167,9 @@ async def test_two_conductors_race_for_one_decode_slot(tmp_path: Path, etcd: Etc
         assert all(body["error"]["message"] for status, body in results if status == 429)
         for name in ("c0", "c1"):  # both serve once the race is over and their views show it
             view = f.inner(name).view
-            await wait_until(lambda: (lambda load: load is not None and not load.num_running + load.num_waiting)(
-                view.decode["d0"].load), 5.0, "d0 idle")
+            await wait_until(lambda: (lambda load: load is not None and not load.num_running + load.num_waiting
+                                      and load.num_free_pages == load.num_pages)(view.decode["d0"].load),
+                             5.0, "d0 idle")
             status, body = await complete(session, f.ports[name], 99)
             assert status == 200, body
 

@@ -139,7 +139,7 @@ def page_holds(load: LoadReply | None, flights: list[InFlight], forecast: Output
     max_tokens without a predictor), and the pages LOAD says are in use beyond those, as other conductors'
     requests that just started (the pages in use less those of this conductor's decoding requests)."""
     holds = []
-    num_pages_decoding = 0
+    num_pages_decoding = num_decoding = 0
     for f in flights:
         num_pages = num_pages_for(f.num_context_tokens, f.max_tokens, block_size)
         starts_at = now if f.decode_started_at is not None else max(f.ready_at, now)
@@ -147,12 +147,16 @@ def page_holds(load: LoadReply | None, flights: list[InFlight], forecast: Output
         holds.append(DecodeHold(num_pages, starts_at, starts_at + num_left * step_s))
         if f.decode_started_at is not None:
             num_pages_decoding += num_pages
+            num_decoding += 1
     if load is not None:
         # Only this conductor's decoding requests hold pages now: one still in prefill takes its pages at DECODE.
         num_others = load.num_pages - load.num_free_pages - num_pages_decoding
         if num_others > 0:
             num_prompt_tokens = load.num_context_tokens // max(load.num_running, 1)
-            holds.append(DecodeHold(num_others, now, now + forecast.unknown_tokens(num_prompt_tokens) * step_s))
+            # batch slots only for sequences LOAD reports beyond this conductor's: pages of a sequence that just
+            # ended (freed a moment after it left the batch) or of a reservation hold no slot
+            holds.append(DecodeHold(num_others, now, now + forecast.unknown_tokens(num_prompt_tokens) * step_s,
+                                    num_seqs=max(load.num_running - num_decoding, 0)))
     return tuple(holds)
 
 

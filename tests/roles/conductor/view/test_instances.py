@@ -124,7 +124,10 @@ def test_pages_in_use_beyond_this_conductors_decoding_requests_are_other_conduct
     reported = load(role="decode", num_pages=100, num_free_pages=80, num_context_tokens=100)
     holds = page_holds(reported, [running, incoming], forecast, 16, 0.1, now=3.0)
     assert [h.num_pages for h in holds] == [8, 8, 20 - 8]
-    assert holds[2].starts_at == 3.0
+    assert holds[2].starts_at == 3.0 and holds[2].num_seqs == 0  # LOAD's one running sequence is "a"
+    busier = page_holds(load(role="decode", num_pages=100, num_free_pages=80, num_running=3), [running, incoming],
+                        forecast, 16, 0.1, now=3.0)
+    assert busier[2].num_seqs == 2  # two sequences beyond this conductor's: two batch slots
     idle = page_holds(load(role="decode", num_pages=100, num_free_pages=92), [running, incoming], forecast, 16, 0.1,
                       now=3.0)
     assert [h.num_pages for h in idle] == [8, 8]
