@@ -63,6 +63,7 @@ class RpcSection:
 @dataclass(frozen=True)
 class KvSection:
     block_size: int = bounded(64, min=1, max=4096)
+    device_prefix_cache: bool = True
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,11 @@
    block_table[t // block_size] at offset t % block_size.
 3. When a request ends (or fails) its owner frees its pages (`free` / `free_owner`); the page contents are left
    as they are and simply overwritten by the next owner.
+4. With a device prefix cache (kv/device_cache.py; `kv.device_prefix_cache`), a finished request first hands its
+   full blocks' pages to the cache (`keep(owner, keyed_pages)`) and a new one reads the longest cached prefix of
+   its block keys in place (`share_prefix(keys, owner)`: one reader each, released with the owner's pages).
+   Cached pages nobody reads count as free (`num_free`): `allocate` evicts the least recently used of them when
+   the free list runs short, so the cache never refuses a request pages an empty cache would have given it.
 
 A store object has the pages' layout, [model layers, planes, block_size, model kv_heads, head_dim] (docs/design.md
 section 5): it always holds every KV head of the model, so it is the same bytes whatever the tensor-parallel degree
@@ -26,6 +31,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from mooncaked.kv.device_cache import DevicePrefixCache
 from mooncaked.model.config import LayerRange, ModelArgs, ShardShape
 
 
@@ -34,30 +40,43 @@ class PagesExhausted(RuntimeError):
 
 
 class PageAllocator:
-    """Owns the free list and which owner (a request id) holds each used page."""
+    """Owns the free list, which owner (a request id) holds each used page, and the device prefix cache (the
+    pages it holds, and which owners read which of them)."""
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, cache: DevicePrefixCache | None = None) -> None:
         if num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
         self.num_pages = num_pages
+        self.cache = cache
         self._free: deque[int] = deque(range(num_pages))
         self._owner_of: dict[int, str] = {}
         self._pages_of: dict[str, dict[int, None]] = {}  # insertion-ordered sets
+        self._shared_of: dict[str, list[int]] = {}  # owner -> cached pages it reads, in block order
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages a request may take now: the free list and the cached pages nobody reads."""
+        return len(self._free) + (self.cache.num_reclaimable if self.cache is not None else 0)
 
     @property
     def num_used(self) -> int:
-        return len(self._owner_of)
+        """Pages requests hold or read (cached pages no one reads are free)."""
+        return self.num_pages - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        return self.cache.num_cached if self.cache is not None else 0
 
     def allocate(self, num_pages: int, owner: str) -> list[int]:
-        """All or nothing: `num_pages` page ids for `owner`, or PagesExhausted."""
+        """All or nothing: `num_pages` page ids for `owner`, or PagesExhausted; evicts unreferenced cached pages
+        (least recently used first) when the free list is short."""
         if num_pages < 0:
             raise ValueError(f"num_pages must be >= 0, got {num_pages}")
+        if num_pages > self.num_free:
+            raise PagesExhausted(f"{owner}: needs {num_pages} KV pages, {self.num_free} free of {self.num_pages}")
         if num_pages > len(self._free):
-            raise PagesExhausted(f"{owner}: needs {num_pages} KV pages, {len(self._free)} free of {self.num_pages}")
+            assert self.cache is not None
+            self._free.extend(self.cache.evict(num_pages - len(self._free)))
         pages = [self._free.popleft() for _ in range(num_pages)]
         for page in pages:
             self._owner_of[page] = owner
@@ -95,10 +114,46 @@ class PageAllocator:
         return pages
 
     def free_owner(self, owner: str) -> int:
-        """Free every page `owner` holds (cleanup after an abort); returns how many."""
+        """Free every page `owner` holds (cleanup after an abort) and end its reads of cached pages; returns how
+        many pages it held."""
         pages = list(self._pages_of.get(owner, ()))
         self.free(pages, owner)
+        shared = self._shared_of.pop(owner, [])
+        if shared:
+            assert self.cache is not None
+            self.cache.release(reversed(shared))  # deepest block first: it is evicted first
         return len(pages)
+
+    def share_prefix(self, keys: Sequence[bytes], owner: str) -> list[int]:
+        """The cached pages of the longest prefix of `keys` (block keys, in order), read by `owner` until
+        free_owner; [] without a cache. The owner must not write them."""
+        if self.cache is None or not keys:
+            return []
+        pages = self.cache.match(keys)
+        self.cache.acquire(pages)
+        if pages:
+            self._shared_of.setdefault(owner, []).extend(pages)
+        return pages
+
+    def shared_of(self, owner: str) -> list[int]:
+        return list(self._shared_of.get(owner, ()))
+
+    def keep(self, owner: str, keyed_pages: Sequence[tuple[bytes, int]]) -> int:
+        """Hand `owner`'s pages holding full blocks, (block key, page) in block order, to the cache (pages of keys
+        it holds already stay the owner's, freed with the rest); returns how many it took. Call only once their
+        KV is complete and nothing writes them any more."""
+        if self.cache is None:
+            return 0
+        held = self._pages_of.get(owner, {})
+        num_kept = 0
+        for key, page in reversed(keyed_pages):  # deepest block first: the least recently used of the prefix
+            if page in held and self.cache.insert(key, page):
+                del self._owner_of[page]
+                del held[page]
+                num_kept += 1
+        if not held:
+            self._pages_of.pop(owner, None)
+        return num_kept
 
     def owner_of(self, page_id: int) -> str | None:
         return self._owner_of.get(page_id)

@@ -49,6 +49,7 @@ from mooncaked.engine.runner import ModelRunner
 from mooncaked.engine.staging_pool import StagingPool
 from mooncaked.engine.timeline import LayerTimeline
 from mooncaked.engine.tp.runner import TensorParallelRunner
+from mooncaked.kv.device_cache import DevicePrefixCache
 from mooncaked.kv.keys import model_namespace
 from mooncaked.model.config import LayerRange
 from mooncaked.model.frontend import load_frontend
@@ -121,7 +122,9 @@ class Worker:
         else:
             await self._load_replica(layers)
         assert self.loaded is not None and self.kv_pages is not None and self.kv_sizing is not None
-        self.pages = PageAllocator(self.kv_pages.num_pages)
+        # a prefill group's stages hold a layer range each: a prefix one stage holds in its pages the others lack
+        is_cached = self.config.kv.device_prefix_cache and self.stage is None
+        self.pages = PageAllocator(self.kv_pages.num_pages, DevicePrefixCache() if is_cached else None)
         block_size = self.config.kv.block_size
         self.copier = KVCopier(self.loaded.device, backend=model.kernel_backend)
         placement = staging_placement(self.loaded.device, self.config.transfer.sysfs_root, allowed_memory_nodes())

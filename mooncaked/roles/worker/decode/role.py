@@ -212,6 +212,7 @@ class DecodeRole:
                                                                     grammars)
             await plan.kv.wait_writes(self.config.transfer.timeout_s)
             await plan.close_store(commit=True)
+            plan.kv.mark_complete()
         except BaseException:
             await plan.close(commit=False)
             raise
@@ -254,6 +255,9 @@ class DecodeRole:
                         follow_first_token(grammar, first.token_id)
                 kv = await load_prefilled(self.worker, request, reservation)
             kvs.append(kv)
+            self.metrics.cache.observe_device_prefix(num_blocks=kv.num_device_blocks,
+                                                     num_cached=self.worker.pages.num_cached if self.worker.pages
+                                                     else 0)
             for sequence in range(1, num_seqs):
                 kvs.append(await fork(self.worker, kv, f"{request.request_id}#{sequence}", spec.max_tokens,
                                       reserved_by=reservation.owner))

@@ -161,6 +161,8 @@ class PrefillRole:
             num_remote = min(plan.num_fetched_blocks, plan.num_prefix_blocks)
             self.metrics.cache.observe_prefix(num_local=plan.num_prefix_blocks - num_remote, num_remote=num_remote,
                                               num_computed=plan.kv.num_full_blocks - plan.num_prefix_blocks)
+            self.metrics.cache.observe_device_prefix(num_blocks=plan.num_device_blocks,
+                                                     num_cached=worker.pages.num_cached if worker.pages else 0)
             num_sent = sum(len(wanted) for wanted in plan.destinations.values())
             self.metrics.cache.observe_transfer("write", num_sent * worker.block_nbytes)
             self.metrics.cache.observe_transfer("read", plan.num_fetched_blocks * worker.block_nbytes)
