@@ -1,7 +1,7 @@
 """Inline prefill: a prompt prefilled on its decode instance (the colocated path), and when it replaces Algorithm 1's
 placement. The one rule the conductor's placer and the simulator both run.
 
-    place(request, prefill_views, decode_views, index, policy, now) -> Placement | Rejection
+    place(request, prefill_views, decode_views, index, policy, now, device_index) -> Placement | Rejection
 
 1. No prefill instance at all: every request is prefilled inline, whatever its length (`place_inline` unlimited).
 2. Otherwise Algorithm 1 (`schedule`) runs first. When it finds no prefill instance that can take the request,
@@ -31,12 +31,13 @@ from mooncaked.sched.types import (REASON_NO_DECODE, REASON_NO_PREFILL, DecodeIn
 
 def place(request: RequestInfo, prefill_views: Sequence[PrefillInstanceView],
           decode_views: Sequence[DecodeInstanceView], index: ShadowIndex, policy: SchedulerPolicy,
-          now: float) -> Placement | Rejection:
-    """Algorithm 1, or an inline prefill on a decode instance; see the module docstring."""
+          now: float, device_index: ShadowIndex | None = None) -> Placement | Rejection:
+    """Algorithm 1, or an inline prefill on a decode instance; see the module docstring. `device_index`: the
+    prefill instances' device prefix caches (Algorithm 1's local prefix counts them)."""
     if not prefill_views:
         return place_inline(request, decode_views, index.prefix_lengths(request.block_keys), policy, now,
                             is_limited=False)
-    result = schedule(request, prefill_views, decode_views, index, policy, now)
+    result = schedule(request, prefill_views, decode_views, index, policy, now, device_index)
     prefix_lengths = index.prefix_lengths(request.block_keys)
     if isinstance(result, Rejection):
         if result.reason != REASON_NO_PREFILL:

@@ -50,6 +50,7 @@ from mooncaked.engine.staging_pool import StagingPool
 from mooncaked.engine.timeline import LayerTimeline
 from mooncaked.engine.tp.runner import TensorParallelRunner
 from mooncaked.kv.device_cache import DevicePrefixCache
+from mooncaked.kv.device_journal import DeviceCacheJournal
 from mooncaked.kv.keys import model_namespace
 from mooncaked.model.config import LayerRange
 from mooncaked.model.frontend import load_frontend
@@ -99,6 +100,7 @@ class Worker:
         self.kv_sizing: KVSizing | None = None
         self.kv_pages: KVPages | None = None
         self.pages: PageAllocator | None = None
+        self.device_journal: DeviceCacheJournal | None = None  # the device prefix cache's changes, for LOAD replies
         self.runner: ModelRunner | TensorParallelRunner | None = None
         self.tp: TensorParallelRunner | None = None  # model.tensor_parallel_size > 1: the ranks (tp_worker.py)
         self.rank_watch: RankWatch | None = None
@@ -125,6 +127,7 @@ class Worker:
         # a prefill group's stages hold a layer range each: a prefix one stage holds in its pages the others lack
         is_cached = self.config.kv.device_prefix_cache and self.stage is None
         self.pages = PageAllocator(self.kv_pages.num_pages, DevicePrefixCache() if is_cached else None)
+        self.device_journal = DeviceCacheJournal(max_keys=4 * self.kv_pages.num_pages) if is_cached else None
         block_size = self.config.kv.block_size
         self.copier = KVCopier(self.loaded.device, backend=model.kernel_backend)
         placement = staging_placement(self.loaded.device, self.config.transfer.sysfs_root, allowed_memory_nodes())

@@ -33,6 +33,7 @@ from mooncaked.roles.worker.decode.loop import DecodeLoop, Outbox, RunningSeq, f
 from mooncaked.roles.worker.decode.reservations import Reservation, ReservationBook
 from mooncaked.roles.worker.decode.sequences import fork, load_prefilled, stream_items
 from mooncaked.roles.worker.grammar import follow_first_token
+from mooncaked.roles.worker.kv.device_report import device_cache_report
 from mooncaked.roles.worker.kv.plan import KvPlan, check_block_keys, plan_prompt_kv
 from mooncaked.roles.worker.kv.request_kv import RequestKv
 from mooncaked.roles.worker.kv.spans import num_blocks_for
@@ -137,7 +138,8 @@ class DecodeRole:
                          num_context_tokens=self.loop.num_context_tokens,
                          prefill_coefficients=list(coefficients.prefill), decode_coefficients=list(coefficients.decode),
                          overhead_s=self.inline_overhead.value, kv_cache_bytes=self.worker.kv_cache_bytes,
-                         num_queued_pages=self.reservations.num_queued_pages())
+                         num_queued_pages=self.reservations.num_queued_pages(),
+                         **device_cache_report(self.worker, request.device_cache_seq))
 
     # ---- 1. reserve ------------------------------------------------------------------------------------
     async def _reserve(self, request: ReserveRequest, ctx: CallContext) -> ReserveReply:

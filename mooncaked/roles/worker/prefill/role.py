@@ -34,6 +34,7 @@ from mooncaked.roles.base import RoleEndpoint
 from mooncaked.roles.worker.group.head import PipelineHead
 from mooncaked.roles.worker.group.monitor import GroupMonitor
 from mooncaked.roles.worker.group.stage import StageService
+from mooncaked.roles.worker.kv.device_report import device_cache_report
 from mooncaked.roles.worker.kv.plan import plan_prompt_kv
 from mooncaked.roles.worker.messages import LOAD, PREFILL, LoadReply, LoadRequest, PrefillReply, PrefillRequest
 from mooncaked.roles.worker.messages import TokenSample
@@ -191,7 +192,8 @@ class PrefillRole:
                          chunk_handoff_s=self.stage_service.handoff.value if self.stage_service else 0.0,
                          pipeline_stages=[list(c) for c in spec.stage_coefficients] if spec else [],
                          pipeline_handoffs_s=list(spec.handoff_s) if spec else [],
-                         cpp_chunk_tokens=spec.chunk_tokens if spec else 0)
+                         cpp_chunk_tokens=spec.chunk_tokens if spec else 0,
+                         **device_cache_report(self.worker, request.device_cache_seq))
 
     async def _prefill(self, request: PrefillRequest, ctx: CallContext) -> PrefillReply:
         request_id_var.set(request.request_id)

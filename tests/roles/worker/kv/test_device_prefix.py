@@ -11,7 +11,7 @@ from mooncaked.kv.keys import block_keys, isolated_namespace, isolation_tag, mod
 from mooncaked.model.loader import load_model
 from mooncaked.roles.base import PeerClients
 from mooncaked.runtime.lifecycle import Role
-from mooncaked.roles.worker.messages import PREFILL, PrefillRequest, SamplingSpec
+from mooncaked.roles.worker.messages import LOAD, PREFILL, LoadRequest, PrefillRequest, SamplingSpec
 from mooncaked.rpc import RpcClient
 from tests.roles.cluster_fixtures import cluster_config, instance, running_roles
 from tests.roles.engine_reference import greedy_tokens
@@ -51,6 +51,14 @@ async def conversation(tmp_path: Path, is_cached: bool) -> tuple[list[list[int]]
             assert reply.num_cached_tokens == 0  # neither the device tier nor the store shares across salts
             counts["p0 salted"] = device_blocks(roles["p0"]) - counts["p0"]
             assert keys_for(config, first)[0] != keys[0]
+            dump = await prefill.call(LOAD, LoadRequest(device_cache_seq=-1), timeout_s=10)
+            if is_cached:  # what the conductor's device index learns: the turns' and the salted prompt's blocks
+                assert dump.is_device_cache_dump
+                assert set(dump.device_keys_gained) == {*keys_for(config, prompt[:65])[:4], *keys}
+                again = await prefill.call(LOAD, LoadRequest(device_cache_seq=dump.device_cache_seq), timeout_s=10)
+                assert not again.is_device_cache_dump and again.device_keys_gained == again.device_keys_lost == []
+            else:
+                assert not dump.is_device_cache_dump and dump.device_keys_gained == []
         finally:
             await clients.close()
     return outputs, counts
