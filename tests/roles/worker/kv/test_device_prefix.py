@@ -40,6 +40,9 @@ async def conversation(tmp_path: Path, is_cached: bool) -> tuple[list[list[int]]
                 outputs.append(out)
                 prompt = prompt + out + [rng.randrange(3, 300) for _ in range(20)]
             counts = {name: device_blocks(roles[name]) for name in ("p0", "d0")}
+            pages = roles["d0"].worker.pages  # type: ignore[attr-defined]
+            # every request ended: the cached pages are free for admission and reservations (no 429 from them)
+            assert pages.num_free == pages.num_pages and pages.num_cached == (5 if is_cached else 0)
             first = prompt[:40]
             tag = isolation_tag(cache_salt="other")
             loaded = load_model(config.model.source, dtype=config.model.dtype, seed=config.model.seed)
