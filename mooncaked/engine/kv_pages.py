@@ -1,9 +1,12 @@
 """Device KV pages and the allocator of their page ids.
 
 1. `KVPages.for_model(args, num_pages, block_size, dtype, device)` allocates, once at start-up, one buffer
-   [layers, planes, num_pages, block_size, kv_heads, head_dim] (one allocation, so it registers with the transfer
+   [layers, planes, num_pages, block_size, kv_heads, row_width] (one allocation, so it registers with the transfer
    engine as one segment) and views it per layer as k_pages[layer] and v_pages[layer], each contiguous
-   [num_pages, block_size, kv_heads, head_dim]. The geometry is the model's (ModelArgs.num_kv_planes,
+   [num_pages, block_size, kv_heads, row_width]. A row is one token's one KV head: head_dim values of `dtype`
+   (`kv.cache_dtype: auto`), or with `cache_dtype="int8"` head_dim int8 values and their bfloat16 scale as uint8
+   (kv/cache_dtype.py, kernels/quantized_kv.py): pages, store objects and transfers then all hold that form.
+   The geometry is the model's (ModelArgs.num_kv_planes,
    num_kv_heads, kv_head_dim): 2 planes, K and V, of the KV heads (GQA); or one plane of one latent "head" (MLA:
    the compressed KV and the shared rope key), which k_pages and v_pages then both view.
 2. Requests take whole pages from one `PageAllocator(num_pages)` of the pages (`allocate(n, owner)`; a worker's
@@ -17,11 +20,11 @@
    Cached pages nobody reads count as free (`num_free`): `allocate` evicts the least recently used of them when
    the free list runs short, so the cache never refuses a request pages an empty cache would have given it.
 
-A store object has the pages' layout, [model layers, planes, block_size, model kv_heads, head_dim] (docs/design.md
+A store object has the pages' layout, [model layers, planes, block_size, model kv_heads, row_width] (docs/design.md
 section 5): it always holds every KV head of the model, so it is the same bytes whatever the tensor-parallel degree
 of the instance that wrote it; a rank's KV heads of one layer's K (or V) are the strided slice [:, heads] of it
 (engine/tp/copy.py and engine/kv_copy.py copy them). Staging rows are whole objects' layers: [layers, planes,
-block_size, kv_heads, head_dim].
+block_size, kv_heads, row_width].
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from mooncaked.kv.cache_dtype import row_bytes, row_width
 from mooncaked.kv.device_cache import DevicePrefixCache
 from mooncaked.model.config import LayerRange, ModelArgs, ShardShape
 
@@ -172,7 +176,7 @@ class KVPages:
                  dtype: torch.dtype, device: torch.device | str, first_layer: int = 0,
                  num_model_layers: int | None = None, kv_head_offset: int = 0,
                  num_model_kv_heads: int | None = None, buffer: torch.Tensor | None = None,
-                 num_planes: int = 2) -> None:
+                 num_planes: int = 2, cache_dtype: str = "auto") -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if num_planes not in (1, 2):
@@ -193,9 +197,13 @@ class KVPages:
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.dtype = dtype
+        self.cache_dtype = cache_dtype
+        self.row_width = row_width(head_dim, cache_dtype)  # elements of one token's one KV head
+        self.model_dtype = dtype  # what attention computes in
+        self.dtype = torch.uint8 if cache_dtype == "int8" else dtype  # the buffer's
+        dtype = self.dtype
         self.device = torch.device(device)
-        shape = (num_layers, num_planes, num_pages, block_size, num_kv_heads, head_dim)
+        shape = (num_layers, num_planes, num_pages, block_size, num_kv_heads, self.row_width)
         if buffer is None:
             self.buffer = torch.zeros(shape, dtype=dtype, device=device)
         else:  # memory shared with another process (a tensor-parallel rank's pages, engine/tp/pages.py)
@@ -208,7 +216,8 @@ class KVPages:
     @classmethod
     def for_model(cls, args: ModelArgs, *, num_pages: int, block_size: int, dtype: torch.dtype,
                   device: torch.device | str, layers: LayerRange | None = None,
-                  shard: ShardShape | None = None, buffer: torch.Tensor | None = None) -> KVPages:
+                  shard: ShardShape | None = None, buffer: torch.Tensor | None = None,
+                  cache_dtype: str = "auto") -> KVPages:
         """Pages of `layers` (default all), for the KV heads of `shard` (a tensor-parallel rank; default all),
         in `buffer` (flat uint8 of `nbytes_for(...)`) when given."""
         layers = layers or LayerRange.whole(args)
@@ -216,15 +225,16 @@ class KVPages:
         return cls(num_layers=layers.size, num_pages=num_pages, block_size=block_size,
                    num_kv_heads=shard.num_kv_heads, head_dim=args.kv_head_dim, dtype=dtype, device=device,
                    first_layer=layers.start, num_model_layers=args.num_layers, kv_head_offset=shard.kv_head_offset,
-                   num_model_kv_heads=args.num_kv_heads, buffer=buffer, num_planes=args.num_kv_planes)
+                   num_model_kv_heads=args.num_kv_heads, buffer=buffer, num_planes=args.num_kv_planes,
+                   cache_dtype=cache_dtype)
 
     @staticmethod
     def nbytes_for(args: ModelArgs, shard: ShardShape, num_pages: int, block_size: int, dtype: torch.dtype,
-                   layers: LayerRange | None = None) -> int:
+                   layers: LayerRange | None = None, cache_dtype: str = "auto") -> int:
         """Bytes of the pages of `layers` (default all) for `shard`'s KV heads."""
         num_layers = args.num_layers if layers is None else layers.size
-        return (num_layers * args.num_kv_planes * num_pages * block_size * shard.num_kv_heads * args.kv_head_dim
-                * dtype.itemsize)
+        return (num_layers * args.num_kv_planes * num_pages * block_size * shard.num_kv_heads
+                * row_bytes(args.kv_head_dim, dtype.itemsize, cache_dtype))
 
     def copy_parts(self) -> list[tuple[KVPages, int, bool]]:
         """(pages, their first KV head in an object, whether stores read them): the pages an object's bytes are
@@ -243,7 +253,7 @@ class KVPages:
     @property
     def page_nbytes(self) -> int:
         """Bytes of one page of one layer, of one plane (K, V, or an MLA latent)."""
-        return self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return self.block_size * self.num_kv_heads * self.row_width * self.dtype.itemsize
 
     def page_byte_offset(self, layer: int, plane: int, page_id: int) -> int:
         """Where page `page_id` of `layer`'s plane `plane` (K 0, V 1; an MLA latent 0) starts in `buffer`, in
@@ -254,7 +264,7 @@ class KVPages:
     def layer_block_nbytes(self) -> int:
         """Bytes of one layer's planes for one block, every model KV head (one contiguous range of a store
         object, and a staging row's layer slice)."""
-        return self.num_planes * self.block_size * self.num_model_kv_heads * self.head_dim * self.dtype.itemsize
+        return self.num_planes * self.block_size * self.num_model_kv_heads * self.row_width * self.dtype.itemsize
 
     @property
     def block_nbytes(self) -> int:
@@ -274,6 +284,9 @@ class KVPages:
         return (num_tokens + self.block_size - 1) // self.block_size
 
     @staticmethod
-    def num_pages_fitting(memory_bytes: int, args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
+    def num_pages_fitting(memory_bytes: int, args: ModelArgs, block_size: int, dtype: torch.dtype,
+                          cache_dtype: str = "auto") -> int:
         """How many pages `memory_bytes` holds for this model (for sizing from a memory budget)."""
-        return memory_bytes // (args.kv_bytes_per_token(dtype.itemsize) * block_size)
+        per_token = args.num_layers * args.num_kv_planes * args.num_kv_heads * row_bytes(args.kv_head_dim,
+                                                                                          dtype.itemsize, cache_dtype)
+        return memory_bytes // (per_token * block_size)

@@ -51,6 +51,7 @@ from mooncaked.engine.timeline import LayerTimeline
 from mooncaked.engine.tp.runner import TensorParallelRunner
 from mooncaked.kv.device_cache import DevicePrefixCache
 from mooncaked.kv.device_journal import DeviceCacheJournal
+from mooncaked.kv.cache_dtype import namespace_dtype
 from mooncaked.kv.keys import model_namespace
 from mooncaked.model.config import LayerRange
 from mooncaked.model.frontend import load_frontend
@@ -138,7 +139,8 @@ class Worker:
         self.sampler = Sampler(seed=model.seed, device=self.loaded.device, eos_token_ids=self.loaded.eos_token_ids)
         self.grammar = await asyncio.to_thread(WorkerGrammar.build, self.loaded.tokenizer, self.vocab_size,
                                                self.loaded.eos_token_ids)
-        self.namespace = model_namespace(self.loaded.model_id, model.dtype, block_size, self.loaded.args.kv_geometry)
+        self.namespace = model_namespace(self.loaded.model_id, namespace_dtype(model.dtype, self.config.kv.cache_dtype),
+                                         block_size, self.loaded.args.kv_geometry)
         self.local_store_name = await self._find_local_store()
         await self.store_client(self.local_store_name)
         logger.info("%s loaded %s%s; %s", self.instance.name, self.loaded.model_id,
