@@ -119,6 +119,7 @@ class DecodeInstanceView:
     inline_overhead_s: float = 0.0
     num_pages: int = 0
     page_holds: tuple[DecodeHold, ...] = ()
+    device_id: str = ""  # its device prefix cache's id in the device index ("": none reported)
 
 
 @dataclass(frozen=True)

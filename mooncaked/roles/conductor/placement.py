@@ -97,5 +97,6 @@ class Placer:
             view, inline_max_tokens=int(self.config.role_section(worker.instance).inline_prefill_max_tokens),
             prefill_coefficients=self.predictors.prefill_for(name).coefficients,
             inline_wait_s=inline_wait_s(worker, flights, self.predictors, now),
-            inline_overhead_s=worker.load.overhead_s if worker.load is not None else 0.0)
+            inline_overhead_s=worker.load.overhead_s if worker.load is not None else 0.0,
+            device_id=name if self.device_index is not None else "")
         return dataclasses.replace(view, is_available=False) if name in excluded else view
