@@ -27,7 +27,7 @@ from mooncaked.config import ROLES, Config, ConfigError, config_as_dict, load_co
 logger = logging.getLogger(__name__)
 
 BENCHMARKS = ("rpc", "model", "kernels", "transfer", "store", "sched", "serve", "pd", "prefix", "layerwise",
-              "elastic", "chaos", "batch", "memory", "cpp", "agents")
+              "elastic", "chaos", "batch", "memory", "cpp", "agents", "tiers")
 
 
 class CliError(Exception):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from mooncaked.bench.tiers import TEXT, logprob_error
 from mooncaked.engine.batch import DecodeSeq, PrefillSeq, build_decode_batch, build_prefill_batch
 from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.runner import ModelRunner
@@ -12,32 +13,12 @@ from mooncaked.model.config import ShardShape
 from mooncaked.model.loader import LoadedModel
 
 BLOCK = 16
-TEXT = ("The quick brown fox jumps over the lazy dog. In 1905 Albert Einstein published four papers that changed "
-        "physics: on the photoelectric effect, Brownian motion, special relativity, and the equivalence of mass "
-        "and energy. Paris is the capital of France, and Berlin is the capital of Germany.")
-
-
-def token_logprobs(model: LoadedModel, ids: list[int], cache_dtype: str) -> torch.Tensor:
-    """The log-probability of each next token of `ids`, prefilled in two chunks (the second over the first's
-    pages, as a reused prefix is)."""
-    num_pages = -(-len(ids) // BLOCK)
-    kv = KVPages.for_model(model.args, num_pages=num_pages, block_size=BLOCK, dtype=model.dtype, device="cpu",
-                           cache_dtype=cache_dtype)
-    runner = ModelRunner(model.model, kv, backend="torch")
-    pages = list(range(num_pages))
-    half = len(ids) // 2 // BLOCK * BLOCK
-    logits = [runner.prefill(build_prefill_batch([PrefillSeq(chunk, start, pages)], block_size=BLOCK,
-                                                 num_pages=num_pages, device="cpu"), return_all_logits=True)
-              for chunk, start in ((ids[:half], 0), (ids[half:], half))]
-    logprobs = torch.cat(logits).float().log_softmax(-1)
-    return logprobs[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
 
 
 def test_int8_logprob_error_on_a_fixed_text_is_below_005_nats(smollm2: LoadedModel) -> None:
     ids = smollm2.tokenizer.encode(TEXT)
     assert len(ids) > 2 * BLOCK
-    error = (token_logprobs(smollm2, ids, "int8") - token_logprobs(smollm2, ids, "auto")).abs()
-    assert float(error.mean()) < 0.05  # measured 0.03 nats per token (docs/configuration.md)
+    assert logprob_error(smollm2, ids, "int8", BLOCK) < 0.05  # measured 0.030 nats per token (docs/configuration.md)
 
 
 def test_int8_pool_holds_39x_fp32s_and_19x_bf16s_tokens(smollm2: LoadedModel) -> None:
