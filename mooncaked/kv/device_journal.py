@@ -4,7 +4,8 @@ its device tier gained and lost since its own last report (or, when it missed to
 1. `record(gained, lost)` (the instance, before each report): the cache's drained changes become batch
    `seq + 1` (nothing when both are empty). At most `max_keys` keys are kept over all batches; older batches go.
 2. `since(seq)`: the net (gained, lost) of the batches after `seq`, or None when the caller must take a full dump
-   instead (seq < 0: it holds nothing; or batches it lacks were dropped; or seq is from before a restart).
+   instead (seq < 0: it holds nothing; or batches it lacks were dropped; or seq is from before a restart: each
+   incarnation starts its numbers at its own random `first_seq`, so an earlier one's numbers fall outside).
 
 Pure: no I/O, no clock. Owner: the worker (roles/worker/kv/device_report.py reads it for LOAD replies).
 """
@@ -18,14 +19,14 @@ from collections.abc import Hashable, Sequence
 class DeviceCacheJournal:
     """Owns the retained change batches and the current sequence number. Owner: one instance's worker."""
 
-    def __init__(self, max_keys: int) -> None:
-        if max_keys <= 0:
-            raise ValueError(f"max_keys must be positive, got {max_keys}")
+    def __init__(self, max_keys: int, first_seq: int = 0) -> None:
+        if max_keys <= 0 or first_seq < 0:
+            raise ValueError(f"max_keys must be positive and first_seq >= 0, got {max_keys} and {first_seq}")
         self.max_keys = max_keys
-        self.seq = 0
+        self.seq = first_seq
         self._batches: deque[tuple[int, list[Hashable], list[Hashable]]] = deque()
         self._num_keys = 0
-        self._oldest = 1  # the first batch still held (seq + 1 when none is)
+        self._oldest = first_seq + 1  # the first batch still held (seq + 1 when none is)
 
     def record(self, gained: Sequence[Hashable], lost: Sequence[Hashable]) -> None:
         if not gained and not lost:
@@ -40,7 +41,7 @@ class DeviceCacheJournal:
 
     def since(self, seq: int) -> tuple[list[Hashable], list[Hashable]] | None:
         """Net (gained, lost) after `seq`; None: the caller needs a full dump."""
-        if seq < 0 or seq > self.seq or seq + 1 < self._oldest:
+        if seq < self._oldest - 1 or seq > self.seq:
             return None
         gained: dict[Hashable, None] = {}
         lost: dict[Hashable, None] = {}

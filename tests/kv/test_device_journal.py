@@ -56,3 +56,10 @@ def test_a_caller_behind_the_retained_batches_gets_a_dump() -> None:
     journal.record(["c"], ["a"])
     assert journal.since(0) is None and journal.since(-1) is None and journal.since(9) is None
     assert journal.since(2) == (["c"], ["a"]) and journal.since(3) == ([], [])
+
+
+def test_a_restarted_instance_s_numbers_do_not_meet_the_old_ones() -> None:
+    restarted = DeviceCacheJournal(max_keys=8, first_seq=1_000)
+    restarted.record(["x"], [])
+    assert restarted.since(3) is None and restarted.since(-1) is None  # an earlier run's number: a dump
+    assert restarted.since(1_000) == (["x"], [])

@@ -33,6 +33,7 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
+import secrets
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -128,7 +129,9 @@ class Worker:
         # a prefill group's stages hold a layer range each: a prefix one stage holds in its pages the others lack
         is_cached = self.config.kv.device_prefix_cache and self.stage is None
         self.pages = PageAllocator(self.kv_pages.num_pages, DevicePrefixCache() if is_cached else None)
-        self.device_journal = DeviceCacheJournal(max_keys=4 * self.kv_pages.num_pages) if is_cached else None
+        # numbered from a random start: a conductor's number from this instance's earlier run gets a dump
+        self.device_journal = (DeviceCacheJournal(max_keys=4 * self.kv_pages.num_pages, first_seq=secrets.randbits(40))
+                               if is_cached else None)
         block_size = self.config.kv.block_size
         self.copier = KVCopier(self.loaded.device, backend=model.kernel_backend)
         placement = staging_placement(self.loaded.device, self.config.transfer.sysfs_root, allowed_memory_nodes())
