@@ -1,6 +1,6 @@
 """`mooncaked bench tiers`: TTFT of a hot prefix from each KV tier, and what each `kv.cache_dtype` costs.
 
-1. Per cache_dtype (auto, then int8), in this process: store s1 with prefill instances p1 and p1b on 127.0.0.1,
+1. Per cache_dtype (auto, int8, fp8_e4m3 by default), in this process: store s1 with prefill instances p1 and p1b on 127.0.0.1,
    store s2 with prefill p2 on 127.0.0.2 (the configured model, SmolLM2 by default); a warm-up opens every path.
 2. Each round draws a fresh prompt of --tokens and times p1's PREFILL (the TTFT less the HTTP hop and the
    conductor's work) with 95% of its blocks hot in one tier: `device` (prefilled on p1 before: its device prefix
@@ -42,7 +42,7 @@ from mooncaked.roles.worker.prefill.role import PrefillRole
 
 CASES = ("none", "device", "host_store", "remote_store")
 WARM_ON = {"device": "p1", "host_store": "p1b", "remote_store": "p2"}
-CACHE_DTYPES = ("auto", "int8")
+CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 TEXT = ("The quick brown fox jumps over the lazy dog. In 1905 Albert Einstein published four papers that changed "
         "physics: on the photoelectric effect, Brownian motion, special relativity, and the equivalence of mass "
         "and energy. Paris is the capital of France, and Berlin is the capital of Germany.")

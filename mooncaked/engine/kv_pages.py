@@ -4,7 +4,8 @@
    [layers, planes, num_pages, block_size, kv_heads, row_width] (one allocation, so it registers with the transfer
    engine as one segment) and views it per layer as k_pages[layer] and v_pages[layer], each contiguous
    [num_pages, block_size, kv_heads, row_width]. A row is one token's one KV head: head_dim values of `dtype`
-   (`kv.cache_dtype: auto`), or with `cache_dtype="int8"` head_dim int8 values and their bfloat16 scale as uint8
+   (`kv.cache_dtype: auto`), or with `cache_dtype` int8 (fp8_e4m3) head_dim int8 (e4m3) values and their bfloat16
+   scale, as uint8 (float8_e4m3fn)
    (kv/cache_dtype.py, kernels/quantized_kv.py): pages, store objects and transfers then all hold that form.
    The geometry is the model's (ModelArgs.num_kv_planes,
    num_kv_heads, kv_head_dim): 2 planes, K and V, of the KV heads (GQA); or one plane of one latent "head" (MLA:
@@ -37,6 +38,9 @@ import torch
 from mooncaked.kv.cache_dtype import row_bytes, row_width
 from mooncaked.kv.device_cache import DevicePrefixCache
 from mooncaked.model.config import LayerRange, ModelArgs, ShardShape
+
+
+_PACKED_PAGE_DTYPES = {"int8": torch.uint8, "fp8_e4m3": torch.float8_e4m3fn}  # kernels/quantized_kv.py
 
 
 class PagesExhausted(RuntimeError):
@@ -200,7 +204,7 @@ class KVPages:
         self.cache_dtype = cache_dtype
         self.row_width = row_width(head_dim, cache_dtype)  # elements of one token's one KV head
         self.model_dtype = dtype  # what attention computes in
-        self.dtype = torch.uint8 if cache_dtype == "int8" else dtype  # the buffer's
+        self.dtype = _PACKED_PAGE_DTYPES.get(cache_dtype, dtype)  # the buffer's
         dtype = self.dtype
         self.device = torch.device(device)
         shape = (num_layers, num_planes, num_pages, block_size, num_kv_heads, self.row_width)

@@ -13,8 +13,8 @@ importing this package never compiles or loads a kernel.
 
 Shapes: q [T, H, D]; k, v [T, Hkv, D]; pages [P, B, Hkv, D] (contiguous); block_tables int32 [S, max_blocks];
 cu_seqlens_q int32 [S+1]; seq_lens int32 [S] (total tokens per sequence, new ones included); H % Hkv == 0.
-int8 pages (`kv.cache_dtype: int8`) are uint8 [P, B, Hkv, D + 2] (kernels/quantized_kv.py): the torch backend
-quantizes on store and dequantizes what it reads; Triton refuses them.
+Compressed pages (`kv.cache_dtype` int8 or fp8_e4m3) are [P, B, Hkv, D + 2] of uint8 or float8_e4m3fn
+(kernels/quantized_kv.py): the torch backend quantizes on store and dequantizes what it reads; Triton refuses them.
 `sliding_window` W (None: unlimited): the query at position p attends to keys p - W + 1 .. p only (Mistral,
 and Qwen layers with use_sliding_window), as transformers does; keys outside every window are never read.
 """
@@ -175,8 +175,8 @@ def scatter_blocks(src: torch.Tensor, pages: torch.Tensor, page_ids: torch.Tenso
 
 def _check_triton_device(tensor: torch.Tensor, pages: torch.Tensor | None = None) -> None:
     if pages is not None and is_packed(pages):
-        raise ValueError("int8 KV pages (kv.cache_dtype: int8) run on the torch kernel backend only; set "
-                         "model.kernel_backend: torch")
+        raise ValueError("compressed KV pages (kv.cache_dtype int8, fp8_e4m3) run on the torch kernel backend "
+                         "only; set model.kernel_backend: torch")
     if tensor.is_cuda:
         return
     import triton

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mooncaked.kernels.quantized_kv import dequantize, is_packed, quantize
+from mooncaked.kernels.quantized_kv import as_bytes, dequantize, is_packed, quantize
 
 
 def store_kv(
@@ -34,8 +34,9 @@ def store_kv(
     num_kv_heads, head_dim = k_pages.shape[2], k_pages.shape[3]
     # Conversions only when needed: in a decode step every skipped no-op call is ~4 us per layer on CPU.
     slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.to(torch.int64)
-    if is_packed(k_pages):  # int8 rows with their scales (quantized_kv.py)
-        k, v = quantize(k), quantize(v)
+    if is_packed(k_pages):  # compressed rows with their scales (quantized_kv.py), copied as bytes
+        k, v = as_bytes(quantize(k, k_pages.dtype)), as_bytes(quantize(v, v_pages.dtype))
+        k_pages, v_pages = as_bytes(k_pages), as_bytes(v_pages)
     elif k.dtype != k_pages.dtype:
         k, v = k.to(k_pages.dtype), v.to(v_pages.dtype)
     # view (not reshape): pages are contiguous, so the write lands in the pages themselves.
@@ -220,4 +221,7 @@ def gather_blocks(pages: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
 
 def scatter_blocks(src: torch.Tensor, pages: torch.Tensor, page_ids: torch.Tensor) -> None:
     """Copy src [N, B, Hkv, D] into pages at page_ids [N], in place."""
+    if is_packed(pages):
+        as_bytes(pages).index_copy_(0, page_ids.to(torch.int64), as_bytes(src.view(pages.dtype)))
+        return
     pages.index_copy_(0, page_ids.to(torch.int64), src.to(pages.dtype))

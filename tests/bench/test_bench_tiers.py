@@ -12,7 +12,7 @@ from mooncaked.cli import main
 def test_tiers_bench_smoke(tmp_path: Path) -> None:
     out = tmp_path / "tiers.json"
     assert main(["bench", "tiers", "--model", "random:tiny", "--tokens", "160", "--block-size", "16",
-                 "--rounds", "1", "--json", str(out)]) == 0
+                 "--rounds", "1", "--cache-dtypes", "auto,int8", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     auto, int8 = result["runs"]
     assert (auto["cache_dtype"], int8["cache_dtype"]) == ("auto", "int8")

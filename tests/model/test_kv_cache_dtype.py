@@ -1,5 +1,5 @@
-"""int8 KV on the embedded SmolLM2: the logprob error against the uncompressed model on a fixed text, what the
-pool holds per byte, and that a decode over int8 pages follows its prefill."""
+"""Compressed KV on the embedded SmolLM2: the logprob error against the uncompressed model on a fixed text (int8
+and fp8_e4m3), what the pool holds per byte, and that a decode over int8 pages follows its prefill."""
 
 from __future__ import annotations
 
@@ -15,10 +15,13 @@ from mooncaked.model.loader import LoadedModel
 BLOCK = 16
 
 
-def test_int8_logprob_error_on_a_fixed_text_is_below_005_nats(smollm2: LoadedModel) -> None:
+def test_int8_logprob_error_on_a_fixed_text_is_below_005_nats_and_fp8_s_above(smollm2: LoadedModel) -> None:
     ids = smollm2.tokenizer.encode(TEXT)
     assert len(ids) > 2 * BLOCK
-    assert logprob_error(smollm2, ids, "int8", BLOCK) < 0.05  # measured 0.030 nats per token (docs/configuration.md)
+    int8 = logprob_error(smollm2, ids, "int8", BLOCK)
+    assert int8 < 0.05  # measured 0.030 nats per token (docs/configuration.md)
+    # fp8_e4m3 in the same bytes keeps 3 mantissa bits: measured 0.064, over the 0.05 target; int8 is the one
+    assert int8 < logprob_error(smollm2, ids, "fp8_e4m3", BLOCK) < 0.1
 
 
 def test_int8_pool_holds_39x_fp32s_and_19x_bf16s_tokens(smollm2: LoadedModel) -> None:
