@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 
 from mooncaked.cluster.membership import Membership
 from mooncaked.config import Config, InstanceConfig
+from mooncaked.kv.keys import isolated_namespace
 from mooncaked.model.grammar import GrammarState
 from mooncaked.model.sampler import make_generator
 from mooncaked.roles.base import RoleEndpoint
@@ -292,8 +293,10 @@ class DecodeRole:
             async for item in stream_items(outbox, len(running), self.config.conductor.token_timeout_s):
                 yield item
         finally:
+            namespace = isolated_namespace(self.worker.namespace, request.key_isolation)
             for seq in seqs:
                 await self.loop.remove(seq)
+                seq.kv.mark_complete_through(seq.token_ids[:-1], namespace)  # output blocks to the device tier
                 await seq.kv.release()
             await self.reservations.pages_freed()
 

@@ -4,7 +4,8 @@
    included) plus `num_extra_tokens`. Given the prompt's `block_keys`, it first reads the longest prefix of its
    first `num_shareable_blocks` the instance's device prefix cache holds in place (`num_device_blocks` of them:
    those pages are shared, read-only, and nothing loads or computes them); `mark_complete()` says the prompt's
-   full blocks hold their final KV, and `release()` then leaves them in the cache for later requests. Store objects have the pages' layout (docs/design.md section 5). Pages in host
+   full blocks hold their final KV (`mark_complete_through` a decoded sequence's, output included), and
+   `release()` then leaves them in the cache for later requests. Store objects have the pages' layout (docs/design.md section 5). Pages in host
    memory (CPU, one process) are a transfer-engine segment: every move goes straight between them and the stores
    (`is_direct`). A tensor-parallel instance on CPU (worker.tp) moves between its ranks' pages and this host's
    mapped store pool in strided copies on the copy thread (engine/tp_copy.py). Other moves (GPU pages, one
@@ -42,6 +43,7 @@ import torch
 
 from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.tp.copy import RankPagesEnd
+from mooncaked.kv.keys import block_keys
 from mooncaked.roles.worker.kv.layer_loader import LayerLoader, LoadFailed
 from mooncaked.roles.worker.kv.request_memory import CopyTracker, StagingHold, copy_staging, index_runs
 from mooncaked.roles.worker.kv.spans import StoreBlocks, num_blocks_for, page_spans, staging_spans
@@ -270,6 +272,14 @@ class RequestKv:
     def mark_complete(self) -> None:
         """The prompt's full blocks hold their final KV (computed, or loaded whole): release() may cache them."""
         self.num_complete_blocks = self.num_full_blocks
+
+    def mark_complete_through(self, token_ids: Sequence[int], namespace: bytes) -> None:
+        """A sequence's tokens whose KV is in the pages (its prompt, then its output but the last token, whose KV
+        no step wrote): release() may cache all their full blocks, output ones included, under their keys in
+        `namespace` (the request's isolated one)."""
+        keys = block_keys(token_ids, self.worker.block_size, namespace)
+        if keys[: len(self.block_keys)] == self.block_keys and len(keys) <= len(self.page_ids):
+            self.block_keys, self.num_complete_blocks = keys, len(keys)
 
     async def release(self) -> None:
         """Free pages and staging; idempotent, and safe to cancel (what then still runs ends by its deadline

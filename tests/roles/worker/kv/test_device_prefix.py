@@ -1,6 +1,7 @@
 """The device prefix cache on running roles: a repeated conversation reads its prefix from the instance's own
-pages (the device tier's metric counts it), the greedy tokens are the same with the tier on and off, and a
-request under another cache_salt never reads a block cached for the shared namespace."""
+pages (the device tier's metric counts it; on the decode instance its earlier answers' blocks too), the greedy
+tokens are the same with the tier on and off, and a request under another cache_salt never reads a block cached
+for the shared namespace."""
 
 from __future__ import annotations
 
@@ -36,13 +37,14 @@ async def conversation(tmp_path: Path, is_cached: bool) -> tuple[list[list[int]]
         clients = PeerClients(config, config.instance_named("p0"))
         try:
             for turn in range(3):
-                out, _ = await generate(config, clients, f"turn{turn}", prompt, 5, inline=turn == 2)
+                out, _ = await generate(config, clients, f"turn{turn}", prompt, 12, inline=turn == 2)
                 outputs.append(out)
                 prompt = prompt + out + [rng.randrange(3, 300) for _ in range(20)]
             counts = {name: device_blocks(roles[name]) for name in ("p0", "d0")}
             pages = roles["d0"].worker.pages  # type: ignore[attr-defined]
-            # every request ended: the cached pages are free for admission and reservations (no 429 from them)
-            assert pages.num_free == pages.num_pages and pages.num_cached == (5 if is_cached else 0)
+            # every request ended: the cached pages are free for admission and reservations (no 429 from them);
+            # d0 holds turn 2's 104 prompt and 11 output tokens' KV: 7 full blocks
+            assert pages.num_free == pages.num_pages and pages.num_cached == (7 if is_cached else 0)
             first = prompt[:40]
             tag = isolation_tag(cache_salt="other")
             loaded = load_model(config.model.source, dtype=config.model.dtype, seed=config.model.seed)
@@ -57,7 +59,7 @@ async def conversation(tmp_path: Path, is_cached: bool) -> tuple[list[list[int]]
             dump = await prefill.call(LOAD, LoadRequest(device_cache_seq=-1), timeout_s=10)
             if is_cached:  # what the conductor's device index learns: the turns' and the salted prompt's blocks
                 assert dump.is_device_cache_dump
-                assert set(dump.device_keys_gained) == {*keys_for(config, prompt[:65])[:4], *keys}
+                assert set(dump.device_keys_gained) == {*keys_for(config, prompt[:72])[:4], *keys}
                 again = await prefill.call(LOAD, LoadRequest(device_cache_seq=dump.device_cache_seq), timeout_s=10)
                 assert not again.is_device_cache_dump and again.device_keys_gained == again.device_keys_lost == []
             else:
@@ -73,8 +75,10 @@ async def test_a_repeated_conversation_hits_the_device_tier_with_the_same_greedy
     assert cached == uncached
     rng = random.Random(5)
     prompt = [rng.randrange(3, 300) for _ in range(40)]
-    assert cached[0] == greedy_tokens(load_model("random:tiny"), prompt, 5)
-    # turn 1 reads turn 0's 2 full prompt blocks on p0 and on d0; the inline turn 2 reads turn 1's 4 on d0
-    assert counts["p0"] == 2 and counts["d0"] == 2 + 4
+    assert cached[0] == greedy_tokens(load_model("random:tiny"), prompt, 12)
+    # turn 0: 40 prompt tokens, 12 out; turn 1: those and 20 more, 72 (4 full blocks); turn 2: 104 (6), inline.
+    # p0 reads turn 0's 2 prompt blocks for turn 1. d0 reads 3 for turn 1: turn 0's 2 prompt blocks and the one
+    # its answer filled (40 + 11 decoded tokens hold 3 blocks); for turn 2, 5 of turn 1's 72 + 11
+    assert counts["p0"] == 2 and counts["d0"] == 3 + 5
     assert counts["p0 salted"] == 0
     assert counts_off == {"p0": 0, "d0": 0, "p0 salted": 0}
