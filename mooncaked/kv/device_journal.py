@@ -16,6 +16,12 @@ from collections import deque
 from collections.abc import Hashable, Sequence
 
 
+# keys one LOAD reply carries at most (18 bytes each in msgpack: under 2 MB of the RPC's 4 MiB frames); the
+# journal retains no more, and a dump of a bigger cache sends its newest keys (the conductor then underestimates
+# the tier: a slower guess, never a wrong answer)
+MAX_REPORTED_KEYS = 100_000
+
+
 class DeviceCacheJournal:
     """Owns the retained change batches and the current sequence number. Owner: one instance's worker."""
 

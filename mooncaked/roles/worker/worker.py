@@ -51,7 +51,7 @@ from mooncaked.engine.staging_pool import StagingPool
 from mooncaked.engine.timeline import LayerTimeline
 from mooncaked.engine.tp.runner import TensorParallelRunner
 from mooncaked.kv.device_cache import DevicePrefixCache
-from mooncaked.kv.device_journal import DeviceCacheJournal
+from mooncaked.kv.device_journal import MAX_REPORTED_KEYS, DeviceCacheJournal
 from mooncaked.kv.cache_dtype import namespace_dtype
 from mooncaked.kv.keys import model_namespace
 from mooncaked.model.config import LayerRange
@@ -130,7 +130,8 @@ class Worker:
         is_cached = self.config.kv.device_prefix_cache and self.stage is None
         self.pages = PageAllocator(self.kv_pages.num_pages, DevicePrefixCache() if is_cached else None)
         # numbered from a random start: a conductor's number from this instance's earlier run gets a dump
-        self.device_journal = (DeviceCacheJournal(max_keys=4 * self.kv_pages.num_pages, first_seq=secrets.randbits(40))
+        max_keys = min(4 * self.kv_pages.num_pages, MAX_REPORTED_KEYS)  # a reply's worth at most
+        self.device_journal = (DeviceCacheJournal(max_keys=max_keys, first_seq=secrets.randbits(40))
                                if is_cached else None)
         block_size = self.config.kv.block_size
         self.copier = KVCopier(self.loaded.device, backend=model.kernel_backend)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mooncaked.kv.device_journal import MAX_REPORTED_KEYS
 from mooncaked.roles.worker.worker import Worker
 
 
@@ -17,7 +18,7 @@ def device_cache_report(worker: Worker, since_seq: int) -> dict[str, Any]:
     journal.record(*pages.cache.drain_changes())
     changes = journal.since(since_seq)
     if changes is None:
-        return {"device_cache_seq": journal.seq, "device_keys_gained": pages.cache.keys(),
+        return {"device_cache_seq": journal.seq, "device_keys_gained": pages.cache.keys()[-MAX_REPORTED_KEYS:],
                 "is_device_cache_dump": True}
     gained, lost = changes
     return {"device_cache_seq": journal.seq, "device_keys_gained": gained, "device_keys_lost": lost}
