@@ -52,19 +52,11 @@ def validate(config: Config) -> list[ConfigIssue]:
 
 
 def _validate_cache_dtype(config: Config) -> list[ConfigIssue]:
-    """Compressed KV runs on the torch kernels, in one process per instance (the ranks' copies are untested)."""
-    if config.kv.cache_dtype == "auto":
+    """Compressed KV runs on the torch kernels (no Triton kernels, no CUDA graphs for it yet)."""
+    if config.kv.cache_dtype == "auto" or not (config.model.kernel_backend == "triton" or config.model.cuda_graphs):
         return []
-    issues: list[ConfigIssue] = []
-    if config.model.kernel_backend == "triton" or config.model.cuda_graphs:
-        issues.append(ConfigIssue("kv.cache_dtype", f"{config.kv.cache_dtype} KV runs on the torch kernel backend; set "
-                                  "model.kernel_backend: torch (or auto) and model.cuda_graphs: false"))
-    parallel = [i.name for i in config.cluster.instances
-                if i.role in ("prefill", "decode") and config.tensor_parallel_size_of(i) > 1]
-    if config.model.tensor_parallel_size > 1 or parallel:
-        issues.append(ConfigIssue("kv.cache_dtype", f"{config.kv.cache_dtype} KV is not supported with tensor "
-                                  "parallelism yet; set kv.cache_dtype: auto or tensor_parallel_size: 1"))
-    return issues
+    return [ConfigIssue("kv.cache_dtype", f"{config.kv.cache_dtype} KV runs on the torch kernel backend; set "
+                        "model.kernel_backend: torch (or auto) and model.cuda_graphs: false")]
 
 
 def _validate_tensor_parallel(config: Config) -> list[ConfigIssue]:

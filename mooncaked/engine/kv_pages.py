@@ -252,7 +252,9 @@ class KVPages:
         for pages, _, _ in self.copy_parts():
             source = torch.tensor(list(source_ids), dtype=torch.long, device=pages.device)
             target = torch.tensor(list(target_ids), dtype=torch.long, device=pages.device)
-            pages.buffer[:, :, target] = pages.buffer[:, :, source]
+            # float8 has no index_put on CPU: fp8_e4m3 rows are copied as their bytes
+            buffer = pages.buffer.view(torch.uint8) if pages.buffer.dtype == torch.float8_e4m3fn else pages.buffer
+            buffer[:, :, target] = buffer[:, :, source]
 
     @property
     def page_nbytes(self) -> int:
