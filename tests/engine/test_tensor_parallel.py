@@ -107,10 +107,10 @@ def test_tp2_gives_the_tokens_of_tp1(case_id: str, slot_bytes: int, vocab_size: 
     torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("cache_dtype", ["int8", "fp8_e4m3"])
-def test_tp2_over_compressed_pages_gives_the_tokens_of_tp1(cache_dtype: str,
-                                                             started: list[TensorParallelRunner]) -> None:
-    """Each rank quantizes its own KV heads' rows (one scale per token and head): the same rows as one process's."""
+def test_tp2_over_compressed_pages_gives_the_tokens_of_tp1(started: list[TensorParallelRunner]) -> None:
+    """Each rank quantizes its own KV heads' rows (one scale per token and head): the same rows as one process's
+    (fp8_e4m3 pages, the other packed format, take the same path: tests/kernels/test_quantized_kv.py)."""
+    cache_dtype = "int8"
     loaded = load_model("random:tiny", packing="plain")
     kv = KVPages.for_model(loaded.args, num_pages=NUM_PAGES, block_size=BLOCK, dtype=torch.float32, device="cpu",
                            cache_dtype=cache_dtype)
