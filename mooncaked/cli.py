@@ -28,7 +28,7 @@ from mooncaked.config import ROLES, Config, ConfigError, config_as_dict, load_co
 logger = logging.getLogger(__name__)
 
 BENCHMARKS = ("rpc", "model", "kernels", "transfer", "store", "sched", "serve", "pd", "prefix", "layerwise",
-              "elastic", "chaos", "batch", "memory", "cpp", "agents", "network")
+              "elastic", "chaos", "batch", "memory", "cpp", "agents", "network", "tiers")
 
 
 class CliError(Exception):

@@ -30,6 +30,7 @@ from mooncaked.bench.cluster import instance, write_config
 from mooncaked.bench.report import write_json
 from mooncaked.bench.store_processes import instance_processes
 from mooncaked.config import Config, InstanceConfig, load_config
+from mooncaked.kv.cache_dtype import namespace_dtype
 from mooncaked.kv.keys import block_keys, model_namespace
 from mooncaked.model.frontend import load_frontend
 from mooncaked.roles.base import PeerClients
@@ -92,8 +93,8 @@ class Prompts:
 
     def __init__(self, config: Config, vocab_size: int, seed: int) -> None:
         frontend = load_frontend(config.model.source)
-        self.namespace = model_namespace(frontend.model_id, config.model.dtype, config.kv.block_size,
-                                         frontend.args.kv_geometry)
+        self.namespace = model_namespace(frontend.model_id, namespace_dtype(config.model.dtype, config.kv.cache_dtype),
+                                         config.kv.block_size, frontend.args.kv_geometry)
         self.block_size = config.kv.block_size
         self.vocab_size = min(vocab_size, frontend.args.vocab_size)
         self.rng = random.Random(seed)

@@ -90,7 +90,8 @@ def _plan_worker(config: Config, args: ModelArgs, instance: InstanceConfig, runt
         return ProcessMemory(name, role, host, num_gpus * runtime,
                              device_note=_gpu_note(config, args, budget, dtype, num_gpus, layers))
     kv = size_kv(budget, args=args, block_size=config.kv.block_size, dtype=dtype, device_type=device.type,
-                 max_model_len=model.max_model_len, num_layers=None if layers is None else layers.size)
+                 max_model_len=model.max_model_len, num_layers=None if layers is None else layers.size,
+                 cache_dtype=config.kv.cache_dtype)
     workspace = activation_bytes(args, section.max_batch_tokens, section.max_batch_size, dtype)
     is_packable = model.cpu_packed_gemm and dtype == torch.float32
     packing = worker_packing(role, section.switchable) if is_packable else "plain"
@@ -127,7 +128,7 @@ def _gpu_note(config: Config, args: ModelArgs, budget: KVBudget, dtype: torch.dt
         return f"{weights}; KV pages: {fraction:g} of the GPU memory free at start, less weights and workspace"
     kv = size_kv(budget, args=rank_kv_args(args, num_ranks), block_size=config.kv.block_size, dtype=dtype,
                  device_type="cuda", max_model_len=config.model.max_model_len,
-                 num_layers=None if layers is None else layers.size)
+                 num_layers=None if layers is None else layers.size, cache_dtype=config.kv.cache_dtype)
     return f"{weights}; {kv.describe()}"
 
 

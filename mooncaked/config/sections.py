@@ -63,6 +63,10 @@ class RpcSection:
 @dataclass(frozen=True)
 class KvSection:
     block_size: int = bounded(64, min=1, max=4096)
+    device_prefix_cache: bool = True
+    cache_dtype: str = bounded("auto", choices=("auto", "int8", "fp8_e4m3"),
+                               doc="auto: the model's dtype; int8, fp8_e4m3: 8-bit values, a bfloat16 scale per "
+                                   "token and KV head")
 
 
 @dataclass(frozen=True)

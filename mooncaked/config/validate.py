@@ -49,6 +49,7 @@ def validate(config: Config) -> list[ConfigIssue]:
                 issues.extend(_validate_kv_budget(merged, config.model.device, where))
     issues.extend(_validate_prefill_groups(config))
     issues.extend(_validate_tensor_parallel(config))
+    issues.extend(_validate_cache_dtype(config))
     return issues
 
 
@@ -66,6 +67,14 @@ def _validate_nics(config: Config) -> list[ConfigIssue]:
             if len(set(values)) < len(values):
                 issues.append(ConfigIssue(f"transfer.nics.{host}", f"two NICs with one {what}: {values}"))
     return issues
+
+
+def _validate_cache_dtype(config: Config) -> list[ConfigIssue]:
+    """Compressed KV runs on the torch kernels (no Triton kernels, no CUDA graphs for it yet)."""
+    if config.kv.cache_dtype == "auto" or not (config.model.kernel_backend == "triton" or config.model.cuda_graphs):
+        return []
+    return [ConfigIssue("kv.cache_dtype", f"{config.kv.cache_dtype} KV runs on the torch kernel backend; set "
+                        "model.kernel_backend: torch (or auto) and model.cuda_graphs: false")]
 
 
 def _validate_tensor_parallel(config: Config) -> list[ConfigIssue]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mooncaked.kv.cache_dtype import row_bytes
 from mooncaked.model.config import ModelArgs
 from mooncaked.runtime.errors import StartupError
 
@@ -71,18 +72,21 @@ class KVSizing:
                 f"({self.origin})")
 
 
-def page_nbytes(args: ModelArgs, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
-    """Bytes of one page: block_size tokens of every layer's KV planes (of `num_layers` on a pipeline stage)."""
+def page_nbytes(args: ModelArgs, block_size: int, dtype: torch.dtype, num_layers: int | None = None,
+                cache_dtype: str = "auto") -> int:
+    """Bytes of one page: block_size tokens of every layer's KV planes (of `num_layers` on a pipeline stage), in
+    `cache_dtype`'s form (kv/cache_dtype.py)."""
     layers = args.num_layers if num_layers is None else num_layers
-    return layers * args.num_kv_planes * block_size * args.num_kv_heads * args.kv_head_dim * dtype.itemsize
+    return (layers * args.num_kv_planes * block_size * args.num_kv_heads
+            * row_bytes(args.kv_head_dim, dtype.itemsize, cache_dtype))
 
 
 def size_kv(budget: KVBudget, *, args: ModelArgs, block_size: int, dtype: torch.dtype, device_type: str,
             max_model_len: int, device_memory: DeviceMemory | None = None,
-            num_layers: int | None = None) -> KVSizing:
+            num_layers: int | None = None, cache_dtype: str = "auto") -> KVSizing:
     """The page count for `budget` (see the module docstring); KVBudgetTooSmall below one request's need.
     num_layers: the layers whose KV the pages hold (a pipeline stage's); None: every layer of `args`."""
-    per_page = page_nbytes(args, block_size, dtype, num_layers)
+    per_page = page_nbytes(args, block_size, dtype, num_layers, cache_dtype)
     if budget.num_kv_pages is not None:
         return KVSizing(budget.num_kv_pages, block_size, per_page, "worker.num_kv_pages")
     budget_bytes, origin = _budget_bytes(budget, device_type, device_memory)

@@ -37,7 +37,7 @@ from mooncaked.engine.kv_pages import KVPages
 def staging_shape(kv_pages: KVPages, num_blocks: int) -> tuple[int, ...]:
     """Staging rows hold every KV head of the model (a rank's pages copy their heads' slice of them)."""
     return (num_blocks, kv_pages.num_layers, kv_pages.num_planes, kv_pages.block_size, kv_pages.num_model_kv_heads,
-            kv_pages.head_dim)
+            kv_pages.row_width)
 
 
 def layer_byte_range(kv_pages: KVPages, layer: int) -> tuple[int, int]:

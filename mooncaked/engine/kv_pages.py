@@ -1,9 +1,13 @@
 """Device KV pages and the allocator of their page ids.
 
 1. `KVPages.for_model(args, num_pages, block_size, dtype, device)` allocates, once at start-up, one buffer
-   [layers, planes, num_pages, block_size, kv_heads, head_dim] (one allocation, so it registers with the transfer
+   [layers, planes, num_pages, block_size, kv_heads, row_width] (one allocation, so it registers with the transfer
    engine as one segment) and views it per layer as k_pages[layer] and v_pages[layer], each contiguous
-   [num_pages, block_size, kv_heads, head_dim]. The geometry is the model's (ModelArgs.num_kv_planes,
+   [num_pages, block_size, kv_heads, row_width]. A row is one token's one KV head: head_dim values of `dtype`
+   (`kv.cache_dtype: auto`), or with `cache_dtype` int8 (fp8_e4m3) head_dim int8 (e4m3) values and their bfloat16
+   scale, as uint8 (float8_e4m3fn)
+   (kv/cache_dtype.py, kernels/quantized_kv.py): pages, store objects and transfers then all hold that form.
+   The geometry is the model's (ModelArgs.num_kv_planes,
    num_kv_heads, kv_head_dim): 2 planes, K and V, of the KV heads (GQA); or one plane of one latent "head" (MLA:
    the compressed KV and the shared rope key), which k_pages and v_pages then both view.
 2. Requests take whole pages from one `PageAllocator(num_pages)` of the pages (`allocate(n, owner)`; a worker's
@@ -11,12 +15,17 @@
    block_table[t // block_size] at offset t % block_size.
 3. When a request ends (or fails) its owner frees its pages (`free` / `free_owner`); the page contents are left
    as they are and simply overwritten by the next owner.
+4. With a device prefix cache (kv/device_cache.py; `kv.device_prefix_cache`), a finished request first hands its
+   full blocks' pages to the cache (`keep(owner, keyed_pages)`) and a new one reads the longest cached prefix of
+   its block keys in place (`share_prefix(keys, owner)`: one reader each, released with the owner's pages).
+   Cached pages nobody reads count as free (`num_free`): `allocate` evicts the least recently used of them when
+   the free list runs short, so the cache never refuses a request pages an empty cache would have given it.
 
-A store object has the pages' layout, [model layers, planes, block_size, model kv_heads, head_dim] (docs/design.md
+A store object has the pages' layout, [model layers, planes, block_size, model kv_heads, row_width] (docs/design.md
 section 5): it always holds every KV head of the model, so it is the same bytes whatever the tensor-parallel degree
 of the instance that wrote it; a rank's KV heads of one layer's K (or V) are the strided slice [:, heads] of it
 (engine/tp/copy.py and engine/kv_copy.py copy them). Staging rows are whole objects' layers: [layers, planes,
-block_size, kv_heads, head_dim].
+block_size, kv_heads, row_width].
 """
 
 from __future__ import annotations
@@ -26,7 +35,12 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from mooncaked.kv.cache_dtype import row_bytes, row_width
+from mooncaked.kv.device_cache import DevicePrefixCache
 from mooncaked.model.config import LayerRange, ModelArgs, ShardShape
+
+
+_PACKED_PAGE_DTYPES = {"int8": torch.uint8, "fp8_e4m3": torch.float8_e4m3fn}  # kernels/quantized_kv.py
 
 
 class PagesExhausted(RuntimeError):
@@ -34,30 +48,43 @@ class PagesExhausted(RuntimeError):
 
 
 class PageAllocator:
-    """Owns the free list and which owner (a request id) holds each used page."""
+    """Owns the free list, which owner (a request id) holds each used page, and the device prefix cache (the
+    pages it holds, and which owners read which of them)."""
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, cache: DevicePrefixCache | None = None) -> None:
         if num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
         self.num_pages = num_pages
+        self.cache = cache
         self._free: deque[int] = deque(range(num_pages))
         self._owner_of: dict[int, str] = {}
         self._pages_of: dict[str, dict[int, None]] = {}  # insertion-ordered sets
+        self._shared_of: dict[str, list[int]] = {}  # owner -> cached pages it reads, in block order
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages a request may take now: the free list and the cached pages nobody reads."""
+        return len(self._free) + (self.cache.num_reclaimable if self.cache is not None else 0)
 
     @property
     def num_used(self) -> int:
-        return len(self._owner_of)
+        """Pages requests hold or read (cached pages no one reads are free)."""
+        return self.num_pages - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        return self.cache.num_cached if self.cache is not None else 0
 
     def allocate(self, num_pages: int, owner: str) -> list[int]:
-        """All or nothing: `num_pages` page ids for `owner`, or PagesExhausted."""
+        """All or nothing: `num_pages` page ids for `owner`, or PagesExhausted; evicts unreferenced cached pages
+        (least recently used first) when the free list is short."""
         if num_pages < 0:
             raise ValueError(f"num_pages must be >= 0, got {num_pages}")
+        if num_pages > self.num_free:
+            raise PagesExhausted(f"{owner}: needs {num_pages} KV pages, {self.num_free} free of {self.num_pages}")
         if num_pages > len(self._free):
-            raise PagesExhausted(f"{owner}: needs {num_pages} KV pages, {len(self._free)} free of {self.num_pages}")
+            assert self.cache is not None
+            self._free.extend(self.cache.evict(num_pages - len(self._free)))
         pages = [self._free.popleft() for _ in range(num_pages)]
         for page in pages:
             self._owner_of[page] = owner
@@ -95,10 +122,46 @@ class PageAllocator:
         return pages
 
     def free_owner(self, owner: str) -> int:
-        """Free every page `owner` holds (cleanup after an abort); returns how many."""
+        """Free every page `owner` holds (cleanup after an abort) and end its reads of cached pages; returns how
+        many pages it held."""
         pages = list(self._pages_of.get(owner, ()))
         self.free(pages, owner)
+        shared = self._shared_of.pop(owner, [])
+        if shared:
+            assert self.cache is not None
+            self.cache.release(reversed(shared))  # deepest block first: it is evicted first
         return len(pages)
+
+    def share_prefix(self, keys: Sequence[bytes], owner: str) -> list[int]:
+        """The cached pages of the longest prefix of `keys` (block keys, in order), read by `owner` until
+        free_owner; [] without a cache. The owner must not write them."""
+        if self.cache is None or not keys:
+            return []
+        pages = self.cache.match(keys)
+        self.cache.acquire(pages)
+        if pages:
+            self._shared_of.setdefault(owner, []).extend(pages)
+        return pages
+
+    def shared_of(self, owner: str) -> list[int]:
+        return list(self._shared_of.get(owner, ()))
+
+    def keep(self, owner: str, keyed_pages: Sequence[tuple[bytes, int]]) -> int:
+        """Hand `owner`'s pages holding full blocks, (block key, page) in block order, to the cache (pages of keys
+        it holds already stay the owner's, freed with the rest); returns how many it took. Call only once their
+        KV is complete and nothing writes them any more."""
+        if self.cache is None:
+            return 0
+        held = self._pages_of.get(owner, {})
+        num_kept = 0
+        for key, page in reversed(keyed_pages):  # deepest block first: the least recently used of the prefix
+            if page in held and self.cache.insert(key, page):
+                del self._owner_of[page]
+                del held[page]
+                num_kept += 1
+        if not held:
+            self._pages_of.pop(owner, None)
+        return num_kept
 
     def owner_of(self, page_id: int) -> str | None:
         return self._owner_of.get(page_id)
@@ -117,7 +180,7 @@ class KVPages:
                  dtype: torch.dtype, device: torch.device | str, first_layer: int = 0,
                  num_model_layers: int | None = None, kv_head_offset: int = 0,
                  num_model_kv_heads: int | None = None, buffer: torch.Tensor | None = None,
-                 num_planes: int = 2) -> None:
+                 num_planes: int = 2, cache_dtype: str = "auto") -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if num_planes not in (1, 2):
@@ -138,9 +201,13 @@ class KVPages:
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.dtype = dtype
+        self.cache_dtype = cache_dtype
+        self.row_width = row_width(head_dim, cache_dtype)  # elements of one token's one KV head
+        self.model_dtype = dtype  # what attention computes in
+        self.dtype = _PACKED_PAGE_DTYPES.get(cache_dtype, dtype)  # the buffer's
+        dtype = self.dtype
         self.device = torch.device(device)
-        shape = (num_layers, num_planes, num_pages, block_size, num_kv_heads, head_dim)
+        shape = (num_layers, num_planes, num_pages, block_size, num_kv_heads, self.row_width)
         if buffer is None:
             self.buffer = torch.zeros(shape, dtype=dtype, device=device)
         else:  # memory shared with another process (a tensor-parallel rank's pages, engine/tp/pages.py)
@@ -153,7 +220,8 @@ class KVPages:
     @classmethod
     def for_model(cls, args: ModelArgs, *, num_pages: int, block_size: int, dtype: torch.dtype,
                   device: torch.device | str, layers: LayerRange | None = None,
-                  shard: ShardShape | None = None, buffer: torch.Tensor | None = None) -> KVPages:
+                  shard: ShardShape | None = None, buffer: torch.Tensor | None = None,
+                  cache_dtype: str = "auto") -> KVPages:
         """Pages of `layers` (default all), for the KV heads of `shard` (a tensor-parallel rank; default all),
         in `buffer` (flat uint8 of `nbytes_for(...)`) when given."""
         layers = layers or LayerRange.whole(args)
@@ -161,15 +229,16 @@ class KVPages:
         return cls(num_layers=layers.size, num_pages=num_pages, block_size=block_size,
                    num_kv_heads=shard.num_kv_heads, head_dim=args.kv_head_dim, dtype=dtype, device=device,
                    first_layer=layers.start, num_model_layers=args.num_layers, kv_head_offset=shard.kv_head_offset,
-                   num_model_kv_heads=args.num_kv_heads, buffer=buffer, num_planes=args.num_kv_planes)
+                   num_model_kv_heads=args.num_kv_heads, buffer=buffer, num_planes=args.num_kv_planes,
+                   cache_dtype=cache_dtype)
 
     @staticmethod
     def nbytes_for(args: ModelArgs, shard: ShardShape, num_pages: int, block_size: int, dtype: torch.dtype,
-                   layers: LayerRange | None = None) -> int:
+                   layers: LayerRange | None = None, cache_dtype: str = "auto") -> int:
         """Bytes of the pages of `layers` (default all) for `shard`'s KV heads."""
         num_layers = args.num_layers if layers is None else layers.size
-        return (num_layers * args.num_kv_planes * num_pages * block_size * shard.num_kv_heads * args.kv_head_dim
-                * dtype.itemsize)
+        return (num_layers * args.num_kv_planes * num_pages * block_size * shard.num_kv_heads
+                * row_bytes(args.kv_head_dim, dtype.itemsize, cache_dtype))
 
     def copy_parts(self) -> list[tuple[KVPages, int, bool]]:
         """(pages, their first KV head in an object, whether stores read them): the pages an object's bytes are
@@ -183,12 +252,14 @@ class KVPages:
         for pages, _, _ in self.copy_parts():
             source = torch.tensor(list(source_ids), dtype=torch.long, device=pages.device)
             target = torch.tensor(list(target_ids), dtype=torch.long, device=pages.device)
-            pages.buffer[:, :, target] = pages.buffer[:, :, source]
+            # float8 has no index_put on CPU: fp8_e4m3 rows are copied as their bytes
+            buffer = pages.buffer.view(torch.uint8) if pages.buffer.dtype == torch.float8_e4m3fn else pages.buffer
+            buffer[:, :, target] = buffer[:, :, source]
 
     @property
     def page_nbytes(self) -> int:
         """Bytes of one page of one layer, of one plane (K, V, or an MLA latent)."""
-        return self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return self.block_size * self.num_kv_heads * self.row_width * self.dtype.itemsize
 
     def page_byte_offset(self, layer: int, plane: int, page_id: int) -> int:
         """Where page `page_id` of `layer`'s plane `plane` (K 0, V 1; an MLA latent 0) starts in `buffer`, in
@@ -199,7 +270,7 @@ class KVPages:
     def layer_block_nbytes(self) -> int:
         """Bytes of one layer's planes for one block, every model KV head (one contiguous range of a store
         object, and a staging row's layer slice)."""
-        return self.num_planes * self.block_size * self.num_model_kv_heads * self.head_dim * self.dtype.itemsize
+        return self.num_planes * self.block_size * self.num_model_kv_heads * self.row_width * self.dtype.itemsize
 
     @property
     def block_nbytes(self) -> int:
@@ -219,6 +290,9 @@ class KVPages:
         return (num_tokens + self.block_size - 1) // self.block_size
 
     @staticmethod
-    def num_pages_fitting(memory_bytes: int, args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
+    def num_pages_fitting(memory_bytes: int, args: ModelArgs, block_size: int, dtype: torch.dtype,
+                          cache_dtype: str = "auto") -> int:
         """How many pages `memory_bytes` holds for this model (for sizing from a memory budget)."""
-        return memory_bytes // (args.kv_bytes_per_token(dtype.itemsize) * block_size)
+        per_token = args.num_layers * args.num_kv_planes * args.num_kv_heads * row_bytes(args.kv_head_dim,
+                                                                                          dtype.itemsize, cache_dtype)
+        return memory_bytes // (per_token * block_size)

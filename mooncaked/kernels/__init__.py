@@ -13,6 +13,8 @@ importing this package never compiles or loads a kernel.
 
 Shapes: q [T, H, D]; k, v [T, Hkv, D]; pages [P, B, Hkv, D] (contiguous); block_tables int32 [S, max_blocks];
 cu_seqlens_q int32 [S+1]; seq_lens int32 [S] (total tokens per sequence, new ones included); H % Hkv == 0.
+Compressed pages (`kv.cache_dtype` int8 or fp8_e4m3) are [P, B, Hkv, D + 2] of uint8 or float8_e4m3fn
+(kernels/quantized_kv.py): the torch backend quantizes on store and dequantizes what it reads; Triton refuses them.
 `sliding_window` W (None: unlimited): the query at position p attends to keys p - W + 1 .. p only (Mistral,
 and Qwen layers with use_sliding_window), as transformers does; keys outside every window are never read.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from mooncaked.kernels import reference
+from mooncaked.kernels.quantized_kv import INT8_SCALE_BYTES, is_packed
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -48,14 +51,15 @@ def store_kv(
     Triton skips rows whose slot is negative (padding rows of a captured decode step); the torch reference,
     which never runs padded batches, does not check (a check would cost a host sync per layer on CPU)."""
     _check_pages(k_pages, v_pages)
-    if k.dim() != 3 or k.shape != v.shape or k.shape[1:] != k_pages.shape[2:]:
+    width = k.shape[-1] + INT8_SCALE_BYTES if is_packed(k_pages) else k.shape[-1]
+    if k.dim() != 3 or k.shape != v.shape or (k.shape[1], width) != tuple(k_pages.shape[2:]):
         raise ValueError(f"k, v must be [T, Hkv, D] matching pages {tuple(k_pages.shape)}; got {tuple(k.shape)}")
     if slot_mapping.shape != (k.shape[0],):
         raise ValueError(f"slot_mapping must be [T={k.shape[0]}], got {tuple(slot_mapping.shape)}")
     if resolve_backend(backend, k) == "torch":
         reference.store_kv(k, v, k_pages, v_pages, slot_mapping)
         return
-    _check_triton_device(k)
+    _check_triton_device(k, k_pages)
     from mooncaked.kernels import triton_kv
 
     triton_kv.store_kv(k, v, k_pages, v_pages, slot_mapping)
@@ -85,7 +89,7 @@ def prefill_attention(
     if resolve_backend(backend, q) == "torch":
         return reference.prefill_attention(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, scale,
                                            sliding_window)
-    _check_triton_device(q)
+    _check_triton_device(q, k_pages)
     from mooncaked.kernels import triton_prefill
 
     return triton_prefill.prefill_attention(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, scale,
@@ -136,7 +140,7 @@ def decode_attention(
         raise ValueError(f"decode q must have one row per sequence: q has {q.shape[0]}, seq_lens {seq_lens.shape[0]}")
     if resolve_backend(backend, q) == "torch":
         return reference.decode_attention(q, k_pages, v_pages, block_tables, seq_lens, scale, plan, sliding_window)
-    _check_triton_device(q)
+    _check_triton_device(q, k_pages)
     from mooncaked.kernels import triton_decode
 
     return triton_decode.decode_attention(q, k_pages, v_pages, block_tables, seq_lens, scale,
@@ -169,7 +173,10 @@ def scatter_blocks(src: torch.Tensor, pages: torch.Tensor, page_ids: torch.Tenso
     triton_kv.scatter_blocks(src, pages, page_ids)
 
 
-def _check_triton_device(tensor: torch.Tensor) -> None:
+def _check_triton_device(tensor: torch.Tensor, pages: torch.Tensor | None = None) -> None:
+    if pages is not None and is_packed(pages):
+        raise ValueError("compressed KV pages (kv.cache_dtype int8, fp8_e4m3) run on the torch kernel backend "
+                         "only; set model.kernel_backend: torch")
     if tensor.is_cuda:
         return
     import triton
@@ -200,9 +207,10 @@ def _check_attention(
     seq_lens: torch.Tensor,
 ) -> None:
     _check_pages(k_pages, v_pages)
-    if q.dim() != 3 or q.shape[2] != k_pages.shape[3]:
-        raise ValueError(f"q must be [T, H, D={k_pages.shape[3]}], got {tuple(q.shape)}")
-    if q.dtype != k_pages.dtype:
+    head_dim = k_pages.shape[3] - INT8_SCALE_BYTES if is_packed(k_pages) else k_pages.shape[3]
+    if q.dim() != 3 or q.shape[2] != head_dim:
+        raise ValueError(f"q must be [T, H, D={head_dim}], got {tuple(q.shape)}")
+    if q.dtype != k_pages.dtype and not is_packed(k_pages):
         raise ValueError(f"q dtype {q.dtype} must match the KV pages' dtype {k_pages.dtype}")
     if q.shape[1] % k_pages.shape[2] != 0:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k_pages.shape[2]})")

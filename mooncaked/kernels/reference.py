@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mooncaked.kernels.quantized_kv import as_bytes, dequantize, is_packed, quantize
+
 
 def store_kv(
     k: torch.Tensor,
@@ -32,7 +34,10 @@ def store_kv(
     num_kv_heads, head_dim = k_pages.shape[2], k_pages.shape[3]
     # Conversions only when needed: in a decode step every skipped no-op call is ~4 us per layer on CPU.
     slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.to(torch.int64)
-    if k.dtype != k_pages.dtype:
+    if is_packed(k_pages):  # compressed rows with their scales (quantized_kv.py), copied as bytes
+        k, v = as_bytes(quantize(k, k_pages.dtype)), as_bytes(quantize(v, v_pages.dtype))
+        k_pages, v_pages = as_bytes(k_pages), as_bytes(v_pages)
+    elif k.dtype != k_pages.dtype:
         k, v = k.to(k_pages.dtype), v.to(v_pages.dtype)
     # view (not reshape): pages are contiguous, so the write lands in the pages themselves.
     k_pages.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
@@ -74,6 +79,8 @@ def prefill_attention(
         num_keys = seq_len - first_block * k_pages.shape[1]
         k = gather_pages(k_pages, row, num_keys)  # [L', Hkv, D], key 0 at position first_block * B
         v = k if v_pages is k_pages else gather_pages(v_pages, row, num_keys)  # an MLA latent is its own value
+        if is_packed(k_pages):
+            k, v = dequantize(k, q.dtype), dequantize(v, q.dtype)
         out[q_start:q_end] = _attend(q[q_start:q_end], k, v, scale, num_cached - first_block * k_pages.shape[1],
                                      sliding_window)
     return out
@@ -189,10 +196,12 @@ def _decode_padded(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
     """Every sequence padded to plan.max_len: one gather per pool, one SDPA call."""
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
-    token_shape = (num_seqs, plan.page_ids.shape[0] // num_seqs * block_size, num_kv_heads, head_dim)
+    token_shape = (num_seqs, plan.page_ids.shape[0] // num_seqs * block_size, num_kv_heads, k_pages.shape[3])
     k = k_pages.index_select(0, plan.page_ids).view(token_shape)[:, : plan.max_len]  # [S, Lmax, Hkv, D]
     # an MLA latent is its own value: one gather
     v = k if v_pages is k_pages else v_pages.index_select(0, plan.page_ids).view(token_shape)[:, : plan.max_len]
+    if is_packed(k_pages):  # int8 rows [.., D + 2] -> q's dtype [.., D]
+        k, v = dequantize(k, q.dtype), dequantize(v, q.dtype)
     # The GROUP query heads of one kv head act as GROUP query rows: no K/V expansion, and SDPA on CPU runs
     # this faster than with enable_gqa.
     o = F.scaled_dot_product_attention(
@@ -212,4 +221,7 @@ def gather_blocks(pages: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
 
 def scatter_blocks(src: torch.Tensor, pages: torch.Tensor, page_ids: torch.Tensor) -> None:
     """Copy src [N, B, Hkv, D] into pages at page_ids [N], in place."""
+    if is_packed(pages):
+        as_bytes(pages).index_copy_(0, page_ids.to(torch.int64), as_bytes(src.view(pages.dtype)))
+        return
     pages.index_copy_(0, page_ids.to(torch.int64), src.to(pages.dtype))

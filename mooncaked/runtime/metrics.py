@@ -128,6 +128,11 @@ class CacheMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.blocks_reused_total = Counter("mooncaked_prefix_blocks_reused", "Prompt blocks served from cache.",
                                            ["location"], registry=registry)
+        self.device_blocks_total = Counter("mooncaked_device_prefix_blocks",
+                                           "Prompt blocks read in place from this instance's device prefix cache "
+                                           "(also counted as reused, location local).", registry=registry)
+        self.device_cached_blocks = Gauge("mooncaked_device_cached_blocks",
+                                          "Blocks held in this instance's device prefix cache.", registry=registry)
         self.blocks_computed_total = Counter("mooncaked_prefix_blocks_computed",
                                              "Prompt blocks computed (not in any cache).", registry=registry)
         self.transfer_bytes_total = Counter("mooncaked_transfer_bytes", "KV bytes moved by the transfer engine.",
@@ -144,6 +149,11 @@ class CacheMetrics:
         self.blocks_reused_total.labels(location="local").inc(num_local)
         self.blocks_reused_total.labels(location="remote").inc(num_remote)
         self.blocks_computed_total.inc(num_computed)
+
+    def observe_device_prefix(self, *, num_blocks: int, num_cached: int) -> None:
+        """A prompt read `num_blocks` from the device tier, which now holds `num_cached` blocks."""
+        self.device_blocks_total.inc(num_blocks)
+        self.device_cached_blocks.set(num_cached)
 
     def observe_transfer(self, direction: str, num_bytes: int) -> None:
         _check("direction", direction, DIRECTIONS)

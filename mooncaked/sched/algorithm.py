@@ -4,9 +4,12 @@ Entry point, called once per request by the conductor and by the simulator:
 
     schedule(request: RequestInfo, prefill_views: Sequence[PrefillInstanceView],
              decode_views: Sequence[DecodeInstanceView], index: ShadowIndex,
-             policy: SchedulerPolicy, now: float) -> Placement | Rejection
+             policy: SchedulerPolicy, now: float, device_index: ShadowIndex | None = None) -> Placement | Rejection
 
-1. Prefix match: `index.prefix_lengths(request.block_keys)` gives every store's reusable prefix (line 3).
+1. Prefix match: `index.prefix_lengths(request.block_keys)` gives every store's reusable prefix (line 3), and
+   `device_index.prefix_lengths(...)` every instance's device prefix cache's (indexed by the view's `device_id`):
+   an instance's local prefix is the longer of its device tier's and its host store's. Among equal TTFTs the
+   instance with the longer device prefix wins (it reads the prefix in place, no copy from the store).
 2. Prefill choice among the available instances, prefill groups (chunked pipeline parallelism) only for
    prompts longer than `cpp_min_tokens` (or when no single instance is available), by `policy.config.scheduler`:
    - `kvcache_centric` (lines 4-16): per instance, reuse the best prefix anywhere when it is more than
@@ -26,8 +29,9 @@ Pure: no I/O, no clock, no randomness beyond the request id; same inputs give th
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from mooncaked.sched.admission import admission_rejection, select_decode
@@ -65,6 +69,7 @@ class PrefillChoice:
     transfer_s: float
     queue_s: float
     prefill_s: float
+    num_device_prefix_blocks: int = 0
 
     @property
     def ttft_s(self) -> float:
@@ -78,13 +83,15 @@ def schedule(
     index: ShadowIndex,
     policy: SchedulerPolicy,
     now: float,
+    device_index: ShadowIndex | None = None,
 ) -> Placement | Rejection:
     """Algorithm 1 with the configured prefill scheduler and admission policy; see the module docstring."""
     candidates = eligible_prefill(request, prefill_views, policy.config)
     if not candidates:
         return Rejection(request.request_id, REASON_NO_PREFILL)
     prefix_lengths = index.prefix_lengths(request.block_keys)
-    prefill = choose_prefill(request, candidates, prefix_lengths, policy, now)
+    device_lengths = device_index.prefix_lengths(request.block_keys) if device_index is not None else {}
+    prefill = choose_prefill(request, candidates, prefix_lengths, policy, now, device_lengths)
     config = policy.config
     ttft = prefill.ttft_s
     decode = select_decode(request.num_prompt_tokens, decode_views, config, policy.predictors.decode, now,
@@ -134,19 +141,31 @@ def choose_prefill(
     prefix_lengths: dict[str, int],
     policy: SchedulerPolicy,
     now: float,
+    device_lengths: Mapping[str, int] | None = None,
 ) -> PrefillChoice:
-    """The prefill instance under `policy.config.scheduler` (candidates must be non-empty and available)."""
+    """The prefill instance under `policy.config.scheduler` (candidates must be non-empty and available);
+    `device_lengths`: the device prefix caches' prefix lengths, by device id."""
     scheduler = policy.config.scheduler
+    device_lengths = device_lengths or {}
     if scheduler == "kvcache_centric":
-        return _best_ttft(request, candidates, prefix_lengths, policy, now, allow_fetch=True)
+        return _best_ttft(request, candidates, prefix_lengths, policy, now, allow_fetch=True,
+                          device_lengths=device_lengths)
     if scheduler == "cache_aware":
-        return _best_ttft(request, candidates, prefix_lengths, policy, now, allow_fetch=False)
+        return _best_ttft(request, candidates, prefix_lengths, policy, now, allow_fetch=False,
+                          device_lengths=device_lengths)
     if scheduler == "load_balancing":
         view = min(candidates, key=lambda v: queue_time_s(v, now))
     else:
         seed = f"{policy.config.seed}:{request.request_id}".encode()
         view = candidates[zlib.crc32(seed) % len(candidates)]
-    return _local_choice(request, view, prefix_lengths.get(view.store_id, 0), policy, now)
+    device_len = device_prefix(view, device_lengths)
+    choice = _local_choice(request, view, max(prefix_lengths.get(view.store_id, 0), device_len), policy, now)
+    return dataclasses.replace(choice, num_device_prefix_blocks=device_len)
+
+
+def device_prefix(view: PrefillInstanceView, device_lengths: Mapping[str, int]) -> int:
+    """Leading prompt blocks the instance's device prefix cache holds (0 when it reports none)."""
+    return device_lengths.get(view.device_id, 0) if view.device_id else 0
 
 
 def _best_ttft(
@@ -156,6 +175,7 @@ def _best_ttft(
     policy: SchedulerPolicy,
     now: float,
     allow_fetch: bool,
+    device_lengths: Mapping[str, int],
 ) -> PrefillChoice:
     best_store, best_len = _best_prefix(prefix_lengths) if allow_fetch else (None, 0)
     threshold = policy.config.kvcache_balancing_threshold
@@ -165,7 +185,8 @@ def _best_ttft(
     prefill_s_by: dict[tuple[int, tuple[float, ...], PipelineSpec | None], float] = {}
     best: PrefillChoice | None = None
     for view in candidates:
-        local_len = prefix_lengths.get(view.store_id, 0)
+        device_len = device_prefix(view, device_lengths)
+        local_len = max(prefix_lengths.get(view.store_id, 0), device_len)  # the device tier, then the host's store
         if best_len > threshold * local_len:  # Algorithm 1 line 5, written without dividing by zero
             prefix_len, transfer_s, source = best_len, predictors.transfer.predict(best_len - local_len), best_store
         else:
@@ -178,10 +199,12 @@ def _best_ttft(
             prefill_s_by[model_key] = prefill_s
         queue_s = queue_time_s(view, now)
         ttft_s = transfer_s + queue_s + prefill_s + view.overhead_s
-        if best is None or ttft_s < best.ttft_s or (
-            ttft_s == best.ttft_s and is_coldest_first and view.coldest_use < best.view.coldest_use
+        is_tie = best is not None and ttft_s == best.ttft_s
+        if best is None or ttft_s < best.ttft_s or (is_tie and device_len > best.num_device_prefix_blocks) or (
+            is_tie and device_len == best.num_device_prefix_blocks and is_coldest_first
+            and view.coldest_use < best.view.coldest_use
         ):
-            best = PrefillChoice(view, prefix_len, local_len, source, transfer_s, queue_s, prefill_s)
+            best = PrefillChoice(view, prefix_len, local_len, source, transfer_s, queue_s, prefill_s, device_len)
     assert best is not None
     return best
 

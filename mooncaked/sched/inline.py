@@ -1,7 +1,7 @@
 """Inline prefill: a prompt prefilled on its decode instance (the colocated path), and when it replaces Algorithm 1's
 placement. The one rule the conductor's placer and the simulator both run.
 
-    place(request, prefill_views, decode_views, index, policy, now) -> Placement | Rejection
+    place(request, prefill_views, decode_views, index, policy, now, device_index) -> Placement | Rejection
 
 1. No prefill instance at all: every request is prefilled inline, whatever its length (`place_inline` unlimited).
 2. Otherwise Algorithm 1 (`schedule`) runs first. When it finds no prefill instance that can take the request,
@@ -10,7 +10,7 @@ placement. The one rule the conductor's placer and the simulator both run.
 3. When Algorithm 1 placed the request and the chosen decode instance holds all but at most `inline_max_tokens`
    of the prompt in its host's store, the request is prefilled there instead (no transfer, no prefill queue).
 4. `place_inline`: the decode instance as Algorithm 1 chooses it (line 17, ready now), its reused prefix from
-   the index, its own prefill model, and a TTFT of its compute thread's wait + the forward + its overhead;
+   the index (the longer of its host store's and its device prefix cache's, `device_index` by `device_id`), its own prefill model, and a TTFT of its compute thread's wait + the forward + its overhead;
    admission is Algorithm 1's at-arrival check (`sched.admission.admission_rejection`). The Placement's
    `prefill_instance` is "".
 
@@ -31,29 +31,41 @@ from mooncaked.sched.types import (REASON_NO_DECODE, REASON_NO_PREFILL, DecodeIn
 
 def place(request: RequestInfo, prefill_views: Sequence[PrefillInstanceView],
           decode_views: Sequence[DecodeInstanceView], index: ShadowIndex, policy: SchedulerPolicy,
-          now: float) -> Placement | Rejection:
-    """Algorithm 1, or an inline prefill on a decode instance; see the module docstring."""
-    if not prefill_views:
-        return place_inline(request, decode_views, index.prefix_lengths(request.block_keys), policy, now,
-                            is_limited=False)
-    result = schedule(request, prefill_views, decode_views, index, policy, now)
+          now: float, device_index: ShadowIndex | None = None) -> Placement | Rejection:
+    """Algorithm 1, or an inline prefill on a decode instance; see the module docstring. `device_index`: the
+    prefill instances' device prefix caches (Algorithm 1's local prefix counts them)."""
     prefix_lengths = index.prefix_lengths(request.block_keys)
+    device_lengths = device_index.prefix_lengths(request.block_keys) if device_index is not None else {}
+    if not prefill_views:
+        return place_inline(request, decode_views, prefix_lengths, policy, now, is_limited=False,
+                            device_lengths=device_lengths)
+    result = schedule(request, prefill_views, decode_views, index, policy, now, device_index)
     if isinstance(result, Rejection):
         if result.reason != REASON_NO_PREFILL:
             return result
-        inline = place_inline(request, decode_views, prefix_lengths, policy, now, is_limited=True)
+        inline = place_inline(request, decode_views, prefix_lengths, policy, now, is_limited=True,
+                              device_lengths=device_lengths)
         return inline if isinstance(inline, Placement) else result
     decode = next(view for view in decode_views if view.instance_id == result.decode_instance)
     if result.decode_defer_s > 0:  # an inline prefill takes its pages now: not while the forecast has none
         return result
-    if uncached_tokens(request, prefix_lengths.get(decode.store_id, 0), policy) <= decode.inline_max_tokens:
-        return place_inline(request, [decode], prefix_lengths, policy, now, is_limited=False)
+    num_local = local_prefix(decode, prefix_lengths, device_lengths)
+    if uncached_tokens(request, num_local, policy) <= decode.inline_max_tokens:
+        return place_inline(request, [decode], prefix_lengths, policy, now, is_limited=False,
+                            device_lengths=device_lengths)
     return result
+
+
+def local_prefix(view: DecodeInstanceView, prefix_lengths: Mapping[str, int],
+                 device_lengths: Mapping[str, int]) -> int:
+    """A decode instance's reusable prefix: the longer of its host store's and its device prefix cache's."""
+    device = device_lengths.get(view.device_id, 0) if view.device_id else 0
+    return max(prefix_lengths.get(view.store_id, 0), device)
 
 
 def place_inline(request: RequestInfo, decode_views: Sequence[DecodeInstanceView],
                  prefix_lengths: Mapping[str, int], policy: SchedulerPolicy, now: float,
-                 is_limited: bool) -> Placement | Rejection:
+                 is_limited: bool, device_lengths: Mapping[str, int] | None = None) -> Placement | Rejection:
     """Prefill on the decode instance Algorithm 1 would choose; `is_limited`: only when its uncached part of the
     prompt is at most its `inline_max_tokens` (else REASON_NO_PREFILL)."""
     config, predictors = policy.config, policy.predictors
@@ -62,7 +74,7 @@ def place_inline(request: RequestInfo, decode_views: Sequence[DecodeInstanceView
     if choice.view is None:
         return Rejection(request.request_id, REASON_NO_DECODE)
     view = choice.view
-    num_blocks = prefix_lengths.get(view.store_id, 0)
+    num_blocks = local_prefix(view, prefix_lengths, device_lengths or {})
     if is_limited and uncached_tokens(request, num_blocks, policy) > view.inline_max_tokens:
         return Rejection(request.request_id, REASON_NO_PREFILL)
     model = PrefillTimePredictor(view.prefill_coefficients) if view.prefill_coefficients else predictors.prefill

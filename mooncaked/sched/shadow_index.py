@@ -89,6 +89,25 @@ class ShadowIndex:
         self._last_seq[store_id] = seq
         self._stale.discard(store_id)
 
+    def last_seq(self, store_id: str) -> int:
+        """The sequence number of the store's last applied dump or event; -1 while it is unknown or stale."""
+        if store_id in self._stale or store_id not in self._last_seq:
+            return -1
+        return self._last_seq[store_id]
+
+    def apply_changes(self, store_id: str, from_seq: int, to_seq: int, gained: Sequence[Hashable],
+                      lost: Sequence[Hashable]) -> bool:
+        """The net change from `from_seq` to `to_seq` (an instance's device prefix cache reports these); False,
+        and the store stale, when `from_seq` is not the last one applied."""
+        if self.last_seq(store_id) != from_seq or to_seq < from_seq:
+            self.add_store(store_id)
+            self._stale.add(store_id)
+            return False
+        self._drop_keys(store_id, lost)
+        self._add_keys(store_id, gained)
+        self._last_seq[store_id] = to_seq
+        return True
+
     def apply_stored(self, store_id: str, seq: int, keys: Sequence[Hashable]) -> bool:
         """A BlockStored event. False when it reveals a gap: the store now needs a resync."""
         if not self._accept(store_id, seq):

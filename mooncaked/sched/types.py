@@ -80,6 +80,7 @@ class PrefillInstanceView:
     overhead_s: float = 0.0
     coldest_use: float = 0.0  # last use of its store's least recently used block (`mooncaked.sched.store_recency`)
     pipeline: PipelineSpec | None = None  # a prefill group (its first stage's id): predicted by sched/pipeline.py
+    device_id: str = ""  # its device prefix cache's id in the device index ("": none reported)
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,7 @@ class DecodeInstanceView:
     inline_overhead_s: float = 0.0
     num_pages: int = 0
     page_holds: tuple[DecodeHold, ...] = ()
+    device_id: str = ""  # its device prefix cache's id in the device index ("": none reported)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@
                   [--config sim.yaml] [--set section.key=value ...]
     mooncaked sim cpp-study --trace FILE [--groups 4x2,2x4] [--buckets 2048,8192,...] [--config sim.yaml]
                   [--set section.key=value ...] [--json FILE]
+    mooncaked sim tiers --trace FILE [--device-blocks N] [--config sim.yaml] [--json FILE]
     mooncaked sim pd-study [--phases 4] [--noise 0.7,1.5] [--seed 0] [--json FILE]
 
 The main CLI calls `add_arguments(parser)` on its `sim` subparser and `run(args)` for the exit code. The first
@@ -36,7 +37,7 @@ from mooncaked.sim.engine import Simulator
 from mooncaked.sim.results import format_summary, summarize, to_json
 from mooncaked.sim.trace import TraceError, load_trace
 
-MODES = ("run", "cache", "experiments", "prediction-study", "pool-study", "cpp-study", "pd-study")
+MODES = ("run", "cache", "experiments", "prediction-study", "pool-study", "cpp-study", "pd-study", "tiers")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,6 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--noise", type=_noise, default=(0.7, 1.5),
                         help="pd-study: every load sample times a factor drawn uniformly in LOW,HIGH")
     parser.add_argument("--seed", type=int, default=0, help="pd-study: the noise's seed")
+    parser.add_argument("--device-blocks", type=int, default=0,
+                        help="tiers: device prefix cache blocks per prefill instance (0: the node's KV pages)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -91,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_pool_study(args, config, progress)
     if args.mode == "cpp-study":
         return _run_cpp_study(args, config, progress)
+    if args.mode == "tiers":
+        return _run_tiers(args, config, requests, progress)
     if args.mode == "experiments":
         from mooncaked.sim.experiments import run_experiments
 
@@ -204,6 +209,18 @@ def _run_cpp_study(args: argparse.Namespace, config: SimConfig, progress: Any) -
     print(format_table(result))
     print("== TTFT by new (uncached) tokens ==")
     print(format_table(result, "rows_by_new_tokens"))
+    _write_json(args.json, result)
+    return 0
+
+
+def _run_tiers(args: argparse.Namespace, config: SimConfig, requests: list[Any], progress: Any) -> int:
+    from mooncaked.sim.tier_study import format_rows, run_tier_study
+
+    if args.device_blocks < 0:
+        print("mooncaked sim tiers: --device-blocks must be >= 0", file=sys.stderr)
+        return 2
+    result = run_tier_study(requests, config, args.device_blocks, progress)
+    print(format_rows(result["rows"]))
     _write_json(args.json, result)
     return 0
 

@@ -24,6 +24,7 @@ from mooncaked.sched.shadow_index import ShadowIndex
 from mooncaked.sched.types import DecodeInstanceView, PipelineSpec, Placement, PrefillInstanceView
 from mooncaked.sim.config import SimConfig
 from mooncaked.sim.costs import CostModel
+from mooncaked.sim.device_tier import DeviceTier
 
 
 class HostStore:
@@ -97,6 +98,7 @@ class PrefillInstance:
     queued_prefill_s: float = 0.0
     busy_time_done: float = 0.0  # seconds of finished jobs (fetch waits included)
     pipeline: PipelineSpec | None = None  # a prefill group: its stages' models, chunk size and handoffs
+    device: DeviceTier | None = None  # its device prefix cache (cluster.device_prefix_blocks; not for groups)
 
     @property
     def num_nodes(self) -> int:
@@ -111,6 +113,7 @@ class PrefillInstance:
         return PrefillInstanceView(
             self.instance_id, self.store.store_id, self.busy_until, self.queued_prefill_s, len(self.queue),
             coldest_use=coldest_use, pipeline=self.pipeline,
+            device_id=self.instance_id if self.device is not None else "",
         )
 
 
@@ -233,9 +236,10 @@ class DecodeInstance:
         )
 
 
-def build_instances(config: SimConfig, costs: CostModel, index: ShadowIndex,
-                    is_replica_aware: bool) -> tuple[list[PrefillInstance], list[DecodeInstance]]:
-    """The prefill instances (groups included) and decode instances of `config.cluster`, each with its host store."""
+def build_instances(config: SimConfig, costs: CostModel, index: ShadowIndex, is_replica_aware: bool,
+                    device_index: ShadowIndex | None = None) -> tuple[list[PrefillInstance], list[DecodeInstance]]:
+    """The prefill instances (groups included) and decode instances of `config.cluster`, each with its host store;
+    single prefill instances get a device tier publishing to `device_index` when cluster.device_prefix_blocks."""
     cluster = config.cluster
     capacity = cluster.dram_blocks_per_host
     pipeline = None
@@ -245,6 +249,10 @@ def build_instances(config: SimConfig, costs: CostModel, index: ShadowIndex,
     prefill = prefill_instances(
         cluster.num_prefill, cluster.num_prefill_groups, pipeline,
         lambda i: HostStore(f"p{i}", capacity, cluster.eviction, index, is_replica_aware))
+    if cluster.device_prefix_blocks and device_index is not None:
+        for instance in prefill:
+            if instance.pipeline is None:  # a group's stages each hold a layer range: no whole block on one
+                instance.device = DeviceTier(instance.instance_id, cluster.device_prefix_blocks, device_index)
     decode_capacity = capacity if cluster.decode_hosts_in_pool else 0
     decode = [
         DecodeInstance(f"decode-{i}", HostStore(f"d{i}", decode_capacity, cluster.eviction, index, is_replica_aware),

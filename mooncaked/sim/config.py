@@ -46,6 +46,7 @@ class ClusterConfig:
     max_batch_tokens: int = 1024  # prefill: new tokens per forward (worker.max_batch_tokens)
     prefill_chunk: int = 1024  # prefill: a prompt with more new tokens runs alone (worker.prefill_chunk)
     inline_prefill_max_tokens: int = 0  # decode: prefill inline when the uncached part is at most this (0: never)
+    device_prefix_blocks: int = 0  # per prefill instance: KV pages (blocks) its device prefix cache uses (0: none)
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,8 @@ _SECTIONS: dict[str, type] = {
 _NON_NEGATIVE = {"link_latency_s", "prefill_overhead_s", "decode_overhead_s", "decode_per_request_s",
                  "max_requests", "output_length_cap", "prefill_noise", "seed", "dram_blocks_per_host",
                  "output_length_noise", "replica_displaced_reuse", "num_prefill_groups", "cpp_min_tokens",
-                 "inline_prefill_max_tokens", "kv_bytes_per_token", "active_parameters", "attention_width"}
+                 "inline_prefill_max_tokens", "kv_bytes_per_token", "active_parameters", "attention_width",
+                 "device_prefix_blocks"}
 
 
 def load_sim_config(path: str | Path, base: SimConfig | None = None) -> SimConfig:

@@ -14,7 +14,10 @@ A request's life in the simulator:
 3. Prefill (prefill_side.py): each forward takes the jobs `sched.prefill_batch.take_batch` picks (the prefill
    role's rule: by class, priority and arrival, within `cluster.max_batch_tokens`; a prompt longer than
    `cluster.prefill_chunk` alone); it starts when the instance is free and every job's fetch is done, and takes
-   the sum of the cost model's times for each job's (prompt, reused prefix). A prefill group
+   the sum of the cost model's times for each job's (prompt, reused prefix). With `cluster.device_prefix_blocks`
+   each prefill instance has a device prefix cache (device_tier.py, the engine's policy): a job reads its
+   longest cached prefix there first, and its full prompt blocks stay cached when it ends; Algorithm 1 counts
+   that tier in the instance's local prefix (the device index). A prefill group
    (`cluster.num_prefill_groups`) is one instance whose time follows its pipeline (sched/pipeline.py: fill,
    steady state, drain) over stages that each take an equal share of the cost model's layers, as the conductor
    predicts a group whose stages have not reported fits. PREFILL_DONE commits every block of the prompt to the
@@ -76,6 +79,7 @@ class Simulator:
         self.policy = SchedulerPolicy(config.scheduler, self.costs.predictors)
         self.requests = requests
         self.index = ShadowIndex()
+        self.device_index = ShadowIndex()  # the prefill instances' device prefix caches (cluster.device_prefix_blocks)
         self.rng = random.Random(config.run.seed)
         self.records = [
             RequestRecord(r.index, r.arrival_s, r.input_length, self._output_length(r), len(r.hash_ids))
@@ -98,7 +102,8 @@ class Simulator:
         return min(length, cap) if cap else length
 
     def _build_cluster(self) -> None:
-        self.prefill, self.decode = build_instances(self.config, self.costs, self.index, self.pool.is_replica_aware)
+        self.prefill, self.decode = build_instances(self.config, self.costs, self.index, self.pool.is_replica_aware,
+                                                    self.device_index)
         self.prefill_by_id = {p.instance_id: p for p in self.prefill}
         self.decode_by_id = {d.instance_id: d for d in self.decode}
         self.store_by_id = {p.store.store_id: p.store for p in self.prefill}
@@ -155,6 +160,7 @@ class Simulator:
             self.index,
             self.policy,
             now,
+            self.device_index,
         )
         record.predicted_ttft_s = decision.predicted_ttft_s
         if not isinstance(decision, Placement):

@@ -5,7 +5,9 @@
 2. `try_start`: when the instance is free, its next forward takes the jobs `sched.prefill_batch.take_batch` picks;
    it starts when every job's fetch is done and lasts the sum of the cost model's times (a prefill group's follow
    its pipeline), each perturbed by `run.prefill_noise` (`noisy`); PREFILL_DONE at its end.
-3. `on_prefill_done` commits each job's prompt blocks to the host's store (the first token), frees the instance,
+   With a device tier (device_tier.py) a job first reads its longest cached prefix from it.
+3. `on_prefill_done` commits each job's prompt blocks to the host's store (the first token) and leaves them in
+   the instance's device tier if it has one, frees the instance,
    starts its next forward and hands each job to the decode side (`on_prefilled`).
 Owns nothing: the engine owns the instances, records, stores and the event queue it pushes to.
 """
@@ -93,8 +95,15 @@ class PrefillSide:
         for job in batch:
             instance.queued_prefill_s = max(0.0, instance.queued_prefill_s - job.placement.predicted_prefill_s)
             job.started_at = now
-            num_prefix_blocks = reusable_blocks_at_start(instance.store, job)
+            num_device = 0
+            if instance.device is not None:
+                block_size = self.config.scheduler.block_size
+                num_usable = max(job.num_prompt_tokens - 1, 0) // block_size  # >= 1 token computed
+                num_device = instance.device.start(job.request_index, job.keys[:num_usable],
+                                                   -(-job.num_prompt_tokens // block_size))
+            num_prefix_blocks = reusable_blocks_at_start(instance.store, job, num_device)
             self.records[job.request_index].prefix_blocks = num_prefix_blocks
+            self.records[job.request_index].device_blocks = num_device
             prefix_tokens = min(num_prefix_blocks * self.config.scheduler.block_size, job.num_prompt_tokens - 1)
             job.compute_s = self.noisy(model.predict(job.num_prompt_tokens, max(prefix_tokens, 0)))
             start = max(start, job.fetch_done_at)
@@ -114,6 +123,8 @@ class PrefillSide:
         for job in batch:
             instance.store.put(job.keys, now)
             instance.store.cache.unlock(job.locked_keys)
+            if instance.device is not None:
+                instance.device.finish(job.request_index, job.keys)
             record = self.records[job.request_index]
             record.prefill_compute_s = job.compute_s
             record.ttft_s = now - record.arrival_s

@@ -38,19 +38,32 @@ def finish_fetch(now: float, job: PrefillJob, destination: HostStore, source: Ho
     job.is_fetch_pending = False
 
 
-def reusable_blocks_at_start(store: HostStore, job: PrefillJob) -> int:
+def reusable_blocks_at_start(store: HostStore, job: PrefillJob, num_device: int = 0) -> int:
     """The planned prefix, and the blocks after it that earlier prefills on this host committed meanwhile (a
     store lookup at execution). The planned local part is locked since placement; the fetched part is in the
     job's pages once its fetch is done, whether or not it found room in this store: the instance reads it from
-    the source into the request's pages and only caches it where there is room (roles/worker/kv_plan.py,
-    "reuse, but do not cache"), so a full store costs the replica, not the reuse."""
-    num_prefix = job.placement.num_prefix_blocks
+    the source into the request's pages and only caches it where there is room (roles/worker/kv/plan.py,
+    "reuse, but do not cache"), so a full store costs the replica, not the reuse. `num_device`: leading blocks
+    read from the instance's device tier: a planned local part only that tier held counts as far as it still
+    holds it (it may have evicted them since the placement)."""
+    placement = job.placement
     if job.is_fetch_pending:
-        return num_prefix
+        return max(placement.num_prefix_blocks, num_device)
     cache, keys = store.cache, job.keys
+    fetched = range(placement.num_local_prefix_blocks, placement.num_prefix_blocks) \
+        if placement.fetch_from_store is not None else range(0)
+    num_prefix = 0
     extra: list[Hashable] = []
-    while num_prefix < len(keys) and keys[num_prefix] in cache:
-        extra.append(keys[num_prefix])
+    locked = set(job.locked_keys)
+    while num_prefix < len(keys):
+        key = keys[num_prefix]
+        if num_prefix in fetched or num_prefix < num_device:
+            pass
+        elif key in cache:
+            if key not in locked:
+                extra.append(key)
+        else:
+            break
         num_prefix += 1
     cache.lock(extra)
     job.locked_keys.extend(extra)

@@ -35,6 +35,7 @@ class RequestRecord:
     wasted_prefill: bool = False
     is_pipelined: bool = False  # prefilled by a prefill group
     is_inline: bool = False  # prefilled on its decode instance (prefill_instance names that instance)
+    device_blocks: int = 0  # prefix blocks read from its prefill instance's device tier
 
 
 @dataclass
@@ -102,6 +103,7 @@ def summarize(result: SimResult) -> dict[str, Any]:
         "tbt_mean_s": _mean(tbts),
         "tbt_p90_s": percentile(tbts, 0.9),
         "prefix_hit_rate": reused / num_blocks if num_blocks else math.nan,
+        **tier_hit_rates(records),
         "fetched_blocks": sum(r.fetched_blocks for r in records),
         "prefill_compute_mean_s": _mean(computed),
         "prefill_compute_total_s": sum(computed),
@@ -126,6 +128,24 @@ def to_json(result: SimResult) -> dict[str, Any]:
         "samples": [asdict(s) for s in result.samples],
         "requests": [_finite(asdict(r)) for r in result.records],
     }
+
+
+def tier_hit_rates(records: Sequence[RequestRecord]) -> dict[str, float]:
+    """Prompt blocks served by each tier, as shares of the prefilled prompts' blocks: the prefill instance's device
+    prefix cache, its host's store, another host's store (fetched); the rest was computed."""
+    prefilled = [r for r in records if r.prefill_instance]
+    num_blocks = sum(r.num_blocks for r in prefilled)
+    device = local = remote = 0
+    for r in prefilled:
+        device += r.device_blocks
+        fetched_end = min(r.local_prefix_blocks + r.fetched_blocks, r.prefix_blocks)
+        num_remote = max(0, fetched_end - max(r.device_blocks, r.local_prefix_blocks)) if r.fetched_blocks else 0
+        remote += num_remote
+        local += max(0, r.prefix_blocks - r.device_blocks - num_remote)
+    if not num_blocks:
+        return {"device_hit_rate": math.nan, "local_store_hit_rate": math.nan, "remote_store_hit_rate": math.nan}
+    return {"device_hit_rate": device / num_blocks, "local_store_hit_rate": local / num_blocks,
+            "remote_store_hit_rate": remote / num_blocks}
 
 
 def format_summary(summary: dict[str, Any]) -> str:

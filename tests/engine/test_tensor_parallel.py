@@ -107,6 +107,24 @@ def test_tp2_gives_the_tokens_of_tp1(case_id: str, slot_bytes: int, vocab_size: 
     torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=0)
 
 
+def test_tp2_over_compressed_pages_gives_the_tokens_of_tp1(started: list[TensorParallelRunner]) -> None:
+    """Each rank quantizes its own KV heads' rows (one scale per token and head): the same rows as one process's
+    (fp8_e4m3 pages, the other packed format, take the same path: tests/kernels/test_quantized_kv.py)."""
+    cache_dtype = "int8"
+    loaded = load_model("random:tiny", packing="plain")
+    kv = KVPages.for_model(loaded.args, num_pages=NUM_PAGES, block_size=BLOCK, dtype=torch.float32, device="cpu",
+                           cache_dtype=cache_dtype)
+    single = ModelRunner(loaded.model, kv, backend="torch")
+    expected_tokens, expected_logits = _greedy(lambda b: single.prefill(b, return_all_logits=True), single.decode)
+    spec = RankSpec("random:tiny", num_pages=NUM_PAGES, block_size=BLOCK, backend="torch", timeout_s=60.0,
+                    cache_dtype=cache_dtype)
+    started.append(tp := TensorParallelRunner.start(spec, 2))
+    assert tp.shard is not None and tp.shard.kv_pages.row_width == loaded.args.kv_head_dim + 2
+    tokens, logits = _greedy(lambda b: tp.prefill(b, return_all_logits=True), tp.decode)
+    assert tokens == expected_tokens
+    torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=0)
+
+
 def test_a_degree_the_heads_do_not_allow_starts_no_rank(started: list[TensorParallelRunner]) -> None:
     spec = RankSpec("random:smollm2-135m", num_pages=4, block_size=BLOCK)
     with pytest.raises(TensorParallelError, match=r"tensor_parallel_size 2 .*9 query heads, 3 KV heads"):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from mooncaked.config import Config
+from mooncaked.kv.cache_dtype import namespace_dtype
 from mooncaked.kv.keys import block_keys, model_namespace
 from mooncaked.model.loader import load_model
 from mooncaked.roles.base import PeerClients
@@ -24,8 +25,8 @@ from tests.roles.engine_reference import greedy_tokens
 
 def keys_for(config: Config, tokens: list[int]) -> list[bytes]:
     loaded = load_model(config.model.source, dtype=config.model.dtype, seed=config.model.seed)
-    namespace = model_namespace(loaded.model_id, config.model.dtype, config.kv.block_size,
-                                loaded.args.kv_geometry)
+    namespace = model_namespace(loaded.model_id, namespace_dtype(config.model.dtype, config.kv.cache_dtype),
+                                config.kv.block_size, loaded.args.kv_geometry)
     return block_keys(tokens, config.kv.block_size, namespace)
 
 

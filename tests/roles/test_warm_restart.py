@@ -50,7 +50,9 @@ async def test_a_sigtermed_store_comes_back_warm_and_drops_a_corrupt_block(tmp_p
     ssd_dir = tmp_path / "ssd"
     config = cluster_config(tmp_path, [instance("s0", "store"), instance("p0", "prefill"), instance("d0", "decode")],
                             store={"ssd_dir": str(ssd_dir), "ssd_bytes": 64 << 20},
-                            worker={"inline_prefill_max_tokens": 0})
+                            worker={"inline_prefill_max_tokens": 0},
+                            # the store's tier under test: p0's device prefix cache would serve the prefix itself
+                            kv={"block_size": 16, "device_prefix_cache": False})
     config_path = tmp_path / "cluster.yaml"
     tokens = [random.Random(5).randrange(3, 300) for _ in range(80)]  # 5 full blocks of 16
     keys = keys_for(config, tokens)

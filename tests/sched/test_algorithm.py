@@ -149,3 +149,22 @@ def test_ties_go_to_the_first_or_to_the_coldest_store():
     assert isinstance(warm, Placement) and warm.prefill_instance == "pA"
     with pytest.raises(ValueError, match="tie_break"):
         PolicyConfig(tie_break="random")
+
+
+def test_the_device_tier_counts_in_the_local_prefix_and_wins_ties():
+    # pA and pB share host store sS holding 6 blocks; pB's device prefix cache holds 6 too: equal TTFTs
+    # (4 s of prefill each), pB wins as the one reading them in place.
+    views = [PrefillInstanceView("pA", "sS", device_id="pA"), PrefillInstanceView("pB", "sS", device_id="pB")]
+    devices = _index({"pB": 6})
+    decision = schedule(REQUEST, views, DECODES, _index({"sS": 6}), _policy(0.25), now=0.0, device_index=devices)
+    assert isinstance(decision, Placement) and decision.prefill_instance == "pB"
+    assert decision.num_local_prefix_blocks == 6 and decision.fetch_from_store is None
+    # Without the device index the tie goes to the first.
+    decision = schedule(REQUEST, views, DECODES, _index({"sS": 6}), _policy(0.25), now=0.0)
+    assert isinstance(decision, Placement) and decision.prefill_instance == "pA"
+    # The store evicted them but pB's device tier still holds 9: pB's local prefix is 9 (1 s of prefill), pA's 0
+    # (10 s; a device tier is no store to fetch from) -> pB, nothing fetched.
+    decision = schedule(REQUEST, views, DECODES, ShadowIndex(), _policy(0.25), now=0.0,
+                        device_index=_index({"pB": 9}))
+    assert isinstance(decision, Placement) and decision.prefill_instance == "pB"
+    assert decision.num_prefix_blocks == 9 and decision.predicted_ttft_s == pytest.approx(1.0)

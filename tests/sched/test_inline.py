@@ -78,3 +78,14 @@ def test_the_placer_and_the_simulator_place_through_this_rule() -> None:
     from mooncaked.sim import engine
 
     assert placement.place is place and engine.place is place
+
+
+def test_a_decode_instance_s_device_tier_counts_as_its_prefix() -> None:
+    # d0's store holds 5 blocks, its device prefix cache 9: 1000 tokens left, within its inline_max_tokens
+    d0 = dataclasses.replace(D0, device_id="d0")
+    decision = place(REQUEST, PREFILLS, [d0, D1], _index({"s-d0": 5}), POLICY, 0.0, device_index=_index({"d0": 9}))
+    assert isinstance(decision, Placement) and decision.prefill_instance == ""
+    assert decision.num_prefix_blocks == 9 and decision.predicted_ttft_s == pytest.approx(1.75)
+    # without the device index only the store's 5 count: Algorithm 1's prefill instance takes it
+    decision = place(REQUEST, PREFILLS, [d0, D1], _index({"s-d0": 5}), POLICY, 0.0)
+    assert isinstance(decision, Placement) and decision.prefill_instance == "p0"

@@ -59,7 +59,7 @@ class RankPagesEnd:
     def _copy_layer(self, region: np.ndarray, op: TransferOp, layer: int, page_id: int) -> None:
         """region: one layer of one object, [planes * B * Hkv * D] <-> each rank's heads of page `page_id`."""
         pages = self.kv_pages
-        in_object = region.reshape(pages.num_planes, pages.block_size, pages.num_kv_heads, pages.head_dim)
+        in_object = region.reshape(pages.num_planes, pages.block_size, pages.num_kv_heads, pages.row_width)
         for (part, head, is_writer), array in zip(self.parts, self.arrays):
             heads = in_object[:, :, head: head + part.num_kv_heads]  # [planes, B, Hl, D], strided
             in_page = array[layer, :, page_id]  # [planes, B, Hl, D]

@@ -93,6 +93,7 @@ class ShardedPages(KVPages):
         self.num_layers, self.first_layer, self.num_model_layers = (first.num_layers, first.first_layer,
                                                                     first.num_model_layers)
         self.num_pages, self.block_size, self.head_dim = first.num_pages, first.block_size, first.head_dim
+        self.cache_dtype, self.row_width, self.model_dtype = first.cache_dtype, first.row_width, first.model_dtype
         self.num_planes = first.num_planes
         self.num_kv_heads = self.num_model_kv_heads = args.num_kv_heads
         self.kv_head_offset = 0

@@ -67,6 +67,7 @@ class RankSpec:
     is_pages_shared: bool = False  # ranks' pages are mapped in rank 0 too (a worker instance's moves)
     layers: LayerRange | None = None  # a pipeline stage's layers (a prefill group member); None: every layer
     is_expert_parallel: bool = False  # MoE experts partitioned whole across the ranks (else column-sharded)
+    cache_dtype: str = "auto"  # kv.cache_dtype: the rows every rank's pages hold (kv/cache_dtype.py)
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,7 @@ def build_rank(spec: RankSpec, rank: int, num_ranks: int, pages_buffer: torch.Te
                         layers=spec.layers, shard=shard)
     kv_pages = KVPages.for_model(loaded.args, num_pages=spec.num_pages, block_size=spec.block_size,
                                  dtype=loaded.dtype, device=device, layers=spec.layers, shard=shard,
-                                 buffer=pages_buffer)
+                                 buffer=pages_buffer, cache_dtype=spec.cache_dtype)
     return RankShard(loaded, kv_pages, ModelRunner(loaded.model, kv_pages, backend=spec.backend))
 
 
@@ -185,7 +186,7 @@ def pages_nbytes(spec: RankSpec, rank: int, num_ranks: int) -> int:
     args = model_args(spec.source)
     dtype = resolve_dtype(spec.dtype, spec.device)
     return KVPages.nbytes_for(args, shard_shape(args, rank, num_ranks, spec.is_expert_parallel), spec.num_pages, spec.block_size, dtype,
-                              spec.layers)
+                              spec.layers, spec.cache_dtype)
 
 
 def _attach_pages(spec: RankSpec, rank: int, num_ranks: int, channel: RankChannel) -> SharedPages:

@@ -118,7 +118,7 @@ class TensorParallelRunner:
         return [KVPages.for_model(args, num_pages=self.spec.num_pages, block_size=self.spec.block_size, dtype=dtype,
                                   device=buffer.device, layers=self.spec.layers,
                                   shard=shard_shape(args, rank, self.num_ranks, self.spec.is_expert_parallel),
-                                  buffer=buffer)
+                                  buffer=buffer, cache_dtype=self.spec.cache_dtype)
                 for rank, buffer in enumerate(buffers, start=1)]
 
     def _spawn(self, port: int) -> None:

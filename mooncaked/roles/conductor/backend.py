@@ -20,6 +20,7 @@ from mooncaked.api.errors import ApiError, context_too_long, invalid_field
 from mooncaked.api.requests import ChatRequest, CompletionRequest
 from mooncaked.api.structured import OutputConstraint
 from mooncaked.config import Config
+from mooncaked.kv.cache_dtype import namespace_dtype
 from mooncaked.kv.keys import block_keys, isolated_namespace, model_namespace
 from mooncaked.model.reasoning import CLOSED, reasoning_lark, reasoning_mode
 from mooncaked.roles.base import PeerClients
@@ -56,7 +57,8 @@ class ConductorBackend:
         self.view = view
         self.peers = peers
         self.metrics = metrics
-        self.namespace = model_namespace(model.model_id, config.model.dtype, config.kv.block_size, model.kv_geometry)
+        self.namespace = model_namespace(model.model_id, namespace_dtype(config.model.dtype, config.kv.cache_dtype),
+                                         config.kv.block_size, model.kv_geometry)
         self.num_active = 0
         self.prediction_errors = PredictionErrors(metrics.predictions)
         self.grammars = GrammarCache(model.grammar_tokenizer)

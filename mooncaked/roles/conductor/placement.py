@@ -43,6 +43,7 @@ class Placer:
     groups: dict[str, PrefillGroupConfig]  # by first stage (which takes PREFILL)
     later_stages: set[str]  # the other members of a group: no candidates
     recency: StoreRecency | None
+    device_index: ShadowIndex | None = None  # the workers' device prefix caches, by instance name
 
     @property
     def block_size(self) -> int:
@@ -56,11 +57,13 @@ class Placer:
         decode_views = [self._decode_view(w, now, excluded) for w in self.decode.values()]
         prefill_views = [self._prefill_view(w, now, excluded) for w in self.prefill.values()
                          if w.instance.name not in self.later_stages]
-        return place(request, prefill_views, decode_views, self.index, self.policy(), now)
+        return place(request, prefill_views, decode_views, self.index, self.policy(), now, self.device_index)
 
     def _prefill_view(self, worker: WorkerState, now: float, excluded: frozenset[str]) -> PrefillInstanceView:
         name = worker.instance.name
         view = prefill_view(worker, self.flights.on_prefill(name), self.predictors, now)
+        if self.device_index is not None:
+            view = dataclasses.replace(view, device_id=name)
         if self.recency is not None:
             view = dataclasses.replace(view, coldest_use=self.recency.coldest_use(worker.store_id))
         if name in self.groups:
@@ -94,5 +97,6 @@ class Placer:
             view, inline_max_tokens=int(self.config.role_section(worker.instance).inline_prefill_max_tokens),
             prefill_coefficients=self.predictors.prefill_for(name).coefficients,
             inline_wait_s=inline_wait_s(worker, flights, self.predictors, now),
-            inline_overhead_s=worker.load.overhead_s if worker.load is not None else 0.0)
+            inline_overhead_s=worker.load.overhead_s if worker.load is not None else 0.0,
+            device_id=name if self.device_index is not None else "")
         return dataclasses.replace(view, is_available=False) if name in excluded else view

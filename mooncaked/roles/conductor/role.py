@@ -37,6 +37,7 @@ from mooncaked.cluster.etcd_membership import EtcdMembership
 from mooncaked.cluster.membership import Membership, StaticMembership
 from mooncaked.config import Config, ConfigError, InstanceConfig
 from mooncaked.config.schema import ConfigIssue
+from mooncaked.kv.cache_dtype import row_bytes
 from mooncaked.model.frontend import ModelFrontendInfo, load_frontend
 from mooncaked.model.grammar import GrammarTokenizer
 from mooncaked.model.loader import resolve_dtype
@@ -237,7 +238,9 @@ def default_predictors(config: Config, loaded: ModelFrontendInfo) -> Predictors:
     device = "cuda" if config.model.device.startswith("cuda") else "cpu"
     itemsize = resolve_dtype(config.model.dtype, config.model.device).itemsize
     weight_bytes = num_active_parameters(loaded.args) * itemsize  # a MoE step reads its chosen experts only
-    kv_bytes_per_token = args.kv_bytes_per_token(itemsize)  # an MLA latent is several times smaller than GQA K/V
+    # an MLA latent is several times smaller than GQA K/V; int8 KV (kv.cache_dtype) a quarter of fp32's
+    kv_bytes_per_token = (args.num_layers * args.num_kv_planes * args.num_kv_heads
+                          * row_bytes(args.kv_head_dim, itemsize, config.kv.cache_dtype))
     prefill = PrefillTimePredictor.from_model(num_layers=args.num_layers, hidden_size=args.hidden_size,
                                               gpu_flops=section.device_flops or DEFAULT_FLOPS[device])
     decode = DecodeStepPredictor.from_model(weight_bytes=weight_bytes, kv_bytes_per_token=kv_bytes_per_token,

@@ -44,7 +44,8 @@ async def load_replica(config: Config, instance: InstanceConfig, section: Worker
         weight_cache_dir=model.weight_cache_dir if model.share_weights else None, layers=layers)
     kv_sizing = await compute(size_replica_kv, config, section, loaded, free_before_load, layers)
     kv_pages = KVPages.for_model(loaded.args, num_pages=kv_sizing.num_pages, block_size=config.kv.block_size,
-                                 dtype=loaded.dtype, device=loaded.device, layers=layers)
+                                 dtype=loaded.dtype, device=loaded.device, layers=layers,
+                                 cache_dtype=config.kv.cache_dtype)
     runner = ModelRunner(loaded.model, kv_pages, backend=model.kernel_backend, cuda_graphs=model.cuda_graphs,
                          max_batch_size=section.max_batch_size, max_seq_len=model.max_model_len)
     return loaded, kv_sizing, kv_pages, runner
@@ -61,4 +62,5 @@ def size_replica_kv(config: Config, section: WorkerSection, loaded: LoadedModel,
     budget = KVBudget(section.num_kv_pages, section.kv_memory_bytes, section.memory_fraction)
     return size_kv(budget, args=loaded.args, block_size=config.kv.block_size, dtype=loaded.dtype,
                    device_type=loaded.device.type, max_model_len=model.max_model_len,
-                   device_memory=device_memory, num_layers=None if layers is None else layers.size)
+                   device_memory=device_memory, num_layers=None if layers is None else layers.size,
+                   cache_dtype=config.kv.cache_dtype)

@@ -185,6 +185,7 @@ class DecodeItem(Message):
 @dataclass(frozen=True)
 class LoadRequest(Message):
     conductor_run: int = 0  # a conductor's run id (ReserveRequest.conductor_run); 0: another caller
+    device_cache_seq: int = -1  # the last device-cache report the caller applied (-1: none; it needs a dump)
 
 
 @dataclass(frozen=True)
@@ -216,6 +217,12 @@ class LoadReply(Message):
     pipeline_handoffs_s: list[float] = field(default_factory=list)
     cpp_chunk_tokens: int = 0
     num_queued_pages: int = 0  # decode: KV pages the reservations waiting for pages need
+    # the device prefix cache's keys (kv/device_journal.py): those gained and lost since the request's
+    # device_cache_seq, or with is_device_cache_dump all of them (gained); device_cache_seq is the report's
+    device_cache_seq: int = 0
+    device_keys_gained: list[bytes] = field(default_factory=list)
+    device_keys_lost: list[bytes] = field(default_factory=list)
+    is_device_cache_dump: bool = False
 
 
 RESERVE = Method("reserve", ReserveRequest, ReserveReply)

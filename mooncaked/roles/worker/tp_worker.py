@@ -55,7 +55,8 @@ def start_ranks(config: Config, instance: InstanceConfig, section: WorkerSection
                     dtype=model.dtype, device=model.device, seed=model.seed,
                     packing=packing, backend=model.kernel_backend,
                     num_threads=config.runtime.num_threads, timeout_s=config.transfer.timeout_s,
-                    is_pages_shared=True, layers=layers, is_expert_parallel=model.expert_parallel)
+                    is_pages_shared=True, layers=layers, is_expert_parallel=model.expert_parallel,
+                    cache_dtype=config.kv.cache_dtype)
     runner = TensorParallelRunner.start(spec, num_ranks)
     return runner, sizing, ShardedPages(runner.rank_pages, args)
 
@@ -72,13 +73,13 @@ def _size_kv_per_rank(config: Config, section: WorkerSection, args: ModelArgs, n
     num_layers = None if layers is None else layers.size
     if free_before_load is None:
         return size_kv(budget, args=args, block_size=config.kv.block_size, dtype=dtype, device_type="cpu",
-                       max_model_len=model.max_model_len, num_layers=num_layers)
+                       max_model_len=model.max_model_len, num_layers=num_layers, cache_dtype=config.kv.cache_dtype)
     weights = weight_bytes(args, dtype, packing, layers, num_ranks=num_ranks)
     workspace = activation_bytes(args, section.max_batch_tokens, section.max_batch_size, dtype)
     device_memory = DeviceMemory(free_before_load, free_before_load - weights, workspace)
     return size_kv(budget, args=rank_kv_args(args, num_ranks), block_size=config.kv.block_size, dtype=dtype,
                    device_type="cuda", max_model_len=model.max_model_len, device_memory=device_memory,
-                   num_layers=num_layers)
+                   num_layers=num_layers, cache_dtype=config.kv.cache_dtype)
 
 
 class RankWatch:

@@ -33,6 +33,7 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
+import secrets
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -49,6 +50,9 @@ from mooncaked.engine.runner import ModelRunner
 from mooncaked.engine.staging_pool import StagingPool
 from mooncaked.engine.timeline import LayerTimeline
 from mooncaked.engine.tp.runner import TensorParallelRunner
+from mooncaked.kv.device_cache import DevicePrefixCache
+from mooncaked.kv.device_journal import MAX_REPORTED_KEYS, DeviceCacheJournal
+from mooncaked.kv.cache_dtype import namespace_dtype
 from mooncaked.kv.keys import model_namespace
 from mooncaked.model.config import LayerRange
 from mooncaked.model.frontend import load_frontend
@@ -98,6 +102,7 @@ class Worker:
         self.kv_sizing: KVSizing | None = None
         self.kv_pages: KVPages | None = None
         self.pages: PageAllocator | None = None
+        self.device_journal: DeviceCacheJournal | None = None  # the device prefix cache's changes, for LOAD replies
         self.runner: ModelRunner | TensorParallelRunner | None = None
         self.tp: TensorParallelRunner | None = None  # model.tensor_parallel_size > 1: the ranks (tp_worker.py)
         self.rank_watch: RankWatch | None = None
@@ -121,7 +126,13 @@ class Worker:
         else:
             await self._load_replica(layers)
         assert self.loaded is not None and self.kv_pages is not None and self.kv_sizing is not None
-        self.pages = PageAllocator(self.kv_pages.num_pages)
+        # a prefill group's stages hold a layer range each: a prefix one stage holds in its pages the others lack
+        is_cached = self.config.kv.device_prefix_cache and self.stage is None
+        self.pages = PageAllocator(self.kv_pages.num_pages, DevicePrefixCache() if is_cached else None)
+        # numbered from a random start: a conductor's number from this instance's earlier run gets a dump
+        max_keys = min(4 * self.kv_pages.num_pages, MAX_REPORTED_KEYS)  # a reply's worth at most
+        self.device_journal = (DeviceCacheJournal(max_keys=max_keys, first_seq=secrets.randbits(40))
+                               if is_cached else None)
         block_size = self.config.kv.block_size
         self.copier = KVCopier(self.loaded.device, backend=model.kernel_backend)
         placement = staging_placement(self.loaded.device, self.config.transfer.sysfs_root, allowed_memory_nodes())
@@ -132,7 +143,8 @@ class Worker:
         self.sampler = Sampler(seed=model.seed, device=self.loaded.device, eos_token_ids=self.loaded.eos_token_ids)
         self.grammar = await asyncio.to_thread(WorkerGrammar.build, self.loaded.tokenizer, self.vocab_size,
                                                self.loaded.eos_token_ids)
-        self.namespace = model_namespace(self.loaded.model_id, model.dtype, block_size, self.loaded.args.kv_geometry)
+        self.namespace = model_namespace(self.loaded.model_id, namespace_dtype(model.dtype, self.config.kv.cache_dtype),
+                                         block_size, self.loaded.args.kv_geometry)
         self.local_store_name = await self._find_local_store()
         await self.store_client(self.local_store_name)
         logger.info("%s loaded %s%s; %s", self.instance.name, self.loaded.model_id,

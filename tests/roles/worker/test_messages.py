@@ -31,7 +31,9 @@ SAMPLES: list[Message] = [
     m.DecodeRequest("r1", [1, 2, 3], [KEY], SPEC, SAMPLE),
     m.DecodeItem([SAMPLE], "length", 16), m.DecodeItem([SAMPLE], "", 0, [PROMPT_SAMPLE], sequence=2),
     m.DecodeRequest("r1", [1, 2, 3], [KEY], SPEC, SAMPLE, more_first_tokens=[SAMPLE, SAMPLE]),
-    m.LoadRequest(),
+    m.LoadRequest(), m.LoadRequest(7, device_cache_seq=3),
+    m.LoadReply("prefill", 0, 0, 0, 10, 64, 0.01, device_cache_seq=4, device_keys_gained=[KEY],
+                device_keys_lost=[bytes(16)], is_device_cache_dump=False),
     m.LoadReply("decode", 2, 1, 0, 10, 64, 0.01, 300, [1.0], [2.0], 0.5, ["r1"], 0.01),
 ]
 

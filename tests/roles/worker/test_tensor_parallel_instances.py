@@ -107,6 +107,17 @@ async def test_a_prefix_stored_at_tp1_is_reused_by_a_tp2_prefill(tmp_path: Path)
     assert await _two_requests(config, tokens, "p1", "p2") == [(expected, 0), (expected, 64)]
 
 
+async def test_int8_objects_stored_at_tp1_are_reused_by_a_tp2_prefill(tmp_path: Path) -> None:
+    """kv.cache_dtype int8: p2's ranks each copy their KV heads' packed rows out of p1's whole objects; decoded on
+    d0, both give the same tokens (p2's device tier holds nothing of p1's prompt: the prefix comes from s0)."""
+    config = cluster_config(tmp_path, [instance("s0", "store"), instance("p1", "prefill"),
+                                       instance("p2", "prefill", **TP2), instance("d0", "decode")],
+                            kv={"block_size": 16, "cache_dtype": "int8"})
+    tokens = prompt(3, 70)
+    (first, num_first), (second, num_second) = await _two_requests(config, tokens, "p1", "p2")
+    assert (num_first, num_second) == (0, 64) and first == second and len(first) == NUM_NEW
+
+
 async def test_a_tp2_instance_moves_whole_objects_with_another_hosts_store_through_staging(tmp_path: Path) -> None:
     """p0 (two ranks, 127.0.0.2) fetches a prefix p4 (127.0.0.4) sent to 127.0.0.3's store, into both ranks
     through staging, then writes another prompt there through staging (each KV head read from its rank's pages);

@@ -127,3 +127,29 @@ def test_the_memory_plan_counts_a_prefill_group_stage_s_layers_only(tmp_path: Pa
     assert first.private_weights == weight_bytes(args, torch.float32, layers=LayerRange(0, 1, 2))
     assert second.private_weights == weight_bytes(args, torch.float32, layers=LayerRange(1, 2, 2))
     assert first.private_weights + second.private_weights > whole.private_weights > first.private_weights
+
+
+def test_check_config_and_the_transfer_estimate_use_int8_kv_s_size(tmp_path: Path) -> None:
+    """kv.cache_dtype int8: the memory plan fits 3.9x the pages in one budget (tiny: head_dim 16 -> 18 bytes a row
+    against fp32's 64), the conductor's transfer estimate moves that many fewer bytes per block, and the torch
+    backend without tensor parallelism is required."""
+    from mooncaked.config.sections import ConfigError
+    from mooncaked.config.validate import validate
+    from mooncaked.model.frontend import load_frontend
+    from mooncaked.roles.conductor.role import default_predictors
+
+    instances = [instance("s0", "store"), instance("p0", "prefill"), instance("d0", "decode")]
+    sections = dict(model={"share_weights": False, "cpu_packed_gemm": False},
+                    worker={"num_kv_pages": None, "kv_memory_bytes": 4 * MIB})
+    auto = cluster_config(tmp_path, instances, **sections)
+    int8 = cluster_config(tmp_path, instances, kv={"block_size": 16, "cache_dtype": "int8"}, **sections)
+    args = random_preset("tiny")
+    auto_kv, int8_kv = plan_memory(auto, args)[1].kv, plan_memory(int8, args)[1].kv
+    assert auto_kv is not None and int8_kv is not None
+    assert int8_kv.page_nbytes * 64 == auto_kv.page_nbytes * 18 and int8_kv.num_pages >= 3.5 * auto_kv.num_pages
+    frontend = load_frontend(auto.model.source)
+    auto_block = default_predictors(auto, frontend).transfer.bytes_per_block
+    assert default_predictors(int8, frontend).transfer.bytes_per_block * 64 == auto_block * 18
+    assert not validate(int8)
+    with pytest.raises(ConfigError, match="kv.cache_dtype: int8 KV runs on the torch kernel backend"):
+        cluster_config(tmp_path, instances, kv={"cache_dtype": "int8"}, model={"kernel_backend": "triton"})

@@ -12,7 +12,9 @@
    of dispatched requests per prefill instance, placed requests per decode instance) stays current between
    polls. `report_failure()` marks an instance down until its next successful poll, and calls what watches it
    (`watch_down`: a DECODE stream waiting for its next token gives up at once). Every LOAD reply carries
-   the instance's own fitted performance model, which `place()` predicts with (roles/conductor/view/predictors.py);
+   the instance's own fitted performance model, which `place()` predicts with (roles/conductor/view/predictors.py),
+   and the block keys its device prefix cache gained and lost since this conductor's last poll (or all of them),
+   which the device index (one "store" per instance, by instance name) keeps for Algorithm 1's local prefix;
    finished requests teach the output-length predictor, which forecasts each decode instance's batch. A placement also
    tells the replica tracker and the store recency (`mooncaked.sched.replicas`, `.store_recency`) where the
    prompt's blocks are used; a background sender (`mooncaked.roles.conductor.view.spare_marks`) passes the tracker's
@@ -23,7 +25,7 @@
 4. Followers, pollers and the sender are supervised tasks (runtime/supervised.py: an unexpected exception is
    logged and the task restarts). `stop()` cancels them and awaits them; the RPC clients belong to the caller.
 
-Owner of the shadow index, the per-instance states, the in-flight table, the live predictors and the output-length
+Owner of the shadow index, the device index, the per-instance states, the in-flight table, the live predictors and the output-length
 predictor. All but the last are rebuilt from the stores' dumps and the workers' LOAD replies when the conductor
 restarts; the output-length predictor starts again from its conservative prior (max_tokens).
 """
@@ -85,6 +87,7 @@ class ClusterView:
         self.settings = settings
         self.block_size = config.kv.block_size
         self.index = ShadowIndex()
+        self.device_index = ShadowIndex()  # each worker's device prefix cache, by instance name
         self.followers: dict[str, StoreFollower] = {}
         self.prefill: dict[str, WorkerState] = {}
         self.decode: dict[str, WorkerState] = {}
@@ -110,7 +113,7 @@ class ClusterView:
         self.groups = {group.members[0]: group for group in config.cluster.prefill_groups}
         self.later_stages = {member for group in config.cluster.prefill_groups for member in group.members[1:]}
         self.placer = Placer(config, policy_config, predictors, self.index, self.flights, self.forecast, self.prefill,
-                             self.decode, self.groups, self.later_stages, self.recency)
+                             self.decode, self.groups, self.later_stages, self.recency, self.device_index)
 
     def _worker_state(self, instance: InstanceConfig) -> WorkerState:
         store = store_on_host(self.membership, instance.host)
@@ -214,6 +217,7 @@ class ClusterView:
                     store = store_on_host(self.membership, worker.instance.host)
                     worker.store_id = store.name if store is not None and store.name != name else ""
         was_prefill = self.prefill.pop(name, None) is not None
+        self.device_index.remove_store(name)
         self.predictors.forget(name)
         if self.decode.pop(name, None) is not None or was_prefill:
             logger.info("%s left", name)
@@ -225,21 +229,31 @@ class ClusterView:
         while True:
             started = loop.time()
             try:
-                reply = await client.call(LOAD, LoadRequest(self.run_id), timeout_s=self.settings.poll_timeout_s)
+                seq = self.device_index.last_seq(worker.instance.name)
+                reply = await client.call(LOAD, LoadRequest(self.run_id, seq), timeout_s=self.settings.poll_timeout_s)
             except Exception as exc:  # down until a poll succeeds again
                 if not isinstance(exc, RpcError):
                     logger.exception("LOAD from %s failed unexpectedly", worker.instance.name)
                 self.report_failure(worker.instance.name, str(exc))
             else:
-                self._loaded(worker, reply)
+                self._loaded(worker, reply, seq)
             worker.has_polled.set()
             await asyncio.sleep(max(self.settings.poll_interval_s - (loop.time() - started), 0.0))
 
-    def _loaded(self, worker: WorkerState, reply: LoadReply) -> None:
+    def _loaded(self, worker: WorkerState, reply: LoadReply, sent_seq: int = -1) -> None:
         if not worker.is_up:
             logger.info("%s %s is up", worker.instance.role, worker.instance.name)
         worker.load, worker.polled_at, worker.is_up, worker.last_error = reply, time.monotonic(), True, ""
         self.predictors.report(worker.instance.name, reply.prefill_coefficients, reply.decode_coefficients)
+        self._device_keys(worker.instance.name, sent_seq, reply)
+
+    def _device_keys(self, name: str, sent_seq: int, reply: LoadReply) -> None:
+        """The device prefix cache's report into the device index (a gap makes the next poll ask for a dump)."""
+        if reply.is_device_cache_dump:
+            self.device_index.apply_dump(name, reply.device_cache_seq, reply.device_keys_gained)
+        elif sent_seq >= 0:
+            self.device_index.apply_changes(name, sent_seq, reply.device_cache_seq, reply.device_keys_gained,
+                                            reply.device_keys_lost)
 
     def report_failure(self, instance_name: str, reason: str) -> None:
         """Mark an instance down (a failed poll or request leg) until a LOAD call succeeds again. A prefill group's

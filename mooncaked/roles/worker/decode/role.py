@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 
 from mooncaked.cluster.membership import Membership
 from mooncaked.config import Config, InstanceConfig
+from mooncaked.kv.keys import isolated_namespace
 from mooncaked.model.grammar import GrammarState
 from mooncaked.model.sampler import make_generator
 from mooncaked.roles.base import RoleEndpoint
@@ -33,6 +34,7 @@ from mooncaked.roles.worker.decode.loop import DecodeLoop, Outbox, RunningSeq, f
 from mooncaked.roles.worker.decode.reservations import Reservation, ReservationBook
 from mooncaked.roles.worker.decode.sequences import fork, load_prefilled, stream_items
 from mooncaked.roles.worker.grammar import follow_first_token
+from mooncaked.roles.worker.kv.device_report import device_cache_report
 from mooncaked.roles.worker.kv.plan import KvPlan, check_block_keys, plan_prompt_kv
 from mooncaked.roles.worker.kv.request_kv import RequestKv
 from mooncaked.roles.worker.kv.spans import num_blocks_for
@@ -139,7 +141,8 @@ class DecodeRole:
                          overhead_s=self.inline_overhead.value, kv_cache_bytes=self.worker.kv_cache_bytes,
                          num_queued_pages=self.reservations.num_queued_pages(),
                          held_request_ids=[seq.request_id for seq in self.loop.running]
-                         + list(self.reservations.by_id))
+                         + list(self.reservations.by_id),
+                         **device_cache_report(self.worker, request.device_cache_seq))
 
     # ---- 1. reserve ------------------------------------------------------------------------------------
     async def _reserve(self, request: ReserveRequest, ctx: CallContext) -> ReserveReply:
@@ -214,6 +217,7 @@ class DecodeRole:
                                                                     grammars)
             await plan.kv.wait_writes(self.config.transfer.timeout_s)
             await plan.close_store(commit=True)
+            plan.kv.mark_complete()
         except BaseException:
             await plan.close(commit=False)
             raise
@@ -256,6 +260,9 @@ class DecodeRole:
                         follow_first_token(grammar, first.token_id)
                 kv = await load_prefilled(self.worker, request, reservation)
             kvs.append(kv)
+            self.metrics.cache.observe_device_prefix(num_blocks=kv.num_device_blocks,
+                                                     num_cached=self.worker.pages.num_cached if self.worker.pages
+                                                     else 0)
             for sequence in range(1, num_seqs):
                 kvs.append(await fork(self.worker, kv, f"{request.request_id}#{sequence}", spec.max_tokens,
                                       reserved_by=reservation.owner))
@@ -288,8 +295,10 @@ class DecodeRole:
             async for item in stream_items(outbox, len(running), self.config.conductor.token_timeout_s):
                 yield item
         finally:
+            namespace = isolated_namespace(self.worker.namespace, request.key_isolation)
             for seq in seqs:
                 await self.loop.remove(seq)
+                seq.kv.mark_complete_through(seq.token_ids[:-1], namespace)  # output blocks to the device tier
                 await seq.kv.release()
             await self.reservations.pages_freed()
 

@@ -1,8 +1,9 @@
 """A DECODE call's sequences on their way into the batch, and their stream of items (role.py, steps 2 and 3).
 
 1. `load_prefilled(worker, request, reservation)`: the prompt's blocks, from this host's store (the prefill
-   instance wrote them), loaded into a request's pages layer by layer off the compute thread; the reserved full
-   blocks are committed (cache on this host).
+   instance wrote them), loaded into a request's pages layer by layer off the compute thread (but the leading
+   full blocks the device prefix cache holds, read in place); the reserved full blocks are committed (cache on
+   this host), and the prompt's full blocks stay in the device prefix cache once the request ends.
 2. `fork(worker, kv, request_id, max_tokens)`: a parallel sampling's further sequence: its own pages (its share
    of the reservation's), starting as a copy of the prompt's (the prompt was prefilled once; each sequence then
    writes its own tail and output).
@@ -26,16 +27,19 @@ from mooncaked.roles.worker.worker import Worker
 async def load_prefilled(worker: Worker, request: DecodeRequest, reservation: Reservation) -> RequestKv:
     store = worker.local_store
     kv = RequestKv(worker, request.request_id, len(request.token_ids), reservation.request.max_tokens,
-                   reserved_by=reservation.owner)
+                   reserved_by=reservation.owner, block_keys=request.block_keys,
+                   num_shareable_blocks=len(request.block_keys))
     try:
         index_of = {key: i for i, key in enumerate(request.block_keys)}
         blocks = [(index_of[loc.key], loc.offset) for loc in reservation.present]
         blocks += [(index_of[h.key], h.offset) for h in reservation.handles]
         if reservation.tail is not None:
             blocks.append((len(request.block_keys), reservation.tail.offset))
+        blocks = [(i, offset) for i, offset in blocks if i >= kv.num_device_blocks]
         kv.start_loading([StoreBlocks(worker.local_store_name, [i for i, _ in blocks], [o for _, o in blocks],
-                                      reservation.incarnation)], kv.num_blocks)
+                                      reservation.incarnation)], kv.num_blocks if blocks else 0)
         await kv.wait_loaded()
+        kv.mark_complete()
         if reservation.handles:
             await store.commit([h.handle_id for h in reservation.handles])
             reservation.handles = []

@@ -1,14 +1,18 @@
 """Where one prompt's KV comes from and goes to on a worker, planned before its forward.
 
-1. `plan_prompt_kv(...)` checks the block keys; when told to fetch a prefix from another host's store it looks
+1. `plan_prompt_kv(...)` checks the block keys and reads the longest prefix the instance's device prefix cache
+   holds in place (RequestKv; the device tier); when told to fetch a prefix from another host's store it looks
    the blocks up there (leased, not copied yet); it allocates this host's store space for every block it lacks
    (read leases on the present ones: the reusable prefix is this host's blocks, then the other host's), and
-   starts loading the prefix layer by layer into the request's pages while the job waits for its batch.
+   starts loading the rest of the prefix (past the device tier's blocks) layer by layer into the request's pages
+   while the job waits for its batch. The prefix is the device tier's blocks, then this host's store's, then
+   the other host's; the rest is computed.
 2. The forward waits for layer i of the prefix before computing layer i (`kv.wait_layer_loaded`), and after
    it `plan.store_layer` queues layer i of the blocks this host lacks (computed ones, and fetched ones: that
    is hot-block replication) for this host's store and, for prefill, the decode host's reserved destinations.
 3. `close_store(commit)` commits the new blocks (or aborts them) and ends every read lease; `kv.release()`
-   (the plan's owner calls it) frees pages and staging.
+   (the plan's owner calls it) frees pages and staging; `close(commit=True)` first marks the prompt's full blocks
+   complete, so they stay in the device prefix cache.
 """
 
 from __future__ import annotations
@@ -85,7 +89,14 @@ class KvPlan:
         except Exception as exc:  # the store reclaims them when their leases expire
             logger.warning("ending store handles of %s failed: %s", self.kv.request_id, exc)
 
+    @property
+    def num_device_blocks(self) -> int:
+        """Prefix blocks read in place from the device prefix cache (the first of the prefix)."""
+        return min(self.kv.num_device_blocks, self.num_prefix_blocks)
+
     async def close(self, commit: bool) -> None:
+        if commit:
+            self.kv.mark_complete()
         await self.kv.settle_writes(self.kv.worker.config.transfer.timeout_s)
         await self.kv.release()  # stops the loader first: no read may use a lease ended below
         if not self.kv.is_settled:  # a copy may still touch pool regions: leave them to their leases' expiry
@@ -119,8 +130,10 @@ async def plan_prompt_kv(worker: Worker, request_id: str, token_ids: list[int], 
     for store_name in (fetch_store, decode_store if destinations else ""):
         if store_name:
             worker.store_instance(store_name)
+    num_shareable = (len(token_ids) - 1) // worker.block_size if reuses_prefix else 0  # >= 1 token to compute
     try:
-        kv = RequestKv(worker, request_id, len(token_ids), num_extra_tokens, reserved_by)
+        kv = RequestKv(worker, request_id, len(token_ids), num_extra_tokens, reserved_by, block_keys=keys,
+                       num_shareable_blocks=num_shareable)
     except RuntimeError as exc:
         raise ResourceExhausted(f"not enough KV pages for {len(token_ids)} tokens: {exc}") from None
     plan = KvPlan(kv, list(token_ids), owner=owner)
@@ -135,7 +148,7 @@ async def plan_prompt_kv(worker: Worker, request_id: str, token_ids: list[int], 
         await plan.close(commit=False)
         raise
     plan.sources = [source for source in sources if source.block_indices]
-    plan.kv.start_loading(sources, plan.num_prefix_blocks)
+    plan.kv.start_loading(plan.sources, plan.num_prefix_blocks if plan.sources else 0)
     return plan
 
 
@@ -196,15 +209,16 @@ async def _reserve_local(plan: KvPlan, keys: list[bytes], fetched: StoreBlocks, 
     plan.local_handles = [(index_of[h.key], h) for h in handles]
     local_offsets = {index_of[loc.key]: loc.offset for loc in present}
     remote = dict(zip(fetched.block_indices, fetched.offsets))
-    num_prefix = 0
+    num_device = plan.kv.num_device_blocks  # already in the pages
+    num_prefix = num_device
     while num_prefix < len(keys) and (num_prefix in local_offsets or num_prefix in remote):
         num_prefix += 1
     num_prefix = min(num_prefix, (len(plan.token_ids) - 1) // worker.block_size)  # >= 1 token to compute
     if not reuses_prefix:
         num_prefix = 0
     plan.num_prefix_blocks = num_prefix
-    from_local = [i for i in range(num_prefix) if i in local_offsets]
-    from_remote = [i for i in range(num_prefix) if i not in local_offsets]
+    from_local = [i for i in range(num_device, num_prefix) if i in local_offsets]
+    from_remote = [i for i in range(num_device, num_prefix) if i not in local_offsets]
     plan.num_fetched_blocks = len(from_remote)
     return [StoreBlocks(worker.local_store_name, from_local, [local_offsets[i] for i in from_local],
                         incarnation_of([*present, *handles])),

@@ -1,7 +1,11 @@
 """One request's KV on a worker: its pages, the staging it holds while moves need it, and its byte moves.
 
 1. `RequestKv(worker, request_id, num_tokens)` allocates pages for every block of the prompt (the partial tail
-   included) plus `num_extra_tokens`. Store objects have the pages' layout (docs/design.md section 5). Pages in host
+   included) plus `num_extra_tokens`. Given the prompt's `block_keys`, it first reads the longest prefix of its
+   first `num_shareable_blocks` the instance's device prefix cache holds in place (`num_device_blocks` of them:
+   those pages are shared, read-only, and nothing loads or computes them); `mark_complete()` says the prompt's
+   full blocks hold their final KV (`mark_complete_through` a decoded sequence's, output included), and
+   `release()` then leaves them in the cache for later requests. Store objects have the pages' layout (docs/design.md section 5). Pages in host
    memory (CPU, one process) are a transfer-engine segment: every move goes straight between them and the stores
    (`is_direct`). A tensor-parallel instance on CPU (worker.tp) moves between its ranks' pages and this host's
    mapped store pool in strided copies on the copy thread (engine/tp_copy.py). Other moves (GPU pages, one
@@ -39,6 +43,7 @@ import torch
 
 from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.tp.copy import RankPagesEnd
+from mooncaked.kv.keys import block_keys
 from mooncaked.roles.worker.kv.layer_loader import LayerLoader, LoadFailed
 from mooncaked.roles.worker.kv.request_memory import CopyTracker, StagingHold, copy_staging, index_runs
 from mooncaked.roles.worker.kv.spans import StoreBlocks, num_blocks_for, page_spans, staging_spans
@@ -57,9 +62,10 @@ class RequestKv:
     loader and its in-flight writes."""
 
     def __init__(self, worker: Worker, request_id: str, num_tokens: int, num_extra_tokens: int = 0,
-                 reserved_by: str = "") -> None:
+                 reserved_by: str = "", block_keys: Sequence[bytes] = (), num_shareable_blocks: int = 0) -> None:
         """`reserved_by`: the owner holding pages set aside for this request (a decode reservation's): they become
-        this request's, and only the rest are allocated."""
+        this request's, and only the rest are allocated. `block_keys`: the prompt's (checked), for the device
+        prefix cache; at most `num_shareable_blocks` leading blocks are read from it."""
         assert worker.pages is not None and worker.kv_pages is not None and worker.staging_pool is not None
         self.worker = worker
         self.kv_pages: KVPages = worker.kv_pages  # the worker's
@@ -67,14 +73,20 @@ class RequestKv:
         self.num_tokens = num_tokens
         self.num_blocks = num_blocks_for(num_tokens, worker.block_size)
         self.num_full_blocks = num_tokens // worker.block_size
+        assert not block_keys or len(block_keys) == self.num_full_blocks, "one key per full block of the prompt"
+        self.block_keys = list(block_keys)
+        self.num_complete_blocks = 0  # leading full blocks whose KV is final (mark_complete)
         num_pages = num_blocks_for(num_tokens + num_extra_tokens, worker.block_size)
-        reserved = worker.pages.transfer(reserved_by, request_id, num_pages) if reserved_by else []
+        shared = worker.pages.share_prefix(self.block_keys[:num_shareable_blocks], request_id)
+        self.num_device_blocks = len(shared)
+        num_own = num_pages - len(shared)
+        reserved = worker.pages.transfer(reserved_by, request_id, num_own) if reserved_by else []
         try:
-            more = worker.pages.allocate(max(num_pages - len(reserved), 0), owner=request_id)
+            more = worker.pages.allocate(max(num_own - len(reserved), 0), owner=request_id)
         except BaseException:
-            worker.pages.free(reserved, request_id)
+            worker.pages.free_owner(request_id)
             raise
-        self.page_ids: list[int] = reserved + more
+        self.page_ids: list[int] = shared + reserved + more
         self.is_direct = worker.host_pages is not None  # every move straight between the pages and the stores
         is_ranks_mapped = worker.tp is not None and self.kv_pages.device.type == "cpu"
         self.ranks_end = RankPagesEnd(self.kv_pages, self.page_ids) if is_ranks_mapped else None
@@ -257,6 +269,18 @@ class RequestKv:
             await asyncio.wait([asyncio.wrap_future(w) for w in writes], timeout=timeout_s)
 
     # ---- end -------------------------------------------------------------------------------------------
+    def mark_complete(self) -> None:
+        """The prompt's full blocks hold their final KV (computed, or loaded whole): release() may cache them."""
+        self.num_complete_blocks = self.num_full_blocks
+
+    def mark_complete_through(self, token_ids: Sequence[int], namespace: bytes) -> None:
+        """A sequence's tokens whose KV is in the pages (its prompt, then its output but the last token, whose KV
+        no step wrote): release() may cache all their full blocks, output ones included, under their keys in
+        `namespace` (the request's isolated one)."""
+        keys = block_keys(token_ids, self.worker.block_size, namespace)
+        if keys[: len(self.block_keys)] == self.block_keys and len(keys) <= len(self.page_ids):
+            self.block_keys, self.num_complete_blocks = keys, len(keys)
+
     async def release(self) -> None:
         """Free pages and staging; idempotent, and safe to cancel (what then still runs ends by its deadline
         before the pages are freed). In-flight writes are cancelled, running copies awaited; no copy starts
@@ -296,8 +320,11 @@ class RequestKv:
         self.staging.give_back(is_reusable and self.staging.num_users == 0)
         if delay_s > 0:
             worker.free_pages_later(self.request_id, delay_s)
-        else:
-            worker.pages.free_owner(self.request_id)
+            return
+        if is_reusable and self.block_keys and self.num_complete_blocks:
+            num = self.num_complete_blocks
+            worker.pages.keep(self.request_id, list(zip(self.block_keys[:num], self.page_ids[:num])))
+        worker.pages.free_owner(self.request_id)
 
 
 __all__ = ["LoadFailed", "RequestKv"]

@@ -34,6 +34,7 @@ from mooncaked.roles.base import RoleEndpoint
 from mooncaked.roles.worker.group.head import PipelineHead
 from mooncaked.roles.worker.group.monitor import GroupMonitor
 from mooncaked.roles.worker.group.stage import StageService
+from mooncaked.roles.worker.kv.device_report import device_cache_report
 from mooncaked.roles.worker.messages import LOAD, PREFILL, LoadReply, LoadRequest, PrefillReply, PrefillRequest
 from mooncaked.roles.worker.messages import TokenSample
 from mooncaked.roles.worker.prefill.forward import ForwardResult, PrefillCancelled, run_prefill_forward
@@ -167,6 +168,8 @@ class PrefillRole:
             num_remote = min(plan.num_fetched_blocks, plan.num_prefix_blocks)
             self.metrics.cache.observe_prefix(num_local=plan.num_prefix_blocks - num_remote, num_remote=num_remote,
                                               num_computed=plan.kv.num_full_blocks - plan.num_prefix_blocks)
+            self.metrics.cache.observe_device_prefix(num_blocks=plan.num_device_blocks,
+                                                     num_cached=worker.pages.num_cached if worker.pages else 0)
             num_sent = sum(len(wanted) for wanted in plan.destinations.values())
             self.metrics.cache.observe_transfer("write", num_sent * worker.block_nbytes)
             self.metrics.cache.observe_transfer("read", plan.num_fetched_blocks * worker.block_nbytes)
@@ -199,7 +202,8 @@ class PrefillRole:
                          chunk_handoff_s=self.stage_service.handoff.value if self.stage_service else 0.0,
                          pipeline_stages=[list(c) for c in spec.stage_coefficients] if spec else [],
                          pipeline_handoffs_s=list(spec.handoff_s) if spec else [],
-                         cpp_chunk_tokens=spec.chunk_tokens if spec else 0)
+                         cpp_chunk_tokens=spec.chunk_tokens if spec else 0,
+                         **device_cache_report(self.worker, request.device_cache_seq))
 
     async def _prefill(self, request: PrefillRequest, ctx: CallContext) -> PrefillReply:
         request_id_var.set(request.request_id)

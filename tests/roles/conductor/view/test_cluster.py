@@ -160,6 +160,34 @@ async def test_placement_queue_model_inline_and_rejections(tmp_path: Path) -> No
     await peers.close()
 
 
+async def test_placement_prefers_the_instance_whose_device_tier_holds_the_prefix(tmp_path: Path) -> None:
+    """LOAD replies' device-cache reports (a dump, then changes) feed the device index placement reads: of two
+    idle prefill instances, the one holding the prompt's prefix in its pages wins, until it reports them lost."""
+    config = make_config(tmp_path, instance("p0", "prefill"), instance("p1", "prefill"),
+                         instance("d0", "decode", settings={"inline_prefill_max_tokens": 0}))
+    peers = PeerClients(config, config.instance_named("c0"))
+    view = make_view(config, peers)
+    keys = [key(i) for i in range(6)]
+    request = RequestInfo("r0", 100, tuple(keys))
+    for worker in view.workers:
+        worker.is_up, worker.load = True, idle_load()
+    first = view.place(request, 0.0)
+    assert isinstance(first, Placement) and first.prefill_instance == "p0"  # a tie: the first
+    p1 = view.prefill["p1"]
+    assert view.device_index.last_seq("p1") == -1  # the next poll asks for a dump
+    view._loaded(p1, dataclasses.replace(idle_load(), device_cache_seq=3, device_keys_gained=keys[:4],
+                                         is_device_cache_dump=True), -1)
+    placed = view.place(RequestInfo("r1", 100, tuple(keys)), 0.0)
+    assert isinstance(placed, Placement) and placed.prefill_instance == "p1" and placed.num_local_prefix_blocks == 4
+    view._loaded(p1, dataclasses.replace(idle_load(), device_cache_seq=5, device_keys_lost=keys[:1]), 3)
+    assert view.device_index.last_seq("p1") == 5
+    again = view.place(RequestInfo("r2", 100, tuple(keys)), 0.0)
+    assert isinstance(again, Placement) and again.prefill_instance == "p0"  # block 0 gone: no prefix left
+    view._loaded(p1, dataclasses.replace(idle_load(), device_cache_seq=9, device_keys_gained=keys[:1]), 7)
+    assert view.device_index.last_seq("p1") == -1  # a gap (7 is not 5): a dump next time
+    await peers.close()
+
+
 async def test_copies_on_other_stores_become_spare_and_go_first(tmp_path: Path) -> None:
     """Replication by_reuse end to end: s1 serves a placement of blocks s0 holds too; the conductor's background
     marks make s0 give its copies back before its own older blocks, with no call on the request path."""
