@@ -97,7 +97,7 @@ def schedule(
     decode = select_decode(request.num_prompt_tokens, decode_views, config, policy.predictors.decode, now,
                            now + ttft, num_pages=decode_pages(request, config),
                            num_output_tokens=request.predicted_output_tokens,
-                           max_defer_s=config.ttft_slo_s - ttft)
+                           max_defer_s=min(config.max_decode_defer_s, config.ttft_slo_s - ttft))
     if decode.view is None:
         return Rejection(request.request_id, REASON_NO_DECODE, ttft, 0.0)
     rejection = admission_rejection(request.request_id, config, ttft, decode)

@@ -196,6 +196,7 @@ class PolicyConfig:
     replica_displaced_reuse: float = 0.5
     tie_break: str = "first"
     cpp_min_tokens: int = 0
+    max_decode_defer_s: float = 0.0  # early_rejection_predicted: longest decode-start deferral (sched/admission.py)
 
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:

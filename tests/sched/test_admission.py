@@ -114,7 +114,7 @@ def test_a_decode_start_is_deferred_to_when_the_forecast_frees_its_pages_within_
         holds = (DecodeHold(30, 100.0, ends_at),)
         decode = DecodeInstanceView("d", "sd", 1, 2000, 64, 10**9, num_pages=40, page_holds=holds)
         return schedule(request, [PrefillInstanceView("p", "sp")], [decode], ShadowIndex(),
-                        _policy("early_rejection_predicted", block_size=64), 100.0)
+                        _policy("early_rejection_predicted", block_size=64, max_decode_defer_s=10.0), 100.0)
 
     deferred = decide(105.0)
     assert isinstance(deferred, Placement) and deferred.predicted_ttft_s == pytest.approx(2.0)
@@ -126,9 +126,19 @@ def test_a_decode_start_is_deferred_to_when_the_forecast_frees_its_pages_within_
 
 
 def test_an_instance_with_room_at_the_decode_start_is_preferred_to_a_deferred_one():
-    config = _policy("early_rejection_predicted", block_size=64).config
+    config = _policy("early_rejection_predicted", block_size=64, max_decode_defer_s=10.0).config
     busy = DecodeInstanceView("busy", "sb", 0, 0, 64, 10**9, num_pages=40, page_holds=(DecodeHold(30, 100.0, 104.0),))
     idle = DecodeInstanceView("idle", "si", 3, 3000, 64, 10**9, num_pages=40)
     choice = select_decode(2000, [busy, idle], config, DECODE, now=100.0, ready_time=102.0, num_pages=33,
                            max_defer_s=8.0)
     assert choice.view is idle and choice.decode_defer_s == 0.0 and choice.has_room
+
+
+def test_no_deferral_past_the_configured_limit():
+    request = RequestInfo("r", 2000, (), max_tokens=100)
+    holds = (DecodeHold(30, 100.0, 105.0),)
+    decode = DecodeInstanceView("d", "sd", 1, 2000, 64, 10**9, num_pages=40, page_holds=holds)
+    for limit_s, is_placed in ((3.0, True), (2.9, False), (0.0, False)):
+        policy = _policy("early_rejection_predicted", block_size=64, max_decode_defer_s=limit_s)
+        result = schedule(request, [PrefillInstanceView("p", "sp")], [decode], ShadowIndex(), policy, 100.0)
+        assert isinstance(result, Placement) == is_placed, (limit_s, result)

@@ -219,7 +219,7 @@ def policy_config(config: Config) -> PolicyConfig:
                         block_size=config.kv.block_size, decode_time_s=section.decode_time_s, seed=section.seed,
                         replication=section.replication, heat_half_life_s=section.heat_half_life_s,
                         replica_displaced_reuse=section.replica_displaced_reuse, tie_break=section.tie_break,
-                        cpp_min_tokens=section.cpp_min_tokens)
+                        cpp_min_tokens=section.cpp_min_tokens, max_decode_defer_s=section.max_decode_defer_s)
 
 
 def view_settings(config: Config) -> ClusterViewSettings:
