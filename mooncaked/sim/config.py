@@ -117,7 +117,7 @@ _NON_NEGATIVE = {"link_latency_s", "prefill_overhead_s", "decode_overhead_s", "d
                  "max_requests", "output_length_cap", "prefill_noise", "seed", "dram_blocks_per_host",
                  "output_length_noise", "replica_displaced_reuse", "num_prefill_groups", "cpp_min_tokens",
                  "inline_prefill_max_tokens", "kv_bytes_per_token", "active_parameters", "attention_width",
-                 "device_prefix_blocks"}
+                 "device_prefix_blocks", "max_decode_defer_s"}
 
 
 def load_sim_config(path: str | Path, base: SimConfig | None = None) -> SimConfig:

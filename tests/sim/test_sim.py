@@ -198,3 +198,11 @@ def test_a_decode_instance_short_of_pages_refuses_reserve_or_makes_the_request_w
         1 for r in refused.records if not r.rejection_reason)
     assert len(gave_up) < len(waited.records) // 2
     assert all(not d.reserved_pages and not d.reserve_queue for d in waiting.decode)  # every page given back
+
+
+def test_the_example_config_loads():
+    from pathlib import Path
+
+    from mooncaked.sim.config import load_sim_config
+    config = load_sim_config(Path(__file__).parents[2] / "sim.example.yaml")
+    assert config.scheduler.max_decode_defer_s == 0.0 and config.model.num_layers == 80
