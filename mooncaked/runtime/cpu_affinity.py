@@ -1,7 +1,7 @@
 """CPU pinning of one instance's process (`cluster.instances[].cpus`).
 
 1. main() calls `pin_to_cpus` for the instance it runs, before torch starts its thread pools and before the
-   event loop exists: every thread started later inherits the set.
+   event loop exists: it sets every thread the process has, and every thread started later inherits the set.
 2. CPU ids this process may not use (absent, offline, outside its cgroup's cpuset) are an error that names them
    and the usable ones; nothing is pinned then.
 3. Within a worker, `pinned_executor(name, cpus)` runs one thread pinned to a subset (`worker.compute_cpus`,
@@ -28,9 +28,16 @@ def usable_cpus() -> set[int]:
 
 
 def pin_to_cpus(cpus: Sequence[int], instance_name: str) -> None:
-    """Restrict this process (its calling thread and every thread it starts later) to `cpus`."""
+    """Restrict this process (every thread it has, and every thread it starts later) to `cpus`."""
     check_usable(cpus, f"instance {instance_name}", "cluster.instances[].cpus")
-    os.sched_setaffinity(0, cpus)  # pid 0: the calling thread; threads started later inherit its set
+    # sched_setaffinity sets one thread's mask; threads started later inherit the caller's. Threads an import
+    # started already (numpy's BLAS pool, loaded with the config's modules) are each set too.
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), cpus)
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+    os.sched_setaffinity(0, cpus)
     logger.info("instance %s pinned to CPUs %s", instance_name, format_cpus(cpus))
 
 

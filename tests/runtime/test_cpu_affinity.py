@@ -22,10 +22,27 @@ def restore_affinity() -> Iterator[set[int]]:
     os.sched_setaffinity(0, before)
 
 
-def test_pin_to_one_usable_cpu(restore_affinity: set[int]) -> None:
-    cpu = min(restore_affinity)
-    pin_to_cpus([cpu], "p0")
-    assert os.sched_getaffinity(0) == {cpu}
+PIN_SCRIPT = """
+import os, sys, threading
+from mooncaked.runtime.cpu_affinity import pin_to_cpus
+started = threading.Event()
+done = threading.Event()
+early = threading.Thread(target=lambda: (started.set(), done.wait(10)))  # as an import's thread pool would be
+early.start()
+started.wait(10)
+pin_to_cpus([int(sys.argv[1])], "p0")
+later = threading.Thread(target=lambda: done.wait(10))
+later.start()
+print(sorted({frozenset(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}, key=len))
+done.set()
+"""
+
+
+def test_pin_to_one_usable_cpu_pins_every_thread_the_process_has_and_starts() -> None:
+    cpu = min(os.sched_getaffinity(0))  # in a process of its own: pinning changes every thread of it
+    out = subprocess.run([sys.executable, "-c", PIN_SCRIPT, str(cpu)], capture_output=True, text=True, timeout=60,
+                         check=True).stdout
+    assert out.strip() == f"[frozenset({{{cpu}}})]"
 
 
 def test_unusable_cpus_are_named_and_nothing_changes(restore_affinity: set[int]) -> None:
