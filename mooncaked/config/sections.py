@@ -126,7 +126,7 @@ class SchedulerSection:
     link_gbps: float = bounded(100.0, min=0.001)
     prefill_profile: Optional[str] = None
     decode_time_s: float = bounded(5.0, min=0.001)
-    max_decode_defer_s: float = bounded(10.0, min=0.0)
+    max_decode_defer_s: float = bounded(0.0, min=0.0)
     predict_output_length: bool = True
     output_length_quantile: float = bounded(0.9, min=0.01, max=1.0)
     device_flops: Optional[float] = bounded(None, min=1.0)
