@@ -136,7 +136,7 @@ async def test_a_request_whose_pages_free_within_its_ttft_slo_is_deferred_not_re
     hold's end (3 s, within the TTFT SLO) instead of refused as decode_full, its first token held back until its
     decode starts; it decodes once the pages free."""
     config = make_config(tmp_path, scheduler={"admission": "early_rejection_predicted", "tbt_slo_ms": 5000.0,
-                                                    "max_decode_defer_s": 10.0},
+                                              "max_decode_defer_s": 10.0},
                          conductor={"default_max_tokens": 3},
                          worker={"num_kv_pages": 16, "page_wait_s": 30.0, "profile_s": 0.0})
     async with running_roles(config, ["s0", "p0", "d0", "c0"]) as roles, aiohttp.ClientSession() as http:
