@@ -79,6 +79,8 @@ def _config(tmp: Path, args: argparse.Namespace) -> Config:
 class PrefixBench:
     """Owns the RPC clients of one run and its random source; the roles are owned by `_bench`."""
 
+    name = "bench-prefix"  # the RPC clients' instance name and the request ids' prefix
+
     def __init__(self, config: Config, p1: PrefillRole, timeout_s: float) -> None:
         self.config = config
         self.block_size = config.kv.block_size
@@ -86,7 +88,7 @@ class PrefixBench:
         assert p1.worker.loaded is not None
         self.vocab_size = p1.worker.loaded.args.vocab_size
         self.timeout_s = timeout_s
-        self.peers = PeerClients(config, InstanceConfig(name="bench-prefix", role="conductor"))
+        self.peers = PeerClients(config, InstanceConfig(name=self.name, role="conductor"))
         self.rng = random.Random(0)
         self.num_calls = 0
 
@@ -96,7 +98,7 @@ class PrefixBench:
     async def prefill(self, instance_name: str, tokens: list[int], fetch_store: str = "",
                       num_fetch_blocks: int = 0) -> tuple[float, PrefillReply]:
         self.num_calls += 1
-        request = PrefillRequest(f"bench-prefix-{self.num_calls}", tokens,
+        request = PrefillRequest(f"{self.name}-{self.num_calls}", tokens,
                                  block_keys(tokens, self.block_size, self.namespace),
                                  SamplingSpec(max_tokens=1, temperature=0.0),
                                  fetch_store=fetch_store, num_fetch_blocks=num_fetch_blocks)

@@ -18,26 +18,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import random
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from mooncaked.bench.cluster import instance, write_config
+from mooncaked.bench.prefix import PrefixBench
 from mooncaked.bench.report import report
-from mooncaked.config import Config, InstanceConfig, load_config
+from mooncaked.config import Config, load_config
 from mooncaked.engine.batch import PrefillSeq, build_prefill_batch
 from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.runner import ModelRunner
-from mooncaked.kv.keys import block_keys
 from mooncaked.model.loader import LoadedModel
-from mooncaked.roles.base import PeerClients
 from mooncaked.roles.store import StoreRole
-from mooncaked.roles.worker.messages import PREFILL, PrefillReply, PrefillRequest, SamplingSpec
 from mooncaked.roles.worker.prefill.role import PrefillRole
 
 CASES = ("none", "device", "host_store", "remote_store")
@@ -99,34 +95,13 @@ def _config(tmp: Path, args: argparse.Namespace, cache_dtype: str) -> Config:
     return load_config(path)
 
 
-class TiersBench:
-    """Owns the RPC clients of one run and its random source; the roles are owned by `_run_dtype`."""
+class TiersBench(PrefixBench):
+    """PrefixBench's clients and PREFILL calls, measuring a prompt hot in one tier (WARM_ON)."""
 
-    def __init__(self, config: Config, p1: PrefillRole, timeout_s: float) -> None:
-        self.config = config
-        self.block_size = config.kv.block_size
-        self.namespace = p1.worker.namespace
-        assert p1.worker.loaded is not None
-        self.vocab_size = p1.worker.loaded.args.vocab_size
-        self.timeout_s = timeout_s
-        self.peers = PeerClients(config, InstanceConfig(name="bench-tiers", role="conductor"))
-        self.rng = random.Random(0)
-        self.num_calls = 0
+    name = "bench-tiers"
 
-    async def prefill(self, instance_name: str, tokens: list[int], fetch_store: str = "",
-                      num_fetch_blocks: int = 0) -> tuple[float, PrefillReply]:
-        self.num_calls += 1
-        request = PrefillRequest(f"bench-tiers-{self.num_calls}", tokens,
-                                 block_keys(tokens, self.block_size, self.namespace),
-                                 SamplingSpec(max_tokens=1, temperature=0.0),
-                                 fetch_store=fetch_store, num_fetch_blocks=num_fetch_blocks)
-        client = self.peers.for_instance(self.config.instance_named(instance_name))
-        started = time.perf_counter()
-        reply = await client.call(PREFILL, request, timeout_s=self.timeout_s)
-        return time.perf_counter() - started, reply
-
-    async def measure(self, case: str, num_tokens: int) -> dict[str, Any]:
-        tokens = [self.rng.randrange(3, self.vocab_size) for _ in range(num_tokens)]
+    async def measure_tier(self, case: str, num_tokens: int) -> dict[str, Any]:
+        tokens = self.fresh_prompt(num_tokens)
         num_blocks = -(-num_tokens // self.block_size)
         num_hot = min(round(0.95 * num_blocks), (num_tokens - 1) // self.block_size) if case != "none" else 0
         if num_hot:
@@ -137,13 +112,10 @@ class TiersBench:
                 "num_fetched_blocks": reply.num_fetched_blocks}
 
     async def warm_up(self) -> None:
-        tokens = [self.rng.randrange(3, self.vocab_size) for _ in range(2 * self.block_size + 1)]
+        tokens = self.fresh_prompt(2 * self.block_size + 1)
         await self.prefill("p2", tokens)
         await self.prefill("p1b", tokens)
         await self.prefill("p1", tokens, "s2", 2)
-
-    async def close(self) -> None:
-        await self.peers.close()
 
 
 async def _run_dtype(args: argparse.Namespace, cache_dtype: str) -> dict[str, Any]:
@@ -181,7 +153,7 @@ async def _measure(bench: TiersBench, args: argparse.Namespace) -> dict[str, Any
     runs: dict[str, list[dict[str, Any]]] = {case: [] for case in CASES}
     for _ in range(args.rounds):
         for case in CASES:
-            runs[case].append(await bench.measure(case, args.tokens))
+            runs[case].append(await bench.measure_tier(case, args.tokens))
     cases: dict[str, Any] = {}
     for case in CASES:
         times = [run["ttft_s"] for run in runs[case]]
