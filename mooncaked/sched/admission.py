@@ -8,9 +8,9 @@
      joined (section 4.3.4). A request's decode time is its own prediction when the view carries one (output-
      length prediction), else the paper's uniform t_d (`decode_time_s`). When the memory forecast has no room
      at `ready_time` but has by `ready_time + max_defer_s`, the instance has room with its decode start deferred
-     to then (`decode_defer_s`): the prefill runs now, the first token streams, and the decode instance's
-     reservation waits for the pages the forecast frees by then. The caller bounds the deferral by the TTFT SLO
-     (the stream pauses after its first token at most as long as a TTFT could last).
+     to then (`decode_defer_s`): the prefill runs now, the conductor holds the first token back until the
+     decode starts, and the decode instance's reservation waits for the pages the forecast frees by then. The
+     caller bounds the deferral by the TTFT SLO less the predicted TTFT and by `max_decode_defer_s`.
 2. `rejects_at_arrival` says whether the policy refuses up front on that TBT: never for `none` and `baseline`;
    `admission_rejection` is the check at arrival every placement runs (Algorithm 1 lines 18-19): the TTFT SLO
    (every policy but `none`), then the decode instance's room and predicted TBT (early rejection).
@@ -99,7 +99,6 @@ def select_decode(
     most `max_defer_s` (step 1); an instance with room at `ready_time` is preferred to a deferred one.
     """
     best: DecodeChoice = DecodeChoice(None, float("inf"), False)
-    best_key: tuple[bool, float, float] = (False, -float("inf"), -float("inf"))
     is_predicted = config.admission == "early_rejection_predicted"
     for view in decode_views:
         if not view.is_available:
@@ -124,9 +123,8 @@ def select_decode(
                 tbt = step_model(view, predictor).predict(num_running + 1, num_tokens + num_context_tokens)
         else:
             has_room = num_running <= view.max_num_running and num_tokens <= view.max_context_tokens
-        key = (has_room, -defer_s, -tbt)
-        if key > best_key:
-            best, best_key = DecodeChoice(view, tbt, has_room, defer_s), key
+        if (has_room, -defer_s, -tbt) > (best.has_room, -best.decode_defer_s, -best.predicted_tbt_s):
+            best = DecodeChoice(view, tbt, has_room, defer_s)
     return best
 
 
