@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "for the tiny random model)")
     parser.add_argument("--lease-ttl-s", type=int, default=3)
     parser.add_argument("--phase-s", type=float, default=20.0, help="length of each workload phase")
-    parser.add_argument("--prompt-heavy", default="600,2,1.5", help="prompt tokens,output tokens,req/s")
+    parser.add_argument("--prompt-heavy", default="600,2,0.7", help="prompt tokens,output tokens,req/s")
     parser.add_argument("--output-heavy", default="24,64,1.5", help="prompt tokens,output tokens,req/s")
     parser.add_argument("--ttft-slo-ms", type=float, default=5000.0)
     parser.add_argument("--tbt-slo-ms", type=float, default=300.0)
@@ -196,7 +196,7 @@ async def goodput_run(root: Path, args: argparse.Namespace, is_controller_on: bo
             info_other = await cluster_info(session, fleet.url("c1")) or {}
         controllers = [i.get("controller", {}) for i in (info, info_other)]
         switches = [s for c in controllers for s in c.get("switches", [])]
-        return {"switches_per_phase": switches_per_phase(switches, started_at, args.phase_s),"goodput": result["request_goodput"], "completed": result["completed"],
+        return {"switches_per_phase": switches_per_phase(switches, started_at, args.phase_s), "goodput": result["request_goodput"], "completed": result["completed"],
                 "failed": result.get("failed", 0), "p90_ttft_ms": result["p90_ttft_ms"],
                 "p90_tbt_ms": result.get("p90_tbt_ms"), "duration_s": result["duration"],
                 "role_switches": sum(int(c.get("num_switches", 0)) for c in controllers),

@@ -1,5 +1,6 @@
 """Queue order on the workers: RESERVE calls waiting for room on a decode instance take it interactive first,
-then by priority, then by arrival (in-process store and decode roles, tiny random model)."""
+then by priority, then by arrival, and LOAD counts them as the instance's queue (in-process store and decode
+roles, tiny random model)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,13 @@ import asyncio
 import time
 from pathlib import Path
 
+from mooncaked.config import InstanceConfig
 from mooncaked.roles.base import PeerClients
+from mooncaked.roles.conductor.leader import decode_load
+from mooncaked.roles.conductor.view.instances import WorkerState
 from mooncaked.roles.worker.decode.role import DecodeRole
-from mooncaked.roles.worker.messages import RESERVE, UNRESERVE, ReserveReply, ReserveRequest, UnreserveRequest
+from mooncaked.roles.worker.messages import (LOAD, RESERVE, UNRESERVE, LoadReply, LoadRequest, ReserveReply,
+                                             ReserveRequest, UnreserveRequest)
 from tests.roles.cluster_fixtures import cluster_config, instance, running_roles
 
 
@@ -38,6 +43,11 @@ async def test_waiting_reservations_take_room_by_class_then_priority(tmp_path: P
                 while len(decode.admission.waiting) < len(waiting):  # each arrives before the next (arrival order)
                     assert time.monotonic() < deadline
                     await asyncio.sleep(0.01)
+            load: LoadReply = await client.call(LOAD, LoadRequest(), timeout_s=5.0)
+            assert (load.num_running, load.num_waiting, load.num_reserving) == (0, 1, 4)
+            # the P/D controller sees the backlog: five requests for one batch slot, not a full batch
+            state = WorkerState(InstanceConfig(name="d0", role="decode"), "s0", 1, 1000, load=load, is_up=True)
+            assert decode_load(state, tbt_slo_s=1.0) == 5.0
             order = []
             holder = "holder"
             while waiting:

@@ -51,7 +51,9 @@ def decode_load(worker: WorkerState, tbt_slo_s: float) -> float:
     load = worker.load
     if load is None:
         return 0.0
-    fill = (load.num_running + load.num_waiting) / max(worker.max_num_running, 1)
+    # RESERVE calls waiting for room are the instance's queue too (admission none/baseline wait there, not in
+    # the reservation book): without them a backlog would read as a full batch, load 1.0, however long it grew
+    fill = (load.num_running + load.num_waiting + load.num_reserving) / max(worker.max_num_running, 1)
     step = load.step_time_s / tbt_slo_s if load.num_running else 0.0
     return max(step, fill)
 

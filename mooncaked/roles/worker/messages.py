@@ -217,6 +217,7 @@ class LoadReply(Message):
     pipeline_handoffs_s: list[float] = field(default_factory=list)
     cpp_chunk_tokens: int = 0
     num_queued_pages: int = 0  # decode: KV pages the reservations waiting for pages need
+    num_reserving: int = 0  # decode: RESERVE calls waiting for room (admission none/baseline): its hidden queue
     # the device prefix cache's keys (kv/device_journal.py): those gained and lost since the request's
     # device_cache_seq, or with is_device_cache_dump all of them (gained); device_cache_seq is the report's
     device_cache_seq: int = 0
