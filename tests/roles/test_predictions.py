@@ -85,7 +85,7 @@ async def test_a_cold_conductor_predicts_its_first_request_and_a_restarted_one_a
     comes to the measured TTFT is a timing, measured by `bench serve` (`ttft_prediction_mape_first20`), not here."""
     config = make_config(tmp_path, model={"source": "random:smollm2-135m", "max_model_len": 2048},
                          kv={"block_size": 64}, store={"dram_bytes": 256 << 20},
-                         worker={"profile_s": 4.0, "prefill_chunk": 1024, "max_batch_tokens": 4096,
+                         worker={"profile_s": 1.0, "prefill_chunk": 1024, "max_batch_tokens": 4096,
                                  "num_kv_pages": 64, "max_batch_size": 8})
     base = url(config, "")
     async with running_roles(config, ["s0", "p0", "d0"]) as workers, aiohttp.ClientSession() as http:
