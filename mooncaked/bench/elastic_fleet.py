@@ -60,7 +60,7 @@ class Fleet:
             "scheduler": {"admission": "none", "ttft_slo_ms": args.ttft_slo_ms, "tbt_slo_ms": args.tbt_slo_ms},
             "conductor": {"load_poll_interval_s": 0.1},
             "pd_controller": {"enabled": self.is_controller_on, "interval_s": 0.5, "window": 4, "num_confirm": 2,
-                              "dwell_s": 4.0, "tolerance": 0.5, "switch_timeout_s": 10.0},
+                              "dwell_s": 4.0, "tolerance": 0.5, "switch_timeout_s": 10.0, "switch_cost_s": 2.0},
         }
         path = self.root / f"{name}.yaml"
         path.write_text(yaml.safe_dump(data, sort_keys=False))

@@ -5,8 +5,9 @@
    is the trimmed mean of its last `window` samples (`pd_ratio.trimmed_mean`): one noisy sample moves nothing.
 2. `plan` asks, for each direction, what moving one switchable instance gains (sched/pd_gain.py: the pools'
    demand beyond their scale-out load, in instances, before and after) and weighs it over `horizon_s` against
-   what that instance's switch costs (its drain and re-registration, measured at its earlier switches, else
-   `default_switch_cost_s`). A direction is wanted when the gain exceeds `gain_margin` x the cost and the pools'
+   what that instance's switch costs: its drain and re-registration as measured at its earlier switches in the same
+   direction (else in the other, else `default_switch_cost_s`), and at least the drain of the work it holds now (`drain_s`, which the
+   instance predicts: a decode instance's running sequences until their predicted ends, a prefill instance's queue). A direction is wanted when the gain exceeds `gain_margin` x the cost and the pools'
    imbalance factor (sched/pd_ratio.py) is outside the tolerance band, unless the hot pool's load is already
    falling (the newer half of its window `falling_fraction` below the older half: a backlog draining).
 3. Hysteresis: a wanted direction must persist for `num_confirm` periods and at least as long as its switch
@@ -64,6 +65,7 @@ class SwitchCandidate:
     is_ready: bool
     load: float  # its own load; the least loaded instance of the colder side switches
     last_switch_at: float | None  # None: never switched
+    drain_s: float = 0.0  # predicted seconds until the work it holds now is done (its drain, were it to switch)
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ class SwitchPlanner:
         self.decode_loads: deque[float] = deque(maxlen=policy.window)
         self.last_decision: PdDecision | None = None
         self.last_gain = 0.0
-        self.cost_s: dict[str, float] = {}  # measured switch time per instance (the last one's, smoothed)
+        self.cost_s: dict[tuple[str, str], float] = {}  # measured switch time per (instance, from role), smoothed
         self._pending = ""  # the direction wanted in the previous periods ("prefill": an instance leaves prefill)
         self._num_pending = 0
         self._last_switch_at: float | None = None
@@ -99,8 +101,16 @@ class SwitchPlanner:
         if decode_load is not None:
             self.decode_loads.append(decode_load)
 
-    def cost_of(self, name: str) -> float:
-        return self.cost_s.get(name, self.policy.default_switch_cost_s)
+    def measured_costs(self) -> dict[str, float]:
+        """The measured switch times as "instance from role" -> seconds (for reports: JSON keys are strings)."""
+        return {f"{name} from {role}": cost_s for (name, role), cost_s in self.cost_s.items()}
+
+    def cost_of(self, candidate: SwitchCandidate) -> float:
+        """What switching `candidate` out of its role is expected to take: its measured switch time in that
+        direction (else the default), and no less than the drain of the work it holds now."""
+        other_way = self.cost_s.get((candidate.name, "decode" if candidate.role == "prefill" else "prefill"))
+        measured = self.cost_s.get((candidate.name, candidate.role), other_way)
+        return max(self.policy.default_switch_cost_s if measured is None else measured, candidate.drain_s)
 
     def plan(self, candidates: list[SwitchCandidate], now: float) -> SwitchPlan | None:
         policy, ratio = self.policy, self.policy.ratio
@@ -119,7 +129,7 @@ class SwitchPlanner:
         gain = 0.0
         if num_from > ratio.min_per_side and not is_balanced(factor, ratio.tolerance):
             gain = switch_gain(prefill_load, decode_load, num_prefill, num_decode, from_role, ratio.scale_out_load)
-        cost_s = self.cost_of(chosen.name) if chosen is not None else policy.default_switch_cost_s
+        cost_s = self.cost_of(chosen) if chosen is not None else policy.default_switch_cost_s
         is_reversal = from_role != self._last_from_role and self._last_from_role != ""
         strictness = policy.reversal_factor if is_reversal else 1.0
         is_worth_it = gain > 0 and gain * policy.horizon_s > strictness * policy.gain_margin * cost_s
@@ -141,11 +151,12 @@ class SwitchPlanner:
 
     def switched(self, name: str, now: float, cost_s: float | None = None, from_role: str = "") -> None:
         """A switch was tried at `now` and took `cost_s` (None: not measured; kept as expected)."""
+        key = (name, from_role or self._last_from_role)
         if cost_s is not None:
-            previous = self.cost_s.get(name)
-            self.cost_s[name] = cost_s if previous is None else (previous + cost_s) / 2
+            previous = self.cost_s.get(key)
+            self.cost_s[key] = cost_s if previous is None else (previous + cost_s) / 2
         self._last_switch_at = now
-        self._last_switch_cost_s = self.cost_of(name)
+        self._last_switch_cost_s = self.cost_s.get(key, self.policy.default_switch_cost_s)
         self._last_from_role = from_role or self._last_from_role
         self.reset()
 

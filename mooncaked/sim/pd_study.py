@@ -90,12 +90,16 @@ class Fleet:
     def start_switch(self, name: str, to_role: str, now: float, reload_s: float, max_drain_s: float) -> float:
         """The instance drains its share of its pool's backlog, reloads, then serves `to_role`; returns the cost."""
         role = self.roles[name]
-        drain_s = min(self.pools[role].backlog / max(self.serving(role, now), 1), max_drain_s)
-        cost_s = drain_s + reload_s
+        cost_s = self.drain_s(name, now, max_drain_s) + reload_s
         self.busy_until[name] = now + cost_s
         self.target[name] = to_role
         self.num_switches += 1
         return cost_s
+
+    def drain_s(self, name: str, now: float, max_drain_s: float) -> float:
+        """The instance's share of its pool's backlog: what it would drain before a switch."""
+        role = self.roles[name]
+        return min(self.pools[role].backlog / max(self.serving(role, now), 1), max_drain_s)
 
     def finish_switches(self, now: float) -> list[str]:
         done = [name for name, until in self.busy_until.items() if until <= now]
@@ -146,7 +150,8 @@ def run_variant(config: PdStudyConfig, variant: str) -> dict[str, Any]:
         planner.observe(*(min(loads[role], 100.0) * rng.uniform(config.noise_low, config.noise_high)
                           for role in ("prefill", "decode")))
         candidates = [SwitchCandidate(name, role, True, name not in fleet.busy_until, loads[role],
-                                      last_switch_at.get(name)) for name, role in fleet.roles.items()]
+                                      last_switch_at.get(name), fleet.drain_s(name, now, config.max_drain_s))
+                      for name, role in fleet.roles.items()]
         plan = planner.plan(candidates, now)
         if plan is not None:
             cost_of[plan.name] = fleet.start_switch(plan.name, plan.to_role, now, config.reload_s,

@@ -3,6 +3,8 @@ scaled by its cost, and no flip-flop under noisy load signals."""
 
 from __future__ import annotations
 
+import json
+
 import random
 
 import pytest
@@ -51,11 +53,24 @@ def test_a_hot_decode_pool_takes_the_least_loaded_prefill_once_it_persists() -> 
     assert plan is not None and (plan.name, plan.from_role, plan.to_role) == ("p0", "prefill", "decode")
     assert plan.gain > 0 and plan.cost_s == 2.0
     planner.switched(plan.name, 2.0, cost_s=4.0, from_role="prefill")
-    assert planner.cost_of("p0") == 4.0
+    assert planner.cost_of(SwitchCandidate("p0", "prefill", True, True, 0.0, None)) == 4.0
     # dwell: max(5 s, 3 x 4 s) = 12 s; and a reversal needs twice the persistence (2 x max(3, 4 s) periods)
     for now in range(3, 14):
         assert run(planner, fleet(1, 2), 3.0, 0.1, float(now)) is None
     assert run(planner, fleet(1, 2), 3.0, 0.1, 14.0) is not None
+
+
+def test_a_switch_costs_its_measured_time_in_its_direction_and_at_least_the_work_it_holds() -> None:
+    planner = SwitchPlanner(policy())
+    planner.switched("p0", 1.0, cost_s=4.0, from_role="prefill")
+    assert planner.cost_of(SwitchCandidate("p0", "prefill", True, True, 0.0, None)) == 4.0
+    assert planner.cost_of(SwitchCandidate("p0", "decode", True, True, 0.0, None)) == 4.0  # the other way's
+    planner.switched("p0", 20.0, cost_s=1.0, from_role="decode")
+    assert planner.cost_of(SwitchCandidate("p0", "decode", True, True, 0.0, None)) == 1.0
+    assert planner.cost_of(SwitchCandidate("p0", "prefill", True, True, 0.0, None)) == 4.0
+    assert planner.cost_of(SwitchCandidate("p1", "decode", True, True, 0.0, None)) == 2.0  # never measured
+    assert planner.cost_of(SwitchCandidate("p0", "decode", True, True, 0.0, None, drain_s=9.0)) == 9.0
+    assert json.loads(json.dumps(planner.measured_costs())) == {"p0 from prefill": 4.0, "p0 from decode": 1.0}
 
 
 def test_a_switch_that_costs_more_than_it_brings_is_not_made() -> None:

@@ -48,14 +48,29 @@ def prefill_load(worker: WorkerState, ttft_slo_s: float) -> float:
 
 
 def decode_load(worker: WorkerState, tbt_slo_s: float) -> float:
+    """The batch's fill (or the step time over the TBT SLO, the larger). Decode work is the running sequences and
+    the reservations whose KV is ready; a reservation whose prompt is still prefilling holds a batch slot without
+    being decode work. RESERVE calls waiting for room (admission none/baseline queue there) count in the share of
+    the slots decode work holds: a backlog behind decoding sequences is the decode pool's, one behind prompts in
+    prefill is not (it would read as decode demand whenever prefill is slow)."""
     load = worker.load
     if load is None:
         return 0.0
-    # RESERVE calls waiting for room are the instance's queue too (admission none/baseline wait there, not in
-    # the reservation book): without them a backlog would read as a full batch, load 1.0, however long it grew
-    fill = (load.num_running + load.num_waiting + load.num_reserving) / max(worker.max_num_running, 1)
+    num_decoding = load.num_running + max(load.num_waiting - load.num_prefilling, 0)
+    share = num_decoding / max(num_decoding + load.num_prefilling, 1)
+    fill = (num_decoding + load.num_reserving * share) / max(worker.max_num_running, 1)
     step = load.step_time_s / tbt_slo_s if load.num_running else 0.0
     return max(step, fill)
+
+
+def drain_s(worker: WorkerState, now: float) -> float:
+    """What the instance predicts its held work takes (decode: its running sequences; prefill: its queue), as of
+    `now` (monotonic): a switch out of its role waits for that first."""
+    load = worker.load
+    if load is None:
+        return 0.0
+    held_s = load.drain_s if worker.instance.role == "decode" else load.pending_work_s
+    return max(held_s - (now - worker.polled_at), 0.0)
 
 
 def switch_policy(config: Config) -> SwitchPolicy:
@@ -99,7 +114,7 @@ class PdController:
                 "last_decision": None if decision is None else {"reason": decision.reason,
                                                                 "imbalance_factor": decision.imbalance_factor},
                 "prefill_loads": list(self.planner.prefill_loads), "decode_loads": list(self.planner.decode_loads),
-                "last_gain": self.planner.last_gain, "switch_cost_s": dict(self.planner.cost_s),
+                "last_gain": self.planner.last_gain, "switch_cost_s": self.planner.measured_costs(),
                 "num_switches": self.num_switches,
                 "switches": list(self.switches)}
 
@@ -137,7 +152,8 @@ class PdController:
         candidates = [SwitchCandidate(w.instance.name, w.instance.role,
                                       records[w.instance.name].is_switchable if w.instance.name in records else False,
                                       w.is_placeable, prefill_load(w, ttft_slo_s) if w.instance.role == "prefill"
-                                      else decode_load(w, tbt_slo_s), self.last_switch_at.get(w.instance.name))
+                                      else decode_load(w, tbt_slo_s), self.last_switch_at.get(w.instance.name),
+                                      drain_s(w, now))
                       for w in self.view.workers if w.state != "draining"]
         plan = self.planner.plan(candidates, now)
         if plan is not None:

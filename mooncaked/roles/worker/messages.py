@@ -218,6 +218,8 @@ class LoadReply(Message):
     cpp_chunk_tokens: int = 0
     num_queued_pages: int = 0  # decode: KV pages the reservations waiting for pages need
     num_reserving: int = 0  # decode: RESERVE calls waiting for room (admission none/baseline): its hidden queue
+    num_prefilling: int = 0  # decode: of num_waiting, the reservations whose prompts are not prefilled yet
+    drain_s: float = 0.0  # decode: predicted seconds until the running sequences end (prefill: pending_work_s)
     # the device prefix cache's keys (kv/device_journal.py): those gained and lost since the request's
     # device_cache_seq, or with is_device_cache_dump all of them (gained); device_cache_seq is the report's
     device_cache_seq: int = 0

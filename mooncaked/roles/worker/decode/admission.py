@@ -63,14 +63,24 @@ class ReserveAdmission:
         return step_s if step_s > 0 else self.config.scheduler.tbt_slo_ms / 1000
 
     def holds(self, now: float, step_s: float) -> list[DecodeHold]:
-        """Every sequence's pages over its predicted life: running ones until their predicted end (their
-        predicted output, else max_tokens, less what they generated), then the reservations'."""
+        """Every sequence's pages over its predicted life: running ones until their predicted end, then the
+        reservations'."""
+        return self.running_holds(now, step_s) + self.reservations.holds(now, step_s)
+
+    def running_holds(self, now: float, step_s: float) -> list[DecodeHold]:
+        """The running sequences' pages until their predicted end (their predicted output, else max_tokens, less
+        what they generated)."""
         holds = []
         for seq in self.loop.running:
             num_tokens = min(seq.predicted_num_tokens or seq.params.max_tokens, seq.params.max_tokens)
             num_left = max(num_tokens - seq.num_generated, 1)
             holds.append(DecodeHold(len(seq.kv.page_ids), now, now + num_left * step_s))
-        return holds + self.reservations.holds(now, step_s)
+        return holds
+
+    def drain_s(self) -> float:
+        """Predicted seconds until the running sequences end: what a switch out of decode would wait for."""
+        now = time.monotonic()
+        return max((hold.ends_at - now for hold in self.running_holds(now, self.step_s())), default=0.0)
 
     async def wait_for_room(self, request: ReserveRequest, num_pages: int, ctx: CallContext) -> str:
         """`none` and `baseline`: wait for room up to the call's deadline, expiring stale reservations meanwhile.

@@ -150,6 +150,10 @@ class ReservationBook:
     def num_prompt_tokens(self) -> int:
         return sum(r.request.num_prompt_tokens * r.request.num_sequences for r in self.by_id.values())
 
+    def num_prefilling(self) -> int:
+        """Reservations DECODE has not claimed yet: their prompts are still queued or prefilling elsewhere."""
+        return sum(1 for r in self.by_id.values() if not r.is_claimed)
+
     def num_sequences(self) -> int:
         return sum(r.request.num_sequences for r in self.by_id.values())
 

@@ -141,6 +141,7 @@ class DecodeRole:
                          overhead_s=self.inline_overhead.value, kv_cache_bytes=self.worker.kv_cache_bytes,
                          num_queued_pages=self.reservations.num_queued_pages(),
                          num_reserving=len(self.admission.waiting),
+                         num_prefilling=self.reservations.num_prefilling(), drain_s=self.admission.drain_s(),
                          held_request_ids=[seq.request_id for seq in self.loop.running]
                          + list(self.reservations.by_id),
                          **device_cache_report(self.worker, request.device_cache_seq))
