@@ -82,12 +82,27 @@ def is_valid(value: Any, schema: dict[str, Any]) -> bool:
     return True
 
 
-async def in_batches(calls: list[Callable[[], Awaitable[Any]]], concurrency: int) -> list[Any]:
+RATE_LIMIT_WAIT_S = 300.0  # how long one request may keep being refused with 429 before the run fails
+
+
+async def in_batches(calls: list[Callable[[], Awaitable[Any]]], concurrency: int,
+                     rate_limited: tuple[type[BaseException], ...] = ()) -> list[Any]:
+    """Run `calls`, at most `concurrency` at once. A call refused with one of `rate_limited` (the server's 429: a
+    full decode instance under early rejection) is sent again after its Retry-After, for up to RATE_LIMIT_WAIT_S:
+    a refusal is the server protecting its SLOs, not an answer to score."""
     gate = asyncio.Semaphore(concurrency)
 
     async def one(call: Callable[[], Awaitable[Any]]) -> Any:
+        deadline = time.monotonic() + RATE_LIMIT_WAIT_S
         async with gate:
-            return await call()
+            while True:
+                try:
+                    return await call()
+                except rate_limited as exc:
+                    if time.monotonic() >= deadline:
+                        raise
+                    headers = getattr(getattr(exc, "response", None), "headers", {})
+                    await asyncio.sleep(min(float(headers.get("retry-after", 1.0)), 10.0))
     return await asyncio.gather(*(one(call) for call in calls))
 
 
@@ -182,10 +197,10 @@ async def run_workload(url: str, args: argparse.Namespace) -> dict[str, Any]:
         pairs = schemas[args.num_json:]
         json_calls: list[Callable[[], Awaitable[Any]]] = [
             functools.partial(agents.json_answer, schema, i) for i, schema in enumerate(schemas[: args.num_json])]
-        json_runs = await in_batches(json_calls, args.concurrency)
+        json_runs = await in_batches(json_calls, args.concurrency, (openai.RateLimitError,))
         tool_calls: list[Callable[[], Awaitable[Any]]] = [
             functools.partial(agents.tool_answer, pairs[2 * i], pairs[2 * i + 1], i) for i in range(args.num_tools)]
-        tool_runs = await in_batches(tool_calls, args.concurrency)
+        tool_runs = await in_batches(tool_calls, args.concurrency, (openai.RateLimitError,))
         plain, constrained = [], []
         for _ in range(args.rounds):
             plain.append(await agents.throughput(None))

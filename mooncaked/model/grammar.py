@@ -4,7 +4,8 @@
    once per process (about 0.4 s for SmolLM2's 49,152 tokens).
 2. `grammar_for(kind, value)` turns a request's constraint (a JSON schema, any JSON object, a regular expression, a
    choice of strings, a Lark or GBNF grammar) into llguidance's grammar text, the form that travels to the
-   workers; `GrammarTokenizer.check(grammar)` says why one cannot be served ("" when it can).
+   workers; `GrammarTokenizer.check(grammar)` says why one cannot be served ("" when it can): llguidance's own
+   check, then every character the grammar may force must be one the tokenizer can produce.
 3. `GrammarState(tokenizer, grammar, output_ids)` is one sequence's matcher, rebuilt from the tokens it already
    produced: a decode instance, or a migrated leg, starts from the output so far, never from a shipped state.
    `allowed()` is the mask of tokens that may come next (computed in Rust with the GIL released, so a mask thread
@@ -75,16 +76,56 @@ def after_prefix(prefix_lark: str, grammar: str) -> str:
 
 
 class GrammarTokenizer:
-    """Immutable after construction; shared by every grammar state of a process."""
+    """Shared by every grammar state of a process; immutable after construction but for the memo of which
+    characters the tokenizer can produce (grown by `check`, on the conductor's event loop only)."""
 
     def __init__(self, tokenizer: TextTokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         self.vocab_size = vocab_size  # the logits' width: tokens past the tokenizer's are never allowed
+        self.tokenizer = tokenizer
         self.lltokenizer = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size,
                                                   eos_token=list(eos_token_ids) or None)
+        self._is_producible: dict[str, bool] = {}
 
     def check(self, grammar: str) -> str:
         """Why `grammar` cannot be served, "" when it can."""
-        return str(llguidance.LLMatcher.validate_grammar(grammar, self.lltokenizer))
+        if error := str(llguidance.LLMatcher.validate_grammar(grammar, self.lltokenizer)):
+            return error
+        for char in sorted(set(_literal_text(grammar))):
+            if not char.isascii() and not self._produces(char):
+                return (f"it contains {char!r} (U+{ord(char):04X}), which this model's tokenizer cannot produce "
+                        f"(its vocabulary has no token for some of the character's bytes): leave it out")
+        return ""
+
+    def _produces(self, char: str) -> bool:
+        """Whether some token sequence decodes to `char` (a byte-level vocabulary may lack bytes: SmolLM2's has no
+        token for the UTF-8 lead bytes of U+40000..U+BFFFF, so a grammar forcing such a character can never be
+        followed)."""
+        is_producible = self._is_producible.get(char)
+        if is_producible is None:
+            token_ids = self.tokenizer.encode(char, add_special_tokens=False)
+            is_producible = self._is_producible[char] = self.tokenizer.decode(token_ids) == char
+        return is_producible
+
+
+def _literal_text(grammar: str) -> str:
+    """Every string of a grammar in llguidance's JSON form (its schemas' keys, enums, constants, patterns; the Lark
+    text of its Lark grammars), or the grammar text itself: what a grammar may force the model to write."""
+    try:
+        document = json.loads(grammar)
+    except ValueError:
+        return grammar
+    strings: list[str] = []
+    pending: list[object] = [document]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            strings.append(item)
+        elif isinstance(item, dict):
+            strings.extend(str(key) for key in item)
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return "".join(strings)
 
 
 class GrammarState:

@@ -8,9 +8,10 @@ import json
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from mooncaked.model.frontend import load_frontend
 from mooncaked.model.grammar import GrammarError, GrammarState, GrammarTokenizer, grammar_for
 from mooncaked.model.tokenizer import byte_level_test_tokenizer
 
@@ -92,3 +93,33 @@ def test_any_choice_is_taken_verbatim(choices: list[str]) -> None:
     for choice in choices:
         state = walk(grammar, choice)
         assert state.is_done or any(other != choice and other.startswith(choice) for other in choices)
+
+
+SMOLLM2 = load_frontend("embedded:smollm2")
+SMOLLM2_GRAMMARS = GrammarTokenizer(SMOLLM2.tokenizer, SMOLLM2.args.vocab_size, list(SMOLLM2.eos_token_ids))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.characters(codec="utf-8", exclude_categories=["Cs"], min_codepoint=0x80))
+@example("\U0008D84D")  # bench agents' generated enum that failed mid-answer before the check
+@example("\U00040000")
+@example("\U0001F600")
+def test_a_grammar_forcing_a_character_the_tokenizer_cannot_produce_is_refused_and_one_it_serves_is_followed(
+        char: str) -> None:
+    """SmolLM2's byte-level vocabulary has no token for the UTF-8 lead bytes of U+40000..U+BFFFF: a schema that
+    forces such a character (an enum) is refused up front, naming it, instead of failing mid-answer; any other
+    forced character is followed to the end, token by token, on the masks."""
+    schema = {"type": "object", "properties": {"a": {"enum": [f"x{char}"]}}, "required": ["a"],
+              "additionalProperties": False}
+    grammar = grammar_for("json_schema", json.dumps(schema))
+    error = SMOLLM2_GRAMMARS.check(grammar)
+    if 0x40000 <= ord(char) <= 0xBFFFF:
+        assert f"U+{ord(char):04X}" in error and "cannot produce" in error
+        return
+    assert error == ""
+    state = GrammarState(SMOLLM2_GRAMMARS, grammar)
+    for _ in range(64):
+        if state.is_done:
+            break
+        state.advance(int(state.allowed().nonzero()[0]))  # the lowest allowed token: any must be followable
+    assert state.is_done
