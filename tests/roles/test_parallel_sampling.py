@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -109,11 +110,15 @@ async def test_n_sequences_share_the_prompt_pages_and_sample_as_separate_request
     tokens = prompt(22, 6 * block_size + 4)  # 6 full blocks and a partial one
     body = {"prompt": tokens, "max_tokens": 40, "temperature": 1.0, "seed": 11, "ignore_eos": True}
     peak = 0
+    forecasts: list[tuple[int, int]] = []  # (pages the admission forecast counts, pages in use) while all 4 run
 
     async def watch() -> None:
         nonlocal peak
         while True:
             peak = max(peak, pages.num_used)
+            if len(decode.loop.running) == 4:
+                holds = decode.admission.holds(time.monotonic(), 0.01)
+                forecasts.append((sum(h.num_pages for h in holds), pages.num_used))
             await asyncio.sleep(0.001)
 
     watcher = asyncio.create_task(watch())
@@ -125,6 +130,7 @@ async def test_n_sequences_share_the_prompt_pages_and_sample_as_separate_request
     assert [c["text"] for c in together["choices"]] == [a["choices"][0]["text"] for a in alone]
     num_pages = num_pages_for(len(tokens), 40, block_size, num_sequences=4)
     assert num_pages == 6 + 4 * 3 and peak == num_pages < 4 * num_pages_for(len(tokens), 40, block_size)
+    assert forecasts and all(counted == in_use == num_pages for counted, in_use in forecasts)
     greedy = await live.post({**body, "temperature": 0.0, "n": 4})
     single = await live.post({**body, "temperature": 0.0})
     assert [c["text"] for c in greedy["choices"]] == [single["choices"][0]["text"]] * 4
