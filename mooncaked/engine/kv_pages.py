@@ -20,6 +20,9 @@
    its block keys in place (`share_prefix(keys, owner)`: one reader each, released with the owner's pages).
    Cached pages nobody reads count as free (`num_free`): `allocate` evicts the least recently used of them when
    the free list runs short, so the cache never refuses a request pages an empty cache would have given it.
+5. A parallel sampling's sequences hold their prompt's full-block pages together (`share(pages, from_owner,
+   to_owner)`: read-only, one holder per sequence; cached ones gain a reader): a page is freed once its last
+   holder frees it, and goes to the cache (`keep`) only from its last holder.
 
 A store object has the pages' layout, [model layers, planes, block_size, model kv_heads, row_width] (docs/design.md
 section 5): it always holds every KV head of the model, so it is the same bytes whatever the tensor-parallel degree
@@ -48,8 +51,9 @@ class PagesExhausted(RuntimeError):
 
 
 class PageAllocator:
-    """Owns the free list, which owner (a request id) holds each used page, and the device prefix cache (the
-    pages it holds, and which owners read which of them)."""
+    """Owns the free list, which owners (request ids) hold each used page (one, or a parallel sampling's sequences
+    sharing their prompt's pages), and the device prefix cache (the pages it holds, and which owners read which of
+    them)."""
 
     def __init__(self, num_pages: int, cache: DevicePrefixCache | None = None) -> None:
         if num_pages <= 0:
@@ -57,7 +61,7 @@ class PageAllocator:
         self.num_pages = num_pages
         self.cache = cache
         self._free: deque[int] = deque(range(num_pages))
-        self._owner_of: dict[int, str] = {}
+        self._holders_of: dict[int, list[str]] = {}  # used page -> its holders, the first one first (never empty)
         self._pages_of: dict[str, dict[int, None]] = {}  # insertion-ordered sets
         self._shared_of: dict[str, list[int]] = {}  # owner -> cached pages it reads, in block order
 
@@ -87,23 +91,27 @@ class PageAllocator:
             self._free.extend(self.cache.evict(num_pages - len(self._free)))
         pages = [self._free.popleft() for _ in range(num_pages)]
         for page in pages:
-            self._owner_of[page] = owner
+            self._holders_of[page] = [owner]
         self._pages_of.setdefault(owner, {}).update(dict.fromkeys(pages))
         return pages
 
     def free(self, page_ids: Iterable[int], owner: str) -> None:
-        """Return `owner`'s pages; a page not held by `owner` raises ValueError and nothing is freed."""
+        """`owner` lets go of its pages, each freed once no other owner holds it; a page not held by `owner` raises
+        ValueError and nothing is freed."""
         pages = list(page_ids)
         for page in pages:
-            if self._owner_of.get(page) != owner:
-                raise ValueError(f"page {page} is not held by {owner!r} (holder: {self._owner_of.get(page)!r})")
+            if owner not in self._holders_of.get(page, ()):
+                raise ValueError(f"page {page} is not held by {owner!r} (holders: {self._holders_of.get(page)!r})")
         if len(set(pages)) != len(pages):
             raise ValueError(f"{owner}: page ids to free repeat: {pages}")
         held = self._pages_of[owner] if pages else {}
         for page in pages:
-            del self._owner_of[page]
+            holders = self._holders_of[page]
+            holders.remove(owner)
             del held[page]
-            self._free.append(page)
+            if not holders:
+                del self._holders_of[page]
+                self._free.append(page)
         if pages and not held:
             del self._pages_of[owner]
 
@@ -111,10 +119,10 @@ class PageAllocator:
         """Up to `num_pages` (None: all) of the pages `from_owner` holds now belong to `to_owner` (a reservation's
         pages to its request's sequences)."""
         held = self._pages_of.get(from_owner, {})
-        pages = list(held)[:num_pages]
+        pages = [page for page in held if len(self._holders_of[page]) == 1][:num_pages]  # never a shared one
         for page in pages:
             del held[page]
-            self._owner_of[page] = to_owner
+            self._holders_of[page] = [to_owner]
         if not held:
             self._pages_of.pop(from_owner, None)
         if pages:
@@ -143,20 +151,39 @@ class PageAllocator:
             self._shared_of.setdefault(owner, []).extend(pages)
         return pages
 
+    def share(self, page_ids: Sequence[int], from_owner: str, to_owner: str) -> None:
+        """`to_owner` holds `from_owner`'s pages too, read-only (a parallel sampling's sequence, its prompt's full
+        blocks): a held page gains a holder, a cached page `from_owner` reads gains a reader. A page `from_owner`
+        neither holds nor reads raises ValueError and nothing is shared."""
+        reads = set(self._shared_of.get(from_owner, ()))
+        for page in page_ids:
+            if page not in reads and from_owner not in self._holders_of.get(page, ()):
+                raise ValueError(f"page {page} is neither held nor read by {from_owner!r}")
+            if to_owner in self._holders_of.get(page, ()):
+                raise ValueError(f"page {page} is held by {to_owner!r} already")
+        for page in page_ids:
+            if page in reads:
+                assert self.cache is not None
+                self.cache.acquire([page])
+                self._shared_of.setdefault(to_owner, []).append(page)
+            else:
+                self._holders_of[page].append(to_owner)
+                self._pages_of.setdefault(to_owner, {})[page] = None
+
     def shared_of(self, owner: str) -> list[int]:
         return list(self._shared_of.get(owner, ()))
 
     def keep(self, owner: str, keyed_pages: Sequence[tuple[bytes, int]]) -> int:
         """Hand `owner`'s pages holding full blocks, (block key, page) in block order, to the cache (pages of keys
-        it holds already stay the owner's, freed with the rest); returns how many it took. Call only once their
-        KV is complete and nothing writes them any more."""
+        it holds already, and pages other owners still hold, stay the owner's, freed with the rest); returns how
+        many it took. Call only once their KV is complete and nothing writes them any more."""
         if self.cache is None:
             return 0
         held = self._pages_of.get(owner, {})
         num_kept = 0
         for key, page in reversed(keyed_pages):  # deepest block first: the least recently used of the prefix
-            if page in held and self.cache.insert(key, page):
-                del self._owner_of[page]
+            if page in held and self._holders_of[page] == [owner] and self.cache.insert(key, page):
+                del self._holders_of[page]
                 del held[page]
                 num_kept += 1
         if not held:
@@ -164,7 +191,12 @@ class PageAllocator:
         return num_kept
 
     def owner_of(self, page_id: int) -> str | None:
-        return self._owner_of.get(page_id)
+        """The page's first holder (None: free or cached)."""
+        holders = self._holders_of.get(page_id)
+        return holders[0] if holders else None
+
+    def holders_of(self, page_id: int) -> list[str]:
+        return list(self._holders_of.get(page_id, ()))
 
     def pages_of(self, owner: str) -> list[int]:
         return list(self._pages_of.get(owner, ()))
@@ -248,7 +280,7 @@ class KVPages:
 
     def copy_pages(self, source_ids: Sequence[int], target_ids: Sequence[int]) -> None:
         """Copy whole pages (every layer's K and V) onto others, in every part (each rank's, copy_parts): a
-        parallel sampling's sequences start from copies of the prompt's pages."""
+        parallel sampling's sequence starts from a copy of the prompt's partial last block."""
         for pages, _, _ in self.copy_parts():
             source = torch.tensor(list(source_ids), dtype=torch.long, device=pages.device)
             target = torch.tensor(list(target_ids), dtype=torch.long, device=pages.device)

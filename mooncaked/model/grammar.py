@@ -4,8 +4,9 @@
    once per process (about 0.4 s for SmolLM2's 49,152 tokens).
 2. `grammar_for(kind, value)` turns a request's constraint (a JSON schema, any JSON object, a regular expression, a
    choice of strings, a Lark or GBNF grammar) into llguidance's grammar text, the form that travels to the
-   workers; `GrammarTokenizer.check(grammar)` says why one cannot be served ("" when it can): llguidance's own
-   check, then every character the grammar may force must be one the tokenizer can produce.
+   workers (a JSON one with its numbers bounded in length, model/json_bounds.py, so a document always closes);
+   `GrammarTokenizer.check(grammar)` says why one cannot be served ("" when it can): llguidance's own check, then
+   every character the grammar may force must be one the tokenizer can produce.
 3. `GrammarState(tokenizer, grammar, output_ids)` is one sequence's matcher, rebuilt from the tokens it already
    produced: a decode instance, or a migrated leg, starts from the output so far, never from a shipped state.
    `allowed()` is the mask of tokens that may come next (computed in Rust with the GIL released, so a mask thread
@@ -27,6 +28,7 @@ from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # a TypedDict of the type stubs only
 
+from mooncaked.model.json_bounds import bound_numbers
 from mooncaked.model.tokenizer import TextTokenizer
 
 KIND_JSON_SCHEMA = "json_schema"
@@ -50,9 +52,11 @@ def grammar_for(kind: str, value: str) -> str:
     (regex), the JSON list of strings (choice), or the grammar in Lark or GBNF (grammar); json_object takes none."""
     try:
         if kind == KIND_JSON_SCHEMA:
-            return str(llguidance.LLMatcher.grammar_from_json_schema(json.loads(value), JSON_OPTIONS))
+            schema = json.loads(value)
+            schema = bound_numbers(schema) if isinstance(schema, dict) else schema
+            return str(llguidance.LLMatcher.grammar_from_json_schema(schema, JSON_OPTIONS))
         if kind == KIND_JSON_OBJECT:
-            return str(llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, JSON_OPTIONS))
+            return str(llguidance.LLMatcher.grammar_from_json_schema(bound_numbers({"type": "object"}), JSON_OPTIONS))
         if kind == KIND_REGEX:
             return str(llguidance.LLMatcher.grammar_from_regex(value))
         if kind == KIND_CHOICE:

@@ -19,6 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mooncaked.model.json_bounds import bound_numbers
+
 _DECODER = json.JSONDecoder()
 # compact JSON in a grammar's %json (as model/grammar.py's JSON_OPTIONS): no endless whitespace
 _COMPACT = {"x-guidance": {"whitespace_flexible": False}}
@@ -99,8 +101,9 @@ def _object_schema(tool: ToolDef, arguments_key: str) -> dict[str, Any]:
 
 
 def _json(schema: Mapping[str, Any]) -> str:
-    """A Lark %json of `schema`, written compact."""
-    return "%json " + json.dumps({**schema, **_COMPACT}, ensure_ascii=False)
+    """A Lark %json of `schema`, written compact, its numbers bounded in length (model/json_bounds.py: a call
+    always closes)."""
+    return "%json " + json.dumps({**bound_numbers(schema), **_COMPACT}, ensure_ascii=False)
 
 
 def _any_call(tools: Sequence[ToolDef], arguments_key: str = "arguments") -> str:

@@ -89,6 +89,7 @@ def select_decode(
     num_pages: int = 0,
     num_output_tokens: int = 0,
     max_defer_s: float = 0.0,
+    num_sequences: int = 1,
 ) -> DecodeChoice:
     """SelectDecodingInstance: the available instance with the lowest predicted TBT once this request joins.
 
@@ -96,7 +97,9 @@ def select_decode(
     or, under `early_rejection_predicted` with the request's `num_pages` and the view's pages known, the pages and
     slots forecast over the request's predicted decode life (sched/decode_memory.py): from `ready_time` for its
     predicted output (`num_output_tokens` at the predicted step; the uniform t_d when none), or deferred by at
-    most `max_defer_s` (step 1); an instance with room at `ready_time` is preferred to a deferred one.
+    most `max_defer_s` (step 1); an instance with room at `ready_time` is preferred to a deferred one. A parallel
+    sampling's `num_sequences` each take a batch slot and attend over the context (`num_pages` counts their
+    shared prompt pages once).
     """
     best: DecodeChoice = DecodeChoice(None, float("inf"), False)
     is_predicted = config.admission == "early_rejection_predicted"
@@ -107,20 +110,21 @@ def select_decode(
             num_running, num_tokens = predicted_batch(view, ready_time, config.decode_time_s)
         else:
             num_running, num_tokens = current_batch(view)
-        num_running += 1
-        num_tokens += num_context_tokens
+        num_running += num_sequences
+        num_tokens += num_context_tokens * num_sequences
         tbt = step_model(view, predictor).predict(num_running, num_tokens)
         defer_s = 0.0
         if is_predicted and num_pages and view.num_pages:
             decode_s = num_output_tokens * tbt if num_output_tokens else config.decode_time_s
-            hold = DecodeHold(num_pages, ready_time, ready_time + decode_s)
+            hold = DecodeHold(num_pages, ready_time, ready_time + decode_s, num_sequences)
             starts_at = earliest_fit(hold, view.page_holds, view.num_pages, view.max_num_running,
                                      ready_time + max(max_defer_s, 0.0))
             has_room = starts_at is not None
             if starts_at is not None and starts_at > ready_time:
                 defer_s = starts_at - ready_time
                 num_running, num_tokens = predicted_batch(view, starts_at, config.decode_time_s)
-                tbt = step_model(view, predictor).predict(num_running + 1, num_tokens + num_context_tokens)
+                tbt = step_model(view, predictor).predict(num_running + num_sequences,
+                                                          num_tokens + num_context_tokens * num_sequences)
         else:
             has_room = num_running <= view.max_num_running and num_tokens <= view.max_context_tokens
         if (has_room, -defer_s, -tbt) > (best.has_room, -best.decode_defer_s, -best.predicted_tbt_s):

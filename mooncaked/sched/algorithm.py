@@ -96,7 +96,7 @@ def schedule(
     ttft = prefill.ttft_s
     decode = select_decode(request.num_prompt_tokens, decode_views, config, policy.predictors.decode, now,
                            now + ttft, num_pages=decode_pages(request, config),
-                           num_output_tokens=request.predicted_output_tokens,
+                           num_output_tokens=request.predicted_output_tokens, num_sequences=request.num_sequences,
                            max_defer_s=min(config.max_decode_defer_s, config.ttft_slo_s - ttft))
     if decode.view is None:
         return Rejection(request.request_id, REASON_NO_DECODE, ttft, 0.0)
@@ -122,7 +122,9 @@ def schedule(
 
 def decode_pages(request: RequestInfo, config: PolicyConfig) -> int:
     """The KV pages a decode instance holds for `request` (0 when its max_tokens is unknown)."""
-    return num_pages_for(request.num_prompt_tokens, request.max_tokens, config.block_size) if request.max_tokens else 0
+    if not request.max_tokens:
+        return 0
+    return num_pages_for(request.num_prompt_tokens, request.max_tokens, config.block_size, request.num_sequences)
 
 
 def eligible_prefill(request: RequestInfo, prefill_views: Sequence[PrefillInstanceView],

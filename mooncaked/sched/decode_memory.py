@@ -2,7 +2,7 @@
 admits on, run by the conductor, the decode instance's RESERVE and the simulator alike.
 
 1. Every sequence a decode instance holds or has promised to hold is a `DecodeHold`: its KV pages (prompt and
-   max_tokens, as the decode role allocates them) from `starts_at` (now for a running sequence; the predicted
+   max_tokens, as the decode role allocates them: `num_pages_for`, a parallel sampling's prompt pages once) from `starts_at` (now for a running sequence; the predicted
    decode start for a placed one) until `ends_at` (its predicted end, from the output-length predictor).
 2. `peak_use` gives the most pages and sequences held at once over a time window: at its start and at every
    later hold's start inside it (holds only end between those times, so the peak is at one of them).
@@ -35,9 +35,13 @@ class DecodeHold:
         return self.starts_at <= at_time < self.ends_at
 
 
-def num_pages_for(num_prompt_tokens: int, max_tokens: int, block_size: int) -> int:
-    """The pages a decode instance allocates for a request: its prompt and every token it may generate."""
-    return -(-(num_prompt_tokens + max_tokens) // block_size)
+def num_pages_for(num_prompt_tokens: int, max_tokens: int, block_size: int, num_sequences: int = 1) -> int:
+    """The pages a decode instance allocates for a request: its prompt and every token it may generate. A parallel
+    sampling's `num_sequences` share the prompt's full blocks (once) and each has its own partial last block and
+    output pages."""
+    num_shared = num_prompt_tokens // block_size
+    num_own = -(-(num_prompt_tokens + max_tokens) // block_size) - num_shared
+    return num_shared + num_own * num_sequences
 
 
 def peak_use(holds: Sequence[DecodeHold], starts_at: float, ends_at: float) -> tuple[int, int]:

@@ -27,7 +27,9 @@ REASON_DECODE_REFUSED = "decode_refused_after_prefill"  # admission "baseline": 
 class RequestInfo:
     """One request as the scheduler sees it. `block_keys` are the prompt's full-block prefix keys, in order.
     `max_tokens` (0: unknown) sizes the KV pages a decode instance holds for it; `predicted_output_tokens` (0: none)
-    is the output-length predictor's forecast, which prediction-based rejection uses for its decode time."""
+    is the output-length predictor's forecast, which prediction-based rejection uses for its decode time.
+    `num_sequences`: a parallel sampling's sequences (n, best_of), each a batch slot, sharing their prompt's full
+    blocks' pages on the decode instance (sched/decode_memory.py num_pages_for)."""
 
     request_id: str
     num_prompt_tokens: int
@@ -35,6 +37,7 @@ class RequestInfo:
     arrival_time: float = 0.0
     max_tokens: int = 0
     predicted_output_tokens: int = 0
+    num_sequences: int = 1
 
 
 @dataclass(frozen=True)

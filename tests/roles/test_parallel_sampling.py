@@ -1,10 +1,13 @@
 """Parallel sampling through a whole in-process cluster (tiny random model): n choices from one prefill, each
 sequence with its own seed stream (choice 0 samples as the request alone would), streamed interleaved by index,
-usage counting the prompt once; best_of returns the most likely; the colocated path too."""
+usage counting the prompt once; best_of returns the most likely; the colocated path too. The n sequences share
+the prompt's KV pages on the decode instance."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +18,9 @@ import pytest
 from mooncaked.config import Config
 from mooncaked.roles.worker.decode.role import DecodeRole
 from mooncaked.roles.worker.prefill.role import PrefillRole
+from mooncaked.roles.worker.sampling import seed_for_token
 from mooncaked.runtime.lifecycle import Role
+from mooncaked.sched.decode_memory import num_pages_for
 from tests.roles.cluster_fixtures import running_roles
 from tests.roles.test_conductor_flow import make_config, prompt, url
 
@@ -93,3 +98,42 @@ async def test_each_choice_follows_the_constraint_on_its_own(live: Live) -> None
     answer = await live.post(body)
     texts = [choice["text"] for choice in answer["choices"]]
     assert all(len(text) == 5 and text[2] == "-" for text in texts) and len(set(texts)) > 1
+
+
+async def test_n_sequences_share_the_prompt_pages_and_sample_as_separate_requests(live: Live) -> None:
+    """Each of n = 4 sequences samples as a request of its own seed stream alone would (the shared prompt pages
+    hold the prompt's KV for all of them); the decode instance holds the prompt's full blocks once and each
+    sequence's tail and output pages, not 4 copies; every page is given back once the sequences end."""
+    decode = live.roles["d0"]
+    assert isinstance(decode, DecodeRole) and decode.worker.pages is not None
+    pages, block_size = decode.worker.pages, live.config.kv.block_size
+    tokens = prompt(22, 6 * block_size + 4)  # 6 full blocks and a partial one
+    body = {"prompt": tokens, "max_tokens": 40, "temperature": 1.0, "seed": 11, "ignore_eos": True}
+    peak = 0
+    forecasts: list[tuple[int, int]] = []  # (pages the admission forecast counts, pages in use) while all 4 run
+
+    async def watch() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, pages.num_used)
+            if len(decode.loop.running) == 4:
+                holds = decode.admission.holds(time.monotonic(), 0.01)
+                forecasts.append((sum(h.num_pages for h in holds), pages.num_used))
+            await asyncio.sleep(0.001)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        together = await live.post({**body, "n": 4})
+    finally:
+        watcher.cancel()
+    alone = [await live.post({**body, "seed": seed_for_token(11, -1 - q) if q else 11}) for q in range(4)]
+    assert [c["text"] for c in together["choices"]] == [a["choices"][0]["text"] for a in alone]
+    num_pages = num_pages_for(len(tokens), 40, block_size, num_sequences=4)
+    assert num_pages == 6 + 4 * 3 and peak == num_pages < 4 * num_pages_for(len(tokens), 40, block_size)
+    assert forecasts and all(counted == in_use == num_pages for counted, in_use in forecasts)
+    greedy = await live.post({**body, "temperature": 0.0, "n": 4})
+    single = await live.post({**body, "temperature": 0.0})
+    assert [c["text"] for c in greedy["choices"]] == [single["choices"][0]["text"]] * 4
+    async with asyncio.timeout(2.0):
+        while pages.num_used:
+            await asyncio.sleep(0.01)

@@ -142,3 +142,23 @@ def test_no_deferral_past_the_configured_limit():
         policy = _policy("early_rejection_predicted", block_size=64, max_decode_defer_s=limit_s)
         result = schedule(request, [PrefillInstanceView("p", "sp")], [decode], ShadowIndex(), policy, 100.0)
         assert isinstance(result, Placement) == is_placed, (limit_s, result)
+
+
+def test_a_parallel_sampling_counts_its_shared_prompt_pages_once_and_a_slot_per_sequence() -> None:
+    """2000 prompt tokens (31 full blocks of 64 and a partial one) + 100 output, n = 4: 31 shared pages and 2 of
+    each sequence's own, 39 of 40 (4 separate copies would take 132); and 4 batch slots, not 1."""
+    request = RequestInfo("r", 2000, (), max_tokens=100, num_sequences=4)
+    policy = _policy("early_rejection_predicted", block_size=64)
+
+    def decide(max_num_running: int) -> Placement | Rejection:
+        decode = DecodeInstanceView("d", "sd", 1, 2000, max_num_running, 10**9, num_pages=40,
+                                    page_holds=(DecodeHold(1, 100.0, 200.0),))
+        return schedule(request, [PrefillInstanceView("p", "sp")], [decode], ShadowIndex(), policy, 100.0)
+
+    assert isinstance(decide(5), Placement)
+    full = decide(4)  # one slot held: 4 more do not fit
+    assert isinstance(full, Rejection) and full.reason == "decode_full"
+    more_pages = schedule(RequestInfo("r", 2000, (), max_tokens=200, num_sequences=4), [PrefillInstanceView("p", "sp")],
+                          [DecodeInstanceView("d", "sd", 1, 2000, 64, 10**9, num_pages=40)], ShadowIndex(), policy,
+                          100.0)
+    assert isinstance(more_pages, Rejection) and more_pages.reason == "decode_full"  # 31 + 4 * 4 > 40

@@ -12,6 +12,16 @@ def test_pages_cover_the_prompt_and_every_token_it_may_generate() -> None:
     assert num_pages_for(100, 28, 64) == 2 and num_pages_for(100, 29, 64) == 3
 
 
+@given(num_prompt_tokens=st.integers(1, 500), max_tokens=st.integers(1, 500), block_size=st.sampled_from([1, 16, 64]),
+       num_sequences=st.integers(1, 8))
+def test_parallel_sequences_hold_the_full_prompt_blocks_once_and_each_its_own_tail_and_output(
+        num_prompt_tokens: int, max_tokens: int, block_size: int, num_sequences: int) -> None:
+    alone = num_pages_for(num_prompt_tokens, max_tokens, block_size)
+    together = num_pages_for(num_prompt_tokens, max_tokens, block_size, num_sequences)
+    num_shared = num_prompt_tokens // block_size
+    assert together == num_shared + (alone - num_shared) * num_sequences <= alone * num_sequences
+
+
 def test_a_sequence_predicted_to_end_before_the_decode_start_leaves_room() -> None:
     running = [DecodeHold(6, 0.0, 5.0), DecodeHold(2, 0.0, 50.0)]
     assert forecast_refusal(DecodeHold(4, 6.0, 20.0), running, 8, 32) == ""

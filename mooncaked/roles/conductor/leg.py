@@ -105,7 +105,7 @@ class Leg:
         max_tokens = work.sampling.max_tokens
         predicted_tokens = self.view.forecast.tokens_for(work.client_id, max_tokens, len(work.token_ids))
         info = RequestInfo(work.leg_id, len(work.token_ids), work.block_keys, work.arrival_time, max_tokens,
-                           predicted_tokens)
+                           predicted_tokens, num_sequences=work.sampling.num_sequences)
         now = time.monotonic()
         result = self.view.place(info, now, excluded=excluded)
         if isinstance(result, Rejection):

@@ -26,7 +26,8 @@ class InFlightTable:
         self._flights[request.request_id] = InFlight(
             request.request_id, placement.prefill_instance, placement.decode_instance,
             placement.predicted_prefill_s, now, now + placement.predicted_decode_start_s, request.num_prompt_tokens,
-            max_tokens=max_tokens, client_id=client_id, is_prefilled=not placement.prefill_instance)
+            max_tokens=max_tokens, client_id=client_id, is_prefilled=not placement.prefill_instance,
+            num_sequences=request.num_sequences)
 
     def prefill_done(self, request_id: str) -> None:
         flight = self._flights.get(request_id)

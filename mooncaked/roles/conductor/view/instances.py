@@ -55,6 +55,7 @@ class InFlight:
     num_context_tokens: int
     max_tokens: int = 1
     client_id: str = ""
+    num_sequences: int = 1  # a parallel sampling's: batch slots, sharing their prompt's pages
     is_prefilled: bool = False
     decode_started_at: float | None = None
     num_generated: int = 0
@@ -141,13 +142,13 @@ def page_holds(load: LoadReply | None, flights: list[InFlight], forecast: Output
     holds = []
     num_pages_decoding = num_decoding = 0
     for f in flights:
-        num_pages = num_pages_for(f.num_context_tokens, f.max_tokens, block_size)
+        num_pages = num_pages_for(f.num_context_tokens, f.max_tokens, block_size, f.num_sequences)
         starts_at = now if f.decode_started_at is not None else max(f.ready_at, now)
         num_left = forecast.remaining_tokens(f) if forecast.is_enabled else max(f.max_tokens - f.num_generated, 1)
-        holds.append(DecodeHold(num_pages, starts_at, starts_at + num_left * step_s))
+        holds.append(DecodeHold(num_pages, starts_at, starts_at + num_left * step_s, f.num_sequences))
         if f.decode_started_at is not None:
             num_pages_decoding += num_pages
-            num_decoding += 1
+            num_decoding += f.num_sequences
     if load is not None:
         # Only this conductor's decoding requests hold pages now: one still in prefill takes its pages at DECODE.
         num_others = load.num_pages - load.num_free_pages - num_pages_decoding

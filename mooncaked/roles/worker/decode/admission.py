@@ -69,13 +69,18 @@ class ReserveAdmission:
 
     def running_holds(self, now: float, step_s: float) -> list[DecodeHold]:
         """The running sequences' pages until their predicted end (their predicted output, else max_tokens, less
-        what they generated)."""
+        what they generated). The prompt pages a parallel sampling's sequences share count once, until the last
+        of them is predicted to end."""
         holds = []
+        shared: dict[str, tuple[int, float]] = {}  # request id -> (its sequences' shared pages, their last end)
         for seq in self.loop.running:
             num_tokens = min(seq.predicted_num_tokens or seq.params.max_tokens, seq.params.max_tokens)
-            num_left = max(num_tokens - seq.num_generated, 1)
-            holds.append(DecodeHold(len(seq.kv.page_ids), now, now + num_left * step_s))
-        return holds
+            ends_at = now + max(num_tokens - seq.num_generated, 1) * step_s
+            num_shared = seq.kv.num_sibling_pages
+            holds.append(DecodeHold(len(seq.kv.page_ids) - num_shared, now, ends_at))
+            if num_shared:
+                shared[seq.request_id] = (num_shared, max(ends_at, shared.get(seq.request_id, (0, now))[1]))
+        return holds + [DecodeHold(num_pages, now, ends_at, num_seqs=0) for num_pages, ends_at in shared.values()]
 
     def drain_s(self) -> float:
         """Predicted seconds until the running sequences end: what a switch out of decode would wait for."""

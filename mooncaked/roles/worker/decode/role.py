@@ -10,7 +10,8 @@
    compute thread (running sequences keep decoding meanwhile); commit the full blocks (they become cache
    here), drop the tail block and join the batch. DECODE without one: prefill inline (the colocated path),
    then join. A parallel sampling's further sequences (`num_sequences`, their first tokens drawn by the same
-   prefill) start from copies of those pages (sequences.py) and join as sequences of their own.
+   prefill) share the prompt's full-block pages and copy only its partial last block (sequences.py), and join as
+   sequences of their own; RESERVE set aside the shared pages once and each sequence's own (`num_pages_for`).
 3. Stream one item per step (several when the consumer lags), each naming its sequence, until every sequence
    ended at EOS, a stop token or max_tokens; when the stream ends for any reason, leave the batch and free the
    pages.
@@ -37,7 +38,6 @@ from mooncaked.roles.worker.grammar import follow_first_token
 from mooncaked.roles.worker.kv.device_report import device_cache_report
 from mooncaked.roles.worker.kv.plan import KvPlan, check_block_keys, plan_prompt_kv
 from mooncaked.roles.worker.kv.request_kv import RequestKv
-from mooncaked.roles.worker.kv.spans import num_blocks_for
 from mooncaked.roles.worker.messages import (DECODE, DecodeItem, DecodeRequest, LOAD, LoadReply, LoadRequest, RESERVE,
                                              ReserveReply, ReserveRequest, SamplingSpec, UNRESERVE,
                                              UnreserveReply, UnreserveRequest)
@@ -51,6 +51,7 @@ from mooncaked.runtime.metrics import Metrics
 from mooncaked.runtime.metrics_http import MetricsEndpoint
 from mooncaked.sched.decode_admission import (REASON_PAGES_NOT_FREED, WAITING_POLICIES, capacity_refusal,
                                               refusal_after_prefill)
+from mooncaked.sched.decode_memory import num_pages_for
 from mooncaked.sched.perf_model import RecentMean
 
 logger = logging.getLogger(__name__)
@@ -158,8 +159,8 @@ class DecodeRole:
                                   f"got {request.lease_ms}")
         await self.reservations.expire()
         await self.reservations.drop_orphans(ctx.peer_instance, request.conductor_run)
-        num_pages = num_blocks_for(request.num_prompt_tokens + request.max_tokens,
-                                   self.worker.block_size) * request.num_sequences  # each sequence its own pages
+        num_pages = num_pages_for(request.num_prompt_tokens, request.max_tokens, self.worker.block_size,
+                                  request.num_sequences)
         if reason := capacity_refusal(num_pages, self.worker.num_pages):
             return ReserveReply(is_accepted=False, reason=reason)
         reason = self.admission.refusal(request, num_pages)

@@ -4,9 +4,10 @@
    instance wrote them), loaded into a request's pages layer by layer off the compute thread (but the leading
    full blocks the device prefix cache holds, read in place); the reserved full blocks are committed (cache on
    this host), and the prompt's full blocks stay in the device prefix cache once the request ends.
-2. `fork(worker, kv, request_id, max_tokens)`: a parallel sampling's further sequence: its own pages (its share
-   of the reservation's), starting as a copy of the prompt's (the prompt was prefilled once; each sequence then
-   writes its own tail and output).
+2. `fork(worker, kv, request_id, max_tokens)`: a parallel sampling's further sequence: it reads the prompt's
+   full-block pages in place, shared with the first sequence (the prompt was prefilled once; a page is freed
+   when its last sequence ends), and takes pages of its own (its share of the reservation's) for a copy of the
+   prompt's partial last block (copy-on-write: every sequence writes its next token there) and its output.
 3. `stream_items(outbox, num_running, timeout_s)`: the loop's tokens of the call's running sequences, as DECODE
    items (one per sequence per drain, several tokens when the consumer lags), until every sequence has finished.
 """
@@ -50,14 +51,15 @@ async def load_prefilled(worker: Worker, request: DecodeRequest, reservation: Re
 
 
 async def fork(worker: Worker, kv: RequestKv, request_id: str, max_tokens: int, reserved_by: str = "") -> RequestKv:
-    """A sequence of its own, its prompt pages copied from `kv`'s (on the copy thread: no forward reads them);
-    `reserved_by`: the reservation whose pages it takes."""
+    """A sequence of its own that shares `kv`'s full prompt pages and starts its partial last block from a copy
+    (on the copy thread: no forward reads them); `reserved_by`: the reservation whose pages it takes."""
     assert worker.kv_pages is not None
-    child = RequestKv(worker, request_id, kv.num_tokens, max_tokens, reserved_by=reserved_by)
+    child = kv.fork(request_id, max_tokens, reserved_by=reserved_by)
     try:
-        await asyncio.get_running_loop().run_in_executor(
-            worker.copy_thread, worker.kv_pages.copy_pages, kv.page_ids[: kv.num_blocks],
-            child.page_ids[: kv.num_blocks])
+        sources, targets = kv.tail_copy(child)
+        if sources:
+            await asyncio.get_running_loop().run_in_executor(worker.copy_thread, worker.kv_pages.copy_pages,
+                                                             sources, targets)
     except BaseException:
         await child.release()
         raise

@@ -1,7 +1,9 @@
 """One request's KV on a worker: its pages, the staging it holds while moves need it, and its byte moves.
 
 1. `RequestKv(worker, request_id, num_tokens)` allocates pages for every block of the prompt (the partial tail
-   included) plus `num_extra_tokens`. Given the prompt's `block_keys`, it first reads the longest prefix of its
+   included) plus `num_extra_tokens`; `fork` makes a parallel sampling's further sequence, which shares the
+   prompt's full-block pages (read-only; freed once the last sequence lets go) and has its own partial tail
+   (a copy) and output pages. Given the prompt's `block_keys`, it first reads the longest prefix of its
    first `num_shareable_blocks` the instance's device prefix cache holds in place (`num_device_blocks` of them:
    those pages are shared, read-only, and nothing loads or computes them); `mark_complete()` says the prompt's
    full blocks hold their final KV (`mark_complete_through` a decoded sequence's, output included), and
@@ -62,10 +64,13 @@ class RequestKv:
     loader and its in-flight writes."""
 
     def __init__(self, worker: Worker, request_id: str, num_tokens: int, num_extra_tokens: int = 0,
-                 reserved_by: str = "", block_keys: Sequence[bytes] = (), num_shareable_blocks: int = 0) -> None:
+                 reserved_by: str = "", block_keys: Sequence[bytes] = (), num_shareable_blocks: int = 0,
+                 shares_prompt_of: RequestKv | None = None) -> None:
         """`reserved_by`: the owner holding pages set aside for this request (a decode reservation's): they become
         this request's, and only the rest are allocated. `block_keys`: the prompt's (checked), for the device
-        prefix cache; at most `num_shareable_blocks` leading blocks are read from it."""
+        prefix cache; at most `num_shareable_blocks` leading blocks are read from it. `shares_prompt_of`: a
+        parallel sampling's first sequence, of the same prompt, whose full prompt blocks this one reads in place
+        (see fork)."""
         assert worker.pages is not None and worker.kv_pages is not None and worker.staging_pool is not None
         self.worker = worker
         self.kv_pages: KVPages = worker.kv_pages  # the worker's
@@ -77,8 +82,16 @@ class RequestKv:
         self.block_keys = list(block_keys)
         self.num_complete_blocks = 0  # leading full blocks whose KV is final (mark_complete)
         num_pages = num_blocks_for(num_tokens + num_extra_tokens, worker.block_size)
-        shared = worker.pages.share_prefix(self.block_keys[:num_shareable_blocks], request_id)
-        self.num_device_blocks = len(shared)
+        if shares_prompt_of is None:
+            shared = worker.pages.share_prefix(self.block_keys[:num_shareable_blocks], request_id)
+            self.num_device_blocks = len(shared)
+        else:  # the prompt's full blocks, read in place; the partial tail gets a page of its own (fork)
+            shared = shares_prompt_of.page_ids[: self.num_full_blocks]
+            worker.pages.share(shared, shares_prompt_of.request_id, request_id)
+            self.num_device_blocks = 0
+        # pages this request holds together with its parallel sampling's other sequences (their prompt's full
+        # blocks; 0 alone): counted once for them all
+        self.num_sibling_pages = 0 if shares_prompt_of is None else len(shared)
         num_own = num_pages - len(shared)
         reserved = worker.pages.transfer(reserved_by, request_id, num_own) if reserved_by else []
         try:
@@ -99,6 +112,22 @@ class RequestKv:
         self._is_moves_clean = True  # no move straight into or out of the pages was abandoned mid-flight
         self._is_released = False
         self.is_settled = True  # see release
+
+    def fork(self, request_id: str, num_extra_tokens: int, reserved_by: str = "") -> RequestKv:
+        """A parallel sampling's further sequence of this prompt (whose KV is complete): it holds the prompt's full
+        blocks' pages together with this one (read-only: a sequence writes only past its prompt), and pages of its
+        own for the partial last block and `num_extra_tokens`; the caller copies the partial block's page
+        (`tail_copy`) before the sequence's first step writes it."""
+        child = RequestKv(self.worker, request_id, self.num_tokens, num_extra_tokens, reserved_by=reserved_by,
+                          shares_prompt_of=self)
+        self.num_sibling_pages = child.num_sibling_pages
+        return child
+
+    def tail_copy(self, child: RequestKv) -> tuple[list[int], list[int]]:
+        """(source pages, target pages) that give `child` (a fork) its copy of the prompt's partial last block."""
+        if self.num_full_blocks == self.num_blocks:
+            return [], []
+        return [self.page_ids[self.num_full_blocks]], [child.page_ids[self.num_full_blocks]]
 
     # ---- moves between stores and this request's memory (event loop) ------------------------------------
     def _is_staged(self, client: StoreClient) -> bool:
