@@ -14,7 +14,8 @@ importing this package never compiles or loads a kernel.
 Shapes: q [T, H, D]; k, v [T, Hkv, D]; pages [P, B, Hkv, D] (contiguous); block_tables int32 [S, max_blocks];
 cu_seqlens_q int32 [S+1]; seq_lens int32 [S] (total tokens per sequence, new ones included); H % Hkv == 0.
 Compressed pages (`kv.cache_dtype` int8 or fp8_e4m3) are [P, B, Hkv, D + 2] of uint8 or float8_e4m3fn
-(kernels/quantized_kv.py): the torch backend quantizes on store and dequantizes what it reads; Triton refuses them.
+(kernels/quantized_kv.py): both backends quantize on store and dequantize what they read (Triton in registers,
+kernels/triton_packed.py).
 `sliding_window` W (None: unlimited): the query at position p attends to keys p - W + 1 .. p only (Mistral,
 and Qwen layers with use_sliding_window), as transformers does; keys outside every window are never read.
 """
@@ -59,7 +60,7 @@ def store_kv(
     if resolve_backend(backend, k) == "torch":
         reference.store_kv(k, v, k_pages, v_pages, slot_mapping)
         return
-    _check_triton_device(k, k_pages)
+    _check_triton_device(k)
     from mooncaked.kernels import triton_kv
 
     triton_kv.store_kv(k, v, k_pages, v_pages, slot_mapping)
@@ -89,7 +90,7 @@ def prefill_attention(
     if resolve_backend(backend, q) == "torch":
         return reference.prefill_attention(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, scale,
                                            sliding_window)
-    _check_triton_device(q, k_pages)
+    _check_triton_device(q)
     from mooncaked.kernels import triton_prefill
 
     return triton_prefill.prefill_attention(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, scale,
@@ -140,7 +141,7 @@ def decode_attention(
         raise ValueError(f"decode q must have one row per sequence: q has {q.shape[0]}, seq_lens {seq_lens.shape[0]}")
     if resolve_backend(backend, q) == "torch":
         return reference.decode_attention(q, k_pages, v_pages, block_tables, seq_lens, scale, plan, sliding_window)
-    _check_triton_device(q, k_pages)
+    _check_triton_device(q)
     from mooncaked.kernels import triton_decode
 
     return triton_decode.decode_attention(q, k_pages, v_pages, block_tables, seq_lens, scale,
@@ -173,10 +174,7 @@ def scatter_blocks(src: torch.Tensor, pages: torch.Tensor, page_ids: torch.Tenso
     triton_kv.scatter_blocks(src, pages, page_ids)
 
 
-def _check_triton_device(tensor: torch.Tensor, pages: torch.Tensor | None = None) -> None:
-    if pages is not None and is_packed(pages):
-        raise ValueError("compressed KV pages (kv.cache_dtype int8, fp8_e4m3) run on the torch kernel backend "
-                         "only; set model.kernel_backend: torch")
+def _check_triton_device(tensor: torch.Tensor) -> None:
     if tensor.is_cuda:
         return
     import triton

@@ -11,6 +11,7 @@ from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.model.config import ShardShape
 from mooncaked.model.loader import LoadedModel
+from tests.triton_mode import needs_triton_interpreter
 
 BLOCK = 16
 
@@ -65,3 +66,26 @@ def test_an_mla_latent_in_int8_pages() -> None:
                            cache_dtype="int8")
     assert kv.k_pages[0] is kv.v_pages[0] and kv.row_width == model.args.kv_head_dim + 2
     assert logprob_error(model, ids, "int8", BLOCK) < 0.01  # random weights: measured 0.0002
+
+
+@needs_triton_interpreter
+def test_triton_runner_over_int8_pages_matches_the_torch_one() -> None:
+    """The model's prefill and a decode step over int8 pages: Triton's kernels (quantize on store, dequantize in
+    registers) give the torch backend's logits."""
+    from mooncaked.model.loader import load_model
+
+    model = load_model("random:tiny", seed=5)
+    ids = [3 + (11 * i) % 200 for i in range(21)]
+    logits = {}
+    for backend in ("torch", "triton"):
+        kv = KVPages.for_model(model.args, num_pages=3, block_size=BLOCK, dtype=model.dtype, device="cpu",
+                               cache_dtype="int8")
+        runner = ModelRunner(model.model, kv, backend=backend)
+        batch = build_prefill_batch([PrefillSeq(ids, 0, [2, 0])], block_size=BLOCK, num_pages=3, device="cpu")
+        first = runner.prefill(batch)[0]
+        decode = build_decode_batch([DecodeSeq(int(first.argmax()), len(ids), [2, 0])], block_size=BLOCK,
+                                    num_pages=3, device="cpu")
+        logits[backend] = (first, runner.decode(decode)[0], kv.buffer.clone())
+    for torch_side, triton_side in zip(logits["torch"][:2], logits["triton"][:2], strict=True):
+        torch.testing.assert_close(triton_side, torch_side, atol=1e-4, rtol=1e-4)
+    assert torch.equal(logits["torch"][2], logits["triton"][2])  # the same packed bytes in the pages
