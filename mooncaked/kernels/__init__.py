@@ -60,7 +60,7 @@ def store_kv(
     if resolve_backend(backend, k) == "torch":
         reference.store_kv(k, v, k_pages, v_pages, slot_mapping)
         return
-    _check_triton_device(k)
+    _check_triton_device(k, k_pages)
     from mooncaked.kernels import triton_kv
 
     triton_kv.store_kv(k, v, k_pages, v_pages, slot_mapping)
@@ -90,7 +90,7 @@ def prefill_attention(
     if resolve_backend(backend, q) == "torch":
         return reference.prefill_attention(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, scale,
                                            sliding_window)
-    _check_triton_device(q)
+    _check_triton_device(q, k_pages)
     from mooncaked.kernels import triton_prefill
 
     return triton_prefill.prefill_attention(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, scale,
@@ -141,7 +141,7 @@ def decode_attention(
         raise ValueError(f"decode q must have one row per sequence: q has {q.shape[0]}, seq_lens {seq_lens.shape[0]}")
     if resolve_backend(backend, q) == "torch":
         return reference.decode_attention(q, k_pages, v_pages, block_tables, seq_lens, scale, plan, sliding_window)
-    _check_triton_device(q)
+    _check_triton_device(q, k_pages)
     from mooncaked.kernels import triton_decode
 
     return triton_decode.decode_attention(q, k_pages, v_pages, block_tables, seq_lens, scale,
@@ -153,7 +153,7 @@ def gather_blocks(pages: torch.Tensor, page_ids: torch.Tensor, backend: str = "a
     _check_page_ids(pages, page_ids)
     if resolve_backend(backend, pages) == "torch":
         return reference.gather_blocks(pages, page_ids)
-    _check_triton_device(pages)
+    _check_triton_device(pages)  # packed pages move as bytes, on any GPU
     from mooncaked.kernels import triton_kv
 
     return triton_kv.gather_blocks(pages, page_ids)
@@ -168,14 +168,18 @@ def scatter_blocks(src: torch.Tensor, pages: torch.Tensor, page_ids: torch.Tenso
     if resolve_backend(backend, pages) == "torch":
         reference.scatter_blocks(src, pages, page_ids)
         return
-    _check_triton_device(pages)
+    _check_triton_device(pages)  # packed pages move as bytes, on any GPU
     from mooncaked.kernels import triton_kv
 
     triton_kv.scatter_blocks(src, pages, page_ids)
 
 
-def _check_triton_device(tensor: torch.Tensor) -> None:
+def _check_triton_device(tensor: torch.Tensor, pages: torch.Tensor | None = None) -> None:
     if tensor.is_cuda:
+        if pages is not None and pages.dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability(
+                tensor.device) < (8, 9):
+            raise ValueError("fp8_e4m3 KV pages need compute capability 8.9 or newer (Ada, Hopper) for the Triton "
+                             "kernels; use kv.cache_dtype: int8, or model.kernel_backend: torch")
         return
     import triton
 

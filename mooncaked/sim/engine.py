@@ -19,10 +19,11 @@ A request's life in the simulator:
    longest cached prefix there first, and its full prompt blocks stay cached when it ends; Algorithm 1 counts
    that tier in the instance's local prefix (the device index). Decode instances have one too: an inline prefill
    reads its prefix there, a prefilled request's KV fills its pages, and a finished request's blocks stay.
-   A prefill group (`cluster.num_prefill_groups`) is one instance whose time follows its pipeline (sched/pipeline.py: fill,
-   steady state, drain) over stages that each take an equal share of the cost model's layers, as the conductor
-   predicts a group whose stages have not reported fits. PREFILL_DONE commits every block of the prompt to the
-   prefill host's store (and, when configured, to the decode host's), which is the first token.
+   A prefill group (`cluster.num_prefill_groups`) is one instance whose time follows its pipeline
+   (sched/pipeline.py: fill, steady state, drain) over stages that each take an equal share of the cost model's
+   layers, as the conductor predicts a group whose stages have not reported fits. PREFILL_DONE commits every
+   block of the prompt to the prefill host's store (and, when configured, to the decode host's), which is the
+   first token.
 4. Decode: under admission `baseline` the decode instance may refuse the request now (wasted prefill,
    `sched.decode_admission.refusal_after_prefill`). Otherwise DECODE_READY (after the part of the KV stream not hidden
    behind prefill and the load into HBM) queues it at its decode instance, which runs continuous-batching steps; each
