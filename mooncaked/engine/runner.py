@@ -46,10 +46,10 @@ class ModelRunner:
         if kv_pages.device != model.device:
             raise ValueError(f"KV pages on {kv_pages.device} but model on {model.device}")
         kernels.resolve_backend(backend, kv_pages.buffer)  # validates the name
-        if kv_pages.cache_dtype != "auto":
-            if backend == "triton" or cuda_graphs:
-                raise ValueError(f"{kv_pages.cache_dtype} KV pages run on the torch kernel backend, without CUDA graphs")
-            backend = "torch"  # quantize on store, dequantize on read (kernels/quantized_kv.py)
+        if kv_pages.cache_dtype != "auto" and cuda_graphs:
+            # both kernel backends quantize on store and dequantize on read (kernels/quantized_kv.py,
+            # kernels/triton_packed.py); replaying a captured step over packed pages is not checked on a GPU yet
+            raise ValueError(f"{kv_pages.cache_dtype} KV pages run without CUDA graphs; set model.cuda_graphs: false")
         if args.mla is not None and backend == "auto":
             # Triton's attention tiles a query-head group by a whole KV head's width: DeepSeek-V3's 128 heads over a
             # 576-wide latent ask 768 KiB of shared memory (an H200 has 227 KiB); the torch path runs SDPA there

@@ -14,7 +14,8 @@ importing this package never compiles or loads a kernel.
 Shapes: q [T, H, D]; k, v [T, Hkv, D]; pages [P, B, Hkv, D] (contiguous); block_tables int32 [S, max_blocks];
 cu_seqlens_q int32 [S+1]; seq_lens int32 [S] (total tokens per sequence, new ones included); H % Hkv == 0.
 Compressed pages (`kv.cache_dtype` int8 or fp8_e4m3) are [P, B, Hkv, D + 2] of uint8 or float8_e4m3fn
-(kernels/quantized_kv.py): the torch backend quantizes on store and dequantizes what it reads; Triton refuses them.
+(kernels/quantized_kv.py): both backends quantize on store and dequantize what they read (Triton in registers,
+kernels/triton_packed.py).
 `sliding_window` W (None: unlimited): the query at position p attends to keys p - W + 1 .. p only (Mistral,
 and Qwen layers with use_sliding_window), as transformers does; keys outside every window are never read.
 """
@@ -152,7 +153,7 @@ def gather_blocks(pages: torch.Tensor, page_ids: torch.Tensor, backend: str = "a
     _check_page_ids(pages, page_ids)
     if resolve_backend(backend, pages) == "torch":
         return reference.gather_blocks(pages, page_ids)
-    _check_triton_device(pages)
+    _check_triton_device(pages)  # packed pages move as bytes, on any GPU
     from mooncaked.kernels import triton_kv
 
     return triton_kv.gather_blocks(pages, page_ids)
@@ -167,17 +168,18 @@ def scatter_blocks(src: torch.Tensor, pages: torch.Tensor, page_ids: torch.Tenso
     if resolve_backend(backend, pages) == "torch":
         reference.scatter_blocks(src, pages, page_ids)
         return
-    _check_triton_device(pages)
+    _check_triton_device(pages)  # packed pages move as bytes, on any GPU
     from mooncaked.kernels import triton_kv
 
     triton_kv.scatter_blocks(src, pages, page_ids)
 
 
 def _check_triton_device(tensor: torch.Tensor, pages: torch.Tensor | None = None) -> None:
-    if pages is not None and is_packed(pages):
-        raise ValueError("compressed KV pages (kv.cache_dtype int8, fp8_e4m3) run on the torch kernel backend "
-                         "only; set model.kernel_backend: torch")
     if tensor.is_cuda:
+        if pages is not None and pages.dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability(
+                tensor.device) < (8, 9):
+            raise ValueError("fp8_e4m3 KV pages need compute capability 8.9 or newer (Ada, Hopper) for the Triton "
+                             "kernels; use kv.cache_dtype: int8, or model.kernel_backend: torch")
         return
     import triton
 

@@ -8,7 +8,8 @@ Stages:
      The chunk is ceil(num_keys / num_splits) rounded up to BLOCK_N, so short sequences leave trailing splits
      empty; those record lse = -inf. num_keys is seq_len, or with a sliding window W (WINDOW > 0) at most W:
      the keys before seq_len - W are never read. It writes partial outputs [S, H, splits, D] and base-2
-     lse [S, H, splits].
+     lse [S, H, splits]. Compressed pages (KV_FORMAT != 0, kernels/triton_packed.py) are dequantized tile by
+     tile into q's dtype as they are read.
   3. Reduce kernel, grid (S, H): out = sum_i 2^(lse_i - max) * o_i / sum_i 2^(lse_i - max).
 """
 
@@ -21,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mooncaked.kernels.triton_packed import kernel_pages, kv_format, load_kv_tile
 from mooncaked.kernels.triton_prefill import LOG2_E, dot_precision
 
 MIN_TOKENS_PER_SPLIT = 256
@@ -45,6 +47,7 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     stride_qs, stride_qh, stride_bt, stride_pp, stride_pt, stride_ph,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -74,14 +77,13 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
         n_mask = offs_n < end
         page = tl.load(block_table_ptr + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
         kv_offs = page * stride_pp + (offs_n % PAGE_SIZE) * stride_pt + kv_head * stride_ph  # [BLOCK_N]
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_pages_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = load_kv_tile(k_pages_ptr, kv_offs, offs_d, n_mask, HEAD_DIM, KV_FORMAT).to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.math.exp2(qk - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
-        v = tl.load(v_pages_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = load_kv_tile(v_pages_ptr, kv_offs, offs_d, n_mask, HEAD_DIM, KV_FORMAT).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
@@ -144,7 +146,8 @@ def decode_attention(
     tiles: DecodeTiles | None = None,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """q [S, H, D] over pages [P, B, Hkv, D] -> [S, H, D]; see mooncaked.kernels.decode_attention."""
+    """q [S, H, D] over pages [P, B, Hkv, D] (packed: [P, B, Hkv, D + 2]) -> [S, H, D]; see
+    mooncaked.kernels.decode_attention."""
     tiles = tiles or default_tiles(q)
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, page_size = k_pages.shape[2], k_pages.shape[1]
@@ -162,12 +165,12 @@ def decode_attention(
     group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_pages, v_pages, block_tables, seq_lens, part_out, part_lse,
+        q, kernel_pages(k_pages), kernel_pages(v_pages), block_tables, seq_lens, part_out, part_lse,
         scale * LOG2_E, num_splits,
         q.stride(0), q.stride(1), block_tables.stride(0), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=page_size, BLOCK_N=tiles.block_n, WINDOW=sliding_window or 0, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        KV_FORMAT=kv_format(k_pages), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     _decode_reduce_kernel[(num_seqs, num_heads)](
         part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),

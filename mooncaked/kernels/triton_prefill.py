@@ -11,7 +11,8 @@ Stages of one launch, grid (query tiles, query heads):
      to every row: that loop runs without masks.
   4. The remaining keys up to the tile's last query position run with the causal (and window) mask.
   The loops read K/V token by token through the block table (page = block_table[pos // B], offset pos % B),
-  so any page size works with any BLOCK_N. Softmax is online in base 2 with fp32 accumulators.
+  so any page size works with any BLOCK_N. Softmax is online in base 2 with fp32 accumulators. Compressed
+  pages (KV_FORMAT != 0, kernels/triton_packed.py) are dequantized tile by tile into q's dtype as they are read.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from mooncaked.kernels.triton_packed import kernel_pages, kv_format, load_kv_tile
 
 LOG2_E = 1.4426950408889634
 
@@ -41,15 +44,14 @@ def _attend_tile(  # type: ignore[no-untyped-def]
     k_pages_ptr, v_pages_ptr, block_table_ptr, kv_head, seq_len, start_n, qk_scale,
     stride_pp, stride_pt, stride_ph,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_MASKED: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_MASKED: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FORMAT: tl.constexpr,
 ):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     n_mask = offs_n < seq_len
     page = tl.load(block_table_ptr + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
     kv_offs = page * stride_pp + (offs_n % PAGE_SIZE) * stride_pt + kv_head * stride_ph  # [BLOCK_N]
-    kv_mask = n_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
-    k = tl.load(k_pages_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+    k = load_kv_tile(k_pages_ptr, kv_offs, offs_d, n_mask, HEAD_DIM, KV_FORMAT).to(q.dtype)  # [BLOCK_N, BLOCK_D]
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], not yet scaled
     if IS_MASKED:
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
@@ -64,7 +66,7 @@ def _attend_tile(  # type: ignore[no-untyped-def]
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.math.exp2(qk * qk_scale - m_sub[:, None])
     alpha = tl.math.exp2(m_i - m_sub)
-    v = tl.load(v_pages_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = load_kv_tile(v_pages_ptr, kv_offs, offs_d, n_mask, HEAD_DIM, KV_FORMAT).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     l_i = l_i * alpha + tl.sum(p, 1)
     return acc, l_i, m_new
@@ -77,7 +79,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_pp, stride_pt, stride_ph,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEQS_PAD: tl.constexpr, WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FORMAT: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
     head = tl.program_id(1)
@@ -124,14 +126,14 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos, k_pages_ptr, v_pages_ptr, block_table_ptr, kv_head, seq_len, start_n,
             qk_scale, stride_pp, stride_pt, stride_ph,
-            HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, True, WINDOW, DOT_PRECISION,
+            HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, True, WINDOW, DOT_PRECISION, KV_FORMAT,
         )
     # Stage 3: keys every row sees.
     for start_n in range(band_end, unmasked_end, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos, k_pages_ptr, v_pages_ptr, block_table_ptr, kv_head, seq_len, start_n,
             qk_scale, stride_pp, stride_pt, stride_ph,
-            HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, False, WINDOW, DOT_PRECISION,
+            HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, False, WINDOW, DOT_PRECISION, KV_FORMAT,
         )
     # Stage 4: the diagonal; every row sees its own key, so no valid row ends fully masked.
     masked_end = tl.minimum(seq_len, num_cached + m_start + BLOCK_M)
@@ -139,7 +141,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos, k_pages_ptr, v_pages_ptr, block_table_ptr, kv_head, seq_len, start_n,
             qk_scale, stride_pp, stride_pt, stride_ph,
-            HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, True, WINDOW, DOT_PRECISION,
+            HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, True, WINDOW, DOT_PRECISION, KV_FORMAT,
         )
     if WINDOW > 0:
         l_i = tl.where(l_i == 0.0, 1.0, l_i)  # padding rows past num_new may see no key in a window
@@ -173,7 +175,8 @@ def prefill_attention(
     tiles: PrefillTiles | None = None,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """q [T, H, D] over pages [P, B, Hkv, D] -> [T, H, D]; see mooncaked.kernels.prefill_attention."""
+    """q [T, H, D] over pages [P, B, Hkv, D] (packed: [P, B, Hkv, D + 2]) -> [T, H, D]; see
+    mooncaked.kernels.prefill_attention."""
     tiles = tiles or default_tiles(q)
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
@@ -185,14 +188,14 @@ def prefill_attention(
     # Upper bound on the tile count: sum(ceil(n_s / M)) <= ceil(T / M) + S.
     grid = (triton.cdiv(num_tokens, tiles.block_m) + num_seqs, num_heads)
     _prefill_kernel[grid](
-        q, k_pages, v_pages, out, block_tables, cu_seqlens_q, seq_lens,
+        q, kernel_pages(k_pages), kernel_pages(v_pages), out, block_tables, cu_seqlens_q, seq_lens,
         scale * LOG2_E, num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         GROUP=num_heads // k_pages.shape[2], HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         PAGE_SIZE=k_pages.shape[1], BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         SEQS_PAD=triton.next_power_of_2(max(num_seqs, 2)), WINDOW=sliding_window or 0,
-        DOT_PRECISION=dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype), KV_FORMAT=kv_format(k_pages),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out

@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pd-study: every load sample times a factor drawn uniformly in LOW,HIGH")
     parser.add_argument("--seed", type=int, default=0, help="pd-study: the noise's seed")
     parser.add_argument("--device-blocks", type=int, default=0,
-                        help="tiers: device prefix cache blocks per prefill instance (0: the node's KV pages)")
+                        help="tiers: device prefix cache blocks per instance (0: the node's KV pages)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 

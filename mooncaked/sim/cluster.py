@@ -166,6 +166,7 @@ class DecodeInstance:
     reserve_queue: deque[Any] = field(default_factory=deque)  # RESERVE calls waiting for room (none, baseline)
     inline: list[tuple[int, float]] = field(default_factory=list)
     inline_in_step: list[tuple[int, float]] = field(default_factory=list)  # run by the step under way
+    device: DeviceTier | None = None  # its device prefix cache (cluster.device_prefix_blocks)
     num_context_tokens: int = 0
     is_stepping: bool = False
     step_time_s: float = 0.0
@@ -232,6 +233,7 @@ class DecodeInstance:
             incoming=tuple(self.incoming.values()) if with_details else (),  # includes `waiting`
             inline_max_tokens=self.inline_max_tokens,
             inline_wait_s=self.inline_wait_s(),
+            device_id=self.instance_id if self.device is not None else "",
             **forecast,
         )
 
@@ -239,7 +241,8 @@ class DecodeInstance:
 def build_instances(config: SimConfig, costs: CostModel, index: ShadowIndex, is_replica_aware: bool,
                     device_index: ShadowIndex | None = None) -> tuple[list[PrefillInstance], list[DecodeInstance]]:
     """The prefill instances (groups included) and decode instances of `config.cluster`, each with its host store;
-    single prefill instances get a device tier publishing to `device_index` when cluster.device_prefix_blocks."""
+    single prefill instances and decode instances get a device tier publishing to `device_index` when
+    cluster.device_prefix_blocks."""
     cluster = config.cluster
     capacity = cluster.dram_blocks_per_host
     pipeline = None
@@ -260,4 +263,8 @@ def build_instances(config: SimConfig, costs: CostModel, index: ShadowIndex, is_
                        cluster.inline_prefill_max_tokens)
         for i in range(cluster.num_decode)
     ]
+    if cluster.device_prefix_blocks and device_index is not None:
+        for decode_instance in decode:
+            decode_instance.device = DeviceTier(decode_instance.instance_id, cluster.device_prefix_blocks,
+                                                device_index)
     return prefill, decode

@@ -46,7 +46,7 @@ class ClusterConfig:
     max_batch_tokens: int = 1024  # prefill: new tokens per forward (worker.max_batch_tokens)
     prefill_chunk: int = 1024  # prefill: a prompt with more new tokens runs alone (worker.prefill_chunk)
     inline_prefill_max_tokens: int = 0  # decode: prefill inline when the uncached part is at most this (0: never)
-    device_prefix_blocks: int = 0  # per prefill instance: KV pages (blocks) its device prefix cache uses (0: none)
+    device_prefix_blocks: int = 0  # per prefill and decode instance: KV pages (blocks) its device prefix cache uses
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,16 @@
-"""One prefill instance's device prefix cache in the simulator: the engine's own policy (kv/device_cache.py)
-over page ids, as engine/kv_pages.py's PageAllocator drives it.
+"""One instance's device prefix cache in the simulator (a single prefill instance's, or a decode instance's):
+the engine's own policy (kv/device_cache.py) over page ids, as engine/kv_pages.py's PageAllocator drives it.
 
-1. `start(job, keys, num_pages)` when a prefill starts: the longest cached prefix of `keys` (the blocks it may
-   reuse) is read in place (one reader each), and the job takes `num_pages` less those for the rest of its prompt,
-   evicting the least recently used unreferenced cached pages when no page is free. Returns how many blocks it
-   read from the device tier.
+1. `start(job, keys, num_pages)` when a prefill starts (on a decode instance: an inline prefill, or a prefilled
+   request's KV arriving): the longest cached prefix of `keys` (the blocks it may reuse) is read in place (one
+   reader each), and the job takes `num_pages` less those for the rest of its prompt, evicting the least recently
+   used unreferenced cached pages when no page is free. Returns how many blocks it read from the device tier.
+   `start_prompt` derives keys and pages from a prompt as the engine does (at least one token computed).
 2. `finish(job, keys)` when it ends: its pages holding full prompt blocks stay cached under their keys (deepest
    first, so they are evicted first), the rest are freed, its reads end.
 3. Every change is published to the simulator's device index (a sequenced change per call), which Algorithm 1
    reads for the instance's local prefix, as the conductor's device index is fed by LOAD replies.
-Owner: its PrefillInstance (the engine is the only caller).
+Owner: its PrefillInstance or DecodeInstance (the simulator's engine and prefill side are the only callers).
 """
 
 from __future__ import annotations
@@ -51,6 +52,15 @@ class DeviceTier:
         self._own[job], self._shared[job] = own, shared
         self._publish()
         return len(shared)
+
+    def start_prompt(self, job: int, keys: Sequence[Hashable], num_prompt_tokens: int, block_size: int) -> int:
+        """`start` for a prompt of `num_prompt_tokens` over its block `keys`: reusable are the full blocks before
+        its last token (which is always computed); it takes a page per block, the last one partial."""
+        num_usable = max(num_prompt_tokens - 1, 0) // block_size
+        return self.start(job, keys[:num_usable], -(-num_prompt_tokens // block_size))
+
+    def is_running(self, job: int) -> bool:
+        return job in self._own
 
     def finish(self, job: int, keys: Sequence[Hashable]) -> None:
         own, shared = self._own.pop(job), self._shared.pop(job)

@@ -17,11 +17,13 @@ A request's life in the simulator:
    the sum of the cost model's times for each job's (prompt, reused prefix). With `cluster.device_prefix_blocks`
    each prefill instance has a device prefix cache (device_tier.py, the engine's policy): a job reads its
    longest cached prefix there first, and its full prompt blocks stay cached when it ends; Algorithm 1 counts
-   that tier in the instance's local prefix (the device index). A prefill group
-   (`cluster.num_prefill_groups`) is one instance whose time follows its pipeline (sched/pipeline.py: fill,
-   steady state, drain) over stages that each take an equal share of the cost model's layers, as the conductor
-   predicts a group whose stages have not reported fits. PREFILL_DONE commits every block of the prompt to the
-   prefill host's store (and, when configured, to the decode host's), which is the first token.
+   that tier in the instance's local prefix (the device index). Decode instances have one too: an inline prefill
+   reads its prefix there, a prefilled request's KV fills its pages, and a finished request's blocks stay.
+   A prefill group (`cluster.num_prefill_groups`) is one instance whose time follows its pipeline
+   (sched/pipeline.py: fill, steady state, drain) over stages that each take an equal share of the cost model's
+   layers, as the conductor predicts a group whose stages have not reported fits. PREFILL_DONE commits every
+   block of the prompt to the prefill host's store (and, when configured, to the decode host's), which is the
+   first token.
 4. Decode: under admission `baseline` the decode instance may refuse the request now (wasted prefill,
    `sched.decode_admission.refusal_after_prefill`). Otherwise DECODE_READY (after the part of the KV stream not hidden
    behind prefill and the load into HBM) queues it at its decode instance, which runs continuous-batching steps; each
@@ -252,6 +254,9 @@ class Simulator:
             return
         if self.config.cluster.decode_hosts_in_pool:
             decode.store.put(job.keys, now)
+        if decode.device is not None:  # the transfer fills its pages (a prefix it caches is read in place)
+            decode.device.start_prompt(job.request_index, job.keys, job.num_prompt_tokens,
+                                       self.config.scheduler.block_size)
         ready = kv_ready_at(now, job.num_prompt_tokens, job.compute_s, self.costs)
         seq = DecodeSeq(job.request_index, job.num_prompt_tokens + 1, record.output_length - 1, now, ready_at=ready,
                         is_first_token_held=job.placement.decode_defer_s > 0)
@@ -296,6 +301,10 @@ class Simulator:
         record.prefill_instance = record.decode_instance = decode.instance_id
         record.is_inline = True
         record.prefix_blocks = record.local_prefix_blocks = placement.num_prefix_blocks
+        if decode.device is not None:
+            num_device = decode.device.start_prompt(request.index, request.hash_ids, request.input_length,
+                                                    self.config.scheduler.block_size)
+            record.device_blocks = min(num_device, placement.num_prefix_blocks)
         decode.incoming[request.index] = (now + placement.predicted_decode_start_s, request.input_length)
         decode.inline.append((request.index, self.prefill_side.noisy(placement.predicted_prefill_s)))
         if not decode.is_stepping:
@@ -322,6 +331,8 @@ class Simulator:
         decode = self.decode_by_id[record.decode_instance]
         decode.reserved_pages.pop(record.index, None)
         decode.decode_s.pop(record.index, None)
+        if decode.device is not None and decode.device.is_running(record.index):
+            decode.device.finish(record.index, self.requests[record.index].hash_ids)
         self._retry_reserves(now, decode)
         self.forecast.observe(record.input_length, record.output_length)
         record.tbt_s = tbt_s

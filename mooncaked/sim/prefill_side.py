@@ -97,10 +97,8 @@ class PrefillSide:
             job.started_at = now
             num_device = 0
             if instance.device is not None:
-                block_size = self.config.scheduler.block_size
-                num_usable = max(job.num_prompt_tokens - 1, 0) // block_size  # >= 1 token computed
-                num_device = instance.device.start(job.request_index, job.keys[:num_usable],
-                                                   -(-job.num_prompt_tokens // block_size))
+                num_device = instance.device.start_prompt(job.request_index, job.keys, job.num_prompt_tokens,
+                                                          self.config.scheduler.block_size)
             num_prefix_blocks = reusable_blocks_at_start(instance.store, job, num_device)
             self.records[job.request_index].prefix_blocks = num_prefix_blocks
             self.records[job.request_index].device_blocks = num_device

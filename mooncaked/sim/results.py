@@ -35,7 +35,7 @@ class RequestRecord:
     wasted_prefill: bool = False
     is_pipelined: bool = False  # prefilled by a prefill group
     is_inline: bool = False  # prefilled on its decode instance (prefill_instance names that instance)
-    device_blocks: int = 0  # prefix blocks read from its prefill instance's device tier
+    device_blocks: int = 0  # prefix blocks read from its prefill instance's device tier (inline: its decode's)
 
 
 @dataclass

@@ -1,9 +1,10 @@
 """The tier study (`mooncaked sim tiers`): where each prompt block comes from, with and without the device tier.
 
-One trace, the same cluster and policy, run twice: without a device prefix cache, then with one on every prefill
-instance (`cluster.device_prefix_blocks`, by default the KV pages the cost model leaves a node: the engine's
-pages, which the device tier shares with running requests). Per run: the share of prompt blocks read from the
-prefill instance's device tier, its host's store, another host's store (fetched), and computed; TTFT and the
+One trace, the same cluster and policy, run twice: without a device prefix cache, then with one on every single
+prefill instance and every decode instance (`cluster.device_prefix_blocks`, by default the KV pages the cost model
+leaves a node: the engine's pages, which the device tier shares with running requests). Per run: the share of
+prompt blocks read from the prefilling instance's device tier (a decode instance's for an inline prefill), its
+host's store, another host's store (fetched), and computed; TTFT and the
 mean prefill compute. The device tier runs the engine's own policy (kv/device_cache.py via sim/device_tier.py)
 and Algorithm 1 counts it in an instance's local prefix, as the conductor does.
 """

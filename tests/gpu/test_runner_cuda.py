@@ -1,5 +1,5 @@
 """The model runner on CUDA: the Triton backend against the torch backend, prefill with a reused prefix and
-batched decode; and decode steps replayed from CUDA graphs (one per batch-size bucket) against eager steps."""
+batched decode, over pages in the model's dtype and compressed (kv.cache_dtype int8, fp8_e4m3); and decode steps replayed from CUDA graphs (one per batch-size bucket) against eager steps."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ BLOCK, NUM_PAGES, MAX_LEN = 16, 128, 512
 TOLERANCE = {torch.float16: 2e-2, torch.bfloat16: 6e-2}
 
 
-def runner_for(loaded: LoadedModel, backend: str, cuda_graphs: bool = False, max_batch_size: int = 8) -> ModelRunner:
-    kv = KVPages.for_model(loaded.args, num_pages=NUM_PAGES, block_size=BLOCK, dtype=loaded.dtype, device="cuda")
+def runner_for(loaded: LoadedModel, backend: str, cuda_graphs: bool = False, max_batch_size: int = 8,
+               cache_dtype: str = "auto") -> ModelRunner:
+    kv = KVPages.for_model(loaded.args, num_pages=NUM_PAGES, block_size=BLOCK, dtype=loaded.dtype, device="cuda",
+                           cache_dtype=cache_dtype)
     return ModelRunner(loaded.model, kv, backend=backend, cuda_graphs=cuda_graphs, max_batch_size=max_batch_size,
                        max_seq_len=MAX_LEN)
 
@@ -40,14 +42,15 @@ def decode_step(runner: ModelRunner, last: list[int], lengths: list[int], pages:
     return runner.decode(build_decode_batch(seqs, block_size=BLOCK, num_pages=NUM_PAGES, device="cuda"))
 
 
+@pytest.mark.parametrize("cache_dtype", ["auto", "int8", "fp8_e4m3"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_triton_backend_matches_torch_backend(dtype: str) -> None:
+def test_triton_backend_matches_torch_backend(dtype: str, cache_dtype: str) -> None:
     loaded = load_model("random:small", dtype=dtype, device="cuda", seed=3)
     tol = TOLERANCE[loaded.dtype]
     tokens = prompts(3)
     results = []
     for backend in ("triton", "torch"):
-        runner = runner_for(loaded, backend)
+        runner = runner_for(loaded, backend, cache_dtype=cache_dtype)
         first, pages = prefill_all(runner, tokens)
         suffix = PrefillSeq([5, 6, 7], len(tokens[0]), pages[0])  # a second chunk over the first as prefix
         chunk = runner.prefill(build_prefill_batch([suffix], block_size=BLOCK, num_pages=NUM_PAGES, device="cuda"))

@@ -3,6 +3,7 @@ and fp8_e4m3), what the pool holds per byte, and that a decode over int8 pages f
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mooncaked.bench.tiers import TEXT, logprob_error
@@ -11,6 +12,7 @@ from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.model.config import ShardShape
 from mooncaked.model.loader import LoadedModel
+from tests.triton_mode import needs_triton_interpreter
 
 BLOCK = 16
 
@@ -65,3 +67,29 @@ def test_an_mla_latent_in_int8_pages() -> None:
                            cache_dtype="int8")
     assert kv.k_pages[0] is kv.v_pages[0] and kv.row_width == model.args.kv_head_dim + 2
     assert logprob_error(model, ids, "int8", BLOCK) < 0.01  # random weights: measured 0.0002
+
+
+@needs_triton_interpreter
+@pytest.mark.parametrize("cache_dtype", ["int8", "fp8_e4m3"])
+def test_triton_runner_over_packed_pages_matches_the_torch_one(cache_dtype: str) -> None:
+    """The model's prefill and a decode step over int8 (fp8_e4m3) pages: Triton's kernels (quantize on store,
+    dequantize in registers) write the torch backend's bytes and give its logits; CUDA graphs refuse the pages."""
+    from mooncaked.model.loader import load_model
+
+    model = load_model("random:tiny", seed=5)
+    ids = [3 + (11 * i) % 200 for i in range(21)]
+    logits = {}
+    for backend in ("torch", "triton"):
+        kv = KVPages.for_model(model.args, num_pages=3, block_size=BLOCK, dtype=model.dtype, device="cpu",
+                               cache_dtype=cache_dtype)
+        runner = ModelRunner(model.model, kv, backend=backend)
+        batch = build_prefill_batch([PrefillSeq(ids, 0, [2, 0])], block_size=BLOCK, num_pages=3, device="cpu")
+        first = runner.prefill(batch)[0]
+        decode = build_decode_batch([DecodeSeq(int(first.argmax()), len(ids), [2, 0])], block_size=BLOCK,
+                                    num_pages=3, device="cpu")
+        logits[backend] = (first, runner.decode(decode)[0], kv.buffer.clone())
+    for torch_side, triton_side in zip(logits["torch"][:2], logits["triton"][:2], strict=True):
+        torch.testing.assert_close(triton_side, torch_side, atol=1e-4, rtol=1e-4)
+    assert torch.equal(logits["torch"][2].view(torch.uint8), logits["triton"][2].view(torch.uint8))  # same bytes
+    with pytest.raises(ValueError, match="without CUDA graphs; set model.cuda_graphs: false"):
+        ModelRunner(model.model, kv, backend="triton", cuda_graphs=True)

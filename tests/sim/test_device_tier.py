@@ -8,6 +8,7 @@ import math
 from mooncaked.sched.shadow_index import ShadowIndex
 from mooncaked.sim.config import SimConfig, with_overrides
 from mooncaked.sim.device_tier import DeviceTier
+from mooncaked.sim.engine import Simulator
 from mooncaked.sim.tier_study import format_rows, run_tier_study
 from mooncaked.sim.trace import TraceRequest
 
@@ -54,3 +55,21 @@ def test_the_tier_study_counts_device_hits_only_with_the_tier() -> None:
     # 8 DRAM blocks per host hold little of 6 conversations; 64 device pages hold most: fewer blocks computed
     assert on["computed_rate"] < off["computed_rate"]
     assert "| on | 64 |" in format_rows(result["rows"])
+
+
+def test_decode_instances_keep_and_read_the_device_tier() -> None:
+    """Inline prefills (a turn's 2 new blocks fit inline_prefill_max_tokens) read the decode instance's device tier,
+    which holds the conversation's earlier turns; and every request's KV stays on the decode instance it ran on."""
+    config = with_overrides(SimConfig(), "cluster", num_prefill=1, num_decode=2, dram_blocks_per_host=8,
+                            inline_prefill_max_tokens=1024)
+    off, on = run_tier_study(conversation_trace(6, 5), config, device_blocks=64)["rows"]
+    assert off["device_hit_rate"] == 0.0 and on["device_hit_rate"] > 0.2
+    assert on["computed_rate"] < off["computed_rate"]
+    simulator = Simulator(with_overrides(config, "cluster", device_prefix_blocks=64), conversation_trace(3, 2))
+    records = simulator.run().records
+    assert any(r.is_inline and r.device_blocks > 0 for r in records)
+    for decode in simulator.decode:
+        assert decode.device is not None and decode.device.cache.num_referenced == 0  # every request ended
+        decode.device.cache.check()
+    cached = {key for decode in simulator.decode if decode.device is not None for key in decode.device.cache.keys()}
+    assert {0, 1, 2, 3} <= cached  # conversation 0's second turn: its 4 blocks, on the decode instance it ran on

@@ -4,6 +4,7 @@ too small for one request; each role keeps the projection copies it uses."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -139,8 +140,8 @@ def test_check_config_and_the_transfer_estimate_use_int8_kv_s_size(tmp_path: Pat
     from mooncaked.roles.conductor.role import default_predictors
 
     instances = [instance("s0", "store"), instance("p0", "prefill"), instance("d0", "decode")]
-    sections = dict(model={"share_weights": False, "cpu_packed_gemm": False},
-                    worker={"num_kv_pages": None, "kv_memory_bytes": 4 * MIB})
+    sections: dict[str, Any] = dict(model={"share_weights": False, "cpu_packed_gemm": False},
+                                    worker={"num_kv_pages": None, "kv_memory_bytes": 4 * MIB})
     auto = cluster_config(tmp_path, instances, **sections)
     int8 = cluster_config(tmp_path, instances, kv={"block_size": 16, "cache_dtype": "int8"}, **sections)
     args = random_preset("tiny")
@@ -151,5 +152,7 @@ def test_check_config_and_the_transfer_estimate_use_int8_kv_s_size(tmp_path: Pat
     auto_block = default_predictors(auto, frontend).transfer.bytes_per_block
     assert default_predictors(int8, frontend).transfer.bytes_per_block * 64 == auto_block * 18
     assert not validate(int8)
-    with pytest.raises(ConfigError, match="kv.cache_dtype: int8 KV runs on the torch kernel backend"):
-        cluster_config(tmp_path, instances, kv={"cache_dtype": "int8"}, model={"kernel_backend": "triton"})
+    assert not validate(cluster_config(tmp_path, instances, kv={"cache_dtype": "int8"},
+                                       model={"kernel_backend": "triton"}))
+    with pytest.raises(ConfigError, match="kv.cache_dtype: int8 KV runs without CUDA graphs"):
+        cluster_config(tmp_path, instances, kv={"cache_dtype": "int8"}, model={"cuda_graphs": True})
