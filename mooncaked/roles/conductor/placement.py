@@ -57,7 +57,8 @@ class Placer:
         decode_views = [self._decode_view(w, now, excluded) for w in self.decode.values()]
         prefill_views = [self._prefill_view(w, now, excluded) for w in self.prefill.values()
                          if w.instance.name not in self.later_stages]
-        return place(request, prefill_views, decode_views, self.index, self.policy(), now, self.device_index)
+        return place(request, prefill_views, decode_views, self.index, self.policy(), now, self.device_index,
+                     excluded)  # a store among them failed to deliver a prefix: its blocks are not reused
 
     def _prefill_view(self, worker: WorkerState, now: float, excluded: frozenset[str]) -> PrefillInstanceView:
         name = worker.instance.name

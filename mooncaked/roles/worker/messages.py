@@ -27,6 +27,8 @@ from mooncaked.store.messages import WriteHandle
 
 FINISH_EOS = "eos"  # an EOS or stop token id ended the sequence
 FINISH_LENGTH = "length"  # max_tokens reached
+# starts an Unavailable PREFILL error whose prefix never loaded from its stores: they failed, not the instance
+REASON_KV_LOAD_FAILED = "kv_load_failed"
 
 
 @dataclass(frozen=True)

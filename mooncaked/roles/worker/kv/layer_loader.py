@@ -19,7 +19,9 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from mooncaked.roles.worker.kv.spans import StoreBlocks
+from mooncaked.roles.worker.messages import REASON_KV_LOAD_FAILED
 from mooncaked.roles.worker.worker import Worker
+from mooncaked.rpc import Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +35,10 @@ class LoadTarget(Protocol):
     async def load_layer(self, layer: int, sources: Sequence[StoreBlocks]) -> None: ...
 
 
-class LoadFailed(Exception):
-    """Loading a request's KV failed or ran past its deadline; the message says which layer and why."""
+class LoadFailed(Unavailable):
+    """Loading a request's KV failed or ran past its deadline (a store that stopped answering, say); the message
+    starts with REASON_KV_LOAD_FAILED and says from which stores, which layer and why. Its blocks were never
+    marked ready, so nothing computed on them."""
 
 
 class LayerLoader:
@@ -82,7 +86,9 @@ class LayerLoader:
 
     def _fail(self, message: str) -> None:
         if self.error is None:
-            self.error = LoadFailed(f"loading the KV of {self.kv.request_id}: {message}")
+            stores = ", ".join(sorted({source.store_name for source in self.sources}))
+            self.error = LoadFailed(f"{REASON_KV_LOAD_FAILED}: loading the KV of {self.kv.request_id} from "
+                                    f"store {stores}: {message}")
             logger.warning("%s", self.error)
         for ready in self._ready:
             ready.set()
