@@ -58,6 +58,16 @@ def test_remote_prefix_worth_fetching():
     assert decision.decode_instance == "d1" and decision.predicted_tbt_s == pytest.approx(0.030)
 
 
+def test_an_excluded_store_is_no_source_and_no_local_prefix():
+    # sA failed to deliver the prefix: pB computes all 10k tokens (10 s); pA has no local prefix either and
+    # queues 10 s first. pB wins with no fetch.
+    decision = schedule(REQUEST, PREFILLS, DECODES, _index({"sA": 8}), _policy(0.25), now=0.0,
+                        excluded_stores=frozenset({"sA"}))
+    assert isinstance(decision, Placement) and decision.prefill_instance == "pB"
+    assert decision.fetch_from_store is None and decision.num_prefix_blocks == 0
+    assert decision.predicted_ttft_s == pytest.approx(10.0)
+
+
 def test_remote_prefix_not_worth_fetching():
     # At 2 s per block the fetch costs 16 s: pB = 16 + 0 + 2 = 18 s; pA = 12 s wins, nothing fetched.
     # (Algorithm 1 never considers pB recomputing from scratch, 10 s, once the ratio exceeds the threshold.)
