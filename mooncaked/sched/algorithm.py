@@ -197,7 +197,9 @@ def _best_ttft(
         device_len = device_prefix(view, device_lengths)
         local_len = max(prefix_lengths.get(view.store_id, 0), device_len)  # the device tier, then the host's store
         if best_len > threshold * local_len:  # Algorithm 1 line 5, written without dividing by zero
-            prefix_len, transfer_s, source = best_len, predictors.transfer.predict(best_len - local_len), best_store
+            bandwidth = dict(view.fetch_bandwidth).get(best_store or "", 0.0)  # 0: not measured, the configured
+            prefix_len, source = best_len, best_store
+            transfer_s = predictors.transfer.predict(best_len - local_len, bandwidth)
         else:
             prefix_len, transfer_s, source = local_len, 0.0, None
         model_key = (prefix_len, view.prefill_coefficients, view.pipeline)

@@ -15,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from mooncaked.config import Config, PrefillGroupConfig
+from mooncaked.roles.conductor.view.fetch_rates import FetchRates
 from mooncaked.roles.conductor.view.in_flight import InFlightTable
 from mooncaked.roles.conductor.view.instances import (OutputForecast, WorkerState, decode_view, inline_wait_s,
                                                       pipeline_spec, prefill_view)
@@ -44,6 +45,7 @@ class Placer:
     later_stages: set[str]  # the other members of a group: no candidates
     recency: StoreRecency | None
     device_index: ShadowIndex | None = None  # the workers' device prefix caches, by instance name
+    fetch_rates: FetchRates | None = None  # measured prefix fetches: each link's rate in the transfer estimate
 
     @property
     def block_size(self) -> int:
@@ -67,6 +69,8 @@ class Placer:
             view = dataclasses.replace(view, device_id=name)
         if self.recency is not None:
             view = dataclasses.replace(view, coldest_use=self.recency.coldest_use(worker.store_id))
+        if self.fetch_rates is not None:
+            view = dataclasses.replace(view, fetch_bandwidth=self.fetch_rates.for_instance(name))
         if name in self.groups:
             view = dataclasses.replace(view, pipeline=self._group_pipeline(worker),
                                        is_available=view.is_available and self.is_group_ready(name))

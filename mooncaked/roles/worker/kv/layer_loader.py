@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -52,9 +53,12 @@ class LayerLoader:
         self.num_layers = worker.kv_pages.num_layers
         self._ready = [threading.Event() for _ in range(self.num_layers)]
         self.error: LoadFailed | None = None
+        self.load_s = 0.0  # from start() to the last layer loaded (0 until then, and after a failure)
+        self._started_at = 0.0
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
+        self._started_at = time.monotonic()
         self._task = asyncio.create_task(self._run(), name=f"load-{self.kv.request_id}")
 
     @property
@@ -103,6 +107,8 @@ class LayerLoader:
                     break
                 layers.append(asyncio.create_task(self._load_layer(layer, slots)))
             await asyncio.gather(*layers)
+            if self.error is None:
+                self.load_s = time.monotonic() - self._started_at
         finally:
             for task in layers:
                 task.cancel()
