@@ -226,13 +226,16 @@ class Leg:
             self.view.report_failure(instance, str(exc))
             error = deadline_exceeded(f"The {leg} leg on {instance} missed its deadline; retry later.")
             return LegFailed(f"{leg}_deadline", instance, error)
-        source = self._placed().fetch_from_store
-        if leg == "prefill" and source and isinstance(exc, Unavailable) \
-                and exc.message.startswith(REASON_KV_LOAD_FAILED):
-            # the other host's store did not deliver the prefix (stopped, partitioned): the next placement
-            # leaves that store out and takes the prefix from elsewhere, or computes it
-            return LegFailed("prefill_source", source, unavailable(
-                f"The prefix's source store {source} did not deliver it to {instance}; retry shortly."))
+        if isinstance(exc, Unavailable) and exc.message.startswith(REASON_KV_LOAD_FAILED):
+            # a store did not deliver the KV (stopped, partitioned); the instance answered, so it is not marked
+            # down. The other host's store of a prefix fetch: the next placement leaves it out (another copy of
+            # the prefix, or the prompt computed)
+            source = self._placed().fetch_from_store
+            if leg == "prefill" and source:
+                return LegFailed("prefill_source", source, unavailable(
+                    f"The prefix's source store {source} did not deliver it to {instance}; retry shortly."))
+            return LegFailed(f"{leg}_lost", instance,
+                             unavailable(f"The {leg} instance {instance} could not load the KV; retry shortly."))
         if isinstance(exc, (Unavailable, Cancelled)):  # unreachable, or stopping and cancelling its calls
             self.view.report_failure(instance, str(exc))
             return LegFailed(f"{leg}_lost", instance,
