@@ -101,9 +101,10 @@ async def test_a_store_stopped_during_a_prefix_load_fails_the_load_in_time_and_c
 
 async def test_a_request_whose_prefix_source_store_stops_is_recomputed_in_time(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The conductor places a prompt on p4 with its prefix fetched from s2, s2 stops during the load: the prefill
-    leg fails with kv_load_failed, the request migrates (cause prefill_source) without s2's blocks, p4 computes
-    the prompt, and the client gets the text an undisturbed run gives, well within the request's deadlines."""
+    """The conductor places prompts on p4 with their prefix fetched from s2. The first fetch measures the link
+    (the conductor's transfer estimate then uses it). s2 stops during the second's load: the prefill leg fails
+    with kv_load_failed, the request migrates (cause prefill_source) without s2's blocks, p4 computes the
+    prompt, and the client gets the text an undisturbed run gives, well within the request's deadlines."""
     config = cluster_config(tmp_path, [
         instance("s2", "store", "127.0.0.2"), instance("p2", "prefill", "127.0.0.2"),
         instance("s3", "store", "127.0.0.3"), instance("d0", "decode", "127.0.0.3"),
@@ -111,9 +112,9 @@ async def test_a_request_whose_prefix_source_store_stops_is_recomputed_in_time(
         instance("c0", "conductor"),
     ], transfer=DEADLINES, worker={**WORKER, "kv_load_timeout_s": 3.0}, rpc={"connect_timeout_s": 0.5},
         conductor={"prefill_timeout_s": 20.0})
-    tokens = prompt(29, 80)
-    _, text = expected_text(tokens, 4)
-    body = {"prompt": tokens, "max_tokens": 4, **GREEDY}
+    prompts = [prompt(seed, 80) for seed in (29, 30)]
+    bodies = [{"prompt": tokens, "max_tokens": 4, **GREEDY} for tokens in prompts]
+    texts = [expected_text(tokens, 4)[1] for tokens in prompts]
     s2 = start_store_process(config, tmp_path / "cluster.yaml", "s2")
     lookup_remote = kv_plan._lookup_remote
 
@@ -123,20 +124,24 @@ async def test_a_request_whose_prefix_source_store_stops_is_recomputed_in_time(
         return found
 
     try:
-        async with running_roles(config, ["s3", "s4", "d0", "p4"]), aiohttp.ClientSession() as http:
-            async with running_roles(config, ["p2", "c0"]) as first:
-                conductor = first["c0"]
-                assert isinstance(conductor, ConductorRole) and conductor.view is not None
-                view = conductor.view
-                await eventually(lambda: all(view.prefill[name].is_up for name in ("p2", "p4")), timeout_s=30.0)
-                assert (await completion(http, config, body))["choices"][0]["text"] == text  # on p2: s2 has it
-                await first.pop("p2").stop()
-                await eventually(lambda: not view.prefill["p2"].is_up, timeout_s=10.0)
+        async with running_roles(config, ["s3", "s4", "d0", "c0"]) as roles, aiohttp.ClientSession() as http:
+            conductor = roles["c0"]
+            assert isinstance(conductor, ConductorRole) and conductor.view is not None
+            view = conductor.view
+            async with running_roles(config, ["p2"]):  # the only prefill instance: both prompts' blocks go to s2
+                await eventually(lambda: view.prefill["p2"].is_up, timeout_s=30.0)
+                for body, text in zip(bodies, texts):
+                    assert (await completion(http, config, body))["choices"][0]["text"] == text
+            async with running_roles(config, ["p4"]):
+                await eventually(lambda: view.prefill["p4"].is_up and not view.prefill["p2"].is_up, timeout_s=30.0)
+                assert (await completion(http, config, bodies[0]))["choices"][0]["text"] == texts[0]
+                ((store, bytes_per_s),) = view.fetch_rates.for_instance("p4")
+                assert store == "s2" and bytes_per_s > 0
                 monkeypatch.setattr(kv_plan, "_lookup_remote", stop_s2_after_lookup)
                 started = time.monotonic()
-                done = await completion(http, config, body)
+                done = await completion(http, config, bodies[1])
                 elapsed_s = time.monotonic() - started
-                assert done["choices"][0]["text"] == text
+                assert done["choices"][0]["text"] == texts[1]
                 assert elapsed_s < 10.0, f"{elapsed_s:.1f}s"
                 assert (await metric(http, config, "mooncaked_migrations_total{")).startswith(
                     'mooncaked_migrations_total{cause="prefill_source"} 1.0')
