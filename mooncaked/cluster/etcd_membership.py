@@ -8,7 +8,9 @@ Keys, under `<cluster.etcd.prefix>/<cluster.id>/`:
 1. `start()` starts the session task and waits (up to `startup_timeout_s`) for the first listing.
 2. A session: grant a lease (or keep the one still alive), put this instance's record and candidacy, list the
    prefix (the table becomes exactly that), then keep the lease alive every TTL/3 while one watch stream,
-   reopened from the last revision it saw, applies each change to the table.
+   reopened from the last revision it saw, applies each change to the table. Each answered grant or keep-alive
+   says how long the lease surely lives (from when it was sent); past that this instance leads nothing even
+   before a call fails (a cut link: etcd may have expired the lease and another conductor lead).
 3. Any failure ends the session, and this instance steps down at once: it is no longer connected, so it leads
    nothing (`leader()` is None) until a new session has registered again. The table keeps the membership last
    seen (nothing is removed while etcd cannot say), `status()` and the log say etcd is unreachable, and a new
@@ -57,6 +59,9 @@ class EtcdMembership:
         self.table = MemberTable()
         self.candidates: dict[str, int] = {}  # conductor name -> create revision of its candidacy
         self.lease_id = 0
+        # monotonic time by which etcd may have expired the lease: the last grant or keep-alive's send time plus
+        # the TTL it returned. Past it this instance leads nothing, even if no call has failed yet (a cut link)
+        self.lease_valid_until = 0.0
         self.is_campaigning = False
         self.is_connected = False
         self.last_error = ""
@@ -119,8 +124,9 @@ class EtcdMembership:
                 await self._put_candidacy()
 
     def leader(self) -> str | None:
-        """The current leader's name while etcd is reachable; None while it is not (no one can be sure)."""
-        if not self.is_connected or not self.candidates:
+        """The current leader's name while etcd is reachable and this instance's lease surely lives; None
+        otherwise (no one can be sure: another may lead once etcd expired this lease)."""
+        if not self.is_connected or not self.candidates or time.monotonic() >= self.lease_valid_until:
             return None
         return min(self.candidates.items(), key=lambda item: item[1])[0]
 
@@ -203,10 +209,15 @@ class EtcdMembership:
     async def _register(self) -> None:
         if self.record is None:
             return
-        if not self.lease_id or await self.client.keepalive(self.lease_id) <= 0:
+        sent_at = time.monotonic()
+        ttl_s = await self.client.keepalive(self.lease_id) if self.lease_id else 0
+        if ttl_s <= 0:
             if self.lease_id:
                 logger.warning("etcd: lease %x expired while unreachable; registering again", self.lease_id)
+            sent_at = time.monotonic()
             self.lease_id = await self.client.grant(self.etcd_config.lease_ttl_s)
+            ttl_s = self.etcd_config.lease_ttl_s
+        self.lease_valid_until = sent_at + ttl_s
         await self.client.put(self.instances_prefix + self.record.name.encode(), self.record.to_json(),
                               self.lease_id)
         if self.is_campaigning:
@@ -226,8 +237,11 @@ class EtcdMembership:
         interval_s = self.etcd_config.lease_ttl_s / 3
         while True:
             await asyncio.sleep(interval_s)
-            if await self.client.keepalive(self.lease_id) <= 0:
+            sent_at = time.monotonic()
+            ttl_s = await self.client.keepalive(self.lease_id)
+            if ttl_s <= 0:
                 raise EtcdError(f"lease {self.lease_id:x} expired")
+            self.lease_valid_until = sent_at + ttl_s
 
     async def _watch(self, revision: int) -> None:
         while True:

@@ -84,12 +84,14 @@ def schedule(
     policy: SchedulerPolicy,
     now: float,
     device_index: ShadowIndex | None = None,
+    excluded_stores: frozenset[str] = frozenset(),
 ) -> Placement | Rejection:
-    """Algorithm 1 with the configured prefill scheduler and admission policy; see the module docstring."""
+    """Algorithm 1 with the configured prefill scheduler and admission policy; see the module docstring.
+    `excluded_stores`: stores whose blocks this request must not reuse (one failed to deliver them)."""
     candidates = eligible_prefill(request, prefill_views, policy.config)
     if not candidates:
         return Rejection(request.request_id, REASON_NO_PREFILL)
-    prefix_lengths = index.prefix_lengths(request.block_keys)
+    prefix_lengths = store_prefix_lengths(index, request, excluded_stores)
     device_lengths = device_index.prefix_lengths(request.block_keys) if device_index is not None else {}
     prefill = choose_prefill(request, candidates, prefix_lengths, policy, now, device_lengths)
     config = policy.config
@@ -118,6 +120,13 @@ def schedule(
         predicted_tbt_s=decode.predicted_tbt_s,
         decode_defer_s=decode.decode_defer_s,
     )
+
+
+def store_prefix_lengths(index: ShadowIndex, request: RequestInfo,
+                         excluded_stores: frozenset[str]) -> dict[str, int]:
+    """Every store's reusable prefix of the request (blocks), leaving out `excluded_stores`."""
+    lengths = index.prefix_lengths(request.block_keys)
+    return {store: n for store, n in lengths.items() if store not in excluded_stores}
 
 
 def decode_pages(request: RequestInfo, config: PolicyConfig) -> int:
@@ -190,7 +199,9 @@ def _best_ttft(
         device_len = device_prefix(view, device_lengths)
         local_len = max(prefix_lengths.get(view.store_id, 0), device_len)  # the device tier, then the host's store
         if best_len > threshold * local_len:  # Algorithm 1 line 5, written without dividing by zero
-            prefix_len, transfer_s, source = best_len, predictors.transfer.predict(best_len - local_len), best_store
+            bandwidth = dict(view.fetch_bandwidth).get(best_store or "", 0.0)  # 0: not measured, the configured
+            prefix_len, source = best_len, best_store
+            transfer_s = predictors.transfer.predict(best_len - local_len, bandwidth)
         else:
             prefix_len, transfer_s, source = local_len, 0.0, None
         model_key = (prefix_len, view.prefill_coefficients, view.pipeline)

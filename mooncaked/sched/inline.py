@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from mooncaked.sched.admission import admission_rejection, select_decode
-from mooncaked.sched.algorithm import SchedulerPolicy, decode_pages, prefix_tokens, schedule
+from mooncaked.sched.algorithm import SchedulerPolicy, decode_pages, prefix_tokens, schedule, store_prefix_lengths
 from mooncaked.sched.predictors import PrefillTimePredictor
 from mooncaked.sched.shadow_index import ShadowIndex
 from mooncaked.sched.types import (REASON_NO_DECODE, REASON_NO_PREFILL, DecodeInstanceView, Placement,
@@ -31,15 +31,17 @@ from mooncaked.sched.types import (REASON_NO_DECODE, REASON_NO_PREFILL, DecodeIn
 
 def place(request: RequestInfo, prefill_views: Sequence[PrefillInstanceView],
           decode_views: Sequence[DecodeInstanceView], index: ShadowIndex, policy: SchedulerPolicy,
-          now: float, device_index: ShadowIndex | None = None) -> Placement | Rejection:
+          now: float, device_index: ShadowIndex | None = None,
+          excluded_stores: frozenset[str] = frozenset()) -> Placement | Rejection:
     """Algorithm 1, or an inline prefill on a decode instance; see the module docstring. `device_index`: the
-    prefill instances' device prefix caches (Algorithm 1's local prefix counts them)."""
-    prefix_lengths = index.prefix_lengths(request.block_keys)
+    prefill instances' device prefix caches (Algorithm 1's local prefix counts them). `excluded_stores`: stores
+    whose blocks this request must not reuse (one failed to deliver them)."""
+    prefix_lengths = store_prefix_lengths(index, request, excluded_stores)
     device_lengths = device_index.prefix_lengths(request.block_keys) if device_index is not None else {}
     if not prefill_views:
         return place_inline(request, decode_views, prefix_lengths, policy, now, is_limited=False,
                             device_lengths=device_lengths)
-    result = schedule(request, prefill_views, decode_views, index, policy, now, device_index)
+    result = schedule(request, prefill_views, decode_views, index, policy, now, device_index, excluded_stores)
     if isinstance(result, Rejection):
         if result.reason != REASON_NO_PREFILL:
             return result

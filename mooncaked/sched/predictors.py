@@ -183,10 +183,11 @@ class TransferTimePredictor:
     bandwidth: float  # bytes per second
     latency_s: float = 0.0
 
-    def predict(self, num_blocks: int) -> float:
+    def predict(self, num_blocks: int, bandwidth: float = 0.0) -> float:
+        """`bandwidth`: the link's measured bytes per second (0: the configured one)."""
         if num_blocks <= 0:
             return 0.0
-        return self.latency_s + num_blocks * self.bytes_per_block / self.bandwidth
+        return self.latency_s + num_blocks * self.bytes_per_block / (bandwidth if bandwidth > 0 else self.bandwidth)
 
 
 def queue_time_s(view: PrefillInstanceView, now: float) -> float:

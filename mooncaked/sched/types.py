@@ -84,6 +84,9 @@ class PrefillInstanceView:
     coldest_use: float = 0.0  # last use of its store's least recently used block (`mooncaked.sched.store_recency`)
     pipeline: PipelineSpec | None = None  # a prefill group (its first stage's id): predicted by sched/pipeline.py
     device_id: str = ""  # its device prefix cache's id in the device index ("": none reported)
+    # (store id, bytes per second) measured by this instance's recent fetches from that store: the link's rate
+    # in the transfer-time estimate instead of the configured scheduler.link_gbps
+    fetch_bandwidth: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)

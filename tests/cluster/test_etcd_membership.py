@@ -167,6 +167,36 @@ async def test_election_and_takeover(tmp_path: Path, etcd: EtcdServer) -> None:
         await second.stop()
 
 
+async def test_a_leader_cut_off_from_etcd_steps_down_before_another_takes_over(
+        tmp_path: Path, etcd: EtcdServer) -> None:
+    """c0's keep-alives and watch events stop getting through (a cut link: no call fails before its timeout, here
+    never): c0 stops leading once its lease may have expired, before c1 can lead: never two leaders at once."""
+    config = etcd_config(tmp_path, etcd, ("c0", "conductor"), ("c1", "conductor"), ttl=1)
+    first, second = (EtcdMembership(config, config.instance_named(n)) for n in ("c0", "c1"))
+    await first.start()
+    await first.campaign()
+    await second.start()
+    await second.campaign()
+    try:
+        await wait_until(lambda: first.is_leader() and second.leader() == "c0", 2.0, "c0 leads")
+
+        async def unanswered(lease_id: int) -> int:
+            await asyncio.sleep(60.0)
+            return 0
+
+        first.client.keepalive = unanswered  # type: ignore[method-assign]
+        first._apply = lambda event: None  # type: ignore[method-assign]
+        deadline = time.monotonic() + 6.0
+        while not second.is_leader():
+            assert not first.is_leader() or not second.is_leader()
+            assert time.monotonic() < deadline, "c1 never took over"
+            await asyncio.sleep(0.01)
+        assert not first.is_leader()
+    finally:
+        await first.stop()
+        await second.stop()
+
+
 async def test_an_unexpected_session_failure_steps_down_and_registers_again(
         tmp_path: Path, etcd: EtcdServer, caplog: pytest.LogCaptureFixture) -> None:
     config = etcd_config(tmp_path, etcd, ("c0", "conductor"), ("c1", "conductor"), ttl=1)

@@ -112,6 +112,7 @@ async def test_cross_host_tcp_and_remote_prefix_fetch(tmp_path: Path) -> None:
             fetched = await prefill4.call(PREFILL, PrefillRequest("r2", tokens, keys, spec, fetch_store="s2",
                                                                   num_fetch_blocks=len(keys)), timeout_s=30)
             assert fetched.num_fetched_blocks == 4 and fetched.num_cached_tokens == 64
+            assert fetched.fetch_s > 0  # what the conductor measures the link from
             assert fetched.first_token.token_id == expected[0]
             local = await prefill4.call(PREFILL, PrefillRequest("r3", tokens, keys, spec), timeout_s=30)
             assert local.num_fetched_blocks == 0 and local.num_cached_tokens == 64

@@ -58,10 +58,30 @@ def test_remote_prefix_worth_fetching():
     assert decision.decode_instance == "d1" and decision.predicted_tbt_s == pytest.approx(0.030)
 
 
+def test_an_excluded_store_is_no_source_and_no_local_prefix() -> None:
+    # sA failed to deliver the prefix: pB computes all 10k tokens (10 s); pA has no local prefix either and
+    # queues 10 s first. pB wins with no fetch.
+    decision = schedule(REQUEST, PREFILLS, DECODES, _index({"sA": 8}), _policy(0.25), now=0.0,
+                        excluded_stores=frozenset({"sA"}))
+    assert isinstance(decision, Placement) and decision.prefill_instance == "pB"
+    assert decision.fetch_from_store is None and decision.num_prefix_blocks == 0
+    assert decision.predicted_ttft_s == pytest.approx(10.0)
+
+
 def test_remote_prefix_not_worth_fetching():
     # At 2 s per block the fetch costs 16 s: pB = 16 + 0 + 2 = 18 s; pA = 12 s wins, nothing fetched.
     # (Algorithm 1 never considers pB recomputing from scratch, 10 s, once the ratio exceeds the threshold.)
     decision = schedule(REQUEST, PREFILLS, DECODES, _index({"sA": 8}), _policy(2.0), now=0.0)
+    assert isinstance(decision, Placement)
+    assert decision.prefill_instance == "pA" and decision.fetch_from_store is None
+    assert decision.predicted_ttft_s == pytest.approx(12.0)
+
+
+def test_a_measured_slow_link_sends_the_prompt_where_the_prefix_is() -> None:
+    # At the configured 0.25 s per block pB fetches (4 s, test above). pB measured sA's link at a tenth of that:
+    # 8 blocks at 2.5 s = 20 s + 2 s = 22 s; pA = 10 s queue + 2 s = 12 s wins, nothing crosses the slow link.
+    slow = [PREFILLS[0], PrefillInstanceView("pB", "sB", fetch_bandwidth=(("sA", 0.4),))]
+    decision = schedule(REQUEST, slow, DECODES, _index({"sA": 8}), _policy(0.25), now=0.0)
     assert isinstance(decision, Placement)
     assert decision.prefill_instance == "pA" and decision.fetch_from_store is None
     assert decision.predicted_ttft_s == pytest.approx(12.0)

@@ -29,7 +29,7 @@ from mooncaked.config import Config
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.view.cluster import ClusterView
 from mooncaked.roles.worker.messages import (DECODE, DecodeItem, DecodeRequest, PREFILL, PrefillReply, PrefillRequest,
-                                             RESERVE, ReserveReply, ReserveRequest, SamplingSpec, StoreTenant,
+                                             REASON_KV_LOAD_FAILED, RESERVE, ReserveReply, ReserveRequest, SamplingSpec, StoreTenant,
                                              TokenSample, UNRESERVE, UnreserveRequest)
 from mooncaked.rpc import Cancelled, DeadlineExceeded, ResourceExhausted, RpcClient, RpcError, Unavailable
 from mooncaked.runtime.aio import aclose
@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 UNRESERVE_TIMEOUT_S = 2.0  # cleanup only: an unclaimed reservation also ends with its lease
 MIGRATION_CAUSES = frozenset({f"{leg}_{kind}" for leg in ("reserve", "prefill", "decode")
-                              for kind in ("lost", "deadline")} | {"decode_pages"})
+                              for kind in ("lost", "deadline")} | {"decode_pages", "prefill_source"})
 
 
 def attempt_id(request_id: str, num_migrations: int) -> str:
@@ -226,6 +226,16 @@ class Leg:
             self.view.report_failure(instance, str(exc))
             error = deadline_exceeded(f"The {leg} leg on {instance} missed its deadline; retry later.")
             return LegFailed(f"{leg}_deadline", instance, error)
+        if isinstance(exc, Unavailable) and exc.message.startswith(REASON_KV_LOAD_FAILED):
+            # a store did not deliver the KV (stopped, partitioned); the instance answered, so it is not marked
+            # down. The other host's store of a prefix fetch: the next placement leaves it out (another copy of
+            # the prefix, or the prompt computed)
+            source = self._placed().fetch_from_store
+            if leg == "prefill" and source:
+                return LegFailed("prefill_source", source, unavailable(
+                    f"The prefix's source store {source} did not deliver it to {instance}; retry shortly."))
+            return LegFailed(f"{leg}_lost", instance,
+                             unavailable(f"The {leg} instance {instance} could not load the KV; retry shortly."))
         if isinstance(exc, (Unavailable, Cancelled)):  # unreachable, or stopping and cancelling its calls
             self.view.report_failure(instance, str(exc))
             return LegFailed(f"{leg}_lost", instance,

@@ -15,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from mooncaked.config import Config, PrefillGroupConfig
+from mooncaked.roles.conductor.view.fetch_rates import FetchRates
 from mooncaked.roles.conductor.view.in_flight import InFlightTable
 from mooncaked.roles.conductor.view.instances import (OutputForecast, WorkerState, decode_view, inline_wait_s,
                                                       pipeline_spec, prefill_view)
@@ -44,6 +45,7 @@ class Placer:
     later_stages: set[str]  # the other members of a group: no candidates
     recency: StoreRecency | None
     device_index: ShadowIndex | None = None  # the workers' device prefix caches, by instance name
+    fetch_rates: FetchRates | None = None  # measured prefix fetches: each link's rate in the transfer estimate
 
     @property
     def block_size(self) -> int:
@@ -57,7 +59,8 @@ class Placer:
         decode_views = [self._decode_view(w, now, excluded) for w in self.decode.values()]
         prefill_views = [self._prefill_view(w, now, excluded) for w in self.prefill.values()
                          if w.instance.name not in self.later_stages]
-        return place(request, prefill_views, decode_views, self.index, self.policy(), now, self.device_index)
+        return place(request, prefill_views, decode_views, self.index, self.policy(), now, self.device_index,
+                     excluded)  # a store among them failed to deliver a prefix: its blocks are not reused
 
     def _prefill_view(self, worker: WorkerState, now: float, excluded: frozenset[str]) -> PrefillInstanceView:
         name = worker.instance.name
@@ -66,6 +69,8 @@ class Placer:
             view = dataclasses.replace(view, device_id=name)
         if self.recency is not None:
             view = dataclasses.replace(view, coldest_use=self.recency.coldest_use(worker.store_id))
+        if self.fetch_rates is not None:
+            view = dataclasses.replace(view, fetch_bandwidth=self.fetch_rates.for_instance(name))
         if name in self.groups:
             view = dataclasses.replace(view, pipeline=self._group_pipeline(worker),
                                        is_available=view.is_available and self.is_group_ready(name))

@@ -265,6 +265,10 @@ class RequestRun:
             self.prompt_logprobs = list(reply.prompt_logprobs)
         if not self.num_migrations:  # a migrated attempt's cached tokens include streamed output
             self._record_prefix(reply.num_cached_tokens, reply.num_fetched_blocks)
+        placement = self.leg.placement if self.leg is not None else None
+        if placement is not None and placement.fetch_from_store and reply.num_fetched_blocks and reply.fetch_s > 0:
+            self.view.record_fetch(placement.prefill_instance, placement.fetch_from_store, reply.num_fetched_blocks,
+                                   reply.fetch_s)
 
     def _record_prefix(self, num_cached_tokens: int, num_fetched_blocks: int) -> None:
         self.num_cached_tokens = min(num_cached_tokens, self.prepared.num_prompt_tokens)

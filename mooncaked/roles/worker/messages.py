@@ -27,6 +27,8 @@ from mooncaked.store.messages import WriteHandle
 
 FINISH_EOS = "eos"  # an EOS or stop token id ended the sequence
 FINISH_LENGTH = "length"  # max_tokens reached
+# starts an Unavailable PREFILL error whose prefix never loaded from its stores: they failed, not the instance
+REASON_KV_LOAD_FAILED = "kv_load_failed"
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,8 @@ class PrefillReply(Message):
     num_fetched_blocks: int  # of those, blocks fetched from another host's store
     prefill_s: float  # from arrival on this instance to the reply (queueing included)
     compute_s: float = 0.0  # the forward of the batch this prompt ran in
+    # with num_fetched_blocks: seconds the prefix took to load (the fetched blocks crossed the link meanwhile)
+    fetch_s: float = 0.0
     prompt_logprobs: list[TokenSample] = field(default_factory=list)  # the prompt's tokens from the second on
     more_first_tokens: list[TokenSample] = field(default_factory=list)  # sequences 1.. of a parallel sampling
 

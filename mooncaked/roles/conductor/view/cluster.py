@@ -43,6 +43,7 @@ from mooncaked.cluster.membership import Membership, MemberRecord, StaticMembers
 from mooncaked.config import Config, InstanceConfig
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.placement import Placer
+from mooncaked.roles.conductor.view.fetch_rates import FetchRates
 from mooncaked.roles.conductor.view.in_flight import InFlightTable
 from mooncaked.roles.conductor.view.instances import OutputForecast, WorkerState
 from mooncaked.roles.conductor.view.predictors import LivePredictors
@@ -112,8 +113,10 @@ class ClusterView:
         # prefill groups by their first stage (which takes PREFILL); the other members are no candidates
         self.groups = {group.members[0]: group for group in config.cluster.prefill_groups}
         self.later_stages = {member for group in config.cluster.prefill_groups for member in group.members[1:]}
+        self.fetch_rates = FetchRates()
         self.placer = Placer(config, policy_config, predictors, self.index, self.flights, self.forecast, self.prefill,
-                             self.decode, self.groups, self.later_stages, self.recency, self.device_index)
+                             self.decode, self.groups, self.later_stages, self.recency, self.device_index,
+                             self.fetch_rates)
 
     def _worker_state(self, instance: InstanceConfig) -> WorkerState:
         store = store_on_host(self.membership, instance.host)
@@ -219,6 +222,7 @@ class ClusterView:
         was_prefill = self.prefill.pop(name, None) is not None
         self.device_index.remove_store(name)
         self.predictors.forget(name)
+        self.fetch_rates.forget(name)
         if self.decode.pop(name, None) is not None or was_prefill:
             logger.info("%s left", name)
 
@@ -306,6 +310,11 @@ class ClusterView:
         cancelled or failed request's length says nothing about its own end)."""
         self.output_lengths.observe(api_key=client_id, max_tokens=max_tokens, num_prompt_tokens=num_prompt_tokens,
                                     num_output_tokens=num_output_tokens)
+
+    def record_fetch(self, instance: str, store: str, num_blocks: int, seconds: float) -> None:
+        """A PREFILL on `instance` loaded `num_blocks` from `store` (another host's) in `seconds`."""
+        num_bytes = num_blocks * self.predictors.current.transfer.bytes_per_block
+        self.fetch_rates.observe(instance, store, num_bytes, seconds)
 
     def record_prefix(self, *, num_local: int, num_remote: int, num_computed: int) -> None:
         self.prefix_blocks["reused_local"] += num_local

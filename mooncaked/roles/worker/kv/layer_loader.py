@@ -15,11 +15,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
 from mooncaked.roles.worker.kv.spans import StoreBlocks
+from mooncaked.roles.worker.messages import REASON_KV_LOAD_FAILED
 from mooncaked.roles.worker.worker import Worker
+from mooncaked.rpc import Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +36,10 @@ class LoadTarget(Protocol):
     async def load_layer(self, layer: int, sources: Sequence[StoreBlocks]) -> None: ...
 
 
-class LoadFailed(Exception):
-    """Loading a request's KV failed or ran past its deadline; the message says which layer and why."""
+class LoadFailed(Unavailable):
+    """Loading a request's KV failed or ran past its deadline (a store that stopped answering, say); the message
+    starts with REASON_KV_LOAD_FAILED and says from which stores, which layer and why. Its blocks were never
+    marked ready, so nothing computed on them."""
 
 
 class LayerLoader:
@@ -48,9 +53,12 @@ class LayerLoader:
         self.num_layers = worker.kv_pages.num_layers
         self._ready = [threading.Event() for _ in range(self.num_layers)]
         self.error: LoadFailed | None = None
+        self.load_s = 0.0  # from start() to the last layer loaded (0 until then, and after a failure)
+        self._started_at = 0.0
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
+        self._started_at = time.monotonic()
         self._task = asyncio.create_task(self._run(), name=f"load-{self.kv.request_id}")
 
     @property
@@ -82,7 +90,9 @@ class LayerLoader:
 
     def _fail(self, message: str) -> None:
         if self.error is None:
-            self.error = LoadFailed(f"loading the KV of {self.kv.request_id}: {message}")
+            stores = ", ".join(sorted({source.store_name for source in self.sources}))
+            self.error = LoadFailed(f"{REASON_KV_LOAD_FAILED}: loading the KV of {self.kv.request_id} from "
+                                    f"store {stores}: {message}")
             logger.warning("%s", self.error)
         for ready in self._ready:
             ready.set()
@@ -97,6 +107,8 @@ class LayerLoader:
                     break
                 layers.append(asyncio.create_task(self._load_layer(layer, slots)))
             await asyncio.gather(*layers)
+            if self.error is None:
+                self.load_s = time.monotonic() - self._started_at
         finally:
             for task in layers:
                 task.cancel()

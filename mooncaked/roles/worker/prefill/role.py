@@ -296,10 +296,12 @@ class PrefillRole:
                 continue
             now = time.monotonic()
             self.load.replied(now - job.arrived_at, job.started_at - job.enqueued_at, elapsed_s)
+            loader = job.plan.kv.loader
+            fetch_s = loader.load_s if job.plan.num_fetched_blocks and loader is not None else 0.0
             job.future.set_result(PrefillReply(
                 first_token=sample, num_cached_tokens=job.num_prefix_tokens,
                 num_fetched_blocks=job.plan.num_fetched_blocks, prefill_s=now - job.enqueued_at, compute_s=elapsed_s,
-                prompt_logprobs=prompt_logprobs, more_first_tokens=more))
+                fetch_s=fetch_s, prompt_logprobs=prompt_logprobs, more_first_tokens=more))
 
     async def _compute(self, batch: list[PrefillJob]) -> tuple[ForwardResult, float | None]:
         """The forward on the compute thread (a group's first stage: through the pipeline, with the seconds of
