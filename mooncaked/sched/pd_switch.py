@@ -5,9 +5,10 @@
    is the trimmed mean of its last `window` samples (`pd_ratio.trimmed_mean`): one noisy sample moves nothing.
 2. `plan` asks, for each direction, what moving one switchable instance gains (sched/pd_gain.py: the pools'
    demand beyond their scale-out load, in instances, before and after) and weighs it over `horizon_s` against
-   what that instance's switch costs: its drain and re-registration as measured at its earlier switches in the same
-   direction (else in the other, else `default_switch_cost_s`), and at least the drain of the work it holds now (`drain_s`, which the
-   instance predicts: a decode instance's running sequences until their predicted ends, a prefill instance's queue). A direction is wanted when the gain exceeds `gain_margin` x the cost and the pools'
+   what that instance's switch costs: its drain and re-registration as measured at its earlier switches in the
+   same direction (else in the other, else `default_switch_cost_s`), and at least the drain of the work it holds
+   now (`drain_s`, which the instance predicts: a decode instance's running sequences until their predicted ends,
+   a prefill instance's queue). A direction is wanted when the gain exceeds `gain_margin` x the cost and the pools'
    imbalance factor (sched/pd_ratio.py) is outside the tolerance band, unless the hot pool's load is already
    falling (the newer half of its window `falling_fraction` below the older half: a backlog draining).
 3. Hysteresis: a wanted direction must persist for `num_confirm` periods and at least as long as its switch

@@ -29,8 +29,8 @@ from mooncaked.config import Config
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.view.cluster import ClusterView
 from mooncaked.roles.worker.messages import (DECODE, DecodeItem, DecodeRequest, PREFILL, PrefillReply, PrefillRequest,
-                                             REASON_KV_LOAD_FAILED, RESERVE, ReserveReply, ReserveRequest, SamplingSpec, StoreTenant,
-                                             TokenSample, UNRESERVE, UnreserveRequest)
+                                             REASON_KV_LOAD_FAILED, RESERVE, ReserveReply, ReserveRequest,
+                                             SamplingSpec, StoreTenant, TokenSample, UNRESERVE, UnreserveRequest)
 from mooncaked.rpc import Cancelled, DeadlineExceeded, ResourceExhausted, RpcClient, RpcError, Unavailable
 from mooncaked.runtime.aio import aclose
 from mooncaked.sched.decode_admission import REASON_PAGES_NOT_FREED, rejection_reason

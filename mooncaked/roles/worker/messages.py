@@ -159,10 +159,10 @@ class PrefillReply(Message):
     num_fetched_blocks: int  # of those, blocks fetched from another host's store
     prefill_s: float  # from arrival on this instance to the reply (queueing included)
     compute_s: float = 0.0  # the forward of the batch this prompt ran in
-    # with num_fetched_blocks: seconds the prefix took to load (the fetched blocks crossed the link meanwhile)
-    fetch_s: float = 0.0
     prompt_logprobs: list[TokenSample] = field(default_factory=list)  # the prompt's tokens from the second on
     more_first_tokens: list[TokenSample] = field(default_factory=list)  # sequences 1.. of a parallel sampling
+    # with num_fetched_blocks: seconds the prefix took to load (the fetched blocks crossed the link meanwhile)
+    fetch_s: float = 0.0
 
 
 @dataclass(frozen=True)
