@@ -79,11 +79,11 @@ async def _first_prediction(http: aiohttp.ClientSession, config_url: str, seed: 
 
 
 async def test_a_cold_conductor_predicts_its_first_request_and_a_restarted_one_at_once(tmp_path: Path) -> None:
-    """A model whose prefill takes long enough to be measured (SmolLM2's shape, random weights): the instances
-    profile themselves, so the first prediction of a fresh conductor, and of a restarted one, is the prefill
-    instance's own fitted model (not the device fallback), with no sample of its own yet. How close that model
-    comes to the measured TTFT is a timing, measured by `bench serve` (`ttft_prediction_mape_first20`), not here."""
-    config = make_config(tmp_path, model={"source": "random:smollm2-135m", "max_model_len": 2048},
+    """The instances profile themselves, so the first prediction of a fresh conductor, and of a restarted one, is
+    the prefill instance's own fitted model (not the device fallback), with no sample of its own yet. How close
+    that model comes to the measured TTFT is a timing, measured by `bench serve` (`ttft_prediction_mape_first20`),
+    not here; so the tiny model serves (SmolLM2's shape took 15-20 s of the suite for the same assertion)."""
+    config = make_config(tmp_path, model={"source": "random:tiny", "max_model_len": 2048},
                          kv={"block_size": 64}, store={"dram_bytes": 256 << 20},
                          worker={"profile_s": 1.0, "prefill_chunk": 1024, "max_batch_tokens": 4096,
                                  "num_kv_pages": 64, "max_batch_size": 8})
@@ -94,7 +94,9 @@ async def test_a_cold_conductor_predicts_its_first_request_and_a_restarted_one_a
         for seed in (40, 41):  # the second conductor starts after the first stopped: no state carries over
             async with running_roles(config, ["c0"]):
                 load = prefill.load
-                model = PrefillTimePredictor(load.coefficients(time.monotonic()).prefill)
+                coefficients = load.coefficients(time.monotonic()).prefill
+                assert coefficients, "the prefill instance's profile fitted no model"
+                model = PrefillTimePredictor(coefficients)
                 expected = model.predict(512, 0) + load.overhead.value  # idle: no queue, nothing cached
                 predicted, actual = await _first_prediction(http, base, seed)
             assert predicted == pytest.approx(expected, rel=0.02), (seed, predicted, expected, actual)
