@@ -85,7 +85,6 @@ class GrammarTokenizer:
 
     def __init__(self, tokenizer: TextTokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         self.vocab_size = vocab_size  # the logits' width: tokens past the tokenizer's are never allowed
-        self.tokenizer = tokenizer
         self.lltokenizer = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size,
                                                   eos_token=list(eos_token_ids) or None)
         self._is_producible: dict[str, bool] = {}
@@ -101,13 +100,13 @@ class GrammarTokenizer:
         return ""
 
     def _produces(self, char: str) -> bool:
-        """Whether some token sequence decodes to `char` (a byte-level vocabulary may lack bytes: SmolLM2's has no
-        token for the UTF-8 lead bytes of U+40000..U+BFFFF, so a grammar forcing such a character can never be
-        followed)."""
+        """Whether the vocabulary's tokens can spell `char`'s UTF-8 bytes, as llguidance's token trie sees them (no
+        normalizer in the way; a byte-level vocabulary may lack bytes: SmolLM2's has no token for the UTF-8 lead
+        bytes of U+40000..U+BFFFF, so a grammar forcing such a character can never be followed)."""
         is_producible = self._is_producible.get(char)
         if is_producible is None:
-            token_ids = self.tokenizer.encode(char, add_special_tokens=False)
-            is_producible = self._is_producible[char] = self.tokenizer.decode(token_ids) == char
+            spelled = self.lltokenizer.decode_bytes(self.lltokenizer.greedy_tokenize(char))
+            is_producible = self._is_producible[char] = spelled == char.encode()
         return is_producible
 
 

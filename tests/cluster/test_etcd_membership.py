@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,23 @@ async def wait_until(condition: Callable[[], Any], timeout_s: float, what: str) 
             raise AssertionError(f"not within {timeout_s} s: {what}")
         await asyncio.sleep(0.02)
     return time.monotonic() - started
+
+
+@contextlib.asynccontextmanager
+async def two_candidates(tmp_path: Path, server: EtcdServer) -> AsyncIterator[tuple[Config, EtcdMembership,
+                                                                                  EtcdMembership]]:
+    """Conductors c0 and c1 (lease TTL 1 s), both campaigning, c0 first: (config, c0, c1); both stopped after."""
+    config = etcd_config(tmp_path, server, ("c0", "conductor"), ("c1", "conductor"), ttl=1)
+    first, second = (EtcdMembership(config, config.instance_named(n)) for n in ("c0", "c1"))
+    await first.start()
+    await first.campaign()
+    await second.start()
+    await second.campaign()
+    try:
+        yield config, first, second
+    finally:
+        await first.stop()
+        await second.stop()
 
 
 async def crash(membership: EtcdMembership) -> None:
@@ -149,35 +167,20 @@ async def test_etcd_outage_keeps_membership_and_recovers(tmp_path: Path, etcd: E
 
 
 async def test_election_and_takeover(tmp_path: Path, etcd: EtcdServer) -> None:
-    config = etcd_config(tmp_path, etcd, ("c0", "conductor"), ("c1", "conductor"), ttl=1)
-    first, second = (EtcdMembership(config, config.instance_named(n)) for n in ("c0", "c1"))
-    await first.start()
-    await first.campaign()
-    await second.start()
-    await second.campaign()
-    try:
+    async with two_candidates(tmp_path, etcd) as (config, first, second):
         await wait_until(lambda: second.leader() == "c0" and first.is_leader(), 2.0, "c0 leads")
         assert not second.is_leader()
         changed = second.leader_changed()
         await crash(first)
         elapsed = await wait_until(second.is_leader, 4.0, "c1 takes over")
         assert changed.is_set() and elapsed <= config.cluster.etcd.lease_ttl_s + 2.0
-    finally:
-        await first.stop()
-        await second.stop()
 
 
 async def test_a_leader_cut_off_from_etcd_steps_down_before_another_takes_over(
         tmp_path: Path, etcd: EtcdServer) -> None:
     """c0's keep-alives and watch events stop getting through (a cut link: no call fails before its timeout, here
     never): c0 stops leading once its lease may have expired, before c1 can lead: never two leaders at once."""
-    config = etcd_config(tmp_path, etcd, ("c0", "conductor"), ("c1", "conductor"), ttl=1)
-    first, second = (EtcdMembership(config, config.instance_named(n)) for n in ("c0", "c1"))
-    await first.start()
-    await first.campaign()
-    await second.start()
-    await second.campaign()
-    try:
+    async with two_candidates(tmp_path, etcd) as (config, first, second):
         await wait_until(lambda: first.is_leader() and second.leader() == "c0", 2.0, "c0 leads")
 
         async def unanswered(lease_id: int) -> int:
@@ -192,20 +195,11 @@ async def test_a_leader_cut_off_from_etcd_steps_down_before_another_takes_over(
             assert time.monotonic() < deadline, "c1 never took over"
             await asyncio.sleep(0.01)
         assert not first.is_leader()
-    finally:
-        await first.stop()
-        await second.stop()
 
 
 async def test_an_unexpected_session_failure_steps_down_and_registers_again(
         tmp_path: Path, etcd: EtcdServer, caplog: pytest.LogCaptureFixture) -> None:
-    config = etcd_config(tmp_path, etcd, ("c0", "conductor"), ("c1", "conductor"), ttl=1)
-    first, second = (EtcdMembership(config, config.instance_named(n)) for n in ("c0", "c1"))
-    await first.start()
-    await first.campaign()
-    await second.start()
-    await second.campaign()
-    try:
+    async with two_candidates(tmp_path, etcd) as (config, first, second):
         await wait_until(lambda: first.is_leader() and second.leader() == "c0", 2.0, "c0 leads")
         keepalive, calls = first.client.keepalive, []
         old_lease = first.lease_id
@@ -226,6 +220,3 @@ async def test_an_unexpected_session_failure_steps_down_and_registers_again(
         assert second.is_leader() and not first.is_leader(), "never two leaders"
         assert set(second.members()) == {"c0", "c1"}
         assert "etcd session failed unexpectedly" in caplog.text and "injected: not an EtcdError" in caplog.text
-    finally:
-        await first.stop()
-        await second.stop()
