@@ -157,12 +157,13 @@ async def run_layout(layout: str, args: argparse.Namespace, rates: list[float], 
         result: dict[str, Any] = {"probe": await _probe(url, args, cluster), "rates": {}}
         if tbt_slo_ms is None:
             tbt_slo_ms = args.tbt_slo_factor * result["probe"]["median_itl_ms"]
-        for rate in rates:
+        for i, rate in enumerate(rates):
+            if i > 0:
+                await asyncio.sleep(2.0)  # the previous rate's cancelled stragglers leave the batch first
             requests = workload(args, rate)
             run = await run_benchmark(_serve_config(url, requests, args.duration_s + args.tail_s,
                                                     {"tbt": tbt_slo_ms}, not args.no_progress))
             result["rates"][f"{rate:g}"] = _kept(run, args.doc_tokens)
-            await asyncio.sleep(2.0)  # cancelled stragglers leave the batch before the next rate starts
     finally:
         result_code = await cluster.stop(timeout_s=60.0)
     result["clean_exit"] = result_code == 0

@@ -1,7 +1,11 @@
 """Running one role object until it is told to stop.
 
 1. `run_role(make_role, ...)` starts a uvloop event loop and builds the role inside it.
-2. `await role.start()`; then sd_notify READY=1 and, when systemd asked for it, a WATCHDOG=1 heartbeat task.
+2. `await role.start()`; then sd_notify READY=1 and, when systemd asked for it, a WATCHDOG=1 heartbeat task. A
+   process running one role (`run_role`) then collects its start-up garbage and freezes what is left (the model,
+   the tokenizer, the imported modules: a few hundred thousand objects) out of the garbage collector's reach: a
+   full collection no longer walks them while serving (a pause of ~0.15 s in a decode step), nor at exit (2 s of a
+   worker's shutdown went to the interpreter's last collections over them).
 3. SIGTERM or SIGINT (or the caller's stop event) sets the stop event: sd_notify STOPPING=1, then
    `await role.stop()`, which stops accepting, drains in-flight work up to its deadline, cancels the rest and
    releases resources, in that order.
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import gc
 import logging
 import signal
 from collections.abc import Callable
@@ -49,8 +54,9 @@ class Role(Protocol):
 
 
 async def serve(role: Role, notifier: Notifier, watchdog_interval_s: float | None,
-                stop_event: asyncio.Event | None = None) -> int:
-    """Start `role`, wait for a signal (or `stop_event`), stop it; returns the exit code."""
+                stop_event: asyncio.Event | None = None, is_freezing_gc: bool = False) -> int:
+    """Start `role`, wait for a signal (or `stop_event`), stop it; returns the exit code. `is_freezing_gc`: once
+    started, move every live object to the collector's permanent generation (for a process that runs only this)."""
     loop = asyncio.get_running_loop()
     stop = stop_event or asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -64,6 +70,9 @@ async def serve(role: Role, notifier: Notifier, watchdog_interval_s: float | Non
         except Exception:
             logger.exception("%s: releasing what its failed start had taken failed too", role.name)
         return exit_code
+    if is_freezing_gc:
+        gc.collect()
+        gc.freeze()
     notifier.ready()
     logger.info("%s ready", role.name)
     heartbeat = _start_heartbeat(notifier, watchdog_interval_s)
@@ -143,6 +152,6 @@ def run_role(make_role: Callable[[], Role], notifier: Notifier, watchdog_interva
             role = make_role()
         except Exception as exc:
             return start_failed("mooncaked", exc, notifier)
-        return await serve(role, notifier, watchdog_interval_s, stop_event)
+        return await serve(role, notifier, watchdog_interval_s, stop_event, is_freezing_gc=True)
 
     return uvloop.run(main())

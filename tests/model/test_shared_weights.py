@@ -90,14 +90,17 @@ sys.stdin.readline()  # stay alive (keeping the mapping) until the test is done
 """
 
 
-def _start(model_dir: Path, packing: str, cache: Path) -> tuple[subprocess.Popen[str], list[dict[str, int]]]:
-    process = subprocess.Popen([sys.executable, "-c", _PROCESS, str(model_dir), packing, str(cache)],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                               cwd=Path(__file__).resolve().parents[2], env={**os.environ, "PYTHONWARNINGS": "ignore"})
+def _spawn(model_dir: Path, packing: str, cache: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", _PROCESS, str(model_dir), packing, str(cache)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[2], env={**os.environ, "PYTHONWARNINGS": "ignore"})
+
+
+def _mappings(process: subprocess.Popen[str]) -> list[dict[str, int]]:
     assert process.stdout is not None
     line = process.stdout.readline()  # the child answers within its own load time; it dies with the test otherwise
     assert line, f"the child exited with {process.wait(timeout=30)}"
-    return process, json.loads(line)
+    return json.loads(line)  # type: ignore[no-any-return]
 
 
 @pytest.mark.skipif(not packed_gemm.is_available(), reason="needs MKL's packed GEMM (decode drops plain weights)")
@@ -106,14 +109,11 @@ def test_processes_on_one_host_share_the_weight_pages(tmp_path: Path) -> None:
     process maps only the resident section: its projections are packed copies, the file's pages unmapped."""
     model_dir, cache = tmp_path / "ckpt", tmp_path / "cache"
     write_checkpoint(UNTIED, model_dir, seed=5)
-    processes = []
+    processes = [_spawn(model_dir, "plain", cache)]
     try:
-        first, first_maps = _start(model_dir, "plain", cache)
-        processes.append(first)
-        second, second_maps = _start(model_dir, "plain", cache)
-        processes.append(second)
-        decode, decode_maps = _start(model_dir, "packed", cache)
-        processes.append(decode)
+        first_maps = _mappings(processes[0])  # it wrote the file; the other two start together and map it
+        processes += [_spawn(model_dir, "plain", cache), _spawn(model_dir, "packed", cache)]
+        second_maps, decode_maps = _mappings(processes[1]), _mappings(processes[2])
     finally:
         for process in processes:
             process.communicate("\n", timeout=30)

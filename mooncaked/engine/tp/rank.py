@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import multiprocessing
 import os
@@ -170,6 +171,8 @@ def rank_main(spec: RankSpec, rank: int, num_ranks: int, port: int, sock: socket
         pages = _attach_pages(spec, rank, num_ranks, channel) if spec.is_pages_shared and not is_cuda(spec) else None
         shard = build_rank(spec, rank, num_ranks, None if pages is None else pages.tensor)
         is_exported = spec.is_pages_shared and is_cuda(spec)
+        gc.collect()
+        gc.freeze()  # the process serves this shard only: no full collection walks the model again (lifecycle.py)
         channel.send(("ready", export_device_pages(shard.kv_pages.buffer) if is_exported else None))
         _serve(channel, shard.runner)
     except Exception as exc:  # report, then exit at once: tearing down a broken group could block
