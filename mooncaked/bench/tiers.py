@@ -3,7 +3,7 @@
 1. Per cache_dtype (auto, int8, fp8_e4m3 by default), in this process: store s1 with prefill instances p1 and p1b on 127.0.0.1,
    store s2 with prefill p2 on 127.0.0.2 (the configured model, SmolLM2 by default); a warm-up opens every path.
 2. Each round draws a fresh prompt of --tokens and times p1's PREFILL (the TTFT less the HTTP hop and the
-   conductor's work) with 95% of its blocks hot in one tier: `device` (prefilled on p1 before: its device prefix
+   conductor's work) with `--hot-fraction` of its blocks (0.95; at most all but the last token's) hot in one tier: `device` (prefilled on p1 before: its device prefix
    cache holds them, and s1), `host_store` (prefilled on p1b before: s1 holds them, p1's pages do not),
    `remote_store` (prefilled on p2: s2 holds them, p1 fetches them over TCP), and `none` (nothing cached). Cases
    are interleaved round by round; the median and the spread (min-max) per case are kept.
@@ -48,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="embedded:smollm2", help="model source (default: the embedded SmolLM2)")
     parser.add_argument("--tokens", type=int, default=2048, help="prompt length in tokens")
     parser.add_argument("--rounds", type=int, default=3, help="measurements per case (median kept)")
+    parser.add_argument("--hot-fraction", type=float, default=0.95,
+                        help="share of the prompt's blocks hot in the tier (1: all but the block of the last token)")
     parser.add_argument("--block-size", type=int, default=64, help="kv.block_size")
     parser.add_argument("--cache-dtypes", default=",".join(CACHE_DTYPES), help="kv.cache_dtype values to run")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, shared by the prefill instances")
@@ -100,10 +102,10 @@ class TiersBench(PrefixBench):
 
     name = "bench-tiers"
 
-    async def measure_tier(self, case: str, num_tokens: int) -> dict[str, Any]:
+    async def measure_tier(self, case: str, num_tokens: int, hot_fraction: float) -> dict[str, Any]:
         tokens = self.fresh_prompt(num_tokens)
         num_blocks = -(-num_tokens // self.block_size)
-        num_hot = min(round(0.95 * num_blocks), (num_tokens - 1) // self.block_size) if case != "none" else 0
+        num_hot = min(round(hot_fraction * num_blocks), (num_tokens - 1) // self.block_size) if case != "none" else 0
         if num_hot:
             await self.prefill(WARM_ON[case], tokens[: num_hot * self.block_size])
         fetch = ("s2", num_hot) if case == "remote_store" else ("", 0)
@@ -153,7 +155,7 @@ async def _measure(bench: TiersBench, args: argparse.Namespace) -> dict[str, Any
     runs: dict[str, list[dict[str, Any]]] = {case: [] for case in CASES}
     for _ in range(args.rounds):
         for case in CASES:
-            runs[case].append(await bench.measure_tier(case, args.tokens))
+            runs[case].append(await bench.measure_tier(case, args.tokens, args.hot_fraction))
     cases: dict[str, Any] = {}
     for case in CASES:
         times = [run["ttft_s"] for run in runs[case]]
@@ -165,7 +167,7 @@ async def _measure(bench: TiersBench, args: argparse.Namespace) -> dict[str, Any
 
 
 def format_table(result: dict[str, Any]) -> str:
-    lines = [f"KV tiers: {result['num_tokens']}-token prompt, 95% hot, blocks of {result['block_size']}, "
+    lines = [f"KV tiers: {result['num_tokens']}-token prompt, {result['hot_fraction']:.0%} hot, blocks of {result['block_size']}, "
              f"median (min-max) of {result['rounds']}"]
     for run in result["runs"]:
         lines.append(f"cache_dtype {run['cache_dtype']}: {run['bytes_per_block']} bytes/block, pool "
@@ -182,13 +184,13 @@ def format_table(result: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     cache_dtypes = [d for d in args.cache_dtypes.split(",") if d]
     if args.tokens < 2 * args.block_size or args.rounds < 1 or args.threads < 1 or not cache_dtypes or any(
-            d not in CACHE_DTYPES for d in cache_dtypes):
-        print(f"bench tiers: --tokens must be at least 2 blocks, --rounds and --threads >= 1, --cache-dtypes of "
-              f"{', '.join(CACHE_DTYPES)}")
+            d not in CACHE_DTYPES for d in cache_dtypes) or not 0.0 < args.hot_fraction <= 1.0:
+        print(f"bench tiers: --tokens must be at least 2 blocks, --rounds and --threads >= 1, --hot-fraction in "
+              f"(0, 1], --cache-dtypes of {', '.join(CACHE_DTYPES)}")
         return 2
     torch.set_num_threads(args.threads)
     runs = [asyncio.run(_run_dtype(args, cache_dtype)) for cache_dtype in cache_dtypes]
     result = {"model": args.model, "num_tokens": args.tokens, "block_size": args.block_size, "rounds": args.rounds,
-              "threads": args.threads, "runs": runs}
+              "threads": args.threads, "hot_fraction": args.hot_fraction, "runs": runs}
     report(result, format_table(result), args.json)
     return 0
