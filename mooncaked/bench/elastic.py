@@ -198,7 +198,8 @@ async def goodput_run(root: Path, args: argparse.Namespace, is_controller_on: bo
         switches = [s for c in controllers for s in c.get("switches", [])]
         return {"switches_per_phase": switches_per_phase(switches, started_at, args.phase_s),
                 "goodput": result["request_goodput"], "completed": result["completed"],
-                "failed": result.get("failed", 0), "p90_ttft_ms": result["p90_ttft_ms"],
+                "failed": result.get("failed", 0), "rejected": result.get("rejected", 0),
+                "refusals": sorted({e for e in result["errors"] if e})[:5], "p90_ttft_ms": result["p90_ttft_ms"],
                 "p90_tbt_ms": result.get("p90_tbt_ms"), "duration_s": result["duration"],
                 "role_switches": sum(int(c.get("num_switches", 0)) for c in controllers),
                 "switches": switches}

@@ -1,12 +1,14 @@
 """`mooncaked bench tiers`: TTFT of a hot prefix from each KV tier, and what each `kv.cache_dtype` costs.
 
-1. Per cache_dtype (auto, int8, fp8_e4m3 by default), in this process: store s1 with prefill instances p1 and p1b on 127.0.0.1,
-   store s2 with prefill p2 on 127.0.0.2 (the configured model, SmolLM2 by default); a warm-up opens every path.
+1. Per cache_dtype (auto, int8, fp8_e4m3 by default), in this process: store s1 with prefill instances p1 and
+   p1b on 127.0.0.1, store s2 with prefill p2 on 127.0.0.2 (the configured model, SmolLM2 by default); a warm-up
+   opens every path.
 2. Each round draws a fresh prompt of --tokens and times p1's PREFILL (the TTFT less the HTTP hop and the
-   conductor's work) with `--hot-fraction` of its blocks (0.95; at most all but the last token's) hot in one tier: `device` (prefilled on p1 before: its device prefix
-   cache holds them, and s1), `host_store` (prefilled on p1b before: s1 holds them, p1's pages do not),
-   `remote_store` (prefilled on p2: s2 holds them, p1 fetches them over TCP), and `none` (nothing cached). Cases
-   are interleaved round by round; the median and the spread (min-max) per case are kept.
+   conductor's work) with `--hot-fraction` of its blocks (0.95; at most all but the last token's) hot in one
+   tier: `device` (prefilled on p1 before: its device prefix cache holds them, and s1), `host_store` (prefilled
+   on p1b before: s1 holds them, p1's pages do not), `remote_store` (prefilled on p2: s2 holds them, p1 fetches
+   them over TCP), and `none` (nothing cached). Cases are interleaved round by round; the median and the spread
+   (min-max) per case are kept.
 3. Per cache_dtype also: bytes per block (one store object), the pool's capacity in tokens (store.dram_bytes /
    bytes per block x block size), the load time of the prefix from the host store (host_store's TTFT less
    device's: the copy the device tier skips), p1's device-tier metric, and the mean absolute logprob error of
@@ -167,7 +169,8 @@ async def _measure(bench: TiersBench, args: argparse.Namespace) -> dict[str, Any
 
 
 def format_table(result: dict[str, Any]) -> str:
-    lines = [f"KV tiers: {result['num_tokens']}-token prompt, {result['hot_fraction']:.0%} hot, blocks of {result['block_size']}, "
+    lines = [f"KV tiers: {result['num_tokens']}-token prompt, {result['hot_fraction']:.0%} hot, "
+             f"blocks of {result['block_size']}, "
              f"median (min-max) of {result['rounds']}"]
     for run in result["runs"]:
         lines.append(f"cache_dtype {run['cache_dtype']}: {run['bytes_per_block']} bytes/block, pool "

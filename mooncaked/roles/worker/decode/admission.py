@@ -11,6 +11,10 @@
    up to its deadline (wait_for_room), expiring stale reservations meanwhile; waiting calls take room in queue
    order: interactive first, then priority, then arrival (sched/priority.py); the book's `Room` wakes them.
 3. A call that gives up wakes the calls behind it; a granted one wakes them once it reserved (role.py).
+4. `allocate_store`: the store space for a reservation's prefilled KV. Under WAITING_POLICIES a full store (its
+   space leased or being written, mostly by the prefills this instance's reservations wait for) is waited for
+   too, up to the call's deadline, trying again whenever a reservation here lets go of its space and at least
+   every STORE_RETRY_S (other holders release theirs unseen); the other policies refuse at once.
 """
 
 from __future__ import annotations
@@ -19,13 +23,16 @@ import time
 
 from mooncaked.config import Config
 from mooncaked.roles.worker.decode.loop import DecodeLoop
-from mooncaked.roles.worker.decode.reservations import ReservationBook
+from mooncaked.roles.worker.decode.reservations import Reservation, ReservationBook
 from mooncaked.roles.worker.messages import ReserveRequest
 from mooncaked.roles.worker.worker import Worker
-from mooncaked.rpc import CallContext
-from mooncaked.sched.decode_admission import DecodeLoadNow, StepLimit, reserve_refusal
+from mooncaked.rpc import CallContext, ResourceExhausted
+from mooncaked.sched.decode_admission import WAITING_POLICIES, DecodeLoadNow, StepLimit, reserve_refusal
 from mooncaked.sched.decode_memory import DecodeHold, forecast_refusal
 from mooncaked.sched.priority import queue_rank
+
+
+STORE_RETRY_S = 0.5  # the longest wait between two tries of a full store; a call answers this long before its deadline
 
 
 class ReserveAdmission:
@@ -109,3 +116,18 @@ class ReserveAdmission:
     def _behind(self, rank: tuple[int, int, float]) -> str:
         num_ahead = sum(1 for other in self.waiting.values() if other < rank)
         return f"queued: {num_ahead} waiting requests go first" if num_ahead else ""
+
+    async def allocate_store(self, reservation: Reservation, ctx: CallContext) -> None:
+        """The reservation's store space; ResourceExhausted when the store stays full (see the module docstring)."""
+        room = self.reservations.room
+        while True:
+            since = room.num_changes
+            try:
+                await self.reservations.allocate(reservation)
+                return
+            except ResourceExhausted:
+                await self.reservations.give_back_allocation(reservation)
+                left_s = ctx.time_left_s() - STORE_RETRY_S
+                if self.config.scheduler.admission not in WAITING_POLICIES or left_s <= 0:
+                    raise
+            await room.wait_changed(since, min(left_s, STORE_RETRY_S))

@@ -49,10 +49,18 @@ class Room:
 
     def __init__(self) -> None:
         self._changed = asyncio.Condition()
+        self.num_changes = 0  # how many times room was freed: a waiter that read it before a try misses no wake-up
 
     async def freed(self) -> None:
         async with self._changed:
+            self.num_changes += 1
             self._changed.notify_all()
+
+    async def wait_changed(self, since: int, timeout_s: float) -> None:
+        """Until room was freed after `num_changes` read `since`, or `timeout_s` runs out."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(timeout_s, 0.0)), self._changed:
+                await self._changed.wait_for(lambda: self.num_changes != since)
 
     async def wait_until(self, refusal: Callable[[], str], timeout_s: float) -> str:
         """Wait until `refusal()` is "" or `timeout_s` runs out; returns the last refusal ("" once there is room)."""
@@ -252,6 +260,15 @@ class ReservationBook:
             if len(runs) > 1:
                 raise Unavailable("this host's store restarted while the reservation was made; reserve again")
 
+    async def give_back_allocation(self, reservation: Reservation) -> None:
+        """End the store space `allocate` took (no prefill was told of it yet, so at once)."""
+        handle_ids = [h.handle_id for h in reservation.handles]
+        if reservation.tail is not None:
+            handle_ids.append(reservation.tail.handle_id)
+        lease_id = reservation.lease_id
+        reservation.handles, reservation.present, reservation.lease_id, reservation.tail = [], [], 0, None
+        await self._end_store_handles(handle_ids, lease_id, 0.0)
+
     def reply(self, reservation: Reservation) -> ReserveReply:
         index_of = {key: i for i, key in enumerate(reservation.request.block_keys)}
         destinations = [Destination(index_of[h.key], h) for h in reservation.handles]
@@ -285,6 +302,7 @@ class ReservationBook:
             await asyncio.sleep(delay_s)  # a cancelled prefill's writes in flight land in reserved space
             if handle_ids:
                 await store.abort(handle_ids)
+                await self.room.freed()  # a RESERVE may wait for this store space (admission.allocate_store)
         except Exception as exc:
             logger.warning("ending a reservation's store lease and %d handles failed (%s: %s); the store reclaims "
                            "them when their lease expires", len(handle_ids), type(exc).__name__, exc)

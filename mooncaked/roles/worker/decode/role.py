@@ -175,7 +175,7 @@ class DecodeRole:
         if request.is_inline_prefill:
             return ReserveReply(is_accepted=True, store_instance=self.worker.local_store_name)
         try:
-            await self.reservations.allocate(reservation)
+            await self.admission.allocate_store(reservation, ctx)
         except ResourceExhausted as exc:
             await self.reservations.drop(request.request_id)
             return ReserveReply(is_accepted=False, reason=f"store: {exc.message}")
