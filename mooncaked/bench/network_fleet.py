@@ -5,7 +5,7 @@
      host 0: etcd (listening on its rail-1 address only), store s0, prefill p0, decode d0
      host 1: store s1, prefill p1 (the slow host)
      host 2: conductor c0            host 3: conductor c1
-   Every role runs in-process on its host's loop (tests/roles/host_loops.py), with its own config naming only
+   Every role runs in-process on its host's loop (bench/host_loops.py), with its own config naming only
    itself (`cluster.membership: etcd`); `transfer.nics` lists both NICs of every host, so KV crosses both rails.
    Instances are addressed on rail 0 and etcd on rail 1: a host's rail-1 link down cuts it off etcd only, and,
    for a conductor alone on its host, nothing else (fault e).
@@ -23,17 +23,21 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import aiohttp
 import yaml
 
 from mooncaked.bench import testnet
 from mooncaked.bench.etcd_server import EtcdServer
 from mooncaked.config import load_config
+from mooncaked.kv.keys import block_keys
 from mooncaked.roles import make_role
 from mooncaked.roles.conductor.leader import PdController
 from mooncaked.roles.conductor.role import ConductorRole
+from mooncaked.roles.base import PeerClients
 from mooncaked.roles.member import MemberRole
+from mooncaked.roles.worker.messages import PREFILL, PrefillReply, PrefillRequest
 from mooncaked.runtime.lifecycle import Role
-from tests.roles.host_loops import HostLoop
+from mooncaked.bench.host_loops import HostLoop
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -95,6 +99,46 @@ class NetworkFleet:
             return read()
         return self.on(name, run, 5.0)
 
+    def keys(self, tokens: list[int]) -> list[bytes]:
+        """The prompt's block keys, as every instance of this fleet (one model, one block size) names them."""
+        worker = self.inner("p0").worker
+        return block_keys(tokens, worker.config.kv.block_size, worker.namespace)
+
+    def prefill(self, name: str, request: PrefillRequest, timeout_s: float = 20.0) -> PrefillReply:
+        """PREFILL on instance `name`, called from its own host."""
+        config = load_config(self.tmp_path / f"{name}.yaml")
+
+        async def call() -> PrefillReply:
+            clients = PeerClients(config, config.instance_named(name))
+            try:
+                reply = await clients.for_instance(config.instance_named(name)).call(PREFILL, request,
+                                                                                       timeout_s=timeout_s)
+                assert isinstance(reply, PrefillReply)
+                return reply
+            finally:
+                await clients.close()
+
+        return self.on(name, call, timeout_s + 5.0)
+
+    def complete(self, conductor: str, tokens: list[int], max_tokens: int, timeout_s: float) -> tuple[int, Any]:
+        """A greedy completion through `conductor`, from its own host: the HTTP status and body."""
+        async def post() -> tuple[int, Any]:
+            body = {"model": "tiny", "prompt": tokens, "max_tokens": max_tokens, "temperature": 0.0,
+                    "ignore_eos": True}
+            async with aiohttp.ClientSession() as http, http.post(f"{self.url(conductor)}/v1/completions",
+                                                                  json=body) as response:
+                return response.status, await response.json()
+        return self.on(conductor, post, timeout_s)
+
+    def migrations(self, conductor: str) -> float:
+        """The conductor's mooncaked_migrations_total, over every cause."""
+        async def get() -> float:
+            async with aiohttp.ClientSession() as http, http.get(f"{self.url(conductor)}/metrics") as response:
+                text = await response.text()
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("mooncaked_migrations_total{"))
+        return self.on(conductor, get, 10.0)
+
     def up(self) -> NetworkFleet:
         self.net.up()
         try:
@@ -131,7 +175,7 @@ class NetworkFleet:
         self.on(name, role.stop, 30.0)
 
     def wait_converged(self, timeout_s: float) -> float:
-        """Seconds until both conductors see every worker and store up (AssertionError after `timeout_s`)."""
+        """Seconds until both conductors see every worker and store up (TimeoutError after `timeout_s`)."""
         started = time.monotonic()
         for conductor in ("c0", "c1"):
             self.wait(conductor, lambda view: all(self._is_up(view, name) for name in WORKERS if name in self.roles),
@@ -139,13 +183,13 @@ class NetworkFleet:
         return time.monotonic() - started
 
     def wait(self, conductor: str, condition: Callable[[Any], bool], timeout_s: float, what: str) -> None:
-        """Poll `condition(conductor's view)` on its loop until true; AssertionError after `timeout_s`."""
+        """Poll `condition(conductor's view)` on its loop until true; TimeoutError after `timeout_s`."""
         async def poll() -> None:
             view = self.conductor(conductor).view
             deadline = time.monotonic() + max(timeout_s, 0.0)
             while not condition(view):
                 if time.monotonic() > deadline:
-                    raise AssertionError(f"not within {timeout_s:.1f} s: {what}")
+                    raise TimeoutError(f"not within {timeout_s:.1f} s: {what}")
                 await asyncio.sleep(0.05)
         self.on(conductor, poll, timeout_s + 5.0)
 
