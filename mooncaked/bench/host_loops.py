@@ -3,8 +3,8 @@
 1. `HostLoop(net, host)` starts a thread that enters the host's network namespace (setns(2) acts on the calling
    thread only; threads it starts, a role's executor and compute threads, and processes it spawns inherit it) and
    runs an event loop there. Every socket a coroutine on that loop opens is the host's: its addresses, its NICs.
-2. `call(coroutine_function, timeout_s)` runs a coroutine on that loop and returns its result; the test's own
-   thread waits at most `timeout_s`.
+2. `call(coroutine_function, timeout_s)` runs a coroutine on that loop and returns its result; the calling
+   thread waits at most `timeout_s` (and a little more). `submit` starts one and returns its future.
 3. `close()` stops the loop (after the caller has stopped the host's roles through `call`) and joins the thread.
 
 One process holds every host's roles, so the model and torch load once; the roles still talk to one another only
@@ -71,16 +71,23 @@ class HostLoop:
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
 
-    def call(self, function: Callable[[], Awaitable[T]], timeout_s: float) -> T:
-        """Run `function()` on this host's loop; its result, or TimeoutError after `timeout_s` (the coroutine is
-        then cancelled)."""
+    def submit(self, function: Callable[[], Awaitable[T]], timeout_s: float) -> concurrent.futures.Future[T]:
+        """Start `function()` on this host's loop, cancelled after `timeout_s`; its future."""
         assert self._loop is not None
 
         async def bounded() -> T:
             async with asyncio.timeout(timeout_s):
                 return await function()
 
-        future = asyncio.run_coroutine_threadsafe(bounded(), self._loop)
+        return asyncio.run_coroutine_threadsafe(bounded(), self._loop)
+
+    def call(self, function: Callable[[], Awaitable[T]], timeout_s: float) -> T:
+        """Run `function()` on this host's loop; its result, or TimeoutError after `timeout_s` (the coroutine is
+        then cancelled)."""
+        return self.result(self.submit(function, timeout_s), timeout_s)
+
+    def result(self, future: concurrent.futures.Future[T], timeout_s: float) -> T:
+        """What `submit(..., timeout_s)` started gave; the thread waits a little past the coroutine's own end."""
         try:
             return future.result(timeout_s + 5.0)
         except concurrent.futures.TimeoutError:

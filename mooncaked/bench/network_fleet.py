@@ -10,8 +10,8 @@
    Instances are addressed on rail 0 and etcd on rail 1: a host's rail-1 link down cuts it off etcd only, and,
    for a conductor alone on its host, nothing else (fault e).
 2. `up` returns once both conductors see every worker and store placeable (the fleet view has converged).
-3. `down()` stops every role on its loop, closes the loops, kills etcd and deletes the namespaces, whatever
-   failed before; `ip netns list` is then clean of this run.
+3. `down()` stops every role (all at once, each on its host's loop), closes the loops, kills etcd and deletes the
+   namespaces, whatever failed before; `ip netns list` is then clean of this run.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ INSTANCES = (("s0", "store", 0, 7100), ("s1", "store", 1, 7100), ("p0", "prefill
              ("p1", "prefill", 1, 7200), ("d0", "decode", 0, 7300), ("c0", "conductor", 2, 8000),
              ("c1", "conductor", 3, 8000))
 WORKERS = ("s0", "s1", "p0", "p1", "d0")
+_STOP_TIMEOUT_S = 30.0
 
 
 class NetworkFleet:
@@ -144,7 +145,8 @@ class NetworkFleet:
         try:
             self.net.set_rate(SLOW_HOST, 0, FAST_MBIT / 10)
             self.net.set_rate(SLOW_HOST, 1, FAST_MBIT / 10)
-            self.hosts = [HostLoop(self.net, host) for host in range(self.net.num_hosts)]
+            for host in range(self.net.num_hosts):
+                self.hosts.append(HostLoop(self.net, host))
             self.hosts[ETCD_HOST].call(self._start_etcd, 30.0)
             for name, role, _, _ in INSTANCES:
                 self.start(name)
@@ -202,9 +204,12 @@ class NetworkFleet:
         return worker is not None and worker.is_placeable
 
     def down(self) -> None:
-        for name in reversed(list(self.roles)):
+        roles, self.roles = self.roles, {}
+        stopping = [(name, self.host_of(name), self.host_of(name).submit(role.stop, _STOP_TIMEOUT_S))
+                    for name, role in roles.items()]  # all at once: each waits out its drain notice
+        for name, host, future in stopping:
             try:
-                self.stop(name)
+                host.result(future, _STOP_TIMEOUT_S)
             except Exception:  # the rest must still go
                 logger.exception("stopping %s", name)
         for host in self.hosts:
