@@ -12,7 +12,8 @@ deadline), `migrated`, `recovery_s` (None where nothing heals), and what the fau
    moved to NIC 0); `nic1_failed_seen`: p0's paths over NIC 1 were seen cooling down while NIC 0's were usable.
    Then every prompt is prefilled again on p0 from host 0's store: a load counts as completed only if that
    reuses every block and gives the reference token (a partial or corrupt block committed as complete would
-   show as `lost`). `recovery_s`: from the heal to the end of the first load started after it.
+   show as `lost`). `recovery_s`: from the heal to the end of the first load started after it (with `down_s`
+   set, one more load runs after the heal when none of the others started after it).
 2. `slow_link_placement`: `num_requests` prompts stored on s1 only (host 1, the slow host), p1 stopped, then sent
    through conductor c0 one by one: the first is fetched at the configured rate and so measures the slow link;
    each later one's placement is recorded before it is sent, with Algorithm 1's line-5 plan under the same
@@ -75,7 +76,8 @@ def store_on_s1(fleet: NetworkFleet, prefix: str, prompts: list[list[int]]) -> l
 
 def nic_down_during_loads(fleet: NetworkFleet, num_loads: int = 1, down_after_s: float = 0.3,
                           down_s: float | None = None, seed: int = 2901) -> dict[str, Any]:
-    prompts = [fault_prompt(seed + 100 * i) for i in range(num_loads)]
+    num_spare = 0 if down_s is None else 1  # one more load after the heal, if none of the others started after it
+    prompts = [fault_prompt(seed + 100 * i) for i in range(num_loads + num_spare)]
     references = store_on_s1(fleet, "nic-store", prompts)
     engine, endpoint = fleet.inner("p0").worker.engine, fleet.inner("s1").engine.endpoint
     path_samples: list[dict[str, bool]] = []
@@ -104,8 +106,12 @@ def nic_down_during_loads(fleet: NetworkFleet, num_loads: int = 1, down_after_s:
     puller.start()
     loads = []
     try:
-        for i, tokens in enumerate(prompts):
+        for i, tokens in enumerate(prompts[:num_loads]):
             loads.append(_load(fleet, f"nic-load{i}", tokens, references[i]))
+        if num_spare:
+            puller.join(down_after_s + (down_s or 0.0) + 5.0)
+            if not any(load["start"] >= fault.get("up_at", float("inf")) for load in loads):
+                loads.append(_load(fleet, f"nic-load{num_loads}", prompts[-1], references[-1]))
     finally:
         puller.join(down_after_s + (down_s or 0.0) + 5.0)
         if "up_at" not in fault:

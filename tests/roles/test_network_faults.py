@@ -39,26 +39,29 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NetworkFleet]:
 
 
 def test_a_nic_down_during_a_large_prefix_load_loses_nothing(fleet: NetworkFleet) -> None:
-    result = nic_down_during_loads(fleet, num_loads=1, down_after_s=0.3)
+    # 60-block loads of about a second each over host 1's slow links; its NIC 1 down from 0.3 s for 1.5 s (less
+    # than the lease TTL: host 1 reaches etcd over NIC 1 too)
+    result = nic_down_during_loads(fleet, num_loads=3, down_after_s=0.3, down_s=1.5)
     assert {key: result[key] for key in NO_FAULT} == NO_FAULT, result
     # completed: all 60 blocks fetched, the reference token, and a prefill on host 0 reuses every block after it
-    assert result["completed"] == result["requests"] == 1, result
-    assert result["migrated"] == 1, f"the cable was pulled after the load ended: {result}"
+    assert result["completed"] == result["requests"] >= 3, result
+    assert result["migrated"] >= 1, f"no load was in flight while the NIC was down: {result}"
     assert result["nic1_failed_seen"], "p0's paths over NIC 1 never failed while NIC 0's carried the load"
-    fleet.wait_converged(LEASE_TTL_S + 5.0)  # host 1 reached etcd over NIC 1 too: its members are back
+    assert result["recovery_s"] is not None and result["recovery_s"] < 5.0, result
+    fleet.wait_converged(LEASE_TTL_S + 5.0)
 
 
 def test_a_slow_link_is_measured_and_its_prefix_recomputed(fleet: NetworkFleet) -> None:
-    result = slow_link_placement(fleet, num_requests=2)
-    assert {key: result[key] for key in NO_FAULT} == NO_FAULT and result["completed"] == 2, result
+    result = slow_link_placement(fleet, num_requests=3)
+    assert {key: result[key] for key in NO_FAULT} == NO_FAULT and result["completed"] == 3, result
     fast_pair_bytes_per_s = 2 * FAST_MBIT * 1e6 / 8  # both NICs of two fast hosts
     assert result["measured_bytes_per_s"] < 0.5 * fast_pair_bytes_per_s < result["configured_bytes_per_s"]
-    (placed,) = result["placements"]
-    # line 5 fetches all 60 blocks over the slow link; the placement recomputes them on p0, faster than the
-    # transfer alone
-    assert placed["papers_source"] == "s1" and placed["papers_prefix_blocks"] == NUM_BLOCKS, placed
-    assert placed["prefill_instance"] == "p0" and placed["fetch_from_store"] is None, placed
-    assert placed["predicted_transfer_s"] == 0.0 and placed["predicted_ttft_s"] < placed["papers_transfer_s"]
+    # line 5 fetches all 60 blocks over the slow link; each placement recomputes them on p0, faster than the
+    # transfer alone (and p0's prefill model did not learn the loads over the slow link as compute)
+    for placed in result["placements"]:
+        assert placed["papers_source"] == "s1" and placed["papers_prefix_blocks"] == NUM_BLOCKS, placed
+        assert placed["prefill_instance"] == "p0" and placed["fetch_from_store"] is None, placed
+        assert placed["predicted_transfer_s"] == 0.0 and placed["predicted_ttft_s"] < placed["papers_transfer_s"]
     assert result["fetched_after_measure"] == 0 and result["computed_after_measure"] >= NUM_BLOCKS, result
 
 
