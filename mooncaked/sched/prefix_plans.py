@@ -10,7 +10,9 @@ that line's link is measured slow.
    breaks. Then the instance also weighs every other store whose prefix passes the same threshold rule (each at
    its own measured rate, or the configured one), longest first, and the local prefix alone (recompute the
    missing blocks). `mooncaked.sched.algorithm` takes the plan with the smallest predicted TTFT, the first of
-   equals: the paper's plan wins every tie, so with no slow link every placement is the paper's.
+   equals: the paper's plan wins every tie, so with no slow link every placement is the paper's. A measured rate
+   is a lower bound of the link's (a fetch's fixed costs count in its seconds), so once an instance has measured
+   a store its placements fetching from there are in practice by smallest predicted TTFT; before, the paper's.
 
 Pure: no I/O, no clock.
 """
