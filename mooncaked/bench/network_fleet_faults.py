@@ -1,5 +1,5 @@
 """Fault rounds on a NetworkFleet (network_fleet.py), for `bench network --cluster` and
-tests/roles/test_network_faults.py.
+tests/bench/test_network_fleet_faults.py.
 
 Each round returns the bench's per-fault counts: `requests`, `completed` (whole and right), `failed` (ended with
 an error within its deadline), `lost` (ended without an error but wrong or partial), `hung` (no end within its
