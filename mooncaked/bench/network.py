@@ -21,10 +21,10 @@ Stages (every transfer is a READ of seeded bytes, checked by sha256 at the clien
      and then its process SIGSTOPped under `streams` streams (network_cluster.py), as `faults.cluster_partition`
      and `faults.cluster_sigstop`; then an elastic fleet on etcd in a 4-host test network, one host's links at a
      tenth of the others' rate (network_fleet_faults.py): `faults.cluster_nic_down_load` (NIC 1 of the slow host
-     down for `fault_s` under `fleet_requests` large prefix loads from its store), `faults.cluster_slow_link`
-     (after one measured fetch over the slow links, where the conductor places prompts whose prefix only the slow
-     host holds) and `faults.cluster_etcd_cut` (the leading conductor cut off etcd). `hung` and `lost` are totals
-     over every fault.
+     down for `fault_s`, at most 1.5 s, under `fleet_requests` large prefix loads from its store),
+     `faults.cluster_slow_link` (after one measured fetch over the slow links, where the conductor places prompts
+     whose prefix only the slow host holds) and `faults.cluster_etcd_cut` (the leading conductor cut off etcd).
+     `hung` and `lost` are totals over every fault.
 Needs root (network namespaces); without, it says why and exits 2.
 """
 
@@ -60,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--io-timeout-s", type=float, default=1.0, help="transfer.io_timeout_s of both ends: a "
                         "failed link is noticed after 1 to 2 times this")
     parser.add_argument("--cluster", action="store_true", help="also partition a host, and stop a process, under "
-                        "a whole cluster's streams (network_cluster.py)")
+                        "a whole cluster's streams (network_cluster.py); then a NIC down under prefix loads, a slow "
+                        "link's placement and etcd cut off from the leading conductor (network_fleet_faults.py)")
     parser.add_argument("--streams", type=int, default=6, help="--cluster: concurrent streams")
     parser.add_argument("--max-tokens", type=int, default=900, help="--cluster: tokens per stream")
     parser.add_argument("--partition-s", type=float, default=5.0, help="--cluster: how long a fault lasts")

@@ -26,7 +26,8 @@ deadline), `migrated`, `recovery_s` (None where nothing heals), and what the fau
    cut (placement needs no lease). `recovery_s`: from the heal until both views show every member up and the
    old leader follows the new one.
 4. `run_fleet_faults(args)`: one fleet, the three rounds in that order (`fleet_requests` loads or requests each;
-   the NIC stays down `fault_s`), then the fleet is torn down.
+   the NIC stays down `fault_s`, at most half the lease TTL: host 1 reaches etcd over it too), then the fleet is
+   torn down.
 """
 
 from __future__ import annotations
@@ -287,7 +288,8 @@ def run_fleet_faults(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="mooncaked-fleet-") as tmp:
         fleet = NetworkFleet(Path(tmp)).up()
         try:
-            return {"cluster_nic_down_load": nic_down_during_loads(fleet, args.fleet_requests, 0.3, args.fault_s),
+            down_s = min(args.fault_s, LEASE_TTL_S / 2)  # host 1 reaches etcd over that NIC too: less than its TTL
+            return {"cluster_nic_down_load": nic_down_during_loads(fleet, args.fleet_requests, 0.3, down_s),
                     "cluster_slow_link": slow_link_placement(fleet, args.fleet_requests),
                     "cluster_etcd_cut": etcd_cut(fleet, args.fleet_requests)}
         finally:
