@@ -1,4 +1,5 @@
-"""One elastic cluster on a test network (mooncaked/bench/testnet.py), shared by a module's fault tests.
+"""One elastic cluster on a test network (mooncaked/bench/testnet.py), for its fault rounds
+(network_fleet_faults.py: `bench network --cluster`, tests/bench/test_network_fleet_faults.py).
 
 1. `NetworkFleet.up(tmp_path)` lays out 4 hosts of 2 NICs (rails 0 and 1), every link at `FAST_MBIT` except host
    1's, at a tenth of it (a slow host):
@@ -28,16 +29,16 @@ import yaml
 
 from mooncaked.bench import testnet
 from mooncaked.bench.etcd_server import EtcdServer
+from mooncaked.bench.host_loops import HostLoop
 from mooncaked.config import load_config
 from mooncaked.kv.keys import block_keys
 from mooncaked.roles import make_role
+from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.leader import PdController
 from mooncaked.roles.conductor.role import ConductorRole
-from mooncaked.roles.base import PeerClients
 from mooncaked.roles.member import MemberRole
 from mooncaked.roles.worker.messages import PREFILL, PrefillReply, PrefillRequest
 from mooncaked.runtime.lifecycle import Role
-from mooncaked.bench.host_loops import HostLoop
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
