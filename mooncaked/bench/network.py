@@ -19,7 +19,12 @@ Stages (every transfer is a READ of seeded bytes, checked by sha256 at the clien
      failed transfer is followed by a 0.1 s pause (a caller's back-off).
   3. With `--cluster`: a whole cluster in a 3-host test network, the busiest decode instance's host partitioned
      and then its process SIGSTOPped under `streams` streams (network_cluster.py), as `faults.cluster_partition`
-     and `faults.cluster_sigstop`.
+     and `faults.cluster_sigstop`; then an elastic fleet on etcd in a 4-host test network, one host's links at a
+     tenth of the others' rate (network_fleet_faults.py): `faults.cluster_nic_down_load` (NIC 1 of the slow host
+     down for `fault_s`, at most 1.5 s, under `fleet_requests` large prefix loads from its store),
+     `faults.cluster_slow_link` (after one measured fetch over the slow links, where the conductor places prompts
+     whose prefix only the slow host holds) and `faults.cluster_etcd_cut` (the leading conductor cut off etcd).
+     `hung` and `lost` are totals over every fault.
 Needs root (network namespaces); without, it says why and exits 2.
 """
 
@@ -32,12 +37,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mooncaked.bench import network_cluster, testnet
+from mooncaked.bench import network_cluster, network_fleet_faults, testnet
 from mooncaked.bench.network_driver import PeerProcess, seconds, start_client, start_server
 from mooncaked.bench.report import report
 
 MIB = 1 << 20
 _BACKOFF_S = 0.1
+_COUNTS = ("requests", "completed", "failed", "lost", "hung", "migrated", "recovery_s")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,12 +60,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--io-timeout-s", type=float, default=1.0, help="transfer.io_timeout_s of both ends: a "
                         "failed link is noticed after 1 to 2 times this")
     parser.add_argument("--cluster", action="store_true", help="also partition a host, and stop a process, under "
-                        "a whole cluster's streams (network_cluster.py)")
+                        "a whole cluster's streams (network_cluster.py); then a NIC down under prefix loads, a slow "
+                        "link's placement and etcd cut off from the leading conductor (network_fleet_faults.py)")
     parser.add_argument("--streams", type=int, default=6, help="--cluster: concurrent streams")
     parser.add_argument("--max-tokens", type=int, default=900, help="--cluster: tokens per stream")
     parser.add_argument("--partition-s", type=float, default=5.0, help="--cluster: how long a fault lasts")
     parser.add_argument("--stream-timeout-s", type=float, default=120.0, help="--cluster: a stream not ended "
                         "by then is hung")
+    parser.add_argument("--fleet-requests", type=int, default=4, help="--cluster: prefix loads or requests per "
+                        "round of the elastic fleet (network_fleet_faults.py)")
     parser.add_argument("--start-timeout-s", type=float, default=180.0)
     parser.add_argument("--json", default=None, help="write the result here")
 
@@ -85,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         }
     if args.cluster:
         faults.update(network_cluster.run_faults(args))
+        faults.update(network_fleet_faults.run_fleet_faults(args))
     result = {"rate_mbit": args.rate_mbit, **multi_nic, "faults": faults,
               "hung": sum(f["hung"] for f in faults.values()), "lost": sum(f["lost"] for f in faults.values())}
     report(result, table(result), args.json)
@@ -193,6 +203,10 @@ def table(result: dict[str, Any]) -> str:
              f"{'fault':<10} {'requests':>8} {'completed':>9} {'failed':>6} {'lost':>4} {'hung':>4} {'migrated':>8} "
              f"{'recovery_s':>10} {'before':>7} {'during':>7} {'f.over':>7} {'after':>7}  (Mbit/s)"]
     for name, fault in result["faults"].items():
+        if name.startswith("cluster_") and "victim" not in fault:
+            details = {key: value for key, value in fault.items() if key not in _COUNTS}
+            lines.append(f"{name}: " + ", ".join(f"{fault[key]} {key}" for key in _COUNTS) + f"; {details}")
+            continue
         if name.startswith("cluster_"):
             lines.append(f"{name}: {fault['victim']} (running {fault['running_at_fault']}): "
                          f"{fault['requests']} streams, {fault['completed']} completed, {fault['failed']} failed, "

@@ -13,10 +13,14 @@ Entry point, called once per request by the conductor and by the simulator:
 2. Prefill choice among the available instances, prefill groups (chunked pipeline parallelism) only for
    prompts longer than `cpp_min_tokens` (or when no single instance is available), by `policy.config.scheduler`:
    - `kvcache_centric` (lines 4-16): per instance, reuse the best prefix anywhere when it is more than
-     `kvcache_balancing_threshold` times the local one (paying T_transfer for the missing blocks), else the local
-     prefix; TTFT = T_transfer + T_queue + T_prefill (a group's T_prefill follows its pipeline,
-     sched/pipeline.py); the smallest wins (on ties the first, or under
-     `tie_break: coldest_store` the one whose store's coldest block is oldest);
+     `kvcache_balancing_threshold` times the local one (paying T_transfer for the missing blocks at the rate the
+     instance measured from that store, `fetch_bandwidth`, else the configured one), else the local prefix;
+     TTFT = T_transfer + T_queue + T_prefill (a group's T_prefill follows its pipeline, sched/pipeline.py); the
+     smallest wins (on ties the first, or under `tie_break: coldest_store` the one whose store's coldest block
+     is oldest). Departure from line 5: when that store's link is measured slower than the configured rate, the
+     instance also weighs every other store passing the threshold and recomputing the missing blocks, and takes
+     its smallest TTFT (the fast path, or recompute; `mooncaked.sched.prefix_plans`). With no link measured
+     slow every placement is the paper's;
    - `cache_aware`: the same with local prefixes only (no transfer);
    - `load_balancing`: the smallest T_queue; `random`: a hash of the request id and seed.
 3. Decode choice (line 17) and admission (lines 18-19), see `mooncaked.sched.admission`. Inline prefill on a
@@ -38,6 +42,7 @@ from mooncaked.sched.admission import admission_rejection, select_decode
 from mooncaked.sched.decode_memory import num_pages_for
 from mooncaked.sched.pipeline import PipelinePredictor
 from mooncaked.sched.predictors import Predictors, PrefillTimePredictor, queue_time_s
+from mooncaked.sched.prefix_plans import prefix_plans
 from mooncaked.sched.shadow_index import ShadowIndex
 from mooncaked.sched.types import (
     REASON_NO_DECODE,
@@ -188,36 +193,32 @@ def _best_ttft(
     allow_fetch: bool,
     device_lengths: Mapping[str, int],
 ) -> PrefillChoice:
-    best_store, best_len = _best_prefix(prefix_lengths) if allow_fetch else (None, 0)
     threshold = policy.config.kvcache_balancing_threshold
     is_coldest_first = policy.config.tie_break == "coldest_store"
-    predictors = policy.predictors
+    sources = prefix_lengths if allow_fetch else {}
     # many instances share a prefix length and a model: predict once each
     prefill_s_by: dict[tuple[int, tuple[float, ...], PipelineSpec | None], float] = {}
     best: PrefillChoice | None = None
     for view in candidates:
         device_len = device_prefix(view, device_lengths)
         local_len = max(prefix_lengths.get(view.store_id, 0), device_len)  # the device tier, then the host's store
-        if best_len > threshold * local_len:  # Algorithm 1 line 5, written without dividing by zero
-            bandwidth = dict(view.fetch_bandwidth).get(best_store or "", 0.0)  # 0: not measured, the configured
-            prefix_len, source = best_len, best_store
-            transfer_s = predictors.transfer.predict(best_len - local_len, bandwidth)
-        else:
-            prefix_len, transfer_s, source = local_len, 0.0, None
-        model_key = (prefix_len, view.prefill_coefficients, view.pipeline)
-        prefill_s = prefill_s_by.get(model_key)
-        if prefill_s is None:
-            prefill_s = prefill_model(view, policy).predict(request.num_prompt_tokens,
-                                                            _prefix_tokens(request, prefix_len, policy))
-            prefill_s_by[model_key] = prefill_s
         queue_s = queue_time_s(view, now)
-        ttft_s = transfer_s + queue_s + prefill_s + view.overhead_s
-        is_tie = best is not None and ttft_s == best.ttft_s
-        if best is None or ttft_s < best.ttft_s or (is_tie and device_len > best.num_device_prefix_blocks) or (
-            is_tie and device_len == best.num_device_prefix_blocks and is_coldest_first
-            and view.coldest_use < best.view.coldest_use
-        ):
-            best = PrefillChoice(view, prefix_len, local_len, source, transfer_s, queue_s, prefill_s, device_len)
+        plans = prefix_plans(local_len, sources, dict(view.fetch_bandwidth), threshold, policy.predictors.transfer)
+        for plan in plans:  # the paper's first: it wins ties (sched/prefix_plans.py)
+            model_key = (plan.num_prefix_blocks, view.prefill_coefficients, view.pipeline)
+            prefill_s = prefill_s_by.get(model_key)
+            if prefill_s is None:
+                prefill_s = prefill_model(view, policy).predict(
+                    request.num_prompt_tokens, _prefix_tokens(request, plan.num_prefix_blocks, policy))
+                prefill_s_by[model_key] = prefill_s
+            ttft_s = plan.transfer_s + queue_s + prefill_s + view.overhead_s
+            is_tie = best is not None and ttft_s == best.ttft_s
+            if best is None or ttft_s < best.ttft_s or (is_tie and device_len > best.num_device_prefix_blocks) or (
+                is_tie and device_len == best.num_device_prefix_blocks and is_coldest_first
+                and view.coldest_use < best.view.coldest_use
+            ):
+                best = PrefillChoice(view, plan.num_prefix_blocks, local_len, plan.source, plan.transfer_s,
+                                     queue_s, prefill_s, device_len)
     assert best is not None
     return best
 
@@ -237,15 +238,6 @@ def _local_choice(
     prefill_s = prefill_model(view, policy).predict(request.num_prompt_tokens,
                                                     _prefix_tokens(request, local_len, policy))
     return PrefillChoice(view, local_len, local_len, None, 0.0, queue_time_s(view, now), prefill_s)
-
-
-def _best_prefix(prefix_lengths: dict[str, int]) -> tuple[str | None, int]:
-    best_store: str | None = None
-    best_len = 0
-    for store, length in prefix_lengths.items():
-        if length > best_len:
-            best_store, best_len = store, length
-    return best_store, best_len
 
 
 def _prefix_tokens(request: RequestInfo, num_blocks: int, policy: SchedulerPolicy) -> int:

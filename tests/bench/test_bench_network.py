@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mooncaked.bench import testnet
-from mooncaked.bench.network import rate_buckets, window_mean
+from mooncaked.bench.network import rate_buckets, table, window_mean
 from mooncaked.bench.network_cluster import summarize
 from mooncaked.cli import main
 
@@ -49,3 +49,15 @@ def test_a_cluster_round_counts_each_stream_once() -> None:
         (6, 2, 2, 1, 1)
     assert summary["migrated"] == 2 and summary["recovery_s"] == 2.5 and summary["errors"] == ["HTTP 429", "no end"]
     assert summarize([], "abc", {}, 10.0, 0.0, args)["recovery_s"] is None
+
+
+def test_the_table_shows_the_fleets_rounds_by_their_counts() -> None:
+    counts = {"requests": 4, "completed": 4, "failed": 0, "lost": 0, "hung": 0, "migrated": 2, "recovery_s": 0.4}
+    result = {"rate_mbit": 100.0, "one_nic_mbit_s": [90.0], "two_nic_mbit_s": [180.0], "multi_nic_ratio": 2.0,
+              "link_utilisation_2nic": 0.9, "cpu_share_2nic": {"client": 0.2}, "faults": {
+                  "cluster_nic_down_load": {**counts, "nic1_failed_seen": True},
+                  "cluster_etcd_cut": {**counts, "migrated": 0, "recovery_s": None, "takeover_s": 3.1}}}
+    lines = table(result).splitlines()
+    assert lines[-2] == ("cluster_nic_down_load: 4 requests, 4 completed, 0 failed, 0 lost, 0 hung, 2 migrated, "
+                         "0.4 recovery_s; {'nic1_failed_seen': True}")
+    assert lines[-1].startswith("cluster_etcd_cut: 4 requests") and "None recovery_s; {'takeover_s': 3.1}" in lines[-1]

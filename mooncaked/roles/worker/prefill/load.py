@@ -1,8 +1,11 @@
 """What a prefill instance measures of itself and reports in LOAD: samples for its model, held work, overhead.
 
 1. `batch_started(prompts, now)`: the running batch's predicted seconds (its model, per prompt).
-2. `batch_finished(prompts, elapsed_s)`: the batch's time against the fit's prediction (the model's scale), and
-   split over its prompts by compute share (`attribute_batch_time`), one honest per-request sample each.
+2. `batch_finished(prompts, elapsed_s, is_sample)`: the batch's time against the fit's prediction (the model's
+   scale), and split over its prompts by compute share (`attribute_batch_time`), one honest per-request sample
+   each. A batch that loaded a prefix from another host's store is no sample (`is_sample` False): its forward
+   waited for the link layer by layer, and the scheduler counts the link apart (T_transfer at the measured rate);
+   learnt as compute, a slow link would make recomputing look slow too.
 3. `replied(total_s, wait_s, compute_s)`: a request's seconds on this instance outside queueing and compute
    (KV planning, fetches, write confirmation), averaged into `overhead_s`.
 4. `pending_work_s(queued, now)`: what the instance still holds, in predicted seconds: the rest of the running
@@ -49,10 +52,12 @@ class PrefillLoad:
         self._batch_fit_s = sum(fit.predict(n, p) for n, p in prompts) if fit is not None else 0.0
         self._batch_started = now
 
-    def batch_finished(self, prompts: Sequence[tuple[int, int]], elapsed_s: float) -> None:
-        self.perf.observe_prefill_batch(self._batch_fit_s, elapsed_s)
+    def batch_finished(self, prompts: Sequence[tuple[int, int]], elapsed_s: float, is_sample: bool = True) -> None:
         self._batch_predicted_s = 0.0
         self.mean_batch_s = elapsed_s if not self.mean_batch_s else 0.8 * self.mean_batch_s + 0.2 * elapsed_s
+        if not is_sample:
+            return
+        self.perf.observe_prefill_batch(self._batch_fit_s, elapsed_s)
         for (n, p), seconds in zip(prompts, attribute_batch_time(elapsed_s, prompts, self.hidden_size)):
             self.perf.add_prefill(n, p, seconds)
 

@@ -267,7 +267,8 @@ class PrefillRole:
             result, stage_s = await self._compute(batch)
             elapsed_s = time.monotonic() - started
             self._observe(batch, started, elapsed_s)
-            self.load.batch_finished([job.prompt for job in batch], elapsed_s if stage_s is None else stage_s)
+            self.load.batch_finished([job.prompt for job in batch], elapsed_s if stage_s is None else stage_s,
+                                     is_sample=not any(job.plan.num_fetched_blocks for job in batch))
             await self._finish(batch, result, elapsed_s)
         except Exception as exc:
             if isinstance(exc, RpcError):  # a prefill group's stage failed: the error names it

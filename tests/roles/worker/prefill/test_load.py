@@ -37,3 +37,15 @@ def test_a_batch_past_its_prediction_slows_the_queue_and_the_reported_model_down
     load.batch_finished([(1000, 0)], elapsed_s=3 * one_s)
     assert load.slowdown(late + 1) == 1.0  # idle: the scale has learnt it instead
     assert load.predict(1000, 0) == pytest.approx(3 * one_s, rel=0.05)
+
+
+def test_a_batch_that_fetched_a_prefix_teaches_the_model_nothing() -> None:
+    # Its forward waited for another host's link layer by layer: 10x the compute. Learnt, it would make every
+    # prompt, recomputed ones too, look 10x slower to the scheduler.
+    load = fitted_load()
+    one_s = load.predict(1000, 0)
+    for _ in range(40):
+        load.batch_started([(1000, 0)], now=10.0)
+        load.batch_finished([(1000, 0)], elapsed_s=10 * one_s, is_sample=False)
+    assert load.predict(1000, 0) == pytest.approx(one_s)
+    assert load.slowdown(100.0) == 1.0 and load.pending_work_s([], now=100.0) == 0.0
