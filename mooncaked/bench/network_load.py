@@ -114,6 +114,10 @@ async def stream_many(http: aiohttp.ClientSession, url: str, count: int, max_tok
             await asyncio.gather(*(event.wait() for event in events))
             _emit({"streaming": True, "at": time.monotonic(), "running": await num_running(http, url, count)})
             results = await asyncio.gather(*tasks)
+        if fleet["down_at"] is None and not await is_all_up(http, url):
+            # the streams moved before the watcher's poll in flight (slow while a store is cut off: the view's
+            # answer waits for its stats) could show the member down
+            fleet["down_at"] = time.monotonic()
         if fleet["down_at"] is not None:
             try:
                 async with asyncio.timeout(60.0):

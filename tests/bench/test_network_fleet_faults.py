@@ -8,7 +8,8 @@ NICs, host 1 at a tenth of the others' rate, etcd on rail 1), shared by the modu
     Algorithm 1's line 5 would fetch it (sched/prefix_plans.py);
 (e) etcd cut off from the leading conductor: it stops leading within the lease TTL, the other takes over, never
     two leaders at once, both keep serving within their deadlines, and the fleet view converges after the heal.
-(a) and (d) are the process cluster's rounds (bench/network_cluster.py) and tests/roles/test_store_gray_failure.py.
+(a) and (d) are the process cluster's rounds (bench/network_cluster.py, tests/bench/test_network_cluster.py) and
+tests/roles/test_store_gray_failure.py.
 """
 
 from __future__ import annotations
