@@ -77,6 +77,7 @@ class NicConfig:
     address: str = bounded("", doc="its IP address, with /prefix: its subnet (NIC pairs join within one)")
     numa_node: Optional[int] = bounded(None, min=0, max=1023, doc="memory it serves: cpu:<node> (null: all)")
     devices: list[str] = bounded([], doc="GPUs it serves too, e.g. [cuda:0]")
+    rdma_device: str = bounded("", doc="its RDMA device (e.g. mlx5_0): RDMA path choice from this entry")
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,13 @@ def _validate_nics(config: Config) -> list[ConfigIssue]:
             values = [getattr(nic, what).partition("/")[0] for nic in nics]
             if len(set(values)) < len(values):
                 issues.append(ConfigIssue(f"transfer.nics.{host}", f"two NICs with one {what}: {values}"))
+        devices = [nic.rdma_device for nic in nics if nic.rdma_device]
+        if len(set(devices)) < len(devices):
+            issues.append(ConfigIssue(f"transfer.nics.{host}", f"two NICs with one rdma_device: {devices}"))
+        if devices and config.transfer.topology is not None:
+            issues.append(ConfigIssue(f"transfer.nics.{host}", "transfer.topology and the NICs' rdma_device both "
+                                      "give RDMA's path choice; keep one (rdma_device: the NIC list drives both "
+                                      "transports)"))
     return issues
 
 

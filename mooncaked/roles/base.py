@@ -22,23 +22,29 @@ from mooncaked.rpc import (HEALTH, INFO, CallContext, HealthReply, HealthRequest
                            RpcClient, RpcServer)
 from mooncaked.transfer import TransferEngine
 from mooncaked.transfer.nics import Nic
-from mooncaked.transfer.topology import Topology
+from mooncaked.transfer.topology import Topology, topology_from_nics
 
 
 def make_transfer_engine(config: Config, host: str, port: int) -> TransferEngine:
-    """The transfer engine of one process, from the `transfer` section (with the NICs listed for `host`)."""
+    """The transfer engine of one process, from the `transfer` section (with the NICs listed for `host`); RDMA's
+    path choice from `transfer.topology`, else from the NICs naming an `rdma_device`, else discovered."""
     transfer = config.transfer
+    nics = [(nic.rdma_device, Nic.parse(nic.name, nic.address, nic.numa_node, nic.devices))
+            for nic in transfer.nics.get(host, [])]
     topology = Topology.from_config(transfer.topology) if transfer.topology is not None else None
+    if topology is None and any(device for device, _ in nics):
+        topology = topology_from_nics([(device, nic) for device, nic in nics if device])
     return TransferEngine(
         host=host, port=port, transports=transfer.transports, slice_bytes=transfer.slice_bytes,
         num_connections_per_peer=transfer.num_connections_per_peer, max_retries=transfer.max_retries,
         path_cooldown_s=transfer.path_cooldown_s, path_failure_threshold=transfer.path_failure_threshold,
         tcp_frame_bytes=transfer.tcp_frame_bytes, tcp_send_buffer_bytes=transfer.tcp_send_buffer_bytes,
         connect_timeout_s=config.rpc.connect_timeout_s,
-        io_timeout_s=transfer.io_timeout_s, idle_timeout_s=transfer.idle_timeout_s, topology=topology, sysfs_root=transfer.sysfs_root,
+        io_timeout_s=transfer.io_timeout_s, idle_timeout_s=transfer.idle_timeout_s, topology=topology,
+        sysfs_root=transfer.sysfs_root,
         max_endpoints=transfer.max_endpoints, cluster_id=config.cluster.id,
         secret=read_secret(config.cluster.secret_file),
-        nics=[Nic.parse(nic.name, nic.address, nic.numa_node, nic.devices) for nic in transfer.nics.get(host, [])])
+        nics=[nic for _, nic in nics])
 
 
 def read_secret(path: str | None) -> bytes | None:

@@ -8,17 +8,22 @@
 3. `Topology.from_config` takes the same matrix from config, as {"cpu:0": {"preferred": [...], "secondary": [...]}}
    or Mooncake's {"cpu:0": [[preferred...], [secondary...]]}; `to_config` writes the first form.
 4. Path choice ranks a (local NIC, remote NIC) pair by `tier` on both ends (0 = preferred, 1 = secondary).
-5. Memory placement asks the same tree where things are: `nic_numa_node` (a store binds its pool there by
+5. `topology_from_nics`: the matrix from a host's NIC list (`transfer.nics` entries that name an `rdma_device`),
+   so one list drives both transports' path choice: a location prefers the RDMA devices of the NICs that serve it
+   (transfer/nics.py `serving_tier`, as TCP does), every other one is secondary.
+6. Memory placement asks the same tree where things are: `nic_numa_node` (a store binds its pool there by
    default) and `gpu_numa_node` (where a GPU's pinned staging buffers belong).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from mooncaked.transfer.nics import Nic, serving_tier
 
 _GPU_CLASSES = ("0x0300", "0x0302")
 _NVIDIA_VENDOR = "0x10de"
@@ -84,6 +89,19 @@ class PciDevice:
     name: str
     numa_node: int  # -1 when the kernel does not know
     bridges: tuple[str, ...]  # PCI path below /sys/devices, root complex first, the device itself last
+
+
+def topology_from_nics(nics: Sequence[tuple[str, Nic]]) -> Topology:
+    """(RDMA device, its NIC) pairs -> the matrix over every location one of them names (cpu:<numa_node>, each
+    listed device); a location none names has no row (every NIC secondary there, Topology.tier)."""
+    locations = sorted({f"cpu:{nic.numa_node}" for _, nic in nics if nic.numa_node is not None}
+                       | {device for _, nic in nics for device in nic.devices})
+    names = [device for device, _ in nics]
+    matrix = {}
+    for location in locations:
+        preferred = [device for device, nic in nics if serving_tier(nic, location) == 0]
+        matrix[location] = NicTiers(tuple(preferred), tuple(name for name in names if name not in preferred))
+    return Topology(matrix)
 
 
 def discover_topology(sysfs_root: str | os.PathLike[str] = "/sys") -> Topology:

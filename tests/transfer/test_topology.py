@@ -6,7 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from mooncaked.transfer.topology import NicTiers, Topology, discover_topology
+from mooncaked.config.sections import ConfigError
+from mooncaked.roles.base import make_transfer_engine
+from mooncaked.transfer.nics import Nic, serving_tier
+from mooncaked.transfer.topology import NicTiers, Topology, discover_topology, topology_from_nics
+from tests.roles.cluster_fixtures import cluster_config, instance
 
 
 def add_pci_device(root: Path, pci_path: str, numa_node: int, pci_class: str = "", vendor: str = "") -> Path:
@@ -72,3 +76,34 @@ def test_config_forms_round_trip(two_socket_host: Path) -> None:
     assert mooncake_form.matrix["cpu:0"] == NicTiers(("mlx5_0",), ("mlx5_1",))
     with pytest.raises(ValueError, match=r"topology\['cpu:0'\]: unknown keys \['prefered'\]"):
         Topology.from_config({"cpu:0": {"prefered": ["mlx5_0"]}})
+
+
+def test_one_nic_list_gives_rdma_the_path_choice_tcp_makes() -> None:
+    """A location prefers the RDMA devices of the NICs that serve it (transfer/nics.py serving_tier); a NIC that
+    names no memory serves every location."""
+    socket0 = Nic.parse("eth0", "10.0.0.1/24", numa_node=0, devices=["cuda:0"])
+    socket1 = Nic.parse("eth1", "10.0.1.1/24", numa_node=1, devices=["cuda:1"])
+    anywhere = Nic.parse("eth2", "10.0.2.1/24")
+    topology = topology_from_nics([("mlx5_0", socket0), ("mlx5_1", socket1), ("mlx5_2", anywhere)])
+    assert topology.matrix == {
+        "cpu:0": NicTiers(("mlx5_0", "mlx5_2"), ("mlx5_1",)), "cpu:1": NicTiers(("mlx5_1", "mlx5_2"), ("mlx5_0",)),
+        "cuda:0": NicTiers(("mlx5_0", "mlx5_2"), ("mlx5_1",)), "cuda:1": NicTiers(("mlx5_1", "mlx5_2"), ("mlx5_0",))}
+    for location in topology.matrix:
+        for device, nic in (("mlx5_0", socket0), ("mlx5_1", socket1), ("mlx5_2", anywhere)):
+            assert topology.tier(location, device) == serving_tier(nic, location)
+    assert topology.nics_for("cuda:7") == ["mlx5_0", "mlx5_1", "mlx5_2"]  # a location none names: every NIC
+
+
+def test_a_hosts_rdma_devices_in_its_nic_list_reach_the_transfer_engine(tmp_path: Path) -> None:
+    nics = {"127.0.0.1": [{"name": "nic0", "address": "127.0.0.1/8", "numa_node": 0, "rdma_device": "mlx5_0"},
+                          {"name": "nic1", "address": "127.0.0.2/8", "numa_node": 1, "rdma_device": "mlx5_1"}]}
+    config = cluster_config(tmp_path, [instance("s0", "store")], transfer={"nics": nics})
+    engine = make_transfer_engine(config, "127.0.0.1", 0)
+    assert engine.options.topology == Topology({"cpu:0": NicTiers(("mlx5_0",), ("mlx5_1",)),
+                                                "cpu:1": NicTiers(("mlx5_1",), ("mlx5_0",))})
+    with pytest.raises(ConfigError, match="keep one"):
+        cluster_config(tmp_path, [instance("s0", "store")],
+                       transfer={"nics": nics, "topology": {"cpu:0": {"preferred": ["mlx5_0"], "secondary": []}}})
+    twice = {"127.0.0.1": [{**entry, "rdma_device": "mlx5_0"} for entry in nics["127.0.0.1"]]}
+    with pytest.raises(ConfigError, match="two NICs with one rdma_device"):
+        cluster_config(tmp_path, [instance("s0", "store")], transfer={"nics": twice})
