@@ -15,7 +15,8 @@
    [num_blocks, layers, 2, block_size, kv_heads, head_dim] in the object layout, which the request holds only
    while such a move is in flight (request_memory.StagingHold); the copier copies every rank's heads of it.
 2. Loading: `start_loading(sources, num_blocks)` (event loop) starts a LayerLoader, which loads layer by layer
-   (`load_layer`: straight into the pages, or into staging and then into the pages on the copy thread). The
+   (`load_layer`: straight into the pages, or into staging and then into the pages on the copy thread; the moves
+   themselves are request_moves.py's, RequestKv's base). The
    forward waits per layer (`wait_layer_loaded`, compute thread); a caller that needs all of it awaits
    `wait_loaded`.
 3. Storing: `store_layer(i, writes)` (compute thread, after layer i) queues layer i's writes to every store
@@ -37,29 +38,21 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any
-
-import numpy as np
-import torch
+from collections.abc import Sequence
 
 from mooncaked.engine.kv_pages import KVPages
 from mooncaked.engine.tp.copy import RankPagesEnd
 from mooncaked.kv.keys import block_keys
 from mooncaked.roles.worker.kv.layer_loader import LayerLoader, LoadFailed
-from mooncaked.roles.worker.kv.request_memory import CopyTracker, StagingHold, copy_staging, index_runs
-from mooncaked.roles.worker.kv.spans import StoreBlocks, num_blocks_for, page_spans, staging_spans
+from mooncaked.roles.worker.kv.request_moves import RequestMoves
+from mooncaked.roles.worker.kv.request_memory import CopyTracker, StagingHold
+from mooncaked.roles.worker.kv.spans import StoreBlocks, num_blocks_for
 from mooncaked.roles.worker.worker import Worker
-from mooncaked.store.client import StoreClient
-from mooncaked.store.move_ends import LocalEnd, Span, Staging
-from mooncaked.transfer import TransferOp
 
 logger = logging.getLogger(__name__)
 
-_NO_BYTES = np.empty(0, dtype=np.uint8)  # moves from the pages' segment never touch host bytes
 
-
-class RequestKv:
+class RequestKv(RequestMoves):
     """Owns one request's pages, its copies (CopyTracker), its staging while moves need it (StagingHold), its
     loader and its in-flight writes."""
 
@@ -129,70 +122,6 @@ class RequestKv:
             return [], []
         return [self.page_ids[self.num_full_blocks]], [child.page_ids[self.num_full_blocks]]
 
-    # ---- moves between stores and this request's memory (event loop) ------------------------------------
-    def _is_staged(self, client: StoreClient) -> bool:
-        """Whether moves with `client`'s store go through staging (GPU pages; ranks' pages, another host's)."""
-        return not self.is_direct and not (self.ranks_end is not None and client.is_local)
-
-    def _is_gpudirect(self, client: StoreClient) -> bool:
-        """Whether writes to `client`'s store go straight from GPU pages registered for RDMA (another host's)."""
-        return self.worker.kv_pages_segment is not None and not self.is_direct and not client.is_local
-
-    def _memory(self, client: StoreClient) -> Staging | LocalEnd:
-        """The local end of moves with `client`'s store: the pages, the ranks' pages, or the held staging."""
-        if self.worker.host_pages is not None:
-            return self.worker.host_pages
-        if self.ranks_end is not None and client.is_local:
-            return self.ranks_end
-        assert self.staging.buffer is not None, "a move through staging runs while the request holds it"
-        return Staging(self.staging.buffer.name, self.staging.buffer.array)
-
-    async def _move(self, op: TransferOp, client: StoreClient, spans: Sequence[Span], memory: Staging | LocalEnd,
-                    incarnation: int) -> None:
-        try:
-            await client.move(op, memory, spans, executor=self.copies if client.is_local else None,
-                              incarnation=incarnation)
-        except BaseException:
-            if self.is_direct:  # the transfer engine may still write the pages late
-                self._is_moves_clean = False
-            raise
-
-    def layer_spans(self, indices: Sequence[int], offsets: Sequence[int], layer: int) -> list[Span]:
-        """Layer `layer` of blocks `indices` in this request's memory <-> pool `offsets` (`layer` counts this
-        worker's layers: a pipeline stage's layer i is model layer first_layer + i of the store object)."""
-        if self.is_direct:
-            return page_spans(self.kv_pages, self.page_ids, indices, offsets, layer)
-        return staging_spans(self.kv_pages, indices, offsets, layer)
-
-    async def _read(self, source: StoreBlocks, layer: int) -> None:
-        client = await self.worker.store_client(source.store_name)
-        spans = self.layer_spans(source.block_indices, source.offsets, layer)
-        await self._move(TransferOp.READ, client, spans, self._memory(client), source.incarnation)
-
-    async def _write(self, write: StoreBlocks, layer: int) -> None:
-        """Another host's store reads GPU pages straight over RDMA when they are registered (GPUDirect)."""
-        client = await self.worker.store_client(write.store_name)
-        if self._is_gpudirect(client):
-            assert self.worker.kv_pages_segment is not None
-            spans = page_spans(self.kv_pages, self.page_ids, write.block_indices, write.offsets, layer)
-            await self._move(TransferOp.WRITE, client, spans, Staging(self.worker.kv_pages_segment, _NO_BYTES),
-                             write.incarnation)
-            return
-        spans = self.layer_spans(write.block_indices, write.offsets, layer)
-        await self._move(TransferOp.WRITE, client, spans, self._memory(client), write.incarnation)
-
-    async def _on_copy_thread(self, fn: Callable[..., None], *args: Any) -> None:
-        await asyncio.wrap_future(self.copies.submit(fn, *args))
-
-    async def _staged(self, store_names: Sequence[str], is_write: bool = False) -> list[str]:
-        """Which of these stores' moves go through staging (writes from GPU pages registered for GPUDirect to
-        another host's store do not)."""
-        if self.is_direct:
-            return []
-        clients = [await self.worker.store_client(name) for name in store_names]
-        return [name for name, client in zip(store_names, clients)
-                if self._is_staged(client) and not (is_write and self._is_gpudirect(client))]
-
     # ---- loading ---------------------------------------------------------------------------------------
     def start_loading(self, sources: Sequence[StoreBlocks], num_blocks: int) -> None:
         """Event loop: load blocks [0, num_blocks) of every layer from `sources` into the pages."""
@@ -200,24 +129,6 @@ class RequestKv:
         if num_blocks:
             self.loader = LayerLoader(self, sources)
             self.loader.start()
-
-    async def load_layer(self, layer: int, sources: Sequence[StoreBlocks]) -> None:
-        """Event loop: layer `layer` of every source's blocks into the pages, complete when this returns."""
-        staged = set(await self._staged([s.store_name for s in sources]))
-        if not staged:
-            await asyncio.gather(*(self._read(s, layer) for s in sources))
-            return
-        async with self.staging as (_, view):
-            await asyncio.gather(*(self._read(s, layer) for s in sources))
-            indices = sorted(i for s in sources if s.store_name in staged for i in s.block_indices)
-            await self._copy_staging(TransferOp.READ, layer, indices, view)
-
-    async def _copy_staging(self, op: TransferOp, layer: int, indices: Sequence[int], view: torch.Tensor,
-                            compute_done: torch.cuda.Event | None = None) -> None:
-        """Staging rows of sorted blocks `indices` <-> their pages, on the copy thread (see copy_staging)."""
-        assert self.worker.copier is not None
-        await self._on_copy_thread(copy_staging, self.worker.copier, self.kv_pages, self.page_ids, op, layer,
-                                   index_runs(indices), view, compute_done)
 
     def wait_layer_loaded(self, layer: int) -> bool:
         """Compute thread, before layer `layer`: True once it is in the pages, False if this request's loading
@@ -262,27 +173,6 @@ class RequestKv:
                                             f"{timeout_s:g}s (transfer.timeout_s)")
             return False
         return True
-
-    async def _store_layer_all(self, layer: int, writes: Sequence[StoreBlocks],
-                               compute_done: torch.cuda.Event | None) -> None:
-        """Event loop: layer `layer` to every store; staged writes after the copy of their blocks (computed ones,
-        and loaded ones another store lacks) from the pages into staging, which holds nothing between moves."""
-        timeline = self.worker.timeline
-        if timeline is not None:
-            timeline.record("store", self.request_id, layer, "start")
-        writes = [w for w in writes if w.block_indices]
-        staged = set(await self._staged([w.store_name for w in writes], is_write=True))
-        if not staged:
-            if compute_done is not None and writes:  # GPUDirect writes only: the NIC reads the pages after it
-                await self._on_copy_thread(compute_done.synchronize)
-            await asyncio.gather(*(self._write(w, layer) for w in writes))
-        else:
-            async with self.staging as (_, view):
-                indices = sorted({i for w in writes if w.store_name in staged for i in w.block_indices})
-                await self._copy_staging(TransferOp.WRITE, layer, indices, view, compute_done)
-                await asyncio.gather(*(self._write(w, layer) for w in writes))
-        if timeline is not None:
-            timeline.record("store", self.request_id, layer, "end")
 
     async def wait_writes(self, timeout_s: float) -> None:
         """Await every queued layer write; raises the first failure (a failed load included)."""
