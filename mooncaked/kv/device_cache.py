@@ -14,7 +14,7 @@
 
 Keys are block keys (kv/keys.py): they fold in the model, dtype, block size, KV geometry, and the tenant or
 cache_salt isolation tag, so a page is only ever matched by requests allowed to share it. Pure: no I/O, no torch,
-no clock (recency is the order of calls). The engine's page allocator (engine/kv_pages.py) and the simulator
+no clock (recency is the order of calls). The engine's page allocator (engine/page_allocator.py) and the simulator
 (sim/device_tier.py) are its owners.
 """
 

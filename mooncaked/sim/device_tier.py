@@ -1,5 +1,5 @@
 """One instance's device prefix cache in the simulator (a single prefill instance's, or a decode instance's):
-the engine's own policy (kv/device_cache.py) over page ids, as engine/kv_pages.py's PageAllocator drives it.
+the engine's own policy (kv/device_cache.py) over page ids, as engine/page_allocator.py's PageAllocator drives it.
 
 1. `start(job, keys, num_pages)` when a prefill starts (on a decode instance: an inline prefill, or a prefilled
    request's KV arriving): the longest cached prefix of `keys` (the blocks it may reuse) is read in place (one

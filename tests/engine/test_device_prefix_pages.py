@@ -11,7 +11,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from mooncaked.engine.kv_pages import PageAllocator, PagesExhausted
+from mooncaked.engine.page_allocator import PageAllocator, PagesExhausted
 from mooncaked.kv.device_cache import DevicePrefixCache
 from mooncaked.kv.keys import block_keys, isolated_namespace, isolation_tag, model_namespace
 

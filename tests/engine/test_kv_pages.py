@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mooncaked.engine.kv_pages import KVPages, PageAllocator, PagesExhausted
+from mooncaked.engine.kv_pages import KVPages
+from mooncaked.engine.page_allocator import PageAllocator, PagesExhausted
 from mooncaked.model.presets import random_preset
 
 

@@ -10,7 +10,8 @@ import torch
 
 from mooncaked.engine.batch import (DecodeSeq, PrefillSeq, build_decode_batch, build_prefill_batch,
                                     split_prefill_chunks)
-from mooncaked.engine.kv_pages import KVPages, PageAllocator
+from mooncaked.engine.kv_pages import KVPages
+from mooncaked.engine.page_allocator import PageAllocator
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.model.llama import LlamaForCausalLM
 from mooncaked.model.loader import LoadedModel, load_model

@@ -16,7 +16,8 @@ import torch
 
 from mooncaked.engine.batch import (DecodeBatch, DecodeSeq, PrefillBatch, PrefillSeq, build_decode_batch,
                                     build_prefill_batch)
-from mooncaked.engine.kv_pages import KVPages, PageAllocator
+from mooncaked.engine.kv_pages import KVPages
+from mooncaked.engine.page_allocator import PageAllocator
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.engine.tp.rank import RankSpec
 from mooncaked.engine.tp.runner import RankFailed, TensorParallelRunner

@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mooncaked.engine.batch import DecodeSeq, PrefillSeq, build_decode_batch, build_prefill_batch
-from mooncaked.engine.kv_pages import KVPages, PageAllocator
+from mooncaked.engine.kv_pages import KVPages
+from mooncaked.engine.page_allocator import PageAllocator
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.model.chat_template import ChatTemplateError
 from mooncaked.model.frontend import load_frontend

@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mooncaked.engine.batch import PrefillSeq, build_prefill_batch
-from mooncaked.engine.kv_pages import KVPages, PageAllocator
+from mooncaked.engine.kv_pages import KVPages
+from mooncaked.engine.page_allocator import PageAllocator
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.model.families import UnsupportedModel, args_from_hf_config
 from mooncaked.model.fp8_blocks import Fp8BlockFormat, dequantize

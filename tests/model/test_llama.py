@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from mooncaked.engine.batch import DecodeSeq, PrefillSeq, build_decode_batch, build_prefill_batch
-from mooncaked.engine.kv_pages import KVPages, PageAllocator
+from mooncaked.engine.kv_pages import KVPages
+from mooncaked.engine.page_allocator import PageAllocator
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.model import packed_gemm
 from mooncaked.model.hf_config import to_hf_config

@@ -45,7 +45,8 @@ from mooncaked.config import Config, InstanceConfig, WorkerSection
 from mooncaked.config.prefill_groups import GroupStage, group_stage
 from mooncaked.engine.kv_budget import KVSizing
 from mooncaked.engine.kv_copy import KVCopier
-from mooncaked.engine.kv_pages import KVPages, PageAllocator
+from mooncaked.engine.kv_pages import KVPages
+from mooncaked.engine.page_allocator import PageAllocator
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.engine.staging_pool import StagingPool
 from mooncaked.engine.timeline import LayerTimeline

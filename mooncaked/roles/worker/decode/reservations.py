@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mooncaked.engine.kv_pages import PageAllocator
+from mooncaked.engine.page_allocator import PageAllocator
 from mooncaked.roles.worker.kv.plan import store_owner
 from mooncaked.roles.worker.messages import Destination, ReserveReply, ReserveRequest
 from mooncaked.roles.worker.worker import Worker

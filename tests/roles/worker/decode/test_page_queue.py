@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mooncaked.config import WorkerSection
-from mooncaked.engine.kv_pages import PageAllocator
+from mooncaked.engine.page_allocator import PageAllocator
 from mooncaked.roles.worker.decode.reservations import Reservation, ReservationBook
 from mooncaked.roles.worker.messages import ReserveRequest
 
