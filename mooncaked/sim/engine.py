@@ -24,11 +24,11 @@ A request's life in the simulator:
    layers, as the conductor predicts a group whose stages have not reported fits. PREFILL_DONE commits every
    block of the prompt to the prefill host's store (and, when configured, to the decode host's), which is the
    first token.
-4. Decode: under admission `baseline` the decode instance may refuse the request now (wasted prefill,
-   `sched.decode_admission.refusal_after_prefill`). Otherwise DECODE_READY (after the part of the KV stream not hidden
-   behind prefill and the load into HBM) queues it at its decode instance, which runs continuous-batching steps; each
-   step's duration is the cost model's and gives every running request one token gap (decode_batch.py). TBT = mean of
-   the longest 10% of the gaps.
+4. Decode (decode_side.py): under admission `baseline` the decode instance may refuse the request now (wasted
+   prefill, `sched.decode_admission.refusal_after_prefill`). Otherwise DECODE_READY (after the part of the KV stream
+   not hidden behind prefill and the load into HBM) queues it at its decode instance, which runs continuous-batching
+   steps; each step's duration is the cost model's and gives every running request one token gap (decode_batch.py).
+   TBT = mean of the longest 10% of the gaps.
 5. SAMPLE events record the prefill and decode pool loads and the pool's duplicate blocks (copies beyond the
    first) every `run.sample_interval_s`; each store counts its evictions and its sole-copy evictions.
 6. The pool-wide policies (replica tracker, store recency: pool.py) hear of every placement, and after every
@@ -58,12 +58,13 @@ from mooncaked.sched.types import REASON_DECODE_REFUSED, DecodeInstanceView, Pla
 from mooncaked.sim.cluster import DecodeInstance, DecodeSeq, PrefillJob, build_instances
 from mooncaked.sim.config import SimConfig
 from mooncaked.sim.costs import CostModel, build_cost_model
-from mooncaked.sim.decode_batch import admit_waiting, advance_one_token, kv_ready_at
+from mooncaked.sim.decode_batch import kv_ready_at
 from mooncaked.sim.decode_reserve import DecodeReserve
+from mooncaked.sim.decode_side import DecodeSide
 from mooncaked.sim.output_forecast import OutputForecast
 from mooncaked.sim.pool import PoolPolicies
 from mooncaked.sim.prefill_side import PrefillSide
-from mooncaked.sim.results import LoadSample, RequestRecord, SimResult, tbt_of
+from mooncaked.sim.results import LoadSample, RequestRecord, SimResult
 from mooncaked.sim.trace import TraceRequest
 
 ARRIVAL, FETCH_DONE, PREFILL_DONE, DECODE_READY, DECODE_STEP, SAMPLE = range(6)
@@ -114,6 +115,9 @@ class Simulator:
         self.prefill_side = PrefillSide(self.config, self.costs, self.policy, self.pool, self.records,
                                         self.prefill_by_id, self.store_by_id, self.rng, self._push,
                                         (FETCH_DONE, PREFILL_DONE), self._hand_to_decode)
+        self.decode_side = DecodeSide(self.config, self.costs, self.pool, self.records, self.requests,
+                                      self.decode_by_id, self.prefill_side.noisy, self._push, DECODE_STEP,
+                                      self._finish)
 
     def _push(self, at: float, kind: int, payload: Any) -> None:
         self._seq += 1
@@ -126,7 +130,7 @@ class Simulator:
         if self.requests:
             self._push(self.config.run.sample_interval_s, SAMPLE, None)
         handlers = (self._on_arrival, self.prefill_side.on_fetch_done, self.prefill_side.on_prefill_done,
-                    self._on_decode_ready, self._on_decode_step, self._on_sample)
+                    self.decode_side.on_decode_ready, self.decode_side.on_decode_step, self._on_sample)
         num_done = 0
         now = 0.0
         while self._events:
@@ -196,7 +200,7 @@ class Simulator:
         if placement.prefill_instance:
             self._place(now, request, placement, record)
         else:
-            self._place_inline(now, request, placement, record)
+            self.decode_side.place_inline(now, request, placement, record)
 
     def _retry_reserves(self, now: float, decode: DecodeInstance) -> None:
         """Under `none` and `baseline`: the RESERVE calls waiting for room, in arrival order, as pages free. A call
@@ -262,68 +266,6 @@ class Simulator:
                         is_first_token_held=job.placement.decode_defer_s > 0)
         decode.incoming[job.request_index] = (ready, seq.context_tokens)
         self._push(ready, DECODE_READY, (decode, seq))
-
-    def _on_decode_ready(self, now: float, payload: tuple[DecodeInstance, DecodeSeq]) -> None:
-        decode, seq = payload
-        decode.waiting.append(seq)
-        if not decode.is_stepping:
-            self._start_step(now, decode)
-
-    def _start_step(self, now: float, decode: DecodeInstance) -> None:
-        for seq in admit_waiting(decode, now):
-            if seq.is_first_token_held:  # its first token goes out as its decode starts
-                record = self.records[seq.request_index]
-                record.ttft_s = max(record.ttft_s, now - record.arrival_s)
-        decode.inline_in_step, decode.inline = decode.inline, []
-        if not decode.running and not decode.inline_in_step:
-            decode.is_stepping = False
-            decode.step_time_s = 0.0
-            return
-        step_s = 0.0
-        if decode.running:
-            step_s = self.costs.predictors.decode.predict(len(decode.running), decode.num_context_tokens)
-        decode.step_time_s = step_s + sum(compute_s for _, compute_s in decode.inline_in_step)
-        decode.is_stepping = True
-        self._push(now + decode.step_time_s, DECODE_STEP, decode)
-
-    def _on_decode_step(self, now: float, decode: DecodeInstance) -> None:
-        for seq in advance_one_token(decode, now, self.config.run.tbt_counts_handoff):
-            self._finish(self.records[seq.request_index], now, tbt_of(seq.gaps))
-        for request_index, compute_s in decode.inline_in_step:
-            self._inline_done(now, decode, request_index, compute_s)
-        decode.inline_in_step = []
-        self._start_step(now, decode)
-
-    def _place_inline(self, now: float, request: TraceRequest, placement: Placement, record: RequestRecord) -> None:
-        """Prefill on the decode instance: queued for its next step, which runs it before decoding."""
-        decode = self.decode_by_id[placement.decode_instance]
-        self.pool.note_use(decode.store.store_id, request.hash_ids, placement.num_prefix_blocks, now)
-        record.prefill_instance = record.decode_instance = decode.instance_id
-        record.is_inline = True
-        record.prefix_blocks = record.local_prefix_blocks = placement.num_prefix_blocks
-        if decode.device is not None:
-            num_device = decode.device.start_prompt(request.index, request.hash_ids, request.input_length,
-                                                    self.config.scheduler.block_size)
-            record.device_blocks = min(num_device, placement.num_prefix_blocks)
-        decode.incoming[request.index] = (now + placement.predicted_decode_start_s, request.input_length)
-        decode.inline.append((request.index, self.prefill_side.noisy(placement.predicted_prefill_s)))
-        if not decode.is_stepping:
-            self._start_step(now, decode)
-
-    def _inline_done(self, now: float, decode: DecodeInstance, request_index: int, compute_s: float) -> None:
-        """The first token of an inline prefill: the request joins the batch at the next step."""
-        record = self.records[request_index]
-        record.prefill_compute_s = compute_s
-        record.ttft_s = now - record.arrival_s
-        if self.config.cluster.decode_hosts_in_pool:
-            decode.store.put(self.requests[request_index].hash_ids, now)
-        if record.output_length <= 1:
-            decode.incoming.pop(request_index, None)
-            self._finish(record, now, 0.0)
-            return
-        seq = DecodeSeq(request_index, record.input_length + 1, record.output_length - 1, now, ready_at=now)
-        decode.incoming[request_index] = (now, seq.context_tokens)
-        decode.waiting.append(seq)
 
     def _finish(self, record: RequestRecord, now: float, tbt_s: float) -> None:
         config = self.config.scheduler
