@@ -88,7 +88,7 @@ async def test_inline_overhead_leaves_out_the_wait_for_the_compute_thread(tmp_pa
         finally:
             await thread_busy
             await clients.close()
-        assert 0.0 <= decode.inline_overhead.value < busy_s / 2
+        assert 0.0 <= decode.inline.overhead.value < busy_s / 2
 
 
 async def test_cross_host_tcp_and_remote_prefix_fetch(tmp_path: Path) -> None:

@@ -8,8 +8,8 @@
 2. DECODE with a first token: load the prompt's blocks from this host's store (the prefill instance wrote them)
    into pages layer by layer, layer i+1's read under way while layer i is copied into the pages, off the
    compute thread (running sequences keep decoding meanwhile); commit the full blocks (they become cache
-   here), drop the tail block and join the batch. DECODE without one: prefill inline (the colocated path),
-   then join. A parallel sampling's further sequences (`num_sequences`, their first tokens drawn by the same
+   here), drop the tail block and join the batch. DECODE without one: prefill inline (the colocated path,
+   inline_prefill.py), then join. A parallel sampling's further sequences (`num_sequences`, their first tokens drawn by the same
    prefill) share the prompt's full-block pages and copy only its partial last block (sequences.py), and join as
    sequences of their own; RESERVE set aside the shared pages once and each sequence's own (`num_pages_for`).
 3. Stream one item per step (several when the consumer lags), each naming its sequence, until every sequence
@@ -21,27 +21,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 
 from mooncaked.cluster.membership import Membership
 from mooncaked.config import Config, InstanceConfig
 from mooncaked.kv.keys import isolated_namespace
-from mooncaked.model.grammar import GrammarState
 from mooncaked.model.sampler import make_generator
 from mooncaked.roles.base import RoleEndpoint
 from mooncaked.roles.worker.decode.admission import ReserveAdmission
+from mooncaked.roles.worker.decode.inline_prefill import InlinePrefill
 from mooncaked.roles.worker.decode.loop import DecodeLoop, Outbox, RunningSeq, finish_reason_for
 from mooncaked.roles.worker.decode.reservations import Reservation, ReservationBook
 from mooncaked.roles.worker.decode.sequences import fork, load_prefilled, stream_items
 from mooncaked.roles.worker.grammar import follow_first_token
 from mooncaked.roles.worker.kv.device_report import device_cache_report
-from mooncaked.roles.worker.kv.plan import KvPlan, check_block_keys, plan_prompt_kv
-from mooncaked.roles.worker.kv.request_kv import RequestKv
+from mooncaked.roles.worker.kv.plan import check_block_keys
 from mooncaked.roles.worker.messages import (DECODE, DecodeItem, DecodeRequest, LOAD, LoadReply, LoadRequest, RESERVE,
-                                             ReserveReply, ReserveRequest, SamplingSpec, UNRESERVE,
+                                             ReserveReply, ReserveRequest, UNRESERVE,
                                              UnreserveReply, UnreserveRequest)
-from mooncaked.roles.worker.prefill.forward import ForwardResult, run_prefill_forward
 from mooncaked.roles.worker.profiler import profile
 from mooncaked.roles.worker.sampling import history_of, sequence_params, to_params
 from mooncaked.roles.worker.worker import Worker
@@ -52,7 +49,6 @@ from mooncaked.runtime.metrics_http import MetricsEndpoint
 from mooncaked.sched.decode_admission import (REASON_PAGES_NOT_FREED, WAITING_POLICIES, capacity_refusal,
                                               refusal_after_prefill)
 from mooncaked.sched.decode_memory import num_pages_for
-from mooncaked.sched.perf_model import RecentMean
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +75,7 @@ class DecodeRole:
         self.endpoint.add_method(DECODE, self._decode)
         self.endpoint.add_method(LOAD, self._load, is_eager=True)
         self.admission = ReserveAdmission(config, self.worker, self.loop, self.reservations)
-        self._num_prefilling = 0
-        self.inline_overhead = RecentMean()
+        self.inline = InlinePrefill(self.worker, config.transfer.timeout_s)
 
     @property
     def failed(self) -> asyncio.Event:
@@ -117,7 +112,7 @@ class DecodeRole:
 
     @property
     def is_idle(self) -> bool:
-        return not self.loop.running and not self.reservations and not self._num_prefilling
+        return not self.loop.running and not self.reservations and not self.inline.num_running
 
     def _refresh_metrics(self) -> None:
         self.metrics.queues.set_length("decode", len(self.reservations))
@@ -139,7 +134,7 @@ class DecodeRole:
                          num_pages=pages.num_pages, step_time_s=self.loop.mean_step_s,
                          num_context_tokens=self.loop.num_context_tokens,
                          prefill_coefficients=list(coefficients.prefill), decode_coefficients=list(coefficients.decode),
-                         overhead_s=self.inline_overhead.value, kv_cache_bytes=self.worker.kv_cache_bytes,
+                         overhead_s=self.inline.overhead.value, kv_cache_bytes=self.worker.kv_cache_bytes,
                          num_queued_pages=self.reservations.num_queued_pages(),
                          num_reserving=len(self.admission.waiting),
                          num_prefilling=self.reservations.num_prefilling(), drain_s=self.admission.drain_s(),
@@ -201,36 +196,6 @@ class DecodeRole:
         check_block_keys(self.worker, request.token_ids, request.block_keys, request.key_isolation)
         return reservation
 
-    async def _prefill_inline(self, request: DecodeRequest, reservation: Reservation, ctx: CallContext,
-                              grammars: list[GrammarState | None]) -> tuple[RequestKv, ForwardResult, int]:
-        """Prefill on this instance. Its forward is a sample of the prefill model; the rest of its time but the wait
-        for the compute thread (planning, writes) is the inline overhead LOAD reports. The conductor predicts the
-        wait itself (the running decode step's remainder and the inline prefills queued ahead), so it is left out
-        rather than averaged over busy and idle moments."""
-        worker, started = self.worker, time.monotonic()
-        plan = await plan_prompt_kv(worker, request.request_id, list(request.token_ids), request.block_keys,
-                                    timeout_s=max(ctx.deadline - time.monotonic(), 0.001),
-                                    num_extra_tokens=request.sampling.max_tokens, key_isolation=request.key_isolation,
-                                    tenant=request.tenant, reuses_prefix=request.sampling.num_prompt_logprobs is None,
-                                    reserved_by=reservation.owner)
-        self._num_prefilling += 1
-        try:
-            submitted = time.monotonic()
-            result, forward_start, forward_s = await worker.compute(_timed_forward, worker, plan, request.sampling,
-                                                                    grammars)
-            await plan.kv.wait_writes(self.config.transfer.timeout_s)
-            await plan.close_store(commit=True)
-            plan.kv.mark_complete()
-        except BaseException:
-            await plan.close(commit=False)
-            raise
-        finally:
-            self._num_prefilling -= 1
-        num_prefix_tokens = plan.num_prefix_blocks * worker.block_size
-        worker.perf.add_prefill(len(request.token_ids), num_prefix_tokens, forward_s)
-        self.inline_overhead.add(time.monotonic() - started - forward_s - (forward_start - submitted))
-        return plan.kv, result, num_prefix_tokens
-
     # ---- 3. stream -------------------------------------------------------------------------------------
     async def _decode(self, request: DecodeRequest, ctx: CallContext) -> AsyncIterator[DecodeItem]:
         request_id_var.set(request.request_id)
@@ -253,7 +218,7 @@ class DecodeRole:
             if refusal and request.first_token is not None:
                 raise ResourceExhausted(refusal)
             if request.first_token is None:
-                kv, result, num_cached_tokens = await self._prefill_inline(request, reservation, ctx, grammars)
+                kv, result, num_cached_tokens = await self.inline.run(request, reservation, ctx, grammars)
                 firsts = [result.first_tokens[0], *result.more_first_tokens[0]]
                 prompt_logprobs = result.prompt_logprobs[0]
             else:
@@ -320,11 +285,3 @@ class DecodeRole:
         free = self.worker.pages.num_free if self.worker.pages is not None else 0
         raise ResourceExhausted(f"{REASON_PAGES_NOT_FREED}: {reservation.num_pages} KV pages were not freed by the "
                                 f"predicted decode start plus {self.worker.section.page_wait_s:g} s ({free} free)")
-
-
-def _timed_forward(worker: Worker, plan: KvPlan, sampling: SamplingSpec,
-                   grammars: list[GrammarState | None]) -> tuple[ForwardResult, float, float]:
-    """Compute thread: an inline prefill's forward, when it started and its own time (no wait for the thread)."""
-    started = time.monotonic()
-    result = run_prefill_forward(worker, [plan], [sampling], [grammars])
-    return result, started, time.monotonic() - started
