@@ -267,7 +267,8 @@ class ReservationBook:
             handle_ids.append(reservation.tail.handle_id)
         lease_id = reservation.lease_id
         reservation.handles, reservation.present, reservation.lease_id, reservation.tail = [], [], 0, None
-        await self._end_store_handles(handle_ids, lease_id, 0.0)
+        # no room change: the caller tries again at once, and a change of its own would end its next wait at once
+        await self._end_store_handles(handle_ids, lease_id, 0.0, is_room_freed=False)
 
     def reply(self, reservation: Reservation) -> ReserveReply:
         index_of = {key: i for i, key in enumerate(reservation.request.block_keys)}
@@ -294,7 +295,8 @@ class ReservationBook:
         if is_prefill_done:
             await task
 
-    async def _end_store_handles(self, handle_ids: list[int], lease_id: int, delay_s: float) -> None:
+    async def _end_store_handles(self, handle_ids: list[int], lease_id: int, delay_s: float,
+                                 is_room_freed: bool = True) -> None:
         store = self.worker.local_store
         try:
             if lease_id:
@@ -302,7 +304,8 @@ class ReservationBook:
             await asyncio.sleep(delay_s)  # a cancelled prefill's writes in flight land in reserved space
             if handle_ids:
                 await store.abort(handle_ids)
-                await self.room.freed()  # a RESERVE may wait for this store space (admission.allocate_store)
+                if is_room_freed:
+                    await self.room.freed()  # a RESERVE may wait for this store space (admission.allocate_store)
         except Exception as exc:
             logger.warning("ending a reservation's store lease and %d handles failed (%s: %s); the store reclaims "
                            "them when their lease expires", len(handle_ids), type(exc).__name__, exc)
