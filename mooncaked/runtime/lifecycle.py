@@ -4,8 +4,9 @@
 2. `await role.start()`; then sd_notify READY=1 and, when systemd asked for it, a WATCHDOG=1 heartbeat task. A
    process running one role (`run_role`) then collects its start-up garbage and freezes what is left (the model,
    the tokenizer, the imported modules: a few hundred thousand objects) out of the garbage collector's reach: a
-   full collection no longer walks them while serving (a pause of ~0.15 s in a decode step), nor at exit (2 s of a
-   worker's shutdown went to the interpreter's last collections over them).
+   full collection no longer walks them while serving (one over a tiny-model worker's objects took ~0.15 s on
+   this CPU, a pause in whatever step it fell into), nor at exit (2 s of a worker's shutdown went to the
+   interpreter's last collections over them).
 3. SIGTERM or SIGINT (or the caller's stop event) sets the stop event: sd_notify STOPPING=1, then
    `await role.stop()`, which stops accepting, drains in-flight work up to its deadline, cancels the rest and
    releases resources, in that order.

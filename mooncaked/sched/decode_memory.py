@@ -2,8 +2,9 @@
 admits on, run by the conductor, the decode instance's RESERVE and the simulator alike.
 
 1. Every sequence a decode instance holds or has promised to hold is a `DecodeHold`: its KV pages (prompt and
-   max_tokens, as the decode role allocates them: `num_pages_for`, a parallel sampling's prompt pages once) from `starts_at` (now for a running sequence; the predicted
-   decode start for a placed one) until `ends_at` (its predicted end, from the output-length predictor).
+   max_tokens, as the decode role allocates them: `num_pages_for`, a parallel sampling's prompt pages once)
+   from `starts_at` (now for a running sequence; the predicted decode start for a placed one) until `ends_at`
+   (its predicted end, from the output-length predictor).
 2. `peak_use` gives the most pages and sequences held at once over a time window: at its start and at every
    later hold's start inside it (holds only end between those times, so the peak is at one of them).
 3. `forecast_refusal` admits a new hold when, over its whole predicted life, the peak leaves room for its pages

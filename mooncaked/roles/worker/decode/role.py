@@ -9,9 +9,10 @@
    into pages layer by layer, layer i+1's read under way while layer i is copied into the pages, off the
    compute thread (running sequences keep decoding meanwhile); commit the full blocks (they become cache
    here), drop the tail block and join the batch. DECODE without one: prefill inline (the colocated path,
-   inline_prefill.py), then join. A parallel sampling's further sequences (`num_sequences`, their first tokens drawn by the same
-   prefill) share the prompt's full-block pages and copy only its partial last block (sequences.py), and join as
-   sequences of their own; RESERVE set aside the shared pages once and each sequence's own (`num_pages_for`).
+   inline_prefill.py), then join. A parallel sampling's further sequences (`num_sequences`, their first tokens
+   drawn by the same prefill) share the prompt's full-block pages and copy only its partial last block
+   (sequences.py), and join as sequences of their own; RESERVE set aside the shared pages once and each
+   sequence's own (`num_pages_for`).
 3. Stream one item per step (several when the consumer lags), each naming its sequence, until every sequence
    ended at EOS, a stop token or max_tokens; when the stream ends for any reason, leave the batch and free the
    pages.

@@ -16,9 +16,8 @@
    while such a move is in flight (request_memory.StagingHold); the copier copies every rank's heads of it.
 2. Loading: `start_loading(sources, num_blocks)` (event loop) starts a LayerLoader, which loads layer by layer
    (`load_layer`: straight into the pages, or into staging and then into the pages on the copy thread; the moves
-   themselves are request_moves.py's, RequestKv's base). The
-   forward waits per layer (`wait_layer_loaded`, compute thread); a caller that needs all of it awaits
-   `wait_loaded`.
+   themselves are request_moves.py's, RequestKv's base). The forward waits per layer (`wait_layer_loaded`,
+   compute thread); a caller that needs all of it awaits `wait_loaded`.
 3. Storing: `store_layer(i, writes)` (compute thread, after layer i) queues layer i's writes to every store
    (event loop; staged ones after the copy of layer i of their blocks from the pages into staging on the copy
    thread; GPU pages registered for RDMA (GPUDirect) go to another host's store straight from the pages) and
