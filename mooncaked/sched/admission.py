@@ -99,9 +99,11 @@ def select_decode(
     predicted output (`num_output_tokens` at the predicted step; the uniform t_d when none), or deferred by at
     most `max_defer_s` (step 1); an instance with room at `ready_time` is preferred to a deferred one. A parallel
     sampling's `num_sequences` each take a batch slot and attend over the context (`num_pages` counts their
-    shared prompt pages once).
+    shared prompt pages once). With `num_sequences` 0 the request does not decode (decode_memory.is_decoding):
+    every available instance has room, the least loaded is chosen, and its own TBT is 0.
     """
     best: DecodeChoice = DecodeChoice(None, float("inf"), False)
+    best_tbt = float("inf")
     is_predicted = config.admission == "early_rejection_predicted"
     for view in decode_views:
         if not view.is_available:
@@ -114,7 +116,9 @@ def select_decode(
         num_tokens += num_context_tokens * num_sequences
         tbt = step_model(view, predictor).predict(num_running, num_tokens)
         defer_s = 0.0
-        if is_predicted and num_pages and view.num_pages:
+        if not num_sequences:
+            has_room = True
+        elif is_predicted and num_pages and view.num_pages:
             decode_s = num_output_tokens * tbt if num_output_tokens else config.decode_time_s
             hold = DecodeHold(num_pages, ready_time, ready_time + decode_s, num_sequences)
             starts_at = earliest_fit(hold, view.page_holds, view.num_pages, view.max_num_running,
@@ -127,8 +131,8 @@ def select_decode(
                                                           num_tokens + num_context_tokens * num_sequences)
         else:
             has_room = num_running <= view.max_num_running and num_tokens <= view.max_context_tokens
-        if (has_room, -defer_s, -tbt) > (best.has_room, -best.decode_defer_s, -best.predicted_tbt_s):
-            best = DecodeChoice(view, tbt, has_room, defer_s)
+        if (has_room, -defer_s, -tbt) > (best.has_room, -best.decode_defer_s, -best_tbt):
+            best, best_tbt = DecodeChoice(view, tbt if num_sequences else 0.0, has_room, defer_s), tbt
     return best
 
 

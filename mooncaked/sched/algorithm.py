@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from mooncaked.sched.admission import admission_rejection, select_decode
-from mooncaked.sched.decode_memory import num_pages_for
+from mooncaked.sched.decode_memory import decode_num_pages, is_decoding
 from mooncaked.sched.pipeline import PipelinePredictor
 from mooncaked.sched.predictors import Predictors, PrefillTimePredictor, queue_time_s
 from mooncaked.sched.prefix_plans import prefix_plans
@@ -101,9 +101,11 @@ def schedule(
     prefill = choose_prefill(request, candidates, prefix_lengths, policy, now, device_lengths)
     config = policy.config
     ttft = prefill.ttft_s
+    is_decoded = is_decoding(request.max_tokens, is_inline_prefill=False)
     decode = select_decode(request.num_prompt_tokens, decode_views, config, policy.predictors.decode, now,
-                           now + ttft, num_pages=decode_pages(request, config),
-                           num_output_tokens=request.predicted_output_tokens, num_sequences=request.num_sequences,
+                           now + ttft, num_pages=decode_pages(request, config, is_inline_prefill=False),
+                           num_output_tokens=request.predicted_output_tokens,
+                           num_sequences=request.num_sequences if is_decoded else 0,
                            max_defer_s=min(config.max_decode_defer_s, config.ttft_slo_s - ttft))
     if decode.view is None:
         return Rejection(request.request_id, REASON_NO_DECODE, ttft, 0.0)
@@ -134,11 +136,13 @@ def store_prefix_lengths(index: ShadowIndex, request: RequestInfo,
     return {store: n for store, n in lengths.items() if store not in excluded_stores}
 
 
-def decode_pages(request: RequestInfo, config: PolicyConfig) -> int:
-    """The KV pages a decode instance holds for `request` (0 when its max_tokens is unknown)."""
+def decode_pages(request: RequestInfo, config: PolicyConfig, *, is_inline_prefill: bool) -> int:
+    """The KV pages a decode instance holds for `request` (0 when its max_tokens is unknown, or when it does not
+    decode: sched/decode_memory.is_decoding)."""
     if not request.max_tokens:
         return 0
-    return num_pages_for(request.num_prompt_tokens, request.max_tokens, config.block_size, request.num_sequences)
+    return decode_num_pages(request.num_prompt_tokens, request.max_tokens, config.block_size, request.num_sequences,
+                            is_inline_prefill=is_inline_prefill)
 
 
 def eligible_prefill(request: RequestInfo, prefill_views: Sequence[PrefillInstanceView],

@@ -4,7 +4,9 @@ admits on, run by the conductor, the decode instance's RESERVE and the simulator
 1. Every sequence a decode instance holds or has promised to hold is a `DecodeHold`: its KV pages (prompt and
    max_tokens, as the decode role allocates them: `num_pages_for`, a parallel sampling's prompt pages once)
    from `starts_at` (now for a running sequence; the predicted decode start for a placed one) until `ends_at`
-   (its predicted end, from the output-length predictor).
+   (its predicted end, from the output-length predictor). A request whose only token is its prefill's first
+   (`is_decoding` false: max_tokens 1, prefilled elsewhere) holds nothing: its decode instance commits the
+   prefilled blocks to its store and never runs it (`decode_num_pages` is 0 and it takes no batch slot).
 2. `peak_use` gives the most pages and sequences held at once over a time window: at its start and at every
    later hold's start inside it (holds only end between those times, so the peak is at one of them).
 3. `forecast_refusal` admits a new hold when, over its whole predicted life, the peak leaves room for its pages
@@ -43,6 +45,20 @@ def num_pages_for(num_prompt_tokens: int, max_tokens: int, block_size: int, num_
     num_shared = num_prompt_tokens // block_size
     num_own = -(-(num_prompt_tokens + max_tokens) // block_size) - num_shared
     return num_shared + num_own * num_sequences
+
+
+def is_decoding(max_tokens: int, is_inline_prefill: bool) -> bool:
+    """Whether a request runs in its decode instance's batch at all: not when its prefill's first token is all it
+    asks for (max_tokens 1) and that prefill runs elsewhere. max_tokens 0 (unknown) decodes."""
+    return max_tokens != 1 or is_inline_prefill
+
+
+def decode_num_pages(num_prompt_tokens: int, max_tokens: int, block_size: int, num_sequences: int = 1, *,
+                     is_inline_prefill: bool) -> int:
+    """The pages a decode instance takes for a request: `num_pages_for`, or none when it does not decode."""
+    if not is_decoding(max_tokens, is_inline_prefill):
+        return 0
+    return num_pages_for(num_prompt_tokens, max_tokens, block_size, num_sequences)
 
 
 def peak_use(holds: Sequence[DecodeHold], starts_at: float, ends_at: float) -> tuple[int, int]:

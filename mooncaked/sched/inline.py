@@ -72,7 +72,8 @@ def place_inline(request: RequestInfo, decode_views: Sequence[DecodeInstanceView
     prompt is at most its `inline_max_tokens` (else REASON_NO_PREFILL)."""
     config, predictors = policy.config, policy.predictors
     choice = select_decode(request.num_prompt_tokens, decode_views, config, predictors.decode, now, now,
-                           num_pages=decode_pages(request, config), num_output_tokens=request.predicted_output_tokens,
+                           num_pages=decode_pages(request, config, is_inline_prefill=True),
+                           num_output_tokens=request.predicted_output_tokens,
                            num_sequences=request.num_sequences)
     if choice.view is None:
         return Rejection(request.request_id, REASON_NO_DECODE)

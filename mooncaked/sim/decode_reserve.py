@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from mooncaked.sched.decode_admission import StepLimit, reserve_refusal
-from mooncaked.sched.decode_memory import DecodeHold, forecast_refusal, num_pages_for
+from mooncaked.sched.decode_memory import DecodeHold, forecast_refusal, is_decoding, num_pages_for
+from mooncaked.sched.types import Placement
 from mooncaked.sim.cluster import DecodeInstance
 from mooncaked.sim.config import SimConfig
 from mooncaked.sim.costs import CostModel
@@ -28,13 +29,16 @@ class DecodeReserve:
         self.config = config
         self.costs = costs
 
-    def refusal(self, decode: DecodeInstance, num_prompt_tokens: int, max_tokens: int, decode_start_s: float,
+    def refusal(self, decode: DecodeInstance, num_prompt_tokens: int, max_tokens: int, placement: Placement,
                 predicted_tokens: int, all_predicted: Mapping[int, int], now: float) -> str:
-        """Why RESERVE refuses the request now ("" when it takes it); `decode_start_s`: its predicted decode start."""
+        """Why RESERVE refuses the request now ("" when it takes it); one that does not decode there
+        (decode_memory.is_decoding: its prefill's first token ends it) needs nothing of it."""
         config = self.config.scheduler
+        if not is_decoding(max_tokens, is_inline_prefill=not placement.prefill_instance):
+            return ""
         num_pages = num_pages_for(num_prompt_tokens, max_tokens, decode.block_size)
         if config.admission == "early_rejection_predicted":
-            starts_at = now + decode_start_s
+            starts_at = now + placement.predicted_decode_start_s
             new = DecodeHold(num_pages, starts_at, starts_at + self.decode_s(decode, predicted_tokens))
             return forecast_refusal(new, self.page_holds(decode, now, all_predicted), decode.num_pages,
                                     decode.max_num_running)

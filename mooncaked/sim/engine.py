@@ -3,12 +3,13 @@
 A request's life in the simulator:
 1. ARRIVAL: the engine builds the instance views and calls `mooncaked.sched.inline.place` (Algorithm 1, or an
    inline prefill on a decode instance, as the conductor places); a Rejection is recorded. The decode instance's
-   RESERVE rule (`sched.decode_admission.reserve_refusal`) then sets the request's KV pages (prompt and output)
-   aside until it ends, or refuses it (recorded as `decode_<reason>`; under `none` and `baseline` the request
-   waits in the decode instance's queue instead). An inline Placement queues the prefill for the decode
-   instance's next step, which runs it before its decode. A Placement locks the reused prefix in its store(s), starts
-   the remote fetch if any (it holds the source and destination NICs for bytes / bandwidth), queues the prefill job
-   and announces the request to its decode instance as incoming.
+   RESERVE rule (`sched.decode_admission.reserve_refusal`) then sets the request's KV pages (prompt and output;
+   none when its prefill's first token ends it, `sched.decode_memory.is_decoding`) aside until it ends, or refuses
+   it (recorded as `decode_<reason>`; under `none` and `baseline` the request waits in the decode instance's queue
+   instead). An inline Placement queues the prefill for the decode instance's next step, which runs it before its
+   decode. A Placement locks the reused prefix in its store(s), starts the remote fetch if any (it holds the source
+   and destination NICs for bytes / bandwidth), queues the prefill job and announces a request that decodes to its
+   decode instance as incoming.
 2. FETCH_DONE: the fetched blocks are in the job's pages; they are committed to the prefill host's store where
    they find room (hot-spot replication; prefix_fetch.py).
 3. Prefill (prefill_side.py): each forward takes the jobs `sched.prefill_batch.take_batch` picks (the prefill
@@ -51,7 +52,7 @@ from typing import Any
 from mooncaked.sched.algorithm import SchedulerPolicy
 from mooncaked.sched.decode_admission import (WAITING_POLICIES, capacity_refusal, refusal_after_prefill,
                                               rejection_reason)
-from mooncaked.sched.decode_memory import num_pages_for
+from mooncaked.sched.decode_memory import decode_num_pages, is_decoding
 from mooncaked.sched.inline import place
 from mooncaked.sched.shadow_index import ShadowIndex
 from mooncaked.sched.types import REASON_DECODE_REFUSED, DecodeInstanceView, Placement, RequestInfo
@@ -173,7 +174,8 @@ class Simulator:
             record.rejection_reason = decision.reason
             return
         decode = self.decode_by_id[decision.decode_instance]
-        num_pages = num_pages_for(record.input_length, record.output_length, decode.block_size)
+        num_pages = decode_num_pages(record.input_length, record.output_length, decode.block_size,
+                                     is_inline_prefill=not decision.prefill_instance)
         refusal = capacity_refusal(num_pages, decode.num_pages)
         if not refusal:
             refusal = self._reserve_refusal(decode, record, decision, predicted, now)
@@ -191,13 +193,13 @@ class Simulator:
                predicted: int) -> None:
         """RESERVE took the request: its pages are the decode instance's to give, and its prefill (or inline
         prefill) begins."""
-        record = self.records[request.index]
-        decode.reserved_pages[request.index] = num_pages_for(record.input_length, record.output_length,
-                                                             decode.block_size)
+        record, is_inline = self.records[request.index], not placement.prefill_instance
+        decode.reserved_pages[request.index] = decode_num_pages(record.input_length, record.output_length,
+                                                                decode.block_size, is_inline_prefill=is_inline)
         decode.decode_s[request.index] = self.reserve.decode_s(decode, predicted)
         if predicted:
             self.predicted_tokens[request.index] = predicted
-        if placement.prefill_instance:
+        if not is_inline:
             self._place(now, request, placement, record)
         else:
             self.decode_side.place_inline(now, request, placement, record)
@@ -220,8 +222,8 @@ class Simulator:
 
     def _reserve_refusal(self, decode: DecodeInstance, record: RequestRecord, placement: Placement, predicted: int,
                          now: float) -> str:
-        return self.reserve.refusal(decode, record.input_length, record.output_length, placement.predicted_decode_start_s,
-                                    predicted, self.predicted_tokens, now)
+        return self.reserve.refusal(decode, record.input_length, record.output_length, placement, predicted,
+                                    self.predicted_tokens, now)
 
     def _decode_view(self, decode: DecodeInstance, is_predicted: bool, now: float) -> DecodeInstanceView:
         if not self.forecast.is_enabled:
@@ -237,7 +239,8 @@ class Simulator:
     def _place(self, now: float, request: TraceRequest, placement: Placement, record: RequestRecord) -> None:
         """A placement with a prefill instance: its job there, and the request incoming on its decode instance."""
         decode = self.decode_by_id[placement.decode_instance]
-        decode.incoming[request.index] = (now + placement.predicted_decode_start_s, request.input_length)
+        if is_decoding(record.output_length, is_inline_prefill=False):  # else its prefill's first token ends it
+            decode.incoming[request.index] = (now + placement.predicted_decode_start_s, request.input_length)
         self.prefill_side.place(now, request, placement, record)
 
     def _hand_to_decode(self, now: float, job: PrefillJob, record: RequestRecord) -> None:

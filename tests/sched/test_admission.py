@@ -162,3 +162,25 @@ def test_a_parallel_sampling_counts_its_shared_prompt_pages_once_and_a_slot_per_
                           [DecodeInstanceView("d", "sd", 1, 2000, 64, 10**9, num_pages=40)], ShadowIndex(), policy,
                           100.0)
     assert isinstance(more_pages, Rejection) and more_pages.reason == "decode_full"  # 31 + 4 * 4 > 40
+
+
+def test_a_request_its_prefill_first_token_ends_is_placed_beside_a_full_decode_instance() -> None:
+    """max_tokens 1: it never joins the decode batch or takes its pages (sched/decode_memory.is_decoding), so neither
+    a full batch nor full pages nor a slow step refuse it; of two instances it goes to the less loaded."""
+    full_pages = DecodeInstanceView("d0", "s0", 1, 1000, 64, 1000, num_pages=10,
+                                    page_holds=(DecodeHold(10, 100.0, 1000.0),))  # its context and pages are full
+    slow = DecodeInstanceView("d1", "s1", 64, 64_000, 64, 10**9, running_started_at=(100.0,) * 64,
+                              running_tokens=(1000,) * 64)  # 64 running until 105: 640 ms steps, batch full
+    prefills = [PrefillInstanceView("p", "sp")]
+    for admission in ("early_rejection", "early_rejection_predicted"):
+        for views in ([full_pages], [slow], [slow, full_pages]):
+            decoding = schedule(RequestInfo("r", 2000, (), max_tokens=8), prefills, views, ShadowIndex(),
+                                _policy(admission), 100.0)
+            assert isinstance(decoding, Rejection) and decoding.reason in ("decode_full", "tbt_slo")
+            first_only = schedule(RequestInfo("r", 2000, (), max_tokens=1), prefills, views, ShadowIndex(),
+                                  _policy(admission), 100.0)
+            assert isinstance(first_only, Placement) and first_only.predicted_tbt_s == 0.0
+            assert first_only.decode_instance == ("d0" if len(views) == 2 else views[0].instance_id)
+    choice = select_decode(2000, [slow, full_pages], _policy("early_rejection_predicted").config, DECODE, 100.0,
+                           102.0, num_pages=0, num_sequences=0)
+    assert choice.view is full_pages and choice.has_room and choice.decode_defer_s == 0.0

@@ -5,7 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mooncaked.sched.decode_memory import DecodeHold, earliest_fit, forecast_refusal, num_pages_for, peak_use
+from mooncaked.sched.decode_memory import (DecodeHold, decode_num_pages, earliest_fit, forecast_refusal, is_decoding,
+                                           num_pages_for, peak_use)
 
 
 def test_pages_cover_the_prompt_and_every_token_it_may_generate() -> None:
@@ -20,6 +21,19 @@ def test_parallel_sequences_hold_the_full_prompt_blocks_once_and_each_its_own_ta
     together = num_pages_for(num_prompt_tokens, max_tokens, block_size, num_sequences)
     num_shared = num_prompt_tokens // block_size
     assert together == num_shared + (alone - num_shared) * num_sequences <= alone * num_sequences
+
+
+@given(num_prompt_tokens=st.integers(1, 500), max_tokens=st.integers(0, 500), block_size=st.sampled_from([1, 16, 64]),
+       num_sequences=st.integers(1, 8), is_inline_prefill=st.booleans())
+def test_only_a_request_its_prefill_first_token_ends_takes_no_decode_pages(
+        num_prompt_tokens: int, max_tokens: int, block_size: int, num_sequences: int, is_inline_prefill: bool) -> None:
+    pages = decode_num_pages(num_prompt_tokens, max_tokens, block_size, num_sequences,
+                             is_inline_prefill=is_inline_prefill)
+    if max_tokens == 1 and not is_inline_prefill:  # the prefill's first token is all of it: nothing decodes
+        assert not is_decoding(max_tokens, is_inline_prefill) and pages == 0
+    else:  # an inline prefill computes its prompt into the decode instance's pages; max_tokens 0 is unknown
+        assert is_decoding(max_tokens, is_inline_prefill)
+        assert pages == num_pages_for(num_prompt_tokens, max_tokens, block_size, num_sequences) > 0
 
 
 def test_a_sequence_predicted_to_end_before_the_decode_start_leaves_room() -> None:

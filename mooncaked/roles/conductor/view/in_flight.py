@@ -1,7 +1,8 @@
 """This conductor's requests between placement and their end: the queue model between LOAD polls.
 
 1. `begin` when a leg is placed: its predicted prefill time (the prefill instance's queue), predicted decode
-   start and context (the decode instance's incoming requests), its max_tokens and client (output-length keys).
+   start and context (the decode instance's incoming requests), its max_tokens and client (output-length keys),
+   and whether it decodes at all (not when its prefill's first token ends it: sched/decode_memory.is_decoding).
 2. `prefill_done`, `decode_started` and `generated` as the leg advances; `finish` when it is settled.
 3. The instance views read `on_prefill(name)` / `on_decode(name)`; `num_waiting()` feeds the queue metrics.
 """
@@ -9,6 +10,7 @@
 from __future__ import annotations
 
 from mooncaked.roles.conductor.view.instances import InFlight
+from mooncaked.sched.decode_memory import is_decoding
 from mooncaked.sched.types import Placement, RequestInfo
 
 
@@ -27,7 +29,8 @@ class InFlightTable:
             request.request_id, placement.prefill_instance, placement.decode_instance,
             placement.predicted_prefill_s, now, now + placement.predicted_decode_start_s, request.num_prompt_tokens,
             max_tokens=max_tokens, client_id=client_id, is_prefilled=not placement.prefill_instance,
-            num_sequences=request.num_sequences)
+            num_sequences=request.num_sequences,
+            is_decoding=is_decoding(request.max_tokens, is_inline_prefill=not placement.prefill_instance))
 
     def prefill_done(self, request_id: str) -> None:
         flight = self._flights.get(request_id)

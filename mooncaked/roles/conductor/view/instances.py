@@ -5,8 +5,8 @@
 2. `prefill_view`: the instance's own predicted held work (LOAD's `pending_work_s`, less the time since the
    reply) plus this conductor's requests the reply did not count yet, its fitted model and per-request overhead.
    A prefill group's first stage reports the group's queue and its pipeline (`pipeline_spec`).
-3. `decode_view`: the running batch and the requests placed there, with per-request predicted ends from the
-   output-length predictor (each request's remaining tokens times the instance's predicted step time).
+3. `decode_view`: the running batch and the requests placed there that decode, with per-request predicted ends
+   from the output-length predictor (each request's remaining tokens times the instance's predicted step time).
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ class InFlight:
     is_prefilled: bool = False
     decode_started_at: float | None = None
     num_generated: int = 0
+    is_decoding: bool = True  # false: its prefill's first token ends it (sched/decode_memory.is_decoding)
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,9 @@ def page_holds(load: LoadReply | None, flights: list[InFlight], forecast: Output
 
 def decode_view(worker: WorkerState, flights: list[InFlight], predictors: LivePredictors, forecast: OutputForecast,
                 block_size: int, now: float) -> DecodeInstanceView:
-    """`flights`: this conductor's requests placed on `worker` (decoding, or still being prefilled)."""
+    """`flights`: this conductor's requests placed on `worker` (decoding, or still being prefilled); one that
+    does not decode there (`InFlight.is_decoding`) is no load of it."""
+    flights = [f for f in flights if f.is_decoding]
     running = [f for f in flights if f.decode_started_at is not None]
     started_at = [f.decode_started_at or now for f in running]
     tokens = [f.num_context_tokens + f.num_generated for f in running]

@@ -63,10 +63,14 @@ class RunningSeq:
         return len(self.token_ids) - self.num_prompt_tokens
 
 
+def is_stop_token(params: SamplingParams, token_id: int, eos_token_ids: tuple[int, ...]) -> bool:
+    return token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids)
+
+
 def finish_reason_for(seq: RunningSeq, token_id: int, eos_token_ids: tuple[int, ...], max_model_len: int) -> str:
     """Why `seq` ends after `token_id` was appended ("" if it goes on)."""
     params = seq.params
-    if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
+    if is_stop_token(params, token_id, eos_token_ids):
         return FINISH_EOS
     if seq.grammar is not None and seq.grammar.is_done:  # the constrained output is complete
         return FINISH_EOS

@@ -29,12 +29,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mooncaked.engine.page_allocator import PageAllocator
+from mooncaked.roles.worker.decode.room import Room
 from mooncaked.roles.worker.kv.plan import store_owner
 from mooncaked.roles.worker.messages import Destination, ReserveReply, ReserveRequest
 from mooncaked.roles.worker.worker import Worker
 from mooncaked.rpc import Unavailable
 from mooncaked.runtime.supervised import start_supervised, stop_task
-from mooncaked.sched.decode_memory import DecodeHold
+from mooncaked.sched.decode_memory import DecodeHold, is_decoding
 from mooncaked.sched.priority import queue_rank
 from mooncaked.store.client import incarnation_of
 from mooncaked.store.messages import BlockLocation, WriteHandle
@@ -42,40 +43,6 @@ from mooncaked.store.messages import BlockLocation, WriteHandle
 logger = logging.getLogger(__name__)
 
 EXPIRY_PERIOD_S = 1.0  # how late past its lease an unclaimed reservation may be given back
-
-
-class Room:
-    """Wakes RESERVE calls waiting for KV pages or a batch slot (owned by the ReservationBook)."""
-
-    def __init__(self) -> None:
-        self._changed = asyncio.Condition()
-        self.num_changes = 0  # how many times room was freed: a waiter that read it before a try misses no wake-up
-
-    async def freed(self) -> None:
-        async with self._changed:
-            self.num_changes += 1
-            self._changed.notify_all()
-
-    async def wait_changed(self, since: int, timeout_s: float) -> None:
-        """Until room was freed after `num_changes` read `since`, or `timeout_s` runs out."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(max(timeout_s, 0.0)), self._changed:
-                await self._changed.wait_for(lambda: self.num_changes != since)
-
-    async def wait_until(self, refusal: Callable[[], str], timeout_s: float) -> str:
-        """Wait until `refusal()` is "" or `timeout_s` runs out; returns the last refusal ("" once there is room)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        async with self._changed:
-            while reason := refusal():
-                left_s = deadline - loop.time()
-                if left_s <= 0:
-                    return reason
-                try:
-                    await asyncio.wait_for(self._changed.wait(), left_s)
-                except TimeoutError:
-                    return refusal()
-            return ""
 
 
 @dataclass
@@ -97,6 +64,11 @@ class Reservation:
     granted: asyncio.Event = field(default_factory=asyncio.Event)
     is_claimed: bool = False  # DECODE took it: its pages are the request's (or about to be)
     is_at_decode: bool = False  # its pages are wanted only from DECODE on (admitted on the forecast at decode start)
+
+    @property
+    def num_seqs(self) -> int:
+        """Batch slots it takes: its sequences, none when its request does not decode (decode_memory.is_decoding)."""
+        return self.request.num_sequences if is_decoding(self.request.max_tokens, self.request.is_inline_prefill) else 0
 
     @property
     def owner(self) -> str:
@@ -156,14 +128,14 @@ class ReservationBook:
         return [r for r in self.by_id.values() if not r.granted.is_set() and (r.is_claimed or not r.is_at_decode)]
 
     def num_prompt_tokens(self) -> int:
-        return sum(r.request.num_prompt_tokens * r.request.num_sequences for r in self.by_id.values())
+        return sum(r.request.num_prompt_tokens * r.num_seqs for r in self.by_id.values())
 
     def num_prefilling(self) -> int:
         """Reservations DECODE has not claimed yet: their prompts are still queued or prefilling elsewhere."""
         return sum(1 for r in self.by_id.values() if not r.is_claimed)
 
     def num_sequences(self) -> int:
-        return sum(r.request.num_sequences for r in self.by_id.values())
+        return sum(r.num_seqs for r in self.by_id.values())
 
     def next_expiry(self, default: float) -> float:
         return min((r.expires_at for r in self.by_id.values()), default=default)
@@ -190,11 +162,10 @@ class ReservationBook:
     def grant(self) -> None:
         """Pages and batch slots to queued reservations, in queue order; the first that does not fit stops it."""
         pages = self._pages()
-        num_seqs = self.num_running() + sum(r.request.num_sequences for r in self.by_id.values()
-                                            if r.granted.is_set())
+        num_seqs = self.num_running() + sum(r.num_seqs for r in self.by_id.values() if r.granted.is_set())
         queued = (r for r in self.by_id.values() if not r.granted.is_set() and (r.is_claimed or not r.is_at_decode))
         for reservation in sorted(queued, key=lambda r: r.rank):
-            num_more = reservation.request.num_sequences
+            num_more = reservation.num_seqs
             if reservation.num_pages > pages.num_free or num_seqs + num_more > self.worker.section.max_batch_size:
                 return
             pages.allocate(reservation.num_pages, owner=reservation.owner)
@@ -220,8 +191,7 @@ class ReservationBook:
         for r in self.by_id.values():
             starts_at = now if r.is_claimed else max(r.decode_start_at, now)
             num_tokens = r.request.predicted_output_tokens or r.request.max_tokens
-            holds.append(DecodeHold(r.num_pages, starts_at, starts_at + max(num_tokens, 1) * step_s,
-                                    r.request.num_sequences))
+            holds.append(DecodeHold(r.num_pages, starts_at, starts_at + max(num_tokens, 1) * step_s, r.num_seqs))
         return holds
 
     def _pages(self) -> PageAllocator:
@@ -251,7 +221,7 @@ class ReservationBook:
         reply = await store.allocate(request.block_keys, self.worker.block_nbytes, request.lease_ms, **owner)
         reservation.handles, reservation.present, reservation.lease_id = reply.handles, reply.present, \
             reply.read_lease_id
-        if request.num_prompt_tokens % self.worker.block_size:
+        if request.num_prompt_tokens % self.worker.block_size and reservation.num_seqs:  # a tail only to decode on
             tail_key = hashlib.blake2b(request.request_id.encode() + os.urandom(8), digest_size=16).digest()
             tail = await store.allocate([tail_key], self.worker.block_nbytes, request.lease_ms, **owner)
             reservation.tail = tail.handles[0]

@@ -8,11 +8,12 @@
 2. DECODE with a first token: load the prompt's blocks from this host's store (the prefill instance wrote them)
    into pages layer by layer, layer i+1's read under way while layer i is copied into the pages, off the
    compute thread (running sequences keep decoding meanwhile); commit the full blocks (they become cache
-   here), drop the tail block and join the batch. DECODE without one: prefill inline (the colocated path,
-   inline_prefill.py), then join. A parallel sampling's further sequences (`num_sequences`, their first tokens
+   here), drop the tail block and join the batch; when that first token ended the request (max_tokens 1),
+   only commit the blocks (sequences.commit_only: no page is taken). DECODE without one: prefill inline (the
+   colocated path, inline_prefill.py), then join. A parallel sampling's further sequences (`num_sequences`, their first tokens
    drawn by the same prefill) share the prompt's full-block pages and copy only its partial last block
    (sequences.py), and join as sequences of their own; RESERVE set aside the shared pages once and each
-   sequence's own (`num_pages_for`).
+   sequence's own (`decode_num_pages`).
 3. Stream one item per step (several when the consumer lags), each naming its sequence, until every sequence
    ended at EOS, a stop token or max_tokens; when the stream ends for any reason, leave the batch and free the
    pages.
@@ -33,7 +34,7 @@ from mooncaked.roles.worker.decode.admission import ReserveAdmission
 from mooncaked.roles.worker.decode.inline_prefill import InlinePrefill
 from mooncaked.roles.worker.decode.loop import DecodeLoop, Outbox, RunningSeq, finish_reason_for
 from mooncaked.roles.worker.decode.reservations import Reservation, ReservationBook
-from mooncaked.roles.worker.decode.sequences import fork, load_prefilled, stream_items
+from mooncaked.roles.worker.decode.sequences import commit_only, fork, load_prefilled, stream_items
 from mooncaked.roles.worker.grammar import follow_first_token
 from mooncaked.roles.worker.kv.device_report import device_cache_report
 from mooncaked.roles.worker.kv.plan import check_block_keys
@@ -49,7 +50,7 @@ from mooncaked.runtime.metrics import Metrics
 from mooncaked.runtime.metrics_http import MetricsEndpoint
 from mooncaked.sched.decode_admission import (REASON_PAGES_NOT_FREED, WAITING_POLICIES, capacity_refusal,
                                               refusal_after_prefill)
-from mooncaked.sched.decode_memory import num_pages_for
+from mooncaked.sched.decode_memory import decode_num_pages, is_decoding
 
 logger = logging.getLogger(__name__)
 
@@ -155,12 +156,13 @@ class DecodeRole:
                                   f"got {request.lease_ms}")
         await self.reservations.expire()
         await self.reservations.drop_orphans(ctx.peer_instance, request.conductor_run)
-        num_pages = num_pages_for(request.num_prompt_tokens, request.max_tokens, self.worker.block_size,
-                                  request.num_sequences)
+        is_decoded = is_decoding(request.max_tokens, request.is_inline_prefill)
+        num_pages = decode_num_pages(request.num_prompt_tokens, request.max_tokens, self.worker.block_size,
+                                     request.num_sequences, is_inline_prefill=request.is_inline_prefill)
         if reason := capacity_refusal(num_pages, self.worker.num_pages):
             return ReserveReply(is_accepted=False, reason=reason)
-        reason = self.admission.refusal(request, num_pages)
-        if (reason or self.admission.waiting) and self.config.scheduler.admission in WAITING_POLICIES:
+        reason = self.admission.refusal(request, num_pages) if is_decoded else ""
+        if is_decoded and (reason or self.admission.waiting) and self.config.scheduler.admission in WAITING_POLICIES:
             reason = await self.admission.wait_for_room(request, num_pages, ctx)
         if reason:
             return ReserveReply(is_accepted=False, reason=reason)
@@ -209,6 +211,10 @@ class DecodeRole:
         grammars = [self.worker.grammar.state_for(spec, request.token_ids) for _ in range(num_seqs)]
         reservation = self._claim(request)
         reservation.is_claimed = True
+        if request.first_token is not None and spec.max_tokens == 1:
+            async for item in commit_only(self.worker, self.reservations, request, reservation, params):
+                yield item
+            return
         self.reservations.grant()  # one wanted at DECODE joins the page queue now
         num_cached_tokens, prompt_logprobs, kvs = 0, [], []
         try:

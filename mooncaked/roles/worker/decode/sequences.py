@@ -3,7 +3,8 @@
 1. `load_prefilled(worker, request, reservation)`: the prompt's blocks, from this host's store (the prefill
    instance wrote them), loaded into a request's pages layer by layer off the compute thread (but the leading
    full blocks the device prefix cache holds, read in place); the reserved full blocks are committed (cache on
-   this host), and the prompt's full blocks stay in the device prefix cache once the request ends.
+   this host: `commit_prefilled`), and the prompt's full blocks stay in the device prefix cache once the request
+   ends. `commit_only`: the DECODE of a request its prefill's first token ended (max_tokens 1) only commits.
 2. `fork(worker, kv, request_id, max_tokens)`: a parallel sampling's further sequence: it reads the prompt's
    full-block pages in place, shared with the first sequence (the prompt was prefilled once; a page is freed
    when its last sequence ends), and takes pages of its own (its share of the reservation's) for a copy of the
@@ -17,16 +18,17 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from mooncaked.roles.worker.decode.loop import Outbox
-from mooncaked.roles.worker.decode.reservations import Reservation
+from mooncaked.model.sampling_params import SamplingParams
+from mooncaked.roles.worker.decode.loop import Outbox, is_stop_token
+from mooncaked.roles.worker.decode.reservations import Reservation, ReservationBook
 from mooncaked.roles.worker.kv.request_kv import RequestKv
 from mooncaked.roles.worker.kv.spans import StoreBlocks
-from mooncaked.roles.worker.messages import DecodeItem, DecodeRequest, TokenSample
+from mooncaked.roles.worker.messages import FINISH_EOS, FINISH_LENGTH, DecodeItem, DecodeRequest, TokenSample
+from mooncaked.roles.worker.sampling import sequence_params
 from mooncaked.roles.worker.worker import Worker
 
 
 async def load_prefilled(worker: Worker, request: DecodeRequest, reservation: Reservation) -> RequestKv:
-    store = worker.local_store
     kv = RequestKv(worker, request.request_id, len(request.token_ids), reservation.request.max_tokens,
                    reserved_by=reservation.owner, block_keys=request.block_keys,
                    num_shareable_blocks=len(request.block_keys))
@@ -41,13 +43,33 @@ async def load_prefilled(worker: Worker, request: DecodeRequest, reservation: Re
                                       reservation.incarnation)], kv.num_blocks if blocks else 0)
         await kv.wait_loaded()
         kv.mark_complete()
-        if reservation.handles:
-            await store.commit([h.handle_id for h in reservation.handles])
-            reservation.handles = []
+        await commit_prefilled(worker, reservation)
     except BaseException:
         await kv.release()
         raise
     return kv
+
+
+async def commit_prefilled(worker: Worker, reservation: Reservation) -> None:
+    """The prompt's full blocks the prefill instance wrote here become cache on this host (its store's commit)."""
+    if reservation.handles:
+        await worker.local_store.commit([h.handle_id for h in reservation.handles])
+        reservation.handles = []
+
+
+async def commit_only(worker: Worker, reservations: ReservationBook, request: DecodeRequest,
+                      reservation: Reservation, params: SamplingParams) -> AsyncIterator[DecodeItem]:
+    """DECODE of a request its prefill's first tokens ended (max_tokens 1): no page is taken and nothing decodes;
+    the prefilled blocks are committed, the reservation dropped, and each sequence's end reported."""
+    try:
+        await commit_prefilled(worker, reservation)
+    finally:
+        await reservations.drop(request.request_id)
+    assert worker.loaded is not None
+    for q, first in enumerate([request.first_token, *request.more_first_tokens]):
+        assert first is not None
+        is_stop = is_stop_token(sequence_params(params, q), first.token_id, worker.loaded.eos_token_ids)
+        yield DecodeItem(tokens=[], finish_reason=FINISH_EOS if is_stop else FINISH_LENGTH, sequence=q)
 
 
 async def fork(worker: Worker, kv: RequestKv, request_id: str, max_tokens: int, reserved_by: str = "") -> RequestKv:

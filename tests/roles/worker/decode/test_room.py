@@ -1,10 +1,10 @@
-"""The room RESERVE calls wait on (reservations.Room): woken when room is freed, given up at the deadline."""
+"""The room RESERVE calls wait on (decode/room.py): woken when room is freed, given up at the deadline."""
 
 from __future__ import annotations
 
 import asyncio
 
-from mooncaked.roles.worker.decode.reservations import Room
+from mooncaked.roles.worker.decode.room import Room
 
 
 async def test_a_waiting_reserve_wakes_when_room_is_freed_and_gives_up_at_its_deadline() -> None:
