@@ -8,10 +8,10 @@
 2. `weight_targets(prefix)` maps the Hugging Face tensors (`mlp.gate.weight`, `mlp.experts.{e}.gate_proj.weight`,
    ..., `mlp.shared_experts.*`) into those parameters; another shard's experts have no target.
 3. `forward(x)` routes every token (model.moe_routing), sorts the (token, expert) pairs by expert and runs each
-   expert once on its block of rows (`run_experts`): on CPU a loop over the experts that got rows, so only their
-   weights are read; on CUDA in bf16 two grouped GEMMs (torch._grouped_mm) with no host synchronisation (other
-   dtypes take the loop there too). Cost follows
-   the active parameters: no per-token loop and no dense pass over every expert.
+   expert once on its block of rows (`run_experts`): two grouped GEMMs (torch._grouped_mm: on CPU in fp32/bf16,
+   an expert without rows is never read; on CUDA in bf16, with no host synchronisation), else a loop over the
+   experts that got rows; a single token on CPU runs its K experts directly. Cost follows the active parameters:
+   no per-token loop and no dense pass over every expert.
 """
 
 from __future__ import annotations
@@ -90,6 +90,8 @@ def run_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
     x [T, H]; weights fp32 [T, K]; expert_ids int64 [T, K] in [0, num_experts); gate_up [E_local, H, 2I];
     down [E_local, I, H] -> [T, H] in x's dtype.
     """
+    if x.shape[0] == 1 and not x.is_cuda:
+        return run_experts_one_token(x, weights, expert_ids, gate_up, down, expert_offset)
     if not is_grouped_mm_supported(x, gate_up):
         return run_experts_reference(x, weights, expert_ids, gate_up, down, expert_offset, num_experts)
     inter = gate_up.shape[2] // 2
@@ -108,6 +110,21 @@ def run_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
     row_weights = weights.flatten()[order].unsqueeze(1)  # [R, 1] fp32
     out.mul_(row_weights if out.dtype == torch.float32 else row_weights.to(out.dtype))
     return torch.zeros_like(x).index_add_(0, tokens, out)
+
+
+def run_experts_one_token(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor,
+                          down: torch.Tensor, expert_offset: int) -> torch.Tensor:
+    """`run_experts` for one token on CPU (a batch-1 decode step): its K experts run directly, one GEMV pair and an
+    accumulate each; no sort, grouping or scatter (~50-85 us less per layer than the grouped GEMMs, whose CPU
+    kernel visits every expert's group, measured on hidden 512, 16 experts, top-4)."""
+    inter, num_local = gate_up.shape[2] // 2, gate_up.shape[0]
+    out = torch.zeros_like(x)  # [1, H]
+    for expert, weight in zip(expert_ids[0].tolist(), weights[0].tolist()):  # host reads: CPU tensors, no sync
+        local = expert - expert_offset
+        if 0 <= local < num_local:  # another expert-parallel shard's experts are not read here
+            gate, up = torch.mm(x, gate_up[local]).split(inter, dim=-1)  # [1, I] each
+            out.addmm_(F.silu(gate).mul_(up), down[local], alpha=weight)
+    return out
 
 
 def run_experts_reference(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor,

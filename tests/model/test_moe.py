@@ -167,12 +167,13 @@ def test_grouped_experts_equal_dense_reference_and_shards_add_up(num_tokens: int
 
 
 @pytest.mark.parametrize("run", EXPERT_PATHS, ids=PATH_IDS)
-def test_experts_no_token_chose_are_never_read(run: RunExperts) -> None:
+@pytest.mark.parametrize("num_tokens", [1, 4])  # one token on CPU: its experts run directly (run_experts_one_token)
+def test_experts_no_token_chose_are_never_read(run: RunExperts, num_tokens: int) -> None:
     """NaN weights in every expert but the chosen ones: a dense pass (even masked by zero weights) would give NaN."""
     gate_up, down = _experts(8, 16, seed=6)
-    x = torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(7))
-    ids = torch.tensor([[1, 6], [6, 1], [1, 6], [6, 1]])
-    weights = torch.full((4, 2), 0.5)
+    x = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(7))
+    ids = torch.tensor([[1, 6], [6, 1], [1, 6], [6, 1]])[:num_tokens]
+    weights = torch.full((num_tokens, 2), 0.5)
     unused = [e for e in range(8) if e not in (1, 6)]
     gate_up[unused], down[unused] = float("nan"), float("nan")
     out = run(x, weights, ids, gate_up, down, 0, 8)
