@@ -5,11 +5,11 @@
    names it on the instances.
 2. `place()` runs Algorithm 1 (a Rejection becomes a 429 or 503), leaving out instances this request saw fail.
 3. `reserve()`, `prefill()`, `open_decode()` and `next_item()` drive the legs, each with its deadline; a wait for
-   the next token also ends as soon as the view reports the decode instance down (`watch_down`: a stopped
-   process keeps its connection open, so only the polls notice it) once it has waited a LOAD poll's deadline
-   (`conductor.load_poll_timeout_s`), as `decode_lost`. A leg
-   that fails in a way another instance can fix (unreachable, stopping, past its deadline) raises `LegFailed`
-   with the cause; every other failure raises the `ApiError` the client gets.
+   the next token also ends as soon as the view reports the decode instance down (`view.health.watch_down`,
+   view/worker_health.py: a stopped process keeps its connection open, so only the polls notice it) once it has
+   waited a LOAD poll's deadline (`conductor.load_poll_timeout_s`), as `decode_lost`. A leg that fails in a way
+   another instance can fix (unreachable, stopping, past its deadline) raises `LegFailed` with the cause; every
+   other failure raises the `ApiError` the client gets.
 4. `settle()` closes the DECODE stream (cancelling it remotely), runs an owed DECODE to its end, and UNRESERVEs a
    reservation DECODE never claimed; then the view forgets the leg.
 """
@@ -201,7 +201,7 @@ class Leg:
                         is_reported_down = True
                         scope.reschedule(loop.time())
 
-                stop_watching = self.view.watch_down(instance, give_up)
+                stop_watching = self.view.health.watch_down(instance, give_up)
                 try:
                     item = await anext(self.decode_stream)
                 finally:
@@ -223,7 +223,7 @@ class Leg:
         """LegFailed when another instance may succeed, Rejected for a refusal, else the ApiError."""
         logger.warning("%s leg on %s failed: %s", leg, instance, exc)
         if isinstance(exc, DeadlineExceeded):
-            self.view.report_failure(instance, str(exc))
+            self.view.health.report_failure(instance, str(exc))
             error = deadline_exceeded(f"The {leg} leg on {instance} missed its deadline; retry later.")
             return LegFailed(f"{leg}_deadline", instance, error)
         if isinstance(exc, Unavailable) and exc.message.startswith(REASON_KV_LOAD_FAILED):
@@ -237,7 +237,7 @@ class Leg:
             return LegFailed(f"{leg}_lost", instance,
                              unavailable(f"The {leg} instance {instance} could not load the KV; retry shortly."))
         if isinstance(exc, (Unavailable, Cancelled)):  # unreachable, or stopping and cancelling its calls
-            self.view.report_failure(instance, str(exc))
+            self.view.health.report_failure(instance, str(exc))
             return LegFailed(f"{leg}_lost", instance,
                              unavailable(f"The {leg} instance {instance} is unreachable; retry shortly."))
         if isinstance(exc, ResourceExhausted) and exc.message.startswith(REASON_PAGES_NOT_FREED):
