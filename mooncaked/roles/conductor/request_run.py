@@ -33,7 +33,8 @@ from mooncaked.kv.keys import block_keys, isolated_namespace
 from mooncaked.model.stopping import FINISH_LENGTH, FINISH_STOP, GenerationState
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.frontend import ConductorRequest, ModelFrontend
-from mooncaked.roles.conductor.leg import Leg, LegFailed, LegWork, Rejected, attempt_id
+from mooncaked.roles.conductor.leg import Leg, LegWork, attempt_id
+from mooncaked.roles.conductor.leg_failures import LegFailed, Rejected
 from mooncaked.roles.conductor.logprobs import prompt_logprobs, token_logprobs
 from mooncaked.roles.conductor.run_record import RecordSinks, RunRecord
 from mooncaked.roles.worker.messages import FINISH_EOS, PrefillReply, SamplingSpec, StoreTenant, TokenSample
