@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from mooncaked.roles.conductor.view.cluster import ClusterView
+from mooncaked.roles.conductor.view.worker_health import WorkerHealth
 from mooncaked.roles.worker.decode import loop as decode_loop
 from mooncaked.roles.worker.prefill import role as prefill_role
 from mooncaked.rpc import HEALTH, HealthRequest, RpcClient
@@ -69,7 +69,7 @@ async def test_a_failed_worker_loop_marks_its_instance_failed_and_the_request_is
 
 async def test_load_polling_survives_an_unexpected_exception(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(ClusterView, "_loaded", failing_once(ClusterView._loaded, ValueError("injected")))
+    monkeypatch.setattr(WorkerHealth, "loaded", failing_once(WorkerHealth.loaded, ValueError("injected")))
     config = make_config(tmp_path, conductor={"load_poll_interval_s": 0.05})
     async with running_roles(config, ["s0", "p0", "d0", "c0"]), aiohttp.ClientSession() as http:
         status = await asyncio.wait_for(status_of(http, url(config, "/v1/completions")), 30)

@@ -5,11 +5,12 @@
    names it on the instances.
 2. `place()` runs Algorithm 1 (a Rejection becomes a 429 or 503), leaving out instances this request saw fail.
 3. `reserve()`, `prefill()`, `open_decode()` and `next_item()` drive the legs, each with its deadline; a wait for
-   the next token also ends as soon as the view reports the decode instance down (`watch_down`: a stopped
-   process keeps its connection open, so only the polls notice it) once it has waited a LOAD poll's deadline
-   (`conductor.load_poll_timeout_s`), as `decode_lost`. A leg
-   that fails in a way another instance can fix (unreachable, stopping, past its deadline) raises `LegFailed`
-   with the cause; every other failure raises the `ApiError` the client gets.
+   the next token also ends as soon as the view reports the decode instance down (`view.health.watch_down`,
+   view/worker_health.py: a stopped process keeps its connection open, so only the polls notice it) once it has
+   waited a LOAD poll's deadline (`conductor.load_poll_timeout_s`), as `decode_lost`. A leg that fails in a way
+   another instance can fix (unreachable, stopping, past its deadline) raises `LegFailed` with the cause; a
+   refusal raises `Rejected`; every other failure raises the `ApiError` the client gets (leg_failures.py sorts
+   them).
 4. `settle()` closes the DECODE stream (cancelling it remotely), runs an owed DECODE to its end, and UNRESERVEs a
    reservation DECODE never claimed; then the view forgets the leg.
 """
@@ -24,23 +25,22 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from mooncaked.api.errors import ApiError, deadline_exceeded, internal_error, overloaded, unavailable
+from mooncaked.api.errors import deadline_exceeded, internal_error, overloaded, unavailable
 from mooncaked.config import Config
 from mooncaked.roles.base import PeerClients
+from mooncaked.roles.conductor.leg_failures import LegFailed, Rejected, leg_failure, rejection_error
 from mooncaked.roles.conductor.view.cluster import ClusterView
 from mooncaked.roles.worker.messages import (DECODE, DecodeItem, DecodeRequest, PREFILL, PrefillReply, PrefillRequest,
-                                             REASON_KV_LOAD_FAILED, RESERVE, ReserveReply, ReserveRequest,
-                                             SamplingSpec, StoreTenant, TokenSample, UNRESERVE, UnreserveRequest)
-from mooncaked.rpc import Cancelled, DeadlineExceeded, ResourceExhausted, RpcClient, RpcError, Unavailable
+                                             RESERVE, ReserveReply, ReserveRequest, SamplingSpec, StoreTenant,
+                                             TokenSample, UNRESERVE, UnreserveRequest)
+from mooncaked.rpc import RpcClient, RpcError
 from mooncaked.runtime.aio import aclose
-from mooncaked.sched.decode_admission import REASON_PAGES_NOT_FREED, rejection_reason
-from mooncaked.sched.types import Placement, REASON_DECODE_REFUSED, Rejection, RequestInfo
+from mooncaked.sched.decode_admission import rejection_reason
+from mooncaked.sched.types import Placement, Rejection, RequestInfo
 
 logger = logging.getLogger(__name__)
 
 UNRESERVE_TIMEOUT_S = 2.0  # cleanup only: an unclaimed reservation also ends with its lease
-MIGRATION_CAUSES = frozenset({f"{leg}_{kind}" for leg in ("reserve", "prefill", "decode")
-                              for kind in ("lost", "deadline")} | {"decode_pages", "prefill_source"})
 
 
 def attempt_id(request_id: str, num_migrations: int) -> str:
@@ -61,25 +61,6 @@ class LegWork:
     client_id: str
     key_isolation: bytes = b""  # who may share its KV (kv/keys.py)
     tenant: StoreTenant | None = None  # who owns its new blocks in the stores, and that tenant's shares
-
-
-class LegFailed(Exception):
-    """A leg failed in a way another instance may not: `cause` is one of MIGRATION_CAUSES."""
-
-    def __init__(self, cause: str, instance: str, error: ApiError) -> None:
-        super().__init__(f"{cause} on {instance}: {error.message}")
-        self.cause = cause
-        self.instance = instance
-        self.error = error
-
-
-class Rejected(Exception):
-    """The scheduler or an instance refused the request: `error` is the 429 or 503 and `reason` why."""
-
-    def __init__(self, reason: str, error: ApiError) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.error = error
 
 
 class Leg:
@@ -109,7 +90,7 @@ class Leg:
         now = time.monotonic()
         result = self.view.place(info, now, excluded=excluded)
         if isinstance(result, Rejection):
-            raise Rejected(result.reason, self._rejection_error(result))
+            raise Rejected(result.reason, rejection_error(result, float(self.config.conductor.retry_after_s)))
         self.view.flights.begin(info, result, now, max_tokens=work.max_tokens, client_id=work.client_id)
         self.placement = result
         self.predicted_output_tokens = predicted_tokens
@@ -117,14 +98,6 @@ class Leg:
                      result.prefill_instance or "inline", result.decode_instance, result.num_prefix_blocks,
                      result.num_local_prefix_blocks, result.fetch_from_store, result.predicted_ttft_s)
         return result
-
-    def _rejection_error(self, rejection: Rejection) -> ApiError:
-        if rejection.reason in ("no_prefill_instance", "no_decode_instance"):
-            role = "prefill" if rejection.reason == "no_prefill_instance" else "decode"
-            return unavailable(f"No {role} instance is up; retry shortly.")
-        text = _REJECTION_TEXT.get(rejection.reason, rejection.reason)
-        reason = text.format(ttft=rejection.predicted_ttft_s, tbt=rejection.predicted_tbt_s)
-        return overloaded(reason, float(self.config.conductor.retry_after_s))
 
     # ---- legs ---------------------------------------------------------------------------------------------
     async def reserve(self) -> ReserveReply:
@@ -201,7 +174,7 @@ class Leg:
                         is_reported_down = True
                         scope.reschedule(loop.time())
 
-                stop_watching = self.view.watch_down(instance, give_up)
+                stop_watching = self.view.health.watch_down(instance, give_up)
                 try:
                     item = await anext(self.decode_stream)
                 finally:
@@ -220,37 +193,11 @@ class Leg:
         return item
 
     def _failure(self, leg: str, instance: str, exc: RpcError) -> Exception:
-        """LegFailed when another instance may succeed, Rejected for a refusal, else the ApiError."""
+        """What the failed leg raises (leg_failures.py); reports the instance down when it did not answer."""
         logger.warning("%s leg on %s failed: %s", leg, instance, exc)
-        if isinstance(exc, DeadlineExceeded):
-            self.view.report_failure(instance, str(exc))
-            error = deadline_exceeded(f"The {leg} leg on {instance} missed its deadline; retry later.")
-            return LegFailed(f"{leg}_deadline", instance, error)
-        if isinstance(exc, Unavailable) and exc.message.startswith(REASON_KV_LOAD_FAILED):
-            # a store did not deliver the KV (stopped, partitioned); the instance answered, so it is not marked
-            # down. The other host's store of a prefix fetch: the next placement leaves it out (another copy of
-            # the prefix, or the prompt computed)
-            source = self._placed().fetch_from_store
-            if leg == "prefill" and source:
-                return LegFailed("prefill_source", source, unavailable(
-                    f"The prefix's source store {source} did not deliver it to {instance}; retry shortly."))
-            return LegFailed(f"{leg}_lost", instance,
-                             unavailable(f"The {leg} instance {instance} could not load the KV; retry shortly."))
-        if isinstance(exc, (Unavailable, Cancelled)):  # unreachable, or stopping and cancelling its calls
-            self.view.report_failure(instance, str(exc))
-            return LegFailed(f"{leg}_lost", instance,
-                             unavailable(f"The {leg} instance {instance} is unreachable; retry shortly."))
-        if isinstance(exc, ResourceExhausted) and exc.message.startswith(REASON_PAGES_NOT_FREED):
-            # the decode instance's memory forecast was wrong: another decode instance may have the pages
-            return LegFailed(f"{leg}_pages", instance, overloaded(f"{instance} had no KV pages free in time",
-                                                                  float(self.config.conductor.retry_after_s)))
-        if isinstance(exc, ResourceExhausted) and exc.message.startswith(REASON_DECODE_REFUSED):
-            return Rejected(REASON_DECODE_REFUSED, self._rejection_error(Rejection(self.work.leg_id,
-                                                                                   REASON_DECODE_REFUSED)))
-        if isinstance(exc, ResourceExhausted):
-            return overloaded(f"{instance} is out of capacity: {exc.message}",
-                              float(self.config.conductor.retry_after_s))
-        return internal_error(f"The {leg} leg on {instance} failed: {exc.message}")
+        return leg_failure(leg, instance, exc, leg_id=self.work.leg_id, placement=self.placement,
+                           retry_after_s=float(self.config.conductor.retry_after_s),
+                           report_down=self.view.health.report_failure)
 
     # ---- settling -----------------------------------------------------------------------------------------
     async def settle(self) -> None:
@@ -297,11 +244,3 @@ class Leg:
 
     def _client(self, instance_name: str) -> RpcClient:
         return self.peers.for_instance(self.view.instance_config(instance_name))
-
-
-_REJECTION_TEXT = {
-    "ttft_slo": "predicted time to first token {ttft:.2f} s is over its SLO",
-    "tbt_slo": "predicted time between tokens {tbt:.3f} s is over its SLO",
-    "decode_full": "every decode instance is full",
-    REASON_DECODE_REFUSED: "the decode instance refused the request",
-}

@@ -13,53 +13,44 @@
    the tokens left and the seed state (tokens sampled so far), on other instances, reusing the prefix KV the
    stores hold. The client's stream goes on: no token repeated or missing, usage counted once. At most
    `conductor.max_migrations` times; then, or with no instance left, the client gets the error.
-4. Settle, however the request ended: settle the open attempt, teach the output-length predictor a naturally
-   ended request's length, record how far the predictions were from what happened, and count it (also by
-   class). A rejected batch line is no answer: it is not counted as a rejection, and the batch queue runs it
-   again; a rejected interactive request tells the batch queue to yield.
+4. Settle, however the request ended: settle the open attempt, then the run's `RunRecord` (run_record.py: the
+   prefix reused and the token times, kept while serving) teaches the output-length predictor a naturally ended
+   request's length, records how far the predictions were from what happened, and counts it (also by class). A
+   rejected batch line is no answer: it is not counted as a rejection, and the batch queue runs it again; a
+   rejected interactive request tells the batch queue to yield.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
 from mooncaked.api.backend import GenerationChunk
 from mooncaked.api.errors import ApiError
-from mooncaked.config import Config
 from mooncaked.kv.keys import block_keys, isolated_namespace
 from mooncaked.model.stopping import FINISH_LENGTH, FINISH_STOP, GenerationState
 from mooncaked.roles.base import PeerClients
-from mooncaked.roles.conductor.class_metrics import ClassMetrics
 from mooncaked.roles.conductor.frontend import ConductorRequest, ModelFrontend
-from mooncaked.roles.conductor.leg import Leg, LegFailed, LegWork, Rejected, attempt_id
+from mooncaked.roles.conductor.leg import Leg, LegWork, attempt_id
+from mooncaked.roles.conductor.leg_failures import LegFailed, Rejected
 from mooncaked.roles.conductor.logprobs import prompt_logprobs, token_logprobs
-from mooncaked.roles.conductor.view.cluster import ClusterView
-from mooncaked.roles.conductor.view.prediction_errors import PredictionErrors, PredictionRecord
+from mooncaked.roles.conductor.run_record import RecordSinks, RunRecord
 from mooncaked.roles.worker.messages import FINISH_EOS, PrefillReply, SamplingSpec, StoreTenant, TokenSample
 from mooncaked.runtime.logs import request_id_var
-from mooncaked.runtime.metrics import Metrics
 from mooncaked.sched.types import Placement
 
 logger = logging.getLogger(__name__)
 
 
-class RunServices(Protocol):
+class RunServices(RecordSinks, Protocol):
     """What a request's run borrows from the conductor's backend (which owns `num_active`)."""
 
-    config: Config
     model: ModelFrontend
-    view: ClusterView
     peers: PeerClients
-    metrics: Metrics
-    prediction_errors: PredictionErrors
     namespace: bytes
     num_active: int
-
-    class_metrics: ClassMetrics
 
     def update_queue_metrics(self) -> None: ...
 
@@ -67,8 +58,8 @@ class RunServices(Protocol):
 
 
 class RequestRun:
-    """One request. Owns its current `Leg`, its `GenerationState`s (one per sequence: parallel sampling) and its
-    migration count until `chunks()` closes."""
+    """One request. Owns its current `Leg`, its `GenerationState`s (one per sequence: parallel sampling), its
+    migration count and its `RunRecord` until `chunks()` closes."""
 
     def __init__(self, backend: RunServices, prepared: ConductorRequest, states: Sequence[GenerationState],
                  sampling: SamplingSpec) -> None:
@@ -84,10 +75,8 @@ class RequestRun:
         self.first_placement: Placement | None = None
         self.failed_instances: set[str] = set()
         self.num_migrations = 0
-        self.num_cached_tokens = 0
-        self.first_token_at: float | None = None
+        self.record = RunRecord(backend, prepared)
         self.prompt_logprobs: list[TokenSample] | None = None  # asked for: from the prefill (or inline) leg
-        self.last_token_at = 0.0
         self.status = "cancelled"  # until the request finishes or fails
 
     async def chunks(self) -> AsyncIterator[GenerationChunk]:
@@ -184,7 +173,7 @@ class RequestRun:
     async def _next_chunk(self, leg: Leg) -> GenerationChunk | None:
         item = await leg.next_item()
         if item.num_cached_tokens and leg.placement is not None and not leg.placement.prefill_instance:
-            self._record_prefix(item.num_cached_tokens, 0)
+            self.record.observe_prefix(item.num_cached_tokens, 0)
         if self.sampling.num_prompt_logprobs is not None and self.prompt_logprobs is None and item.tokens:
             self.prompt_logprobs = list(item.prompt_logprobs)
         return self._make_chunk(item.tokens, item.finish_reason, item.sequence)
@@ -238,10 +227,9 @@ class RequestRun:
             state.finish_reason = finish_reason
         if not token_ids and finish_reason is None:
             return None
-        is_first = bool(token_ids) and self.first_token_at is None
+        is_first = False
         if token_ids:
-            self.last_token_at = time.monotonic()
-            self.first_token_at = self.first_token_at or self.last_token_at
+            is_first = self.record.observe_tokens()
             if self.leg is not None:
                 self.view.flights.generated(self.leg.work.leg_id, len(self.state.output_ids))
         if self.is_done:
@@ -253,66 +241,25 @@ class RequestRun:
         prompt = prompt_logprobs(tokenizer, self.prepared.prompt_token_ids, self.prompt_logprobs) \
             if is_first and self.prompt_logprobs is not None else None
         return GenerationChunk(tuple(token_ids), "".join(texts), logprobs, finish_reason,
-                               self.prepared.num_prompt_tokens, self.num_cached_tokens,
+                               self.prepared.num_prompt_tokens, self.record.num_cached_tokens,
                                placement.predicted_decode_start_s if placement else None,  # deferred: its wait
                                placement.predicted_tbt_s if placement else None, prompt_logprobs=prompt,
                                index=sequence)
-
 
     # ---- bookkeeping --------------------------------------------------------------------------------------
     def _record_prefill(self, reply: PrefillReply) -> None:
         if self.sampling.num_prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = list(reply.prompt_logprobs)
-        if not self.num_migrations:  # a migrated attempt's cached tokens include streamed output
-            self._record_prefix(reply.num_cached_tokens, reply.num_fetched_blocks)
         placement = self.leg.placement if self.leg is not None else None
-        if placement is not None and placement.fetch_from_store and reply.num_fetched_blocks and reply.fetch_s > 0:
-            self.view.record_fetch(placement.prefill_instance, placement.fetch_from_store, reply.num_fetched_blocks,
-                                   reply.fetch_s)
-
-    def _record_prefix(self, num_cached_tokens: int, num_fetched_blocks: int) -> None:
-        self.num_cached_tokens = min(num_cached_tokens, self.prepared.num_prompt_tokens)
-        num_blocks = len(self.prepared.block_keys)
-        num_cached_blocks = min(num_cached_tokens // self.config.kv.block_size, num_blocks)
-        num_remote = min(num_fetched_blocks, num_cached_blocks)
-        self.view.record_prefix(num_local=num_cached_blocks - num_remote, num_remote=num_remote,
-                                num_computed=num_blocks - num_cached_blocks)
-        self.backend.metrics.cache.observe_prefix(num_local=num_cached_blocks - num_remote, num_remote=num_remote,
-                                                  num_computed=num_blocks - num_cached_blocks)
+        self.record.observe_prefill(reply, placement, is_migrated=self.num_migrations > 0)
 
     async def _settle(self) -> None:
         try:
             if self.leg is not None:
                 await self.leg.settle()
         finally:
-            num_output_tokens = sum(len(state.output_ids) for state in self.states)
-            if self.status == "ok":
-                self.view.observe_output_length(self.prepared.max_tokens, self.prepared.num_prompt_tokens,
-                                                self.prepared.request.client_id, num_output_tokens)
-            self._record_prediction_error(num_output_tokens)
             self.backend.num_active -= 1
             self.backend.update_queue_metrics()
-            tenant = self.prepared.request.tenant
-            if tenant is not None:
-                self.backend.metrics.tenants.observe_finished(
-                    tenant.id, status=self.status, num_prompt_tokens=self.prepared.num_prompt_tokens,
-                    num_cached_tokens=self.num_cached_tokens, num_output_tokens=num_output_tokens)
-            e2e_s = time.monotonic() - self.prepared.arrival_time
-            ttft_s = None if self.first_token_at is None else self.first_token_at - self.prepared.arrival_time
-            self.backend.class_metrics.observe_finished(is_batch=self.prepared.request.is_batch, status=self.status,
-                                                        ttft_s=ttft_s, e2e_s=e2e_s,
-                                                        num_output_tokens=num_output_tokens)
-            if self.status != "rejected":
-                self.backend.metrics.requests.observe_finished(status=self.status, ttft_s=ttft_s, e2e_s=e2e_s,
-                                                               num_output_tokens=num_output_tokens)
-
-    def _record_prediction_error(self, num_output_tokens: int) -> None:
-        placement = self.first_placement
-        if placement is None or self.first_token_at is None:
-            return
-        actual_tbt_s = None
-        if num_output_tokens > 1:
-            actual_tbt_s = (self.last_token_at - self.first_token_at) / (num_output_tokens - 1)
-        self.backend.prediction_errors.record(PredictionRecord(
-            self.request_id, placement.predicted_ttft_s, self.first_token_at - self.prepared.arrival_time,
-            placement.predicted_tbt_s, actual_tbt_s))
+            num_output_tokens = sum(len(state.output_ids) for state in self.states)
+            self.record.report(status=self.status, num_output_tokens=num_output_tokens,
+                               first_placement=self.first_placement)

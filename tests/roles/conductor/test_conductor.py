@@ -18,7 +18,8 @@ from mooncaked.model.loader import load_model
 from mooncaked.roles.base import PeerClients
 from mooncaked.roles.conductor.backend import ConductorBackend
 from mooncaked.roles.conductor.frontend import prompt_token_ids
-from mooncaked.roles.conductor.leg import MIGRATION_CAUSES, Leg, LegFailed, LegWork
+from mooncaked.roles.conductor.leg import Leg, LegWork
+from mooncaked.roles.conductor.leg_failures import MIGRATION_CAUSES, LegFailed
 from mooncaked.roles.conductor.role import (ConductorRole, default_predictors, model_frontend, policy_config,
                                             view_settings)
 from mooncaked.roles.conductor.view.cluster import ClusterView

@@ -2,32 +2,33 @@
 
 1. `start()` registers every configured store with the shadow index and starts, per store, a `StoreFollower`
    (full dump, then the store's event stream; a gap, a lost event window or a broken connection makes it dump
-   again) and, per prefill/decode instance, a LOAD poller (every `poll_interval_s`, each call with its own
-   deadline). It returns once every store was dumped and every worker polled once (or `startup_timeout_s`
-   passed), so a restarted conductor places its first request on a fresh index.
+   again) and, per prefill/decode instance, a LOAD poller (`WorkerHealth.poll`, worker_health.py: every
+   `poll_interval_s`, each call with its own deadline). It returns once every store was dumped and every worker
+   polled once (or `startup_timeout_s` passed), so a restarted conductor places its first request on a fresh
+   index.
 2. Per request the backend calls `place()` (placement.py: Algorithm 1 over the live views, or an inline
    placement on a decode instance when no prefill instance is configured or the prompt's uncached part is small
    enough; a prefill group is one candidate, its first stage, available only while every member is up), then
    `begin()`, `prefill_done()`, `decode_started()` and `finish()` so the queue model (predicted prefill time
    of dispatched requests per prefill instance, placed requests per decode instance) stays current between
-   polls. `report_failure()` marks an instance down until its next successful poll, and calls what watches it
-   (`watch_down`: a DECODE stream waiting for its next token gives up at once). Every LOAD reply carries
-   the instance's own fitted performance model, which `place()` predicts with (roles/conductor/view/predictors.py),
-   and the block keys its device prefix cache gained and lost since this conductor's last poll (or all of them),
-   which the device index (one "store" per instance, by instance name) keeps for Algorithm 1's local prefix;
-   finished requests teach the output-length predictor, which forecasts each decode instance's batch. A placement also
-   tells the replica tracker and the store recency (`mooncaked.sched.replicas`, `.store_recency`) where the
-   prompt's blocks are used; a background sender (`mooncaked.roles.conductor.view.spare_marks`) passes the tracker's
-   spare marks to the stores.
+   polls. `health` (worker_health.py) keeps each worker up or down: `health.report_failure()` marks an instance
+   down until its next successful poll and calls what watches it (`health.watch_down`); every LOAD reply brings
+   the instance's own fitted performance model, which `place()` predicts with (predictors.py), and its device
+   prefix cache's changes into the device index (one "store" per instance, by instance name), which Algorithm 1
+   reads for the local prefix. Finished requests teach the output-length predictor, which forecasts each decode
+   instance's batch. A placement also tells the replica tracker and the store recency (`mooncaked.sched.replicas`,
+   `.store_recency`) where the prompt's blocks are used; a background sender (spare_marks.py) passes the
+   tracker's spare marks to the stores.
 3. Membership changes (membership.py) arrive while serving: a joining store gets a follower, a joining worker a
    poller; one that leaves has them cancelled; one that is not `ready` (starting, draining) is polled but
    receives no new work; one whose role changed is removed and added again under its new role.
 4. Followers, pollers and the sender are supervised tasks (runtime/supervised.py: an unexpected exception is
    logged and the task restarts). `stop()` cancels them and awaits them; the RPC clients belong to the caller.
 
-Owner of the shadow index, the device index, the per-instance states, the in-flight table, the live predictors and the output-length
-predictor. All but the last are rebuilt from the stores' dumps and the workers' LOAD replies when the conductor
-restarts; the output-length predictor starts again from its conservative prior (max_tokens).
+Owner of the shadow index, the device index, the per-instance states, the in-flight table, the live predictors
+and the output-length predictor. All but the last are rebuilt from the stores' dumps and the workers' LOAD
+replies when the conductor restarts; the output-length predictor starts again from its conservative prior
+(max_tokens).
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from mooncaked.cluster.membership import Membership, MemberRecord, StaticMembership, store_on_host
@@ -49,8 +49,7 @@ from mooncaked.roles.conductor.view.instances import OutputForecast, WorkerState
 from mooncaked.roles.conductor.view.predictors import LivePredictors
 from mooncaked.roles.conductor.view.spare_marks import SpareMarkSender
 from mooncaked.roles.conductor.view.store_follower import FollowerSettings, StoreFollower
-from mooncaked.roles.worker.messages import LOAD, LoadReply, LoadRequest
-from mooncaked.rpc import RpcError
+from mooncaked.roles.conductor.view.worker_health import WorkerHealth
 from mooncaked.runtime.supervised import start_supervised
 from mooncaked.sched.output_length import OutputLengthPredictor
 from mooncaked.sched.replicas import BlockCosts, ReplicaTracker
@@ -74,7 +73,8 @@ class ClusterViewSettings:
 
 class ClusterView:
     """See the module docstring. Owns the index, the followers, the worker states, the in-flight table (`flights`),
-    the live predictors and the output-length predictor. GET /v1/cluster renders it (cluster_info.py)."""
+    the live predictors and the output-length predictor; `health` updates the worker states, the device index and
+    the predictors from the polls. GET /v1/cluster renders it (cluster_info.py)."""
 
     def __init__(self, config: Config, peers: PeerClients, policy_config: PolicyConfig,
                  predictors: LivePredictors, settings: ClusterViewSettings,
@@ -114,6 +114,9 @@ class ClusterView:
         self.groups = {group.members[0]: group for group in config.cluster.prefill_groups}
         self.later_stages = {member for group in config.cluster.prefill_groups for member in group.members[1:]}
         self.fetch_rates = FetchRates()
+        self.health = WorkerHealth(peers, self.run_id, self.prefill, self.decode, self.groups, self.device_index,
+                                   predictors, poll_interval_s=settings.poll_interval_s,
+                                   poll_timeout_s=settings.poll_timeout_s)
         self.placer = Placer(config, policy_config, predictors, self.index, self.flights, self.forecast, self.prefill,
                              self.decode, self.groups, self.later_stages, self.recency, self.device_index,
                              self.fetch_rates)
@@ -205,7 +208,7 @@ class ClusterView:
             return
         worker = self.prefill.get(name) or self.decode.get(name)
         if worker is not None:
-            self._member_tasks[name] = start_supervised(f"load-{name}", lambda: self._poll(worker))
+            self._member_tasks[name] = start_supervised(f"load-{name}", lambda: self.health.poll(worker))
 
     def _remove_member(self, name: str) -> None:
         task = self._member_tasks.pop(name, None)
@@ -225,67 +228,6 @@ class ClusterView:
         self.fetch_rates.forget(name)
         if self.decode.pop(name, None) is not None or was_prefill:
             logger.info("%s left", name)
-
-    # ---- load polling -------------------------------------------------------------------------------------
-    async def _poll(self, worker: WorkerState) -> None:
-        client = self.peers.for_instance(worker.instance)
-        loop = asyncio.get_running_loop()
-        while True:
-            started = loop.time()
-            try:
-                seq = self.device_index.last_seq(worker.instance.name)
-                reply = await client.call(LOAD, LoadRequest(self.run_id, seq), timeout_s=self.settings.poll_timeout_s)
-            except Exception as exc:  # down until a poll succeeds again
-                if not isinstance(exc, RpcError):
-                    logger.exception("LOAD from %s failed unexpectedly", worker.instance.name)
-                self.report_failure(worker.instance.name, str(exc))
-            else:
-                self._loaded(worker, reply, seq)
-            worker.has_polled.set()
-            await asyncio.sleep(max(self.settings.poll_interval_s - (loop.time() - started), 0.0))
-
-    def _loaded(self, worker: WorkerState, reply: LoadReply, sent_seq: int = -1) -> None:
-        if not worker.is_up:
-            logger.info("%s %s is up", worker.instance.role, worker.instance.name)
-        worker.load, worker.polled_at, worker.is_up, worker.last_error = reply, time.monotonic(), True, ""
-        self.predictors.report(worker.instance.name, reply.prefill_coefficients, reply.decode_coefficients)
-        self._device_keys(worker.instance.name, sent_seq, reply)
-
-    def _device_keys(self, name: str, sent_seq: int, reply: LoadReply) -> None:
-        """The device prefix cache's report into the device index (a gap makes the next poll ask for a dump)."""
-        if reply.is_device_cache_dump:
-            self.device_index.apply_dump(name, reply.device_cache_seq, reply.device_keys_gained)
-        elif sent_seq >= 0:
-            self.device_index.apply_changes(name, sent_seq, reply.device_cache_seq, reply.device_keys_gained,
-                                            reply.device_keys_lost)
-
-    def report_failure(self, instance_name: str, reason: str) -> None:
-        """Mark an instance down (a failed poll or request leg) until a LOAD call succeeds again. A prefill group's
-        failed leg marks every member down: the one that failed stays down until it answers again, so the group
-        takes nothing meanwhile even if this conductor's poll has not yet noticed it."""
-        group = self.groups.get(instance_name)
-        for member in group.members[1:] if group is not None else ():
-            state = self.prefill.get(member)
-            if state is not None:  # not an outage of its own: its next answered poll brings it back
-                state.is_up = False
-        worker = self.prefill.get(instance_name) or self.decode.get(instance_name)
-        if worker is None:
-            return
-        if worker.is_up:
-            logger.warning("%s %s is down: %s", worker.instance.role, instance_name, reason)
-            worker.outages.record(time.monotonic())
-        worker.is_up, worker.last_error = False, reason
-        for watcher in list(worker.down_watchers):
-            watcher()
-
-    def watch_down(self, instance_name: str, callback: Callable[[], None]) -> Callable[[], None]:
-        """Call `callback` at each report of `instance_name` down (a failed poll or leg) until the returned
-        function is called."""
-        worker = self.prefill.get(instance_name) or self.decode.get(instance_name)
-        if worker is None:
-            return lambda: None
-        worker.down_watchers.add(callback)
-        return lambda: worker.down_watchers.discard(callback)
 
     # ---- placement ----------------------------------------------------------------------------------------
     def place(self, request: RequestInfo, now: float, excluded: frozenset[str] = frozenset()) -> Placement | Rejection:

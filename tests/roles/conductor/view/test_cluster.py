@@ -154,7 +154,7 @@ async def test_placement_queue_model_inline_and_rejections(tmp_path: Path) -> No
     view.flights.finish("r0")
     short = view.place(RequestInfo("r3", 5, ()), 0.0)
     assert isinstance(short, Placement) and short.prefill_instance == ""  # 5 uncached tokens <= 8: inline
-    view.report_failure("d0", "test")
+    view.health.report_failure("d0", "test")
     gone = view.place(RequestInfo("r4", 100, request.block_keys), 0.0)
     assert isinstance(gone, Rejection) and gone.reason == REASON_NO_DECODE
     await peers.close()
@@ -175,15 +175,15 @@ async def test_placement_prefers_the_instance_whose_device_tier_holds_the_prefix
     assert isinstance(first, Placement) and first.prefill_instance == "p0"  # a tie: the first
     p1 = view.prefill["p1"]
     assert view.device_index.last_seq("p1") == -1  # the next poll asks for a dump
-    view._loaded(p1, dataclasses.replace(idle_load(), device_cache_seq=3, device_keys_gained=keys[:4],
+    view.health.loaded(p1, dataclasses.replace(idle_load(), device_cache_seq=3, device_keys_gained=keys[:4],
                                          is_device_cache_dump=True), -1)
     placed = view.place(RequestInfo("r1", 100, tuple(keys)), 0.0)
     assert isinstance(placed, Placement) and placed.prefill_instance == "p1" and placed.num_local_prefix_blocks == 4
-    view._loaded(p1, dataclasses.replace(idle_load(), device_cache_seq=5, device_keys_lost=keys[:1]), 3)
+    view.health.loaded(p1, dataclasses.replace(idle_load(), device_cache_seq=5, device_keys_lost=keys[:1]), 3)
     assert view.device_index.last_seq("p1") == 5
     again = view.place(RequestInfo("r2", 100, tuple(keys)), 0.0)
     assert isinstance(again, Placement) and again.prefill_instance == "p0"  # block 0 gone: no prefix left
-    view._loaded(p1, dataclasses.replace(idle_load(), device_cache_seq=9, device_keys_gained=keys[:1]), 7)
+    view.health.loaded(p1, dataclasses.replace(idle_load(), device_cache_seq=9, device_keys_gained=keys[:1]), 7)
     assert view.device_index.last_seq("p1") == -1  # a gap (7 is not 5): a dump next time
     await peers.close()
 
@@ -259,7 +259,7 @@ async def test_a_prefill_group_is_one_candidate_while_every_member_is_up(tmp_pat
     short = view.place(RequestInfo("r1", 900, ()), 0.0)
     assert isinstance(short, Placement) and short.prefill_instance == "p0"  # not over cpp_min_tokens
     assert all(view.place(RequestInfo(f"x{i}", 3000, ()), 0.0).prefill_instance != "g1" for i in range(3))
-    view.report_failure("g1", "killed")  # a member down: the group takes nothing until it is back
+    view.health.report_failure("g1", "killed")  # a member down: the group takes nothing until it is back
     assert not view.is_group_ready("g0")
     fallback = view.place(RequestInfo("r2", 3000, ()), 0.0)
     assert isinstance(fallback, Placement) and fallback.prefill_instance == "p0"
