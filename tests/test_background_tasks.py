@@ -21,7 +21,7 @@ SHORT_LIVED = {
     "api/generation.py": 3,  # one request's work, its client-gone watch and a parallel sampling's stream feeders,
     # end with the request
     "roles/worker/group/head.py": 2,  # one prompt's stage followers and its forward, end with the prompt
-    "roles/worker/prefill/role.py": 1,  # one batch's forward on the compute thread, awaited by the batch loop
+    "roles/worker/prefill/batch.py": 1,  # one batch's forward on the compute thread, awaited by the batch loop
     "roles/worker/decode/loop.py": 1,  # one step on the compute thread, awaited by the decode loop
     "roles/worker/decode/reservations.py": 1,  # a deferred store abort, ends after worker.abort_grace_s
     "roles/worker/kv/layer_loader.py": 2,  # one request's layer loads, end with its KV load deadline

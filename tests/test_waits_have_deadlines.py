@@ -33,7 +33,7 @@ ALLOWED = {
     # The compute thread bounds them: it leaves a step or batch at its next layer boundary.
     ("roles/worker/decode/loop.py", "DecodeLoop._compute"): "the step the thread runs, after a cancellation",
     ("roles/worker/decode/loop.py", "DecodeLoop.remove"): "the decode step under way",
-    ("roles/worker/prefill/role.py", "PrefillRole._compute"): "the batch the thread runs, after a cancellation",
+    ("roles/worker/prefill/batch.py", "BatchRunner._compute"): "the batch the thread runs, after a cancellation",
     ("roles/worker/prefill/role.py", "PrefillRole._prefill"): "its RPC deadline (job.future); the thread (idle)",
     ("roles/worker/group/head.py", "PipelineRun._compute"): "the forward the thread runs, after a cancellation",
     ("roles/worker/group/stage.py", "StageService._close"): "the chunk the thread computes for the job",

@@ -73,7 +73,7 @@ class ModeRunner:
     async def _store_run(self, mode: str, tokens: list[int]) -> tuple[float, float]:
         worker = self.worker
         keys = block_keys(tokens, worker.block_size, worker.namespace)
-        remote = await worker.store_client(REMOTE_STORE)
+        remote = await worker.stores.client(REMOTE_STORE)
         reply = await remote.allocate(keys, worker.block_nbytes, 60_000) if mode != "none" else None
         destinations = [Destination(i, h) for i, h in enumerate(reply.handles)] if reply is not None else []
         plan = await plan_prompt_kv(worker, f"bench-{mode}-{self.num_runs}", tokens, keys, timeout_s=TIMEOUT_S,
@@ -120,7 +120,7 @@ class ModeRunner:
         """Commit `keys` into the other host's store, untimed (random finite values: the bytes' content does not
         change the time)."""
         worker = self.worker
-        remote = await worker.store_client(REMOTE_STORE)
+        remote = await worker.stores.client(REMOTE_STORE)
         reply = await remote.allocate(keys, worker.block_nbytes, 60_000)
         if not reply.handles:
             return

@@ -108,7 +108,7 @@ async def test_completions_chat_stop_strings_and_prefix_reuse(tmp_path: Path) ->
         assert one["usage"]["completion_tokens"] == 1 and one["choices"][0]["finish_reason"] == "length"
         decode = roles["d0"]
         assert isinstance(decode, DecodeRole) and not decode.reservations and not decode.loop.running
-        store = await decode.worker.store_client("s0")
+        store = await decode.worker.stores.client("s0")
         assert store.is_local, "the pool path the worker derives is the store's: mapped, not over the network"
 
 

@@ -118,8 +118,8 @@ async def test_cross_host_tcp_and_remote_prefix_fetch(tmp_path: Path) -> None:
             assert local.num_fetched_blocks == 0 and local.num_cached_tokens == 64
             assert local.first_token.token_id == expected[0]
             worker = roles["p0"].worker  # type: ignore[attr-defined]
-            assert not worker.local_store.is_local or worker.local_store_name == "s2"
-            assert not (await worker.store_client("s3")).is_local  # bytes to .3 went through TCP
+            assert not worker.stores.local.is_local or worker.stores.local_name == "s2"
+            assert not (await worker.stores.client("s3")).is_local  # bytes to .3 went through TCP
         finally:
             await clients.close()
 

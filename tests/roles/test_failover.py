@@ -125,9 +125,9 @@ async def test_a_prefill_instance_stopped_mid_prompt_hands_it_to_another(
             async with running_roles(config, ["c0"]):
                 request = asyncio.ensure_future(completion(http, config, {"prompt": tokens, "max_tokens": 8,
                                                                           **GREEDY}))
-                await eventually(lambda: bool(p0._running))
+                await eventually(lambda: bool(p0.running))
                 stopping = asyncio.ensure_future(p0.stop())  # drains, then cancels the held prefill
-                await eventually(lambda: all(job.plan.is_cancelled for job in p0._running), timeout_s=10.0)
+                await eventually(lambda: all(job.plan.is_cancelled for job in p0.running), timeout_s=10.0)
                 gate.set()
                 done = await asyncio.wait_for(request, 30.0)
                 await stopping

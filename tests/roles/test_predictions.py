@@ -119,7 +119,7 @@ async def test_a_batched_prefill_splits_its_time_into_per_request_samples(
         prefill = roles["p0"]
         assert isinstance(prefill, PrefillRole)
         first = asyncio.ensure_future(completion(http, config, {"prompt": prompt(50, 30), "max_tokens": 1, **GREEDY}))
-        await eventually(lambda: bool(prefill._running))
+        await eventually(lambda: bool(prefill.running))
         rest = [asyncio.ensure_future(completion(http, config, {"prompt": prompt(51 + i, 40 + 60 * i),
                                                                   "max_tokens": 1, **GREEDY})) for i in range(2)]
         await eventually(lambda: len(prefill._queue) == 2)

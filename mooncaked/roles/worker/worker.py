@@ -7,15 +7,16 @@
    small for one max-length request fails here), allocate them (for its layers), build the runner, copier, staging pool
    (pinned on the GPU's NUMA node), sampler and grammar tokenizer (grammar.py), register the pages as a
    transfer-engine segment (host pages, which every move then reaches straight; GPU pages as "cuda:N" where RDMA
-   can map them), connect to this host's store (mapping its pool). With N > 1 tensor-parallel ranks (tp_worker.py)
-   the model is rank 0's shard, the runner drives the ranks, and the KV pages are every rank's (mapped here; moves
-   copy each rank's heads: roles/worker/request_kv.py), so the rest of the worker is the same at any degree.
+   can map them), connect to this host's store (stores.py, mapping its pool). With N > 1 tensor-parallel ranks
+   (tp_worker.py) the model is rank 0's shard, the runner drives the ranks, and the KV pages are every rank's
+   (mapped here; moves copy each rank's heads: roles/worker/kv/request_kv.py), so the rest of the worker is the same
+   at any degree.
 2. `await compute(fn, *args)` runs model work on the single compute thread, keeping the event loop free for RPC,
    transfers and heartbeats. KV copies between pages and staging run on the single copy thread
    (`copy_thread`), so a layer's store or load never runs on the compute thread; each thread may be pinned to
    its own CPUs (`worker.compute_cpus`, `worker.copy_cpus`). Layer callbacks hand work to the loop with `post`.
-3. `await store_client(name)` connects to another host's store on first use (bytes then move through the
-   transfer engine); the local store's client maps its shared-memory pool.
+3. `stores` (stores.py) holds the store clients: the local store's (`stores.local`, mapping its shared-memory
+   pool) and any other host's, connected on first use by `await stores.client(name)`.
 4. `await stop()`: close store clients, give back staging, stop the engine, shut the compute and copy threads
    down (after the role has drained).
 
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import functools
 import logging
 import secrets
@@ -39,8 +39,7 @@ from typing import Any, TypeVar
 
 import torch
 
-
-from mooncaked.cluster.membership import Membership, StaticMembership, store_on_host
+from mooncaked.cluster.membership import Membership, StaticMembership
 from mooncaked.config import Config, InstanceConfig, WorkerSection
 from mooncaked.config.prefill_groups import GroupStage, group_stage
 from mooncaked.engine.kv_budget import KVSizing
@@ -63,14 +62,13 @@ from mooncaked.roles.base import PeerClients, make_transfer_engine
 from mooncaked.roles.worker.grammar import WorkerGrammar
 from mooncaked.roles.worker.kv.placement import register_kv_pages, staging_placement
 from mooncaked.roles.worker.local_replica import load_replica
+from mooncaked.roles.worker.stores import WorkerStores
 from mooncaked.roles.worker.tp_worker import RankWatch, start_ranks
-from mooncaked.rpc import InvalidArgument, Unavailable
+from mooncaked.rpc import Unavailable
 from mooncaked.runtime.cpu_affinity import pinned_executor
 from mooncaked.runtime.numa import allowed_memory_nodes
 from mooncaked.sched.perf_model import PerformanceModel
-from mooncaked.store.client import StoreClient
 from mooncaked.store.move_ends import Staging
-from mooncaked.store.shm_pool import pool_path
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +77,8 @@ T = TypeVar("T")
 
 class Worker:
     """Owns the model replica, KV pages and page allocator, compute and copy threads, staging pool, transfer engine,
-    store clients and the performance model; `timeline`, when set (tests, benchmarks), records when layers
-    compute, load and store."""
+    store clients (`stores`, stores.py) and the performance model; `timeline`, when set (tests, benchmarks),
+    records when layers compute, load and store."""
 
     def __init__(self, config: Config, instance: InstanceConfig, membership: Membership | None = None) -> None:
         self.config = config
@@ -89,6 +87,7 @@ class Worker:
         self.section: WorkerSection = config.role_section(instance)
         self.engine = make_transfer_engine(config, instance.host, 0)
         self.peers = PeerClients(config, instance)
+        self.stores = WorkerStores(config, instance, self.membership, self.peers, self.engine)
         self._executor = pinned_executor("compute", self.section.compute_cpus, "worker.compute_cpus")
         self.copy_thread = pinned_executor("kv-copy", self.section.copy_cpus, "worker.copy_cpus")
         self.staging_pool: StagingPool | None = None
@@ -96,8 +95,6 @@ class Worker:
         self.kv_pages_segment: str | None = None  # the pages' segment: host pages, or GPU pages RDMA maps
         self.host_pages: Staging | None = None  # host pages as the local end of store moves (CPU, one process)
         self._deferred_frees: dict[str, asyncio.TimerHandle] = {}
-        self._stores: dict[str, StoreClient] = {}
-        self._store_locks: dict[str, asyncio.Lock] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self.loaded: LoadedModel | None = None
         self.kv_sizing: KVSizing | None = None
@@ -114,7 +111,6 @@ class Worker:
         self.grammar: WorkerGrammar | None = None  # constrained decoding (grammar.py), built at start
         self.namespace = b""
         self.perf = PerformanceModel()
-        self.local_store_name = ""
         self.stage: GroupStage | None = None  # this instance's place in a prefill group (set by start)
 
     async def start(self) -> None:
@@ -146,8 +142,7 @@ class Worker:
                                                self.loaded.eos_token_ids)
         self.namespace = model_namespace(self.loaded.model_id, namespace_dtype(model.dtype, self.config.kv.cache_dtype),
                                          block_size, self.loaded.args.kv_geometry)
-        self.local_store_name = await self._find_local_store()
-        await self.store_client(self.local_store_name)
+        await self.stores.connect_local()
         logger.info("%s loaded %s%s; %s", self.instance.name, self.loaded.model_id,
                     f" as {self.stage.describe()}" if self.stage else "", self.kv_sizing.describe())
 
@@ -205,30 +200,11 @@ class Worker:
         assert self.pages is not None
         self.pages.free_owner(owner)
 
-    async def _find_local_store(self) -> str:
-        """The store on this host; with etcd it may register after us, so wait for it up to a deadline."""
-        store = store_on_host(self.membership, self.instance.host)
-        if store is None and self.config.cluster.membership == "etcd":
-            appeared = asyncio.Event()
-            self.membership.add_listener(lambda name, old, new: appeared.set() if new and new.role == "store" else None)
-            deadline = asyncio.get_running_loop().time() + self.config.cluster.etcd.startup_timeout_s
-            while store is None and asyncio.get_running_loop().time() < deadline:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(appeared.wait(), deadline - asyncio.get_running_loop().time())
-                appeared.clear()
-                store = store_on_host(self.membership, self.instance.host)
-        if store is None:
-            raise RuntimeError(f"no store instance is configured on host {self.instance.host}; "
-                               "every prefill and decode host needs one")
-        return store.name
-
     async def stop(self) -> None:
         for handle in self._deferred_frees.values():  # the pages go with the worker
             handle.cancel()
         self._deferred_frees.clear()
-        stores, self._stores = list(self._stores.values()), {}
-        for store in stores:
-            await store.close()
+        await self.stores.close()
         await self.peers.close()
         if self.staging_pool is not None:
             self.staging_pool.close()
@@ -252,43 +228,12 @@ class Worker:
         assert self.loop is not None
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    async def store_client(self, store_name: str) -> StoreClient:
-        client = self._stores.get(store_name)
-        if client is not None:
-            return client
-        lock = self._store_locks.setdefault(store_name, asyncio.Lock())
-        async with lock:
-            if store_name not in self._stores:
-                peer = self.store_instance(store_name)
-                rpc = self.peers.for_instance(peer)
-                self._stores[store_name] = await StoreClient.connect(
-                    rpc, host=self.instance.host, pool_path=self.pool_path_of(peer), engine=self.engine,
-                    timeout_s=self.config.transfer.timeout_s)
-            return self._stores[store_name]
-
-    def pool_path_of(self, store: InstanceConfig) -> str:
-        """Where the store's pool file is on its host, from this worker's own config (never from the store): its
-        entry in cluster.instances with its settings, else the common store section."""
-        configured = next((i for i in self.config.cluster.instances if i.name == store.name), store)
-        return pool_path(self.config.cluster.id, store.name, self.config.role_section(configured).shm_dir)
-
-    def store_instance(self, store_name: str) -> InstanceConfig:
-        """The configured store called `store_name`; InvalidArgument for anything else (it came off the wire)."""
-        record = self.membership.members().get(store_name)
-        if record is None or record.role != "store":
-            raise InvalidArgument(f"{store_name!r} is not a store instance of this cluster")
-        return record.instance_config()
-
     def member_instance(self, name: str) -> InstanceConfig:
         """Another member of this instance's prefill group; Unavailable while the membership lacks it."""
         record = self.membership.members().get(name)
         if record is None or record.role != "prefill":
             raise Unavailable(f"prefill group member {name!r} is not in the cluster now")
         return record.instance_config()
-
-    @property
-    def local_store(self) -> StoreClient:
-        return self._stores[self.local_store_name]
 
     @property
     def block_size(self) -> int:

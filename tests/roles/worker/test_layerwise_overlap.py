@@ -86,7 +86,7 @@ async def prefill(worker: Worker, plans: Sequence[KvPlan]) -> list[int]:
 async def seed_remote_prefix(worker: Worker, tokens: list[int]) -> None:
     """Compute `tokens`' KV and commit it into s_remote only (this host's store keeps nothing)."""
     keys = keys_of(worker, tokens)
-    remote = await worker.store_client("s_remote")
+    remote = await worker.stores.client("s_remote")
     reply = await remote.allocate(keys, worker.block_nbytes, 60_000)
     plan = await plan_prompt_kv(worker, "seed", tokens + [5], keys, timeout_s=30, decode_store="s_remote",
                                 destinations=[Destination(i, h) for i, h in enumerate(reply.handles)])
@@ -101,7 +101,7 @@ async def seed_remote_prefix(worker: Worker, tokens: list[int]) -> None:
 
 async def load_first_two_blocks(worker: Worker, keys: list[bytes], num_tokens: int, expected: torch.Tensor) -> None:
     """A new request's pages get the first two blocks of `keys` from this host's store; they equal `expected`."""
-    found = await worker.local_store.lookup(keys, lease_ms=30_000)
+    found = await worker.stores.local.lookup(keys, lease_ms=30_000)
     kv = RequestKv(worker, "decode", num_tokens, 4)
     try:
         kv.start_loading([StoreBlocks("s_local", [0, 1], [loc.offset for loc in found.locations])], 2)
@@ -109,7 +109,7 @@ async def load_first_two_blocks(worker: Worker, keys: list[bytes], num_tokens: i
         assert torch.equal(worker.kv_pages.buffer[:, :, kv.page_ids[:2]], expected)  # type: ignore[union-attr]
     finally:
         await kv.release()
-        await worker.local_store.release([found.read_lease_id])
+        await worker.stores.local.release([found.read_lease_id])
 
 
 def staging_layer(worker: Worker, spans: Sequence[Span]) -> int:
@@ -160,7 +160,7 @@ async def prefill_to_remote(worker: Worker, request_id: str, tokens: list[int], 
                             check: Callable[[KvPlan], None]) -> None:
     """Prefill `tokens` here with every block sent to the store of 127.0.0.2 too, committed in both; `check`
     looks at the plan before the forward."""
-    remote = await worker.store_client("s_remote")
+    remote = await worker.stores.client("s_remote")
     reply = await remote.allocate(keys, worker.block_nbytes, 60_000)
     plan = await plan_prompt_kv(worker, request_id, tokens, keys, timeout_s=30, decode_store="s_remote",
                                 destinations=[Destination(i, h) for i, h in enumerate(reply.handles)])
@@ -176,11 +176,11 @@ async def prefill_to_remote(worker: Worker, request_id: str, tokens: list[int], 
 
 async def assert_same_objects_here_and_there(worker: Worker, keys: list[bytes]) -> None:
     """This host's store and 127.0.0.2's hold every block of `keys`, the same bytes (not all zeros)."""
-    remote = await worker.store_client("s_remote")
-    here, there = await worker.local_store.lookup(keys, 30_000), await remote.lookup(keys, 30_000)
+    remote = await worker.stores.client("s_remote")
+    here, there = await worker.stores.local.lookup(keys, 30_000), await remote.lookup(keys, 30_000)
     assert len(here.locations) == len(there.locations) == len(keys)
     buffers = [np.zeros(len(keys) * worker.block_nbytes, np.uint8) for _ in range(2)]
-    await worker.local_store.read_blocks(worker.local_store.register_staging("here", buffers[0]), here.locations)
+    await worker.stores.local.read_blocks(worker.stores.local.register_staging("here", buffers[0]), here.locations)
     await remote.read_blocks(remote.register_staging("there", buffers[1]), there.locations)
     assert buffers[0][: worker.block_nbytes].any() and np.array_equal(buffers[0], buffers[1])
 
@@ -228,8 +228,8 @@ async def check_prefill_overlap(config: Config, monkeypatch: pytest.MonkeyPatch)
             elif op is TransferOp.WRITE:
                 await asyncio.sleep(WRITE_DELAY_S)
 
-        slow_down(await worker.store_client("s_remote"), delay, worker, monkeypatch)
-        slow_down(worker.local_store, delay, worker, monkeypatch)
+        slow_down(await worker.stores.client("s_remote"), delay, worker, monkeypatch)
+        slow_down(worker.stores.local, delay, worker, monkeypatch)
         hooks = gate_compute_ends(worker, timeline)
         plan = await plan_prompt_kv(worker, "r1", tokens, keys_of(worker, tokens), timeout_s=30,
                                     fetch_store="s_remote", num_fetch_blocks=3)
@@ -243,7 +243,7 @@ async def check_prefill_overlap(config: Config, monkeypatch: pytest.MonkeyPatch)
             for hook in hooks:
                 hook.remove()
             await plan.close(commit=False)
-        stored = await worker.local_store.lookup(keys_of(worker, tokens))
+        stored = await worker.stores.local.lookup(keys_of(worker, tokens))
         assert len(stored.locations) == 4, "the fetched prefix and the new full block were stored here"
 
     def at(kind: Any, layer: int, edge: Any) -> float:
@@ -276,7 +276,7 @@ async def test_decode_side_loading_is_pipelined(tmp_path: Path, monkeypatch: pyt
             if op is TransferOp.READ and layer + 1 < NUM_LAYERS:
                 await until(lambda: recorded(timeline, "load", layer + 1, "start"))
 
-        slow_down(worker.local_store, delay, worker, monkeypatch)
+        slow_down(worker.stores.local, delay, worker, monkeypatch)
         await load_first_two_blocks(worker, keys, len(tokens), expected)
     for i in range(NUM_LAYERS - 1):
         assert timeline.time_of("load", i + 1, "start") < timeline.time_of("load", i, "end")
@@ -295,7 +295,7 @@ async def test_a_failed_load_fails_its_request_alone(tmp_path: Path, monkeypatch
             if op is TransferOp.READ and layer == 2:
                 raise TransferError("injected: the remote store went away")
 
-        slow_down(await worker.store_client("s_remote"), delay, worker, monkeypatch)
+        slow_down(await worker.stores.client("s_remote"), delay, worker, monkeypatch)
         plans = [await plan_prompt_kv(worker, "broken", broken, keys_of(worker, broken), timeout_s=30,
                                       fetch_store="s_remote", num_fetch_blocks=2),
                  await plan_prompt_kv(worker, "fine", fine, keys_of(worker, fine), timeout_s=30)]
@@ -343,7 +343,7 @@ async def test_pages_go_straight_into_another_hosts_store(tmp_path: Path, monkey
     async with running_worker(config) as worker:
         assert worker.kv_pages_segment == "p0/kv-pages" and worker.host_pages is not None
         keys = keys_of(worker, tokens)
-        sources = record_move_ends(await worker.store_client("s_remote"), monkeypatch)
+        sources = record_move_ends(await worker.stores.client("s_remote"), monkeypatch)
 
         def check(plan: KvPlan) -> None:
             assert plan.kv.is_direct and plan.kv.staging.buffer is None

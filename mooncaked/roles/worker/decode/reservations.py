@@ -216,7 +216,7 @@ class ReservationBook:
             await self.drop(request_id, is_prefill_done=False)
 
     async def allocate(self, reservation: Reservation) -> None:
-        request, store = reservation.request, self.worker.local_store
+        request, store = reservation.request, self.worker.stores.local
         owner = store_owner(request.tenant)
         reply = await store.allocate(request.block_keys, self.worker.block_nbytes, request.lease_ms, **owner)
         reservation.handles, reservation.present, reservation.lease_id = reply.handles, reply.present, \
@@ -245,7 +245,7 @@ class ReservationBook:
         destinations = [Destination(index_of[h.key], h) for h in reservation.handles]
         if reservation.tail is not None:
             destinations.append(Destination(len(reservation.request.block_keys), reservation.tail))
-        return ReserveReply(is_accepted=True, store_instance=self.worker.local_store_name,
+        return ReserveReply(is_accepted=True, store_instance=self.worker.stores.local_name,
                             destinations=destinations, num_present_blocks=len(reservation.present))
 
     async def drop(self, request_id: str, is_prefill_done: bool = True) -> None:
@@ -267,7 +267,7 @@ class ReservationBook:
 
     async def _end_store_handles(self, handle_ids: list[int], lease_id: int, delay_s: float,
                                  is_room_freed: bool = True) -> None:
-        store = self.worker.local_store
+        store = self.worker.stores.local
         try:
             if lease_id:
                 await store.release([lease_id])

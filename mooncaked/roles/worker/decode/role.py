@@ -171,7 +171,7 @@ class DecodeRole:
         if self.admission.waiting:
             await self.reservations.room.freed()  # the next in line may fit beside it
         if request.is_inline_prefill:
-            return ReserveReply(is_accepted=True, store_instance=self.worker.local_store_name)
+            return ReserveReply(is_accepted=True, store_instance=self.worker.stores.local_name)
         try:
             await self.admission.allocate_store(reservation, ctx)
         except ResourceExhausted as exc:
@@ -287,7 +287,7 @@ class DecodeRole:
             return
         self.metrics.page_wait_timeouts_total.inc()
         if reservation.handles:
-            await self.worker.local_store.commit([h.handle_id for h in reservation.handles])
+            await self.worker.stores.local.commit([h.handle_id for h in reservation.handles])
             reservation.handles = []
         free = self.worker.pages.num_free if self.worker.pages is not None else 0
         raise ResourceExhausted(f"{REASON_PAGES_NOT_FREED}: {reservation.num_pages} KV pages were not freed by the "

@@ -39,7 +39,7 @@ async def load_prefilled(worker: Worker, request: DecodeRequest, reservation: Re
         if reservation.tail is not None:
             blocks.append((len(request.block_keys), reservation.tail.offset))
         blocks = [(i, offset) for i, offset in blocks if i >= kv.num_device_blocks]
-        kv.start_loading([StoreBlocks(worker.local_store_name, [i for i, _ in blocks], [o for _, o in blocks],
+        kv.start_loading([StoreBlocks(worker.stores.local_name, [i for i, _ in blocks], [o for _, o in blocks],
                                       reservation.incarnation)], kv.num_blocks if blocks else 0)
         await kv.wait_loaded()
         kv.mark_complete()
@@ -53,7 +53,7 @@ async def load_prefilled(worker: Worker, request: DecodeRequest, reservation: Re
 async def commit_prefilled(worker: Worker, reservation: Reservation) -> None:
     """The prompt's full blocks the prefill instance wrote here become cache on this host (its store's commit)."""
     if reservation.handles:
-        await worker.local_store.commit([h.handle_id for h in reservation.handles])
+        await worker.stores.local.commit([h.handle_id for h in reservation.handles])
         reservation.handles = []
 
 

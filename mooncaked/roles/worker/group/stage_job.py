@@ -94,7 +94,7 @@ def check_request(worker: Worker, stage: GroupStage, request: StageRequest, open
         if len(span.block_indices) != len(span.offsets) or any(not 0 <= i < num_blocks
                                                                 for i in span.block_indices):
             raise InvalidArgument(f"blocks of store {span.store_name!r} do not match the prompt's {num_blocks}")
-        worker.store_instance(span.store_name)
+        worker.stores.instance_of(span.store_name)
     if any(i >= request.num_prefix_blocks for s in request.sources for i in s.block_indices):
         raise InvalidArgument("sources name blocks beyond the reused prefix")
     params = to_params(request.sampling, worker.vocab_size)

@@ -60,7 +60,7 @@ class KvPlan:
 
     def layer_writes(self) -> list[StoreBlocks]:
         """Where each layer goes: this host's new blocks, then every destination's."""
-        local = StoreBlocks(self.kv.worker.local_store_name, [i for i, _ in self.local_handles],
+        local = StoreBlocks(self.kv.worker.stores.local_name, [i for i, _ in self.local_handles],
                             [h.offset for _, h in self.local_handles], incarnation_of(h for _, h in self.local_handles))
         return [local, *(StoreBlocks(store_name, [d.block_index for d in wanted], [d.handle.offset for d in wanted],
                                      incarnation_of(d.handle for d in wanted))
@@ -77,7 +77,7 @@ class KvPlan:
         if self.is_closed:
             return
         self.is_closed = True
-        local = self.kv.worker.local_store
+        local = self.kv.worker.stores.local
         handle_ids = [h.handle_id for _, h in self.local_handles]
         try:
             if handle_ids:
@@ -85,7 +85,7 @@ class KvPlan:
             if self.local_lease_ids:
                 await local.release(self.local_lease_ids)
             for store_name, lease_id in self.remote_leases:
-                await (await self.kv.worker.store_client(store_name)).release([lease_id])
+                await (await self.kv.worker.stores.client(store_name)).release([lease_id])
         except Exception as exc:  # the store reclaims them when their leases expire
             logger.warning("ending store handles of %s failed: %s", self.kv.request_id, exc)
 
@@ -129,7 +129,7 @@ async def plan_prompt_kv(worker: Worker, request_id: str, token_ids: list[int], 
     owner = store_owner(tenant)
     for store_name in (fetch_store, decode_store if destinations else ""):
         if store_name:
-            worker.store_instance(store_name)
+            worker.stores.instance_of(store_name)
     num_shareable = (len(token_ids) - 1) // worker.block_size if reuses_prefix else 0  # >= 1 token to compute
     try:
         kv = RequestKv(worker, request_id, len(token_ids), num_extra_tokens, reserved_by, block_keys=keys,
@@ -141,7 +141,7 @@ async def plan_prompt_kv(worker: Worker, request_id: str, token_ids: list[int], 
         plan.destinations[decode_store] = list(destinations)
     try:
         fetched = StoreBlocks(fetch_store, [], [])
-        if fetch_store and fetch_store != worker.local_store_name and num_fetch_blocks > 0:
+        if fetch_store and fetch_store != worker.stores.local_name and num_fetch_blocks > 0:
             fetched = await _lookup_remote(plan, fetch_store, keys[:num_fetch_blocks], timeout_s)
         sources = await _reserve_local(plan, keys, fetched, timeout_s, reuses_prefix)
     except BaseException:
@@ -183,7 +183,7 @@ def _lease_ms(worker: Worker, timeout_s: float) -> int:
 async def _lookup_remote(plan: KvPlan, fetch_store: str, keys: list[bytes], timeout_s: float) -> StoreBlocks:
     """Lease the longest prefix of `keys` held by `fetch_store` (its block indices and pool offsets there)."""
     worker = plan.kv.worker
-    remote = await worker.store_client(fetch_store)
+    remote = await worker.stores.client(fetch_store)
     found = await remote.lookup(keys, lease_ms=_lease_ms(worker, timeout_s))
     if found.read_lease_id:
         plan.remote_leases.append((fetch_store, found.read_lease_id))
@@ -196,7 +196,7 @@ async def _reserve_local(plan: KvPlan, keys: list[bytes], fetched: StoreBlocks, 
                          reuses_prefix: bool) -> list[StoreBlocks]:
     """Allocate this host's store space for the blocks it lacks; the prefix and where each block of it is."""
     worker = plan.kv.worker
-    local = worker.local_store
+    local = worker.stores.local
     try:
         reply = await local.allocate(keys, worker.block_nbytes, _lease_ms(worker, timeout_s), **plan.owner)
         present, handles, lease_id = reply.present, reply.handles, reply.read_lease_id
@@ -220,6 +220,6 @@ async def _reserve_local(plan: KvPlan, keys: list[bytes], fetched: StoreBlocks, 
     from_local = [i for i in range(num_device, num_prefix) if i in local_offsets]
     from_remote = [i for i in range(num_device, num_prefix) if i not in local_offsets]
     plan.num_fetched_blocks = len(from_remote)
-    return [StoreBlocks(worker.local_store_name, from_local, [local_offsets[i] for i in from_local],
+    return [StoreBlocks(worker.stores.local_name, from_local, [local_offsets[i] for i in from_local],
                         incarnation_of([*present, *handles])),
             StoreBlocks(fetched.store_name, from_remote, [remote[i] for i in from_remote], fetched.incarnation)]

@@ -82,13 +82,13 @@ class RequestMoves:
         return staging_spans(self.kv_pages, indices, offsets, layer)
 
     async def _read(self, source: StoreBlocks, layer: int) -> None:
-        client = await self.worker.store_client(source.store_name)
+        client = await self.worker.stores.client(source.store_name)
         spans = self.layer_spans(source.block_indices, source.offsets, layer)
         await self._move(TransferOp.READ, client, spans, self._memory(client), source.incarnation)
 
     async def _write(self, write: StoreBlocks, layer: int) -> None:
         """Another host's store reads GPU pages straight over RDMA when they are registered (GPUDirect)."""
-        client = await self.worker.store_client(write.store_name)
+        client = await self.worker.stores.client(write.store_name)
         if self._is_gpudirect(client):
             assert self.worker.kv_pages_segment is not None
             spans = page_spans(self.kv_pages, self.page_ids, write.block_indices, write.offsets, layer)
@@ -106,7 +106,7 @@ class RequestMoves:
         another host's store do not)."""
         if self.is_direct:
             return []
-        clients = [await self.worker.store_client(name) for name in store_names]
+        clients = [await self.worker.stores.client(name) for name in store_names]
         return [name for name, client in zip(store_names, clients)
                 if self._is_staged(client) and not (is_write and self._is_gpudirect(client))]
 

@@ -1,1 +1,1 @@
-"""The prefill role: its queue, its forward, what it reports in LOAD."""
+"""The prefill role: its queue, its batch runs, its forward, what it reports in LOAD."""

@@ -3,7 +3,7 @@
 1. A PREFILL call whose KV is planned becomes a PrefillJob and joins the queue (prefill.PrefillRole owns both).
 2. `sched.prefill_batch.take_batch` (the rule the simulator runs too) picks the next forward's jobs: by class,
    priority and arrival, while they fit `max_batch_tokens`.
-3. The taken jobs run (role.PrefillRole._run_batch); their counts key the performance model (`prompt`).
+3. The taken jobs run (batch.BatchRunner.run); their counts key the performance model (`prompt`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from mooncaked.roles.worker.messages import PrefillReply, PrefillRequest
 
 @dataclass
 class PrefillJob:
-    """One queued or running prefill; owned by the PrefillRole while it is queued or running."""
+    """One queued or running prefill; owned by the PrefillRole while it is queued, by its BatchRunner while it runs."""
 
     request: PrefillRequest
     plan: KvPlan

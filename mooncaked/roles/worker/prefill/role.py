@@ -6,13 +6,16 @@ stream KV out.
 2. The job joins the queue (roles/worker/prefill/queue.py); the batch loop takes as many queued jobs as fit
    `max_batch_tokens` (a prompt longer than `prefill_chunk` runs alone, in chunks), interactive before batch,
    then by priority and arrival (sched/priority.py), never a batch line in the forward of an interactive prompt,
-   and runs one forward on the compute thread.
-3. Layer by layer: before layer i, the prefix KV of layer i goes into pages; after layer i, layer i's new KV is
-   copied to staging and written into this host's store and into the decode host's reserved blocks.
-4. After the last layer: wait for every write, commit the new blocks (they become cache), sample the first
-   token, reply. Whatever happens, `finally` aborts uncommitted handles, ends leases and frees pages.
+   and hands it to the batch runner (roles/worker/prefill/batch.py), which runs one forward on the compute thread.
+3. Layer by layer (batch.py, forward.py): before layer i, the prefix KV of layer i goes into pages; after layer i,
+   layer i's new KV is copied to staging and written into this host's store and into the decode host's reserved
+   blocks.
+4. After the last layer (batch.py): sample the first token, wait for every write, reply. The PREFILL call (here)
+   then commits the new blocks (they become cache); whatever happens, its `finally` aborts uncommitted handles,
+   ends leases and frees pages.
 5. Each batch's time, split per prompt by compute share, refits the instance's performance model (profiled at
-   start); LOAD reports the model, the predicted work the instance holds and its per-request overhead.
+   start; batch.py feeds it); LOAD reports the model, the predicted work the instance holds and its per-request
+   overhead.
 6. The batch loop is supervised (runtime/supervised.py): an unexpected exception outside a batch's own error
    handling is logged, the queued prompts fail with Unavailable (the conductor places them again) and the
    worker is marked failed (the role stops, exits non-zero and is restarted).
@@ -25,7 +28,6 @@ group's pipeline in LOAD (roles/worker/group/monitor.py); the later stages serve
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 
 from mooncaked.cluster.membership import Membership
@@ -36,8 +38,7 @@ from mooncaked.roles.worker.group.monitor import GroupMonitor
 from mooncaked.roles.worker.group.stage import StageService
 from mooncaked.roles.worker.kv.device_report import device_cache_report
 from mooncaked.roles.worker.messages import LOAD, PREFILL, LoadReply, LoadRequest, PrefillReply, PrefillRequest
-from mooncaked.roles.worker.messages import TokenSample
-from mooncaked.roles.worker.prefill.forward import ForwardResult, PrefillCancelled, run_prefill_forward
+from mooncaked.roles.worker.prefill.batch import BatchRunner
 from mooncaked.roles.worker.prefill.load import PrefillLoad
 from mooncaked.roles.worker.prefill.page_line import PageLine, plan_in_line
 from mooncaked.roles.worker.prefill.prompt_logprobs import wants_prompt_logprobs
@@ -45,20 +46,18 @@ from mooncaked.roles.worker.prefill.queue import PrefillJob
 from mooncaked.roles.worker.profiler import profile
 from mooncaked.roles.worker.sampling import history_of, to_params
 from mooncaked.roles.worker.worker import Worker
-from mooncaked.rpc import CallContext, InvalidArgument, RpcError, Unavailable
+from mooncaked.rpc import CallContext, InvalidArgument, Unavailable
 from mooncaked.runtime.logs import request_id_var
 from mooncaked.runtime.metrics import Metrics
 from mooncaked.runtime.metrics_http import MetricsEndpoint
 from mooncaked.runtime.supervised import start_supervised, stop_task
 from mooncaked.sched.prefill_batch import take_batch
 
-logger = logging.getLogger(__name__)
-
 
 class PrefillRole:
-    """Owns the worker, the prefill queue and the batch loop task; in a prefill group also its stage's pipeline
-    part: the first stage's `pipeline` (roles/worker/group/head.py) or a later stage's `stage_service`
-    (roles/worker/group/stage.py)."""
+    """Owns the worker, the prefill queue, the batch loop task and the batch runner (batch.py: the running batch);
+    in a prefill group also its stage's pipeline part: the first stage's `pipeline` (roles/worker/group/head.py) or
+    a later stage's `stage_service` (roles/worker/group/stage.py)."""
 
     name = "prefill"
 
@@ -72,11 +71,11 @@ class PrefillRole:
         self.endpoint.add_method(PREFILL, self._prefill)
         self.endpoint.add_method(LOAD, self._load, is_eager=True)
         self._queue: list[PrefillJob] = []
-        self._running: list[PrefillJob] = []
         self.page_line: PageLine | None = None  # from activate(): prompts waiting for KV pages
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
-        self.load: PrefillLoad | None = None  # from start(): needs the model's hidden size
+        self.load: PrefillLoad | None = None  # from activate(): needs the model's hidden size
+        self.batch_runner: BatchRunner | None = None  # from activate(), with the load
         self.metrics = Metrics()
         self.metrics_endpoint = MetricsEndpoint(instance.host, instance.metrics_port, self.metrics,
                                                 self._refresh_metrics)
@@ -128,6 +127,8 @@ class PrefillRole:
         if self.load is None:
             assert self.worker.loaded is not None
             self.load = PrefillLoad(self.worker.perf, self.worker.loaded.args.hidden_size)
+            self.batch_runner = BatchRunner(self.worker, self.load, self.metrics, self.pipeline,
+                                            self.config.transfer.timeout_s)
         pages = self.worker.pages
         assert pages is not None
         self.page_line = PageLine(lambda: pages.num_free, pages.num_pages)
@@ -151,31 +152,20 @@ class PrefillRole:
                 job.future.set_exception(Unavailable(why))
 
     @property
+    def running(self) -> list[PrefillJob]:
+        """The batch on the compute thread now (the batch runner's)."""
+        return self.batch_runner.running if self.batch_runner is not None else []
+
+    @property
     def is_idle(self) -> bool:
         is_stage_idle = self.stage_service is None or self.stage_service.is_idle
-        return not self._queue and not self._running and not self.page_line and is_stage_idle
+        return not self._queue and not self.running and not self.page_line and is_stage_idle
 
     def _refresh_metrics(self) -> None:
         self.metrics.queues.set_length("prefill", len(self._queue) + len(self.page_line or ()))
 
-    def _observe(self, batch: list[PrefillJob], started: float, elapsed_s: float) -> None:
-        worker = self.worker
-        self.metrics.engine.observe_step("prefill", num_requests=len(batch),
-                                         num_tokens=sum(job.num_new_tokens for job in batch), step_s=elapsed_s)
-        for job in batch:
-            plan = job.plan
-            self.metrics.queues.observe_wait("prefill", started - job.enqueued_at)
-            num_remote = min(plan.num_fetched_blocks, plan.num_prefix_blocks)
-            self.metrics.cache.observe_prefix(num_local=plan.num_prefix_blocks - num_remote, num_remote=num_remote,
-                                              num_computed=plan.kv.num_full_blocks - plan.num_prefix_blocks)
-            self.metrics.cache.observe_device_prefix(num_blocks=plan.num_device_blocks,
-                                                     num_cached=worker.pages.num_cached if worker.pages else 0)
-            num_sent = sum(len(wanted) for wanted in plan.destinations.values())
-            self.metrics.cache.observe_transfer("write", num_sent * worker.block_nbytes)
-            self.metrics.cache.observe_transfer("read", plan.num_fetched_blocks * worker.block_nbytes)
-
     def _info(self) -> dict[str, str]:
-        return {"queued": str(len(self._queue)), "running": str(len(self._running))}
+        return {"queued": str(len(self._queue)), "running": str(len(self.running))}
 
     async def _load(self, request: LoadRequest, ctx: CallContext) -> LoadReply:
         pages, load, now = self.worker.pages, self.load, time.monotonic()
@@ -183,19 +173,19 @@ class PrefillRole:
         load.pipeline = self.group_monitor.spec() if self.group_monitor is not None else None
         spec = load.pipeline_now(now)
         coefficients = load.coefficients(now)
-        num_running = len(self._running) + (len(self.stage_service.jobs) if self.stage_service else 0)
+        num_running = len(self.running) + (len(self.stage_service.jobs) if self.stage_service else 0)
         is_member = self.worker.stage is not None  # its model covers its layers only: not a whole-model predictor
         own = list(coefficients.prefill)
         waiting = self.page_line.waiting if self.page_line is not None else []
         queued = [job.prompt for job in self._queue] + [(waiter.num_tokens, 0) for waiter in waiting]
         return LoadReply(role="prefill", num_running=num_running, num_waiting=len(queued),
-                         num_queued_tokens=sum(job.num_new_tokens for job in self._queue + self._running)
+                         num_queued_tokens=sum(job.num_new_tokens for job in self._queue + self.running)
                          + sum(waiter.num_tokens for waiter in waiting),
                          num_free_pages=pages.num_free, num_pages=pages.num_pages,
                          step_time_s=load.mean_batch_s, prefill_coefficients=[] if is_member else own,
                          decode_coefficients=list(coefficients.decode),
                          pending_work_s=load.pending_work_s(queued, now),
-                         held_request_ids=[job.request.request_id for job in self._running + self._queue]
+                         held_request_ids=[job.request.request_id for job in self.running + self._queue]
                          + [waiter.request_id for waiter in waiting],
                          overhead_s=load.overhead.value, kv_cache_bytes=self.worker.kv_cache_bytes,
                          stage_coefficients=own if is_member else [],
@@ -248,81 +238,10 @@ class PrefillRole:
                           is_one_at_a_time=self.pipeline is not None or is_every_row)
 
     async def _batch_loop(self) -> None:
+        runner = self.batch_runner
+        assert runner is not None
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
             while self._queue:
-                batch = self._take_batch()
-                await self._run_batch(batch)
-
-    async def _run_batch(self, batch: list[PrefillJob]) -> None:
-        started = time.monotonic()
-        for job in batch:
-            job.is_running, job.started_at = True, started
-            job.idle.clear()
-        self._running = batch
-        assert self.load is not None
-        self.load.batch_started([job.prompt for job in batch], started)
-        try:
-            result, stage_s = await self._compute(batch)
-            elapsed_s = time.monotonic() - started
-            self._observe(batch, started, elapsed_s)
-            self.load.batch_finished([job.prompt for job in batch], elapsed_s if stage_s is None else stage_s,
-                                     is_sample=not any(job.plan.num_fetched_blocks for job in batch))
-            await self._finish(batch, result, elapsed_s)
-        except Exception as exc:
-            if isinstance(exc, RpcError):  # a prefill group's stage failed: the error names it
-                logger.warning("prefill batch of %d failed: %s", len(batch), exc)
-            elif not isinstance(exc, PrefillCancelled):
-                logger.exception("prefill batch of %d failed", len(batch))
-            for job in batch:
-                if not job.future.done():
-                    job.future.set_exception(exc)
-        finally:
-            self._running = []
-            for job in batch:
-                job.is_running = False
-                job.idle.set()
-
-    async def _finish(self, batch: list[PrefillJob], result: ForwardResult, elapsed_s: float) -> None:
-        assert self.load is not None
-        for job, sample, prompt_logprobs, more in zip(batch, result.first_tokens, result.prompt_logprobs,
-                                                      result.more_first_tokens):
-            if job.future.done():
-                continue
-            try:
-                await job.plan.kv.wait_writes(self.config.transfer.timeout_s)
-            except Exception as exc:
-                job.future.set_exception(exc)
-                continue
-            now = time.monotonic()
-            self.load.replied(now - job.arrived_at, job.started_at - job.enqueued_at, elapsed_s)
-            loader = job.plan.kv.loader
-            fetch_s = loader.load_s if job.plan.num_fetched_blocks and loader is not None else 0.0
-            job.future.set_result(PrefillReply(
-                first_token=sample, num_cached_tokens=job.num_prefix_tokens,
-                num_fetched_blocks=job.plan.num_fetched_blocks, prefill_s=now - job.enqueued_at, compute_s=elapsed_s,
-                fetch_s=fetch_s, prompt_logprobs=prompt_logprobs, more_first_tokens=more))
-
-    async def _compute(self, batch: list[PrefillJob]) -> tuple[ForwardResult, float | None]:
-        """The forward on the compute thread (a group's first stage: through the pipeline, with the seconds of
-        this stage's part of it; None elsewhere: the batch's whole time is its sample). Cancelled (the role is
-        stopping), it marks every plan cancelled and still waits for the thread to leave the batch (at its next
-        layer boundary): until then the batch's pages and staging are in use."""
-        if self.pipeline is not None:
-            job = batch[0]
-            first_token, compute_s = await self.pipeline.run(job.request, job.plan, job.deadline)
-            return ForwardResult([first_token], [[]], [[]]), compute_s
-        forward = asyncio.ensure_future(self.worker.compute(self._forward, batch))
-        try:
-            return await asyncio.shield(forward), None
-        except asyncio.CancelledError:
-            for job in batch:
-                job.plan.is_cancelled = True
-            await asyncio.wait([forward])
-            raise
-
-    def _forward(self, batch: list[PrefillJob]) -> ForwardResult:
-        return run_prefill_forward(self.worker, [job.plan for job in batch], [job.request.sampling for job in batch],
-                                   [job.grammars for job in batch])
-
+                await runner.run(self._take_batch())

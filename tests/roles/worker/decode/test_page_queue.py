@@ -58,7 +58,7 @@ async def _run(ops: list[tuple[Any, ...]]) -> None:
     section = dataclasses.replace(WorkerSection(), max_batch_size=MAX_BATCH_SIZE)
     # the two components the book uses of its worker: the page allocator and the worker section (no store:
     # inline-prefill reservations take no store space)
-    worker: Any = SimpleNamespace(pages=pages, section=section, local_store=None)
+    worker: Any = SimpleNamespace(pages=pages, section=section, stores=SimpleNamespace(local=None))
     running: list[str] = []
     book = ReservationBook(worker, lambda: len(running))
     made: list[str] = []
@@ -98,7 +98,7 @@ async def _run(ops: list[tuple[Any, ...]]) -> None:
 
 async def test_a_waiting_reservation_is_woken_when_pages_free_and_gives_up_at_its_deadline() -> None:
     pages = PageAllocator(8)
-    worker: Any = SimpleNamespace(pages=pages, section=WorkerSection(), local_store=None)
+    worker: Any = SimpleNamespace(pages=pages, section=WorkerSection(), stores=SimpleNamespace(local=None))
     book = ReservationBook(worker, lambda: 0)
     try:
         first = book.add(ReserveRequest("a", [], 100, 20, 600_000, is_inline_prefill=True), 8)

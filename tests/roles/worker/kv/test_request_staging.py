@@ -49,7 +49,7 @@ async def test_moves_with_this_hosts_store_take_no_staging(tmp_path: Path, monke
     """A prompt stored here, then reused from here (prefill) and loaded whole (decode): not one staging buffer."""
     tokens = [random.Random(11).randrange(3, 300) for _ in range(2 * BLOCK + 5)]
     async with running_worker(make_config(tmp_path)) as worker:
-        assert worker.staging_pool is not None and worker.local_store.is_local
+        assert worker.staging_pool is not None and worker.stores.local.is_local
         acquired = count_acquires(worker.staging_pool, monkeypatch)
         keys = keys_of(worker, tokens)
         first = await plan_prompt_kv(worker, "first", tokens, keys, timeout_s=30)
@@ -79,7 +79,7 @@ async def test_a_load_from_another_host_goes_straight_into_the_pages(
     async with running_worker(make_config(tmp_path)) as worker:
         assert worker.staging_pool is not None and worker.host_pages is not None
         await seed_remote_prefix(worker, tokens)
-        remote = await worker.store_client("s_remote")
+        remote = await worker.stores.client("s_remote")
         found = await remote.lookup(keys_of(worker, tokens), lease_ms=30_000)
         acquired = count_acquires(worker.staging_pool, monkeypatch)
         segments = record_move_ends(remote, monkeypatch)
