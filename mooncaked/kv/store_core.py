@@ -3,7 +3,8 @@
 1. `allocate(keys, num_bytes, lease_ms, now)`: absent keys get write handles (space reserved, invisible);
    present keys get one read lease. All-or-nothing: if the absent keys do not fit after eviction, StoreFull.
 2. `commit(handle_ids)`: the objects become visible (immutable from then on) and `BlockStored` is published.
-   A key another writer committed first keeps the first object; the duplicate's space is freed.
+   A key another writer committed first keeps the first object; the duplicate's space is freed. The writes in
+   flight, from reservation to commit, abort or expiry, are kv/write_handles.py's `WriteHandles`.
 3. `abort(handle_ids)` frees reserved space; `release(lease_ids)` ends read leases; `expire(now)` reclaims both
    when their lease runs out (a writer or reader that died), and unpins expired pins.
 4. Eviction (`evict_to_watermark`, and on allocation pressure; kv/dram_eviction.py) follows the policy of
@@ -20,7 +21,6 @@
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Hashable, Sequence
 
 from mooncaked.kv.allocator import ExtentAllocator
@@ -35,7 +35,6 @@ from mooncaked.kv.store_types import (
     Eviction,
     Grant,
     Location,
-    PendingWrite,
     Spill,
     StoreConfig,
     StoreFull,
@@ -44,8 +43,7 @@ from mooncaked.kv.store_types import (
     check_lease_ms,
 )
 from mooncaked.kv.tenant_quota import TenantShare, TenantUsage
-
-logger = logging.getLogger(__name__)
+from mooncaked.kv.write_handles import WriteHandles
 
 __all__ = ["TIER_DRAM", "TIER_SSD", "Eviction", "Grant", "Location", "Spill", "StoreConfig", "StoreCore",
            "StoreFull", "UnknownHandle", "check_keys"]
@@ -53,7 +51,7 @@ __all__ = ["TIER_DRAM", "TIER_SSD", "Eviction", "Grant", "Location", "Spill", "S
 
 class StoreCore:
     """All metadata of one store. Owner: the `StoreService`; the allocator, policy, event log, the bytes per
-    tenant and the DRAM evictor (dram_eviction.py) are its own."""
+    tenant, the DRAM evictor (dram_eviction.py) and the writes in flight (write_handles.py) are its own."""
 
     def __init__(self, config: StoreConfig, spill: Spill | None = None) -> None:
         self.config = config
@@ -61,15 +59,14 @@ class StoreCore:
         self.policy = make_spare_first_policy(config.eviction_policy)  # the base order until a copy is marked spare
         self.events = EventLog(config.max_events)
         self.blocks = BlockTable()
-        self._pending: dict[int, PendingWrite] = {}
         self.tenants = TenantUsage()
         self.dram = DramEvictor(config, self.allocator, self.blocks, self.policy, self.tenants, self._remove_block,
                                 spill)
-        self._ids = itertools.count(config.first_id)
+        self._ids = itertools.count(config.first_id)  # handles and read leases share it
+        self.writes = WriteHandles(self.allocator, self.blocks, self.policy, self.events, self.tenants, self.dram,
+                                   self._ids)
         self.num_hits = 0
         self.num_misses = 0
-        self.num_duplicates = 0
-        self.num_expired = 0
 
     # ---- writes -------------------------------------------------------------------------------------------
     def allocate(
@@ -89,47 +86,17 @@ class StoreCore:
             if self.blocks[key].num_bytes != num_bytes:
                 raise ValueError(f"key {key.hex()} is stored with {self.blocks[key].num_bytes} bytes, not {num_bytes}")
         absent = [(first_position + i, key) for i, key in enumerate(keys) if key not in self.blocks]
-        grants = self._reserve(absent, num_bytes, deadline, now, protected=set(present), tenant=tenant)
+        grants = self.writes.reserve(absent, num_bytes, deadline, now, protected=set(present), tenant=tenant)
         lease_id = self._open_read_lease(present, deadline, now) if present else 0
         return grants, [self._location(key) for key in present], lease_id
 
     def commit(self, handle_ids: Sequence[int], now: float) -> tuple[int, int]:
         """(number committed as new objects, number of duplicates freed). Validates all ids before changing any."""
-        self._check_handles(handle_ids)
-        num_new = 0
-        for handle_id in handle_ids:
-            pending = self._pending.pop(handle_id)
-            grant = pending.grant
-            block = self.blocks.get(grant.key)
-            if block is not None and block.dram_offset is not None:
-                self.allocator.free(grant.offset, grant.num_bytes)  # another writer won: keep the first object
-                self.tenants.add(pending.tenant, TIER_DRAM, -grant.num_bytes)
-                self.num_duplicates += 1
-                continue
-            if block is None:
-                block = BlockRecord(grant.num_bytes, grant.offset, False, pending.position, tenant=pending.tenant)
-                self.blocks.add(grant.key, block)
-                self.events.append(BLOCK_STORED, grant.key)
-                num_new += 1
-            else:  # present only on SSD: this copy becomes its DRAM copy, its owner's
-                block.dram_offset = grant.offset
-                self.tenants.add(pending.tenant, TIER_DRAM, -grant.num_bytes)
-                self.tenants.add(block.tenant, TIER_DRAM, grant.num_bytes)
-                self.num_duplicates += 1
-            self.policy.on_insert(grant.key, now, pending.position)
-            self.blocks[grant.key].last_used = now
-        return num_new, len(handle_ids) - num_new
+        return self.writes.commit(handle_ids, now)
 
     def abort(self, handle_ids: Sequence[int]) -> int:
         """Free the space of outstanding handles; ids no longer outstanding are ignored. Returns the number freed."""
-        num_freed = 0
-        for handle_id in handle_ids:
-            pending = self._pending.pop(handle_id, None)
-            if pending is not None:
-                self.allocator.free(pending.grant.offset, pending.grant.num_bytes)
-                self.tenants.add(pending.tenant, TIER_DRAM, -pending.grant.num_bytes)
-                num_freed += 1
-        return num_freed
+        return self.writes.abort(handle_ids)
 
     def place_promoted(self, key: bytes, now: float) -> int | None:
         """DRAM offset for an SSD-only block being promoted; the caller copies its bytes there at once.
@@ -203,14 +170,9 @@ class StoreCore:
     # ---- expiry, eviction and the SSD tier ------------------------------------------------------------------------------
     def expire(self, now: float) -> int:
         """Reclaim handles and read leases past their deadline; clear expired pins. Returns handles reclaimed."""
-        dead_handles = [handle_id for handle_id, p in self._pending.items() if p.deadline <= now]
-        for handle_id in dead_handles:
-            logger.warning("write handle %d for key %s expired before commit; space reclaimed",
-                           handle_id, self._pending[handle_id].grant.key.hex())
-        self.abort(dead_handles)
+        num_expired = self.writes.expire(now)
         self.blocks.expire(now)
-        self.num_expired += len(dead_handles)
-        return len(dead_handles)
+        return num_expired
 
     def evict_to_watermark(self, now: float) -> int:
         """Evict from the high watermark down to the low one; returns bytes freed."""
@@ -264,34 +226,19 @@ class StoreCore:
             "num_dram_blocks": num_dram,
             "num_ssd_blocks": sum(1 for b in self.blocks.records() if b.is_ssd_durable),
             "num_ssd_writing": sum(1 for b in self.blocks.records() if b.is_on_ssd and not b.is_ssd_durable),
-            "num_pending": len(self._pending),
+            "num_pending": len(self.writes),
             "num_read_leases": self.blocks.num_leases,
             "num_pinned": sum(1 for b in self.blocks.records() if b.pinned_until),
             "num_hits": self.num_hits,
             "num_misses": self.num_misses,
             "num_evicted": self.dram.num_evicted,
-            "num_duplicates": self.num_duplicates,
+            "num_duplicates": self.writes.num_duplicates,
             "num_spare_blocks": self.policy.num_spare,
-            "num_expired": self.num_expired,
+            "num_expired": self.writes.num_expired,
             "last_seq": self.events.last_seq,
         }
 
     # ---- internals ----------------------------------------------------------------------------------------
-    def _reserve(self, absent: list[tuple[int, bytes]], num_bytes: int, deadline: float, now: float,
-                 protected: set[bytes], tenant: str = "") -> list[Grant]:
-        grants: list[Grant] = []
-        try:
-            for position, key in absent:
-                offset = self.dram.allocate(num_bytes, protected, now, tenant)
-                self.tenants.add(tenant, TIER_DRAM, num_bytes)  # counted from the grant: writes in flight too
-                grant = Grant(next(self._ids), key, offset, num_bytes)
-                self._pending[grant.handle_id] = PendingWrite(grant, deadline, position, tenant)
-                grants.append(grant)
-        except StoreFull:
-            self.abort([grant.handle_id for grant in grants])
-            raise
-        return grants
-
     def _remove_block(self, key: bytes) -> None:
         self.blocks.remove(key)
         self.events.append(BLOCK_REMOVED, key)
@@ -300,16 +247,6 @@ class StoreCore:
         lease_id = next(self._ids)
         self.blocks.open_lease(lease_id, keys, deadline, now)
         return lease_id
-
-    def _check_handles(self, handle_ids: Sequence[int]) -> None:
-        if len(set(handle_ids)) != len(handle_ids):
-            raise ValueError("handle ids must be distinct within one commit")
-        for handle_id in handle_ids:
-            if handle_id not in self._pending:
-                raise UnknownHandle(
-                    f"handle {handle_id} is not outstanding (never issued, already committed or aborted, or its "
-                    "lease expired); allocate again"
-                )
 
     def _location(self, key: bytes) -> Location:
         return self.blocks.location(key)

@@ -51,7 +51,7 @@ Spill = Callable[[Eviction], bool]  # takes a block's bytes for SSD now; False: 
 
 @dataclass
 class PendingWrite:
-    """An outstanding write handle (state of the StoreCore)."""
+    """An outstanding write handle (state of the StoreCore's WriteHandles, write_handles.py)."""
 
     grant: Grant
     deadline: float
