@@ -93,7 +93,7 @@ class StoreRole:
 
     async def stop(self) -> None:
         await self.metrics_endpoint.stop()
-        self.service.end_streams()  # long-lived event streams would otherwise hold the drain to its deadline
+        self.service.streams.end()  # long-lived event streams would otherwise hold the drain to its deadline
         await self.endpoint.stop()
         await self.service.stop()
         await self.engine.stop()

@@ -6,14 +6,15 @@
    offsets of an earlier run of a restarted store, whose pool is gone.
 2. Handlers (`add_methods(server)`) call the pure `StoreCore` with `now`; a block it evicts to SSD has its bytes
    copied out of the pool inside the call (`_spill`); a read lease on blocks that are only on SSD promotes them
-   back into DRAM before the reply (both in tier_moves.py).
+   back into DRAM before the reply (both in tier_moves.py). A call that appended events wakes the EVENTS streams
+   (event_streams.py, which also answers DUMP).
 3. The maintenance task (owned here, supervised: an unexpected exception is logged and the loop restarts)
    reclaims expired leases and pins and evicts from the high watermark down to the low one, every
    `maintenance_interval_s`.
-4. `stop()`: stop the maintenance task, end event streams, unregister the segment; with an SSD tier, queue every
-   committed DRAM block SSD does not hold yet, most recently used first, ahead of the write-behind backlog (a warm
-   restart: the next start indexes them); let the SSD writer work until `stop_timeout_s`; close (and unlink) the
-   pool.
+4. `stop()`: end the event streams, stop the maintenance task, unregister the segment; with an SSD tier, queue
+   every committed DRAM block SSD does not hold yet, most recently used first, ahead of the write-behind backlog
+   (a warm restart: the next start indexes them); let the SSD writer work until `stop_timeout_s`; close (and
+   unlink) the pool.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import asyncio
 import secrets
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -31,6 +32,7 @@ from mooncaked.kv.tenant_quota import TenantShare
 from mooncaked.rpc import InvalidArgument, Method, NotFound, ResourceExhausted, RpcError
 from mooncaked.runtime.supervised import start_supervised, stop_task
 from mooncaked.store import messages as msg
+from mooncaked.store.event_streams import EventStreams
 from mooncaked.store.shm_pool import ShmPool
 from mooncaked.store.ssd import SsdConfig, SsdTier
 from mooncaked.store.tier_moves import TierMoves
@@ -45,10 +47,6 @@ class MethodRegistry(Protocol):
     """The part of mooncaked.rpc.RpcServer the service uses."""
 
     def add_method(self, method: Any, handler: Any, *, is_eager: bool = False) -> None: ...
-
-
-class CallDeadline(Protocol):
-    deadline: float  # time.monotonic() based
 
 
 @dataclass(frozen=True)
@@ -72,7 +70,8 @@ class StoreServiceConfig:
 
 
 class StoreService:
-    """Owns the store's core (metadata), pool, SSD tier and maintenance task; borrows the transfer engine."""
+    """Owns the store's core (metadata), pool, SSD tier, event streams and maintenance task; borrows the transfer
+    engine."""
 
     def __init__(self, config: StoreServiceConfig, engine: TransferEngine | None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -94,8 +93,7 @@ class StoreService:
         self.moves = TierMoves(self.core, self.ssd, clock)
         self.pool: ShmPool | None = None
         self._maintenance: asyncio.Task[None] | None = None
-        self._new_events = asyncio.Event()
-        self._is_stopping = False
+        self.streams = EventStreams(self.core)
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -108,13 +106,8 @@ class StoreService:
             self.engine.register(self.segment_name, self.pool.view, f"cpu:{self.config.numa_node or 0}")
         self._maintenance = start_supervised("store-maintenance", self._maintain)
 
-    def end_streams(self) -> None:
-        """Finish every event stream now (their subscribers resubscribe elsewhere or later)."""
-        self._is_stopping = True
-        self._notify()
-
     async def stop(self) -> None:
-        self.end_streams()
+        self.streams.end()
         await stop_task(self._maintenance)
         self._maintenance = None
         if self.engine is not None and self.pool is not None:
@@ -129,7 +122,8 @@ class StoreService:
         handlers: dict[Method, Callable[..., Any]] = {
             msg.ALLOCATE: self.allocate, msg.COMMIT: self.commit, msg.ABORT: self.abort,
             msg.LOOKUP: self.lookup, msg.RELEASE: self.release, msg.PIN: self.pin, msg.UNPIN: self.unpin,
-            msg.STATS: self.stats, msg.EVENTS: self.events, msg.DUMP: self.dump, msg.MARK_SPARE: self.mark_spare,
+            msg.STATS: self.stats, msg.MARK_SPARE: self.mark_spare,
+            msg.EVENTS: self.streams.events, msg.DUMP: self.streams.dump,
         }
         for method, handler in handlers.items():
             # Unary handlers are eager: most never suspend, so running them inline saves a task per call.
@@ -218,37 +212,6 @@ class StoreService:
         return msg.StatsReply(counters, self.pool.path, self.pool.num_bytes, endpoint, self.segment_name,
                               self.config.host, self.incarnation)
 
-    async def events(self, request: msg.EventsRequest, ctx: CallDeadline) -> AsyncIterator[msg.EventBatch]:
-        """Events after `after_seq` as they happen, until the call's deadline or the store stops."""
-        if request.after_seq < 0 or request.max_batch <= 0:
-            raise InvalidArgument("after_seq must be >= 0 and max_batch > 0")
-        cursor = request.after_seq
-        while not self._is_stopping:
-            events = self.core.events_after(cursor, request.max_batch)
-            if events is None:
-                raise NotFound(f"events after seq {cursor} are no longer retained (oldest is "
-                               f"{self.core.events.first_retained_seq}); call dump and resubscribe after its seq")
-            if events:
-                cursor = events[-1].seq
-                yield msg.EventBatch([msg.StoreEventMessage(e.seq, e.kind, e.key) for e in events])
-                continue
-            waiter = self._new_events
-            remaining = ctx.deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            try:
-                await asyncio.wait_for(waiter.wait(), min(remaining, 1.0))
-            except asyncio.TimeoutError:
-                pass
-
-    async def dump(self, request: msg.DumpRequest, ctx: object) -> AsyncIterator[msg.DumpChunk]:
-        if request.max_chunk_keys <= 0:
-            raise InvalidArgument(f"max_chunk_keys must be positive, got {request.max_chunk_keys}")
-        seq, keys = self.core.dump()
-        step = request.max_chunk_keys
-        for start in range(0, max(len(keys), 1), step):
-            yield msg.DumpChunk(seq, keys[start : start + step], is_last=start + step >= len(keys))
-
     # ---- internals ----------------------------------------------------------------------------------------
     def _call(self, operation: Callable[[], Any]) -> Any:
         """Run one core operation; map its errors to RPC errors; wake event streams."""
@@ -263,7 +226,7 @@ class StoreService:
             raise InvalidArgument(str(error)) from None
         finally:
             if self.core.events.last_seq != last_seq:
-                self._notify()
+                self.streams.notify()
 
     def _check_lease(self, lease_ms: int) -> None:
         if not 0 < lease_ms <= self.config.max_lease_ms:
@@ -280,11 +243,7 @@ class StoreService:
 
     def _on_ssd_dropped(self, key: bytes) -> None:
         self.core.ssd_dropped(key)
-        self._notify()
-
-    def _notify(self) -> None:
-        self._new_events.set()
-        self._new_events = asyncio.Event()
+        self.streams.notify()
 
     def _location_message(self, location: Location) -> msg.BlockLocation:
         return msg.BlockLocation(location.key, location.tier, location.offset, location.num_bytes, self.incarnation)
