@@ -59,6 +59,11 @@ def test_user_errors_exit_2_with_one_line(args: list[str], message: str, capsys:
 
 def test_check_config_prints_each_process_expected_memory(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check-config", EXAMPLE, "--set", "worker.kv_memory_bytes=268435456"]) == 0
+    rows = {line.split()[1]: line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("#   ")}
+    # the example's bfloat16: half fp32's bytes per token, and no packed copies (MKL packing is fp32's)
+    assert " ".join(rows["decode0"]).endswith("182 pages = 11648 tokens, 0.25 GiB (worker.kv_memory_bytes = 256 MiB)")
+    assert main(["check-config", EXAMPLE, "--set", "worker.kv_memory_bytes=268435456", "--set",
+                 "model.dtype=float32"]) == 0
     out = capsys.readouterr().out
     plan = out.partition("# expected resident memory per process")[2]
     assert yaml.safe_load(out)["worker"]["kv_memory_bytes"] == 268435456  # the comments keep it valid YAML
@@ -71,7 +76,7 @@ def test_check_config_prints_each_process_expected_memory(capsys: pytest.Capture
 
 
 def test_check_config_refuses_a_budget_below_one_request(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["check-config", EXAMPLE, "--set", "worker.kv_memory_bytes=1000000"]) == 2
+    assert main(["check-config", EXAMPLE, "--set", "worker.kv_memory_bytes=1000000", "--set", "model.dtype=float32"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("mooncaked: error: memory plan: worker.kv_memory_bytes = 1000000 bytes holds 0 KV pages")
     assert "needs 32 pages of 2.81 MiB = 90 MiB; set worker.kv_memory_bytes to at least 94371840" in err

@@ -104,11 +104,18 @@ def _plan_worker(config: Config, args: ModelArgs, instance: InstanceConfig, runt
     rope = 2 * args.context_length * args.rope_head_dim * dtype.itemsize
     resident = held - rope - projections
     if not model.share_weights:
-        private = held + (projections if packing == "both" else 0)
+        private = held + (projections if packing == "both" else 0) + fp32_head_bytes(args, dtype, layers)
         return ProcessMemory(name, role, host, runtime, private, (), kv, workspace)
     shared = [("resident", resident)] + ([] if packing == "packed" else [("projections", projections)])
-    private = rope + (0 if packing == "plain" else projections)
+    private = rope + (0 if packing == "plain" else projections) + fp32_head_bytes(args, dtype, layers)
     return ProcessMemory(name, role, host, runtime, private, tuple(shared), kv, workspace)
+
+
+def fp32_head_bytes(args: ModelArgs, dtype: torch.dtype, layers: LayerRange | None) -> int:
+    """A bf16/fp16 model on CPU keeps its output head in fp32 too (LlamaForCausalLM.keep_fp32_head)."""
+    if dtype == torch.float32 or (layers is not None and not layers.has_head):
+        return 0
+    return args.hidden_size * args.vocab_size * 4
 
 
 def stage_layers(config: Config, instance: InstanceConfig, args: ModelArgs) -> LayerRange | None:

@@ -181,6 +181,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(args.hidden_size, self.shape.vocab_size or args.vocab_size, dtype, weight_device)
         self.rope = RopeCache(args.rope_head_dim, args.rope_theta, args.rope_scaling, args.context_length,
                               dtype, device, args.rope_freq_factors)
+        self.head_fp32: torch.Tensor | None = None  # [hidden, vocab]: keep_fp32_head's copy of the output head
 
     def pack_for_cpu(self, is_replacing: bool = False) -> int:
         """MKL-pack every projection for fast few-row (decode) GEMMs on CPU; returns how many were packed.
@@ -188,6 +189,14 @@ class LlamaForCausalLM(nn.Module):
         row count (a decode process: the weights are held once)."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         return sum(linear.pack_for_cpu(is_replacing) for linear in linears)
+
+    def keep_fp32_head(self) -> None:
+        """A bf16/fp16 model on CPU: keep an fp32 copy of the output head (call again after changing its weight),
+        so logits are computed and stored in fp32. In bf16 a logit near 20 rounds to a multiple of 0.125, and
+        near-ties then flip greedy choices (SmolLM2 in bf16 answered the README's question wrongly with a bf16
+        head, rightly with this one). On a GPU the head stays in the model's dtype."""
+        if self.lm_head is not None and self.lm_head.weight_t is not None:
+            self.head_fp32 = self.lm_head.weight_t.float()
 
     def weight_layout(self) -> list[tuple[str, tuple[int, ...], str]]:
         """(parameter name, shape, section) of every weight: `projections` for Linear weights, else `resident`."""
@@ -203,10 +212,12 @@ class LlamaForCausalLM(nn.Module):
             setattr(self.get_submodule(module_name), attr, nn.Parameter(tensor, requires_grad=False))
 
     def weight_nbytes(self) -> dict[str, int]:
-        """Bytes held now: `plain` parameters and `packed` copies (nothing counted twice)."""
+        """Bytes held now: `plain` parameters and `packed` copies (and the fp32 head; nothing counted twice)."""
         plain = sum(p.numel() * p.element_size() for p in self.parameters())
         packed = sum(m.out_features * m.in_features * self.dtype.itemsize for m in self.modules()
                      if isinstance(m, Linear) and m.packed is not None)
+        if self.head_fp32 is not None:
+            packed += self.head_fp32.numel() * self.head_fp32.element_size()
         return {"plain": plain, "packed": packed}
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -218,7 +229,10 @@ class LlamaForCausalLM(nn.Module):
         """hidden [N, hidden_size] (pre final norm) -> logits [N, vocab] in fp32 (last stage only). A shard of a
         vocabulary-split head gathers every rank's columns (every rank must call it)."""
         assert self.norm is not None and self.lm_head is not None, "this pipeline stage holds no output head"
-        logits = self.lm_head(self.norm(hidden)).float()
+        if self.head_fp32 is not None:
+            logits = torch.matmul(self.norm(hidden).float(), self.head_fp32)
+        else:
+            logits = self.lm_head(self.norm(hidden)).float()
         return logits if self.shape.vocab_size is None else tensor_parallel.all_gather(logits)
 
     def load_hf_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
