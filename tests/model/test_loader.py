@@ -97,3 +97,21 @@ def test_an_unsupported_architecture_is_a_startup_error(tmp_path: Path) -> None:
 def test_bad_dtype_is_named() -> None:
     with pytest.raises(ValueError, match="dtype 'int3'"):
         load_model("random:tiny", dtype="int3")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_half_precision_model_on_cpu_computes_its_logits_in_fp32(dtype: str) -> None:
+    """keep_fp32_head: the output head is also held in fp32, so logits are not rounded to the model's dtype (in bf16
+    near-equal logits tie and flip greedy choices)."""
+    loaded = load_model("random:tiny", dtype=dtype, device="cpu")
+    model = loaded.model
+    assert model.head_fp32 is not None and model.lm_head is not None and model.lm_head.weight_t is not None
+    assert model.head_fp32.dtype == torch.float32
+    assert torch.equal(model.head_fp32, model.lm_head.weight_t.float())
+    hidden = torch.randn(3, loaded.args.hidden_size, generator=torch.Generator().manual_seed(0)).to(loaded.dtype)
+    assert model.norm is not None
+    logits = model.compute_logits(hidden)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, model.norm(hidden).float() @ model.head_fp32)
+    assert not torch.equal(logits, logits.to(loaded.dtype).float())  # finer than the model's dtype holds
+    assert load_model("random:tiny", dtype="float32", device="cpu").model.head_fp32 is None
