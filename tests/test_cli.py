@@ -76,7 +76,8 @@ def test_check_config_prints_each_process_expected_memory(capsys: pytest.Capture
 
 
 def test_check_config_refuses_a_budget_below_one_request(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["check-config", EXAMPLE, "--set", "worker.kv_memory_bytes=1000000", "--set", "model.dtype=float32"]) == 2
+    assert main(["check-config", EXAMPLE, "--set", "worker.kv_memory_bytes=1000000",
+                 "--set", "model.dtype=float32"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("mooncaked: error: memory plan: worker.kv_memory_bytes = 1000000 bytes holds 0 KV pages")
     assert "needs 32 pages of 2.81 MiB = 90 MiB; set worker.kv_memory_bytes to at least 94371840" in err

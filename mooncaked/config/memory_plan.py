@@ -97,7 +97,8 @@ def _plan_worker(config: Config, args: ModelArgs, instance: InstanceConfig, runt
     packing = worker_packing(role, section.switchable) if is_packable else "plain"
     num_ranks = config.tensor_parallel_size_of(instance)
     if num_ranks > 1:  # N processes, each a runtime, its weight slices (none shared) and a workspace
-        weights = num_ranks * weight_bytes(args, dtype, packing, layers, num_ranks=num_ranks)
+        weights = num_ranks * weight_bytes(args, dtype, packing, layers, num_ranks=num_ranks) \
+            + fp32_head_bytes(args, dtype, layers)  # the ranks' vocabulary slices of it
         return ProcessMemory(name, role, host, num_ranks * runtime, weights, (), kv, num_ranks * workspace)
     projections = projection_bytes(args, dtype, layers)
     held = weight_bytes(args, dtype, layers=layers)  # every plain weight (of the stage) and the RoPE tables

@@ -117,9 +117,6 @@ def load_model(source: str, *, dtype: str | torch.dtype = "auto", device: str | 
         torch_device = torch.device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
         is_packable = cpu_packed_gemm and torch_device.type == "cpu" and torch_dtype == torch.float32
-        if torch_device.type == "cpu" and torch_dtype == torch.bfloat16 and not is_bf16_native_cpu():
-            logger.warning("bfloat16 on a CPU without native bfloat16 (AVX512-BF16 or AMX): its GEMMs convert to "
-                           "float32 and run slower than float32's own; set model.dtype: float32 on this host")
         cache_dir = str(weight_cache_dir) if weight_cache_dir is not None and torch_device.type == "cpu" else None
         return _load_cached(source, torch_dtype, str(torch_device), seed, packing if is_packable else "plain",
                             cache_dir, Placement(layers, shard))
@@ -167,6 +164,9 @@ def _load_cached(source: str, dtype: torch.dtype, device: str, seed: int, packin
     loaded = _load_source(source, dtype, device, seed, packing, cache_dir, placement)
     if torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16):
         loaded.model.keep_fp32_head()  # logits in fp32 (LlamaForCausalLM.keep_fp32_head)
+        if dtype == torch.bfloat16 and not is_bf16_native_cpu():
+            logger.warning("bfloat16 on a CPU without native bfloat16 (AVX512-BF16 or AMX): its GEMMs convert to "
+                           "float32 and run slower than float32's own; set model.dtype: float32 on this host")
     if packing != "plain":
         num_packed = loaded.model.pack_for_cpu(is_replacing=packing == "packed")
         logger.info("MKL-packed %d projections of %s for CPU decode (%s)", num_packed, loaded.model_id,

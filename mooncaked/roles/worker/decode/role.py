@@ -10,9 +10,9 @@
    compute thread (running sequences keep decoding meanwhile); commit the full blocks (they become cache
    here), drop the tail block and join the batch; when that first token ended the request (max_tokens 1),
    only commit the blocks (sequences.commit_only: no page is taken). DECODE without one: prefill inline (the
-   colocated path, inline_prefill.py), then join. A parallel sampling's further sequences (`num_sequences`, their first tokens
-   drawn by the same prefill) share the prompt's full-block pages and copy only its partial last block
-   (sequences.py), and join as sequences of their own; RESERVE set aside the shared pages once and each
+   colocated path, inline_prefill.py), then join. A parallel sampling's further sequences (`num_sequences`, their
+   first tokens drawn by the same prefill) share the prompt's full-block pages and copy only its partial last
+   block (sequences.py), and join as sequences of their own; RESERVE set aside the shared pages once and each
    sequence's own (`decode_num_pages`).
 3. Stream one item per step (several when the consumer lags), each naming its sequence, until every sequence
    ended at EOS, a stop token or max_tokens; when the stream ends for any reason, leave the batch and free the
@@ -34,7 +34,7 @@ from mooncaked.roles.worker.decode.admission import ReserveAdmission
 from mooncaked.roles.worker.decode.inline_prefill import InlinePrefill
 from mooncaked.roles.worker.decode.loop import DecodeLoop, Outbox, RunningSeq, finish_reason_for
 from mooncaked.roles.worker.decode.reservations import Reservation, ReservationBook
-from mooncaked.roles.worker.decode.sequences import commit_only, fork, load_prefilled, stream_items
+from mooncaked.roles.worker.decode.sequences import commit_only, commit_prefilled, fork, load_prefilled, stream_items
 from mooncaked.roles.worker.grammar import follow_first_token
 from mooncaked.roles.worker.kv.device_report import device_cache_report
 from mooncaked.roles.worker.kv.plan import check_block_keys
@@ -286,9 +286,7 @@ class DecodeRole:
         if await self.reservations.wait_granted(reservation, min(reservation.page_deadline, ctx.deadline)):
             return
         self.metrics.page_wait_timeouts_total.inc()
-        if reservation.handles:
-            await self.worker.stores.local.commit([h.handle_id for h in reservation.handles])
-            reservation.handles = []
+        await commit_prefilled(self.worker, reservation)
         free = self.worker.pages.num_free if self.worker.pages is not None else 0
         raise ResourceExhausted(f"{REASON_PAGES_NOT_FREED}: {reservation.num_pages} KV pages were not freed by the "
                                 f"predicted decode start plus {self.worker.section.page_wait_s:g} s ({free} free)")
