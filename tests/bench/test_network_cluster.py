@@ -18,7 +18,10 @@ def test_a_partitioned_and_a_stopped_decode_instance_lose_and_hang_nothing() -> 
     reason = testnet.unavailable_reason()
     if reason:
         pytest.skip(reason)
-    args = argparse.Namespace(rate_mbit=100.0, streams=4, max_tokens=300, partition_s=3.0, stream_timeout_s=60.0,
+    # The victim is the decode instance the conductor's LOAD polls (every 0.2 s) see running the streams, so a stream
+    # must outlast a few polls after its first chunks: 300 tokens of random:tiny ended in 0.5 s on a quiet machine,
+    # once before any poll counted them (no victim ran a stream); 900 (the bench's default) take ~1.5 s.
+    args = argparse.Namespace(rate_mbit=100.0, streams=4, max_tokens=900, partition_s=3.0, stream_timeout_s=60.0,
                               start_timeout_s=120.0)
     faults = run_faults(args)
     assert set(faults) == {"cluster_partition", "cluster_sigstop"}
