@@ -10,7 +10,8 @@
    previous stage's hidden states instead of embedding tokens): `before_layer(i)` (the caller waits there until layer
    i's prefix KV is in the pages), then the layer: store the new tokens' K/V into pages, attend over the pages (within
    the layer's sliding window, if the model has one: every token's KV is still stored, so prefixes stay shareable),
-   MLP; then `after_layer(i)`
+   MLP; then `after_layer(i)`. Over compressed pages (kv.cache_dtype int8, fp8_e4m3) the query, keys and values
+   are rotated before the attention step and its output rotated back (kernels/quantized_kv.rotation)
    (the caller starts storing layer i's new KV). A callback that raises aborts the forward: the exception
    propagates, the runner has changed nothing but KV slots of this batch's own pages, and the allocator is
    untouched, so the caller frees or reuses the pages as usual.
@@ -26,6 +27,7 @@ from mooncaked import kernels
 from mooncaked.engine.batch import DecodeBatch, PrefillBatch
 from mooncaked.engine.cuda_graphs import DecodeGraphs
 from mooncaked.engine.kv_pages import KVPages
+from mooncaked.kernels.quantized_kv import rotate, rotation
 from mooncaked.model.llama import LlamaForCausalLM
 from mooncaked.model.mla import AttendFn
 
@@ -60,6 +62,8 @@ class ModelRunner:
         self.scale = args.attention_scale
         self.first_layer = layers.start  # page layer of model layer i: i - first_layer
         self.layer_windows = [args.layer_sliding_window(i) for i in range(args.num_layers)]
+        # [D, D]: packed rows hold rotated K/V, which shrinks int8's rounding step (kernels/quantized_kv.py)
+        self.rotation = None if kv_pages.cache_dtype == "auto" else rotation(kv_pages.head_dim, kv_pages.device)
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs:
             if kv_pages.device.type != "cuda" or kernels.resolve_backend(backend, kv_pages.buffer) != "triton":
@@ -86,7 +90,8 @@ class ModelRunner:
                                              sliding_window=windows[layer])
 
         with torch.inference_mode():
-            hidden = self._layers(batch.input_ids, batch.positions, attend, before_layer, after_layer, hidden_in)
+            hidden = self._layers(batch.input_ids, batch.positions, _in_rotated_space(attend, self.rotation),
+                                  before_layer, after_layer, hidden_in)
             if return_hidden:
                 return hidden
             if not return_all_logits:
@@ -119,7 +124,8 @@ class ModelRunner:
                                             batch.seq_lens, scale, backend, plans[window], sliding_window=window)
 
         with torch.inference_mode():
-            hidden = self._layers(batch.input_ids, batch.positions, attend, before_layer, after_layer)
+            hidden = self._layers(batch.input_ids, batch.positions, _in_rotated_space(attend, self.rotation),
+                                  before_layer, after_layer)
             return hidden if return_hidden else self.model.compute_logits(hidden)
 
     def _layers(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
@@ -137,3 +143,18 @@ class ModelRunner:
             if after_layer is not None:
                 after_layer(i)
         return hidden
+
+
+def _in_rotated_space(attend: AttendFn, matrix: torch.Tensor | None) -> AttendFn:
+    """`attend` over pages of rotated rows: q, k, v rotated by matrix [D, D] before it, its output rotated back
+    (attention commutes with an orthogonal rotation: q.k = (qR).(kR)). No matrix: `attend` itself."""
+    if matrix is None:
+        return attend
+    back = matrix.T.contiguous()
+
+    def rotated(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_rotated = rotate(k, matrix)
+        v_rotated = k_rotated if v is k else rotate(v, matrix)  # an MLA latent is its own value
+        return rotate(attend(layer, rotate(q, matrix), k_rotated, v_rotated), back)
+
+    return rotated

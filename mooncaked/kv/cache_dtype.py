@@ -8,6 +8,8 @@ and transfers, and how the format enters the block keys' namespace.
    (fp32's 256 bytes of a 64-wide head become 66: 3.9x; bf16's 128: 1.9x).
 3. `fp8_e4m3`: the same layout with e4m3 values (scale max |x| / 448): the same bytes, a relative rather than an
    absolute rounding error per value.
+   Both packed formats hold each row after an orthogonal (Hadamard) rotation of its head_dim values, which
+   halves int8's error (kernels/quantized_kv.rotation): the rotation is part of the format's namespace text.
 4. `namespace_dtype(model_dtype, cache_dtype)`: the dtype text the model namespace folds in (kv/keys.py): a
    compressed cluster's blocks never share keys with an uncompressed one's (`auto` keeps the model's own text,
    so its keys do not change).
@@ -40,4 +42,4 @@ def row_bytes(head_dim: int, itemsize: int, cache_dtype: str) -> int:
 
 def namespace_dtype(model_dtype: str, cache_dtype: str) -> str:
     check_cache_dtype(cache_dtype)
-    return model_dtype if cache_dtype == "auto" else f"{model_dtype}|kv:{cache_dtype}/token-head/bf16-scale"
+    return model_dtype if cache_dtype == "auto" else f"{model_dtype}|kv:{cache_dtype}/token-head/bf16-scale/hadamard"

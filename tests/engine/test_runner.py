@@ -180,3 +180,29 @@ def test_a_window_longer_than_the_sequence_changes_nothing() -> None:
         seq = PrefillSeq(_prompt(length), 0, [0])
         same = torch.allclose(_prefill(runner, [seq]), _prefill(plain, [seq]), atol=1e-6, rtol=0)
         assert same == is_equal, length
+
+
+@pytest.mark.parametrize("is_latent", [False, True])
+def test_attention_in_the_rotated_space_equals_attention_itself(is_latent: bool) -> None:
+    """What the runner does over packed pages: q, k, v rotated before attention, the output rotated back, equals
+    attention of the unrotated vectors (an MLA latent passed as both k and v stays one tensor)."""
+    from mooncaked.engine.runner import _in_rotated_space
+    from mooncaked.kernels.quantized_kv import rotation
+
+    head_dim = 576 if is_latent else 64
+    generator = torch.Generator().manual_seed(7)
+    q = torch.randn(5, 4, head_dim, generator=generator)
+    k = torch.randn(5, 1 if is_latent else 2, head_dim, generator=generator)
+    v = k if is_latent else torch.randn(5, 2, head_dim, generator=generator)
+    seen: list[bool] = []
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        seen.append(v is k)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True).transpose(0, 1)
+
+    exact = attend(0, q, k, v)
+    rotated = _in_rotated_space(attend, rotation(head_dim))(0, q, k, v)
+    assert torch.allclose(rotated, exact, atol=1e-5)
+    assert seen == [is_latent, is_latent]
+    assert _in_rotated_space(attend, None) is attend
