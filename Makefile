@@ -9,9 +9,11 @@ PYTEST_ARGS ?=
 .PHONY: venv pyverbs run test lint bench debs clean
 
 # The venv, then Debian's pyverbs linked into it (checked each time: cheap, and a package installed after the venv
-# was made is picked up).
+# was made is picked up), then the CPU MoE kernel built (kernels/cpu_moe.py; a no-op once built, and a host
+# without a C compiler gets a warning and torch's experts).
 venv: $(STAMP)
 	bash scripts/setup_pyverbs.sh $(BIN)/python
+	$(BIN)/python -m mooncaked.kernels.cpu_moe
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

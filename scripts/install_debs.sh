@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Debian packages for tests and benchmarks: redis-server (store benchmark), etcd-server (membership tests),
-# python3-pyverbs (RDMA transport), prometheus (the dashboard test). Installed only when missing and when we may (root with apt-get).
+# python3-pyverbs (RDMA transport), prometheus (the dashboard test), gcc (the CPU MoE kernel, kernels/cpu_moe.c). Installed only when missing and when we may (root with apt-get).
 set -uo pipefail
-want=(redis-server etcd-server python3-pyverbs prometheus)
+want=(redis-server etcd-server python3-pyverbs prometheus gcc)
 missing=()
 for p in "${want[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 [ ${#missing[@]} -eq 0 ] && exit 0

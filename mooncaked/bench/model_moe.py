@@ -2,8 +2,8 @@
 implementation of the same checkpoint, and ours beside a dense model of the same active parameters.
 
 Stages:
-  1. The MoE model is `random:moe-512` (Qwen3-MoE-shaped: hidden 512, 4 layers, 16 experts of 256 columns,
-     top-4), the dense one `random:moe-512-dense` (one MLP of 4 x 256 columns: the same active parameters, less the
+  1. The MoE model is `random:moe-512` (Qwen3-MoE-shaped: hidden 512, 4 layers, 16 experts of 192 columns,
+     top-4), the dense one `random:moe-512-dense` (one MLP of 4 x 192 columns: the same active parameters, less the
      router). Ours loads both fp32 with `--packing` projections; the MoE weights are also written as a Hugging Face
      checkpoint (config.json and safetensors, per-expert tensors) into a temporary directory, which transformers
      loads with `from_pretrained` (its CPU experts implementation as it chooses by default).
@@ -14,7 +14,8 @@ Stages:
      the dense model, alternating, best of `--repeats`: `moe_active_cost_ratio_bN` = MoE step time / dense step time
      (`moe_active_cost_ratio` is batch 1's; `..._cpu_ratio_bN` the same in process CPU time, steadier on a
      shared host), `moe_step_ms_bN`, `dense_step_ms_bN`.
-  4. Print a table and the host's load average; write JSON with `--json`.
+  4. Print a table and the host's load average (and whether kernels/cpu_moe's C kernel ran the decode steps'
+     experts: `cpu_moe_kernel`); write JSON with `--json`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from safetensors.torch import save_file
 from mooncaked.bench.decode_compare import OursGenerator, Timing, chat_prompts, measure_decode
 from mooncaked.bench.report import report
 from mooncaked.engine.batch import DecodeSeq, PrefillSeq, build_decode_batch, build_prefill_batch
+from mooncaked.kernels import cpu_moe
 from mooncaked.model.config import ModelArgs
 from mooncaked.model.hf_config import to_hf_config
 from mooncaked.model.loader import LoadedModel, load_model
@@ -106,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
     ours_moe = OursGenerator(moe, num_pages, args.block_size)
     ours_dense = OursGenerator(dense, num_pages, args.block_size)
     results: dict[str, Any] = {"model": MOE_MODEL, "dense_model": DENSE_MODEL, "threads": args.threads,
-                               "new_tokens": args.new_tokens, "dtype": "float32", "packing": args.packing}
+                               "new_tokens": args.new_tokens, "dtype": "float32", "packing": args.packing,
+                               "cpu_moe_kernel": cpu_moe.load() is not None}
     for batch_size in args.batch_sizes:
         print(f"decode batch {batch_size} ...", flush=True)
         results.update(measure_decode(moe, ours_moe, hf, batch_size, args.new_tokens, args.repeats))
@@ -127,6 +130,7 @@ def _num_pages(loaded: LoadedModel, args: argparse.Namespace) -> int:
 def _table(results: dict[str, Any], batch_sizes: list[int]) -> str:
     lines = [f"\n{results['model']} vs transformers (same checkpoint) and vs {results['dense_model']} (same active "
              f"parameters), fp32, {results['packing']} projections, {results['threads']} threads, "
+             f"CPU MoE kernel {'on' if results['cpu_moe_kernel'] else 'off (torch experts)'}, "
              f"{results['new_tokens']} new tokens",
              f"{'batch':>5} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6} {'cpu ratio':>9} {'same tokens':>12} "
              f"{'moe ms/step':>12} {'dense ms/step':>14} {'moe/dense':>10} {'(cpu)':>6}"]

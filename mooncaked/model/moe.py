@@ -8,10 +8,12 @@
 2. `weight_targets(prefix)` maps the Hugging Face tensors (`mlp.gate.weight`, `mlp.experts.{e}.gate_proj.weight`,
    ..., `mlp.shared_experts.*`) into those parameters; another shard's experts have no target.
 3. `forward(x)` routes every token (model.moe_routing), sorts the (token, expert) pairs by expert and runs each
-   expert once on its block of rows (`run_experts`): two grouped GEMMs (torch._grouped_mm: on CPU in fp32/bf16,
-   an expert without rows is never read; on CUDA in bf16, with no host synchronisation), else a loop over the
-   experts that got rows; a single token on CPU runs its K experts directly. Cost follows the active parameters:
-   no per-token loop and no dense pass over every expert.
+   expert once on its block of rows (`run_experts`): a decode step on CPU in fp32 (up to kernels.cpu_moe's
+   MAX_TOKENS tokens, one torch thread) through the C kernel, which reads each chosen expert's weights once at
+   memory speed; else two grouped GEMMs (torch._grouped_mm: on CPU in fp32/bf16, an expert without rows is never
+   read; on CUDA in bf16, with no host synchronisation), else a loop over the experts that got rows; without
+   the kernel a single token on CPU runs its K experts directly. Cost follows the active parameters: no
+   per-token loop and no dense pass over every expert.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mooncaked.kernels import cpu_moe
 from mooncaked.model.config import ShardShape
 from mooncaked.model.layers import Linear
 from mooncaked.model.moe_args import MoEArgs
@@ -90,10 +93,18 @@ def run_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
     x [T, H]; weights fp32 [T, K]; expert_ids int64 [T, K] in [0, num_experts); gate_up [E_local, H, 2I];
     down [E_local, I, H] -> [T, H] in x's dtype.
     """
+    if cpu_moe.is_usable(x, gate_up):  # a decode step on CPU in fp32: the C kernel streams each expert once
+        return cpu_moe.run_experts(x, weights, expert_ids, gate_up, down, expert_offset)
     if x.shape[0] == 1 and not x.is_cuda:
         return run_experts_one_token(x, weights, expert_ids, gate_up, down, expert_offset)
     if not is_grouped_mm_supported(x, gate_up):
         return run_experts_reference(x, weights, expert_ids, gate_up, down, expert_offset, num_experts)
+    return run_experts_grouped(x, weights, expert_ids, gate_up, down, expert_offset, num_experts)
+
+
+def run_experts_grouped(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor,
+                        down: torch.Tensor, expert_offset: int, num_experts: int) -> torch.Tensor:
+    """`run_experts` as two grouped GEMMs over the (token, expert) rows sorted by expert (is_grouped_mm_supported)."""
     inter = gate_up.shape[2] // 2
     num_local = gate_up.shape[0]
     groups = group_by_expert(expert_ids, num_experts)

@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from mooncaked.model.config import ShardShape
-from mooncaked.model.moe import SparseMoE, run_experts, run_experts_reference
+from mooncaked.kernels import cpu_moe
+from mooncaked.model.moe import (SparseMoE, run_experts, run_experts_grouped, run_experts_one_token,
+                                  run_experts_reference)
 from mooncaked.model.moe_args import MoEArgs
 from mooncaked.model.moe_routing import route
 
@@ -143,8 +145,19 @@ def _experts(num_experts: int, inter: int, seed: int) -> tuple[torch.Tensor, tor
                                                                                    generator=gen)
 
 
-EXPERT_PATHS = [run_experts, run_experts_reference]
-PATH_IDS = ["grouped-gemm", "per-expert-loop"]
+def _cpu_kernel(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                expert_offset: int, num_experts: int) -> torch.Tensor:
+    return cpu_moe.run_experts(x, weights, ids, gate_up, down, expert_offset)
+
+
+def _one_token_at_a_time(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                         down: torch.Tensor, expert_offset: int, num_experts: int) -> torch.Tensor:
+    return torch.cat([run_experts_one_token(x[t:t + 1], weights[t:t + 1], ids[t:t + 1], gate_up, down, expert_offset)
+                      for t in range(x.shape[0])])
+
+
+EXPERT_PATHS = [run_experts, run_experts_grouped, run_experts_reference, _cpu_kernel, _one_token_at_a_time]
+PATH_IDS = ["dispatch", "grouped-gemm", "per-expert-loop", "cpu-kernel", "one-token"]
 
 
 @pytest.mark.parametrize("run", EXPERT_PATHS, ids=PATH_IDS)
@@ -167,7 +180,7 @@ def test_grouped_experts_equal_dense_reference_and_shards_add_up(num_tokens: int
 
 
 @pytest.mark.parametrize("run", EXPERT_PATHS, ids=PATH_IDS)
-@pytest.mark.parametrize("num_tokens", [1, 4])  # one token on CPU: its experts run directly (run_experts_one_token)
+@pytest.mark.parametrize("num_tokens", [1, 4])
 def test_experts_no_token_chose_are_never_read(run: RunExperts, num_tokens: int) -> None:
     """NaN weights in every expert but the chosen ones: a dense pass (even masked by zero weights) would give NaN."""
     gate_up, down = _experts(8, 16, seed=6)

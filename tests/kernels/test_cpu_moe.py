@@ -1,0 +1,81 @@
+"""The C kernel of routed experts (kernels/cpu_moe): equal to the per-expert torch loop over random shapes,
+routings and expert-parallel shards (hypothesis), when the dispatcher takes it, and how its build fails."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mooncaked.kernels import cpu_moe
+from mooncaked.model.moe import run_experts_reference
+
+
+def test_the_kernel_builds_here_and_is_cached_by_its_source() -> None:
+    assert cpu_moe.load() is not None, "gcc is installed here: the kernel must build"
+    path = cpu_moe.build()
+    assert path == cpu_moe.library_path() and path.exists() and path.parent == cpu_moe.BUILD_DIR
+    assert cpu_moe.build() == path  # no second compile: the source's hash names the file
+
+
+@settings(max_examples=120, deadline=None)
+@given(num_tokens=st.integers(0, 40), num_experts=st.integers(1, 12), data=st.data(), hidden=st.integers(1, 70),
+       inter=st.integers(1, 40), seed=st.integers(0, 2**31 - 1))
+def test_the_kernel_equals_the_per_expert_loop(num_tokens: int, num_experts: int, data: st.DataObject, hidden: int,
+                                              inter: int, seed: int) -> None:
+    top_k = data.draw(st.integers(1, num_experts))
+    first = data.draw(st.integers(0, num_experts - 1))  # an expert-parallel shard: experts first .. last
+    last = data.draw(st.integers(first, num_experts - 1))
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=generator)
+    weights, ids = torch.rand(num_tokens, num_experts, generator=generator).softmax(-1).topk(top_k)
+    gate_up = torch.randn(num_experts, hidden, 2 * inter, generator=generator)
+    down = torch.randn(num_experts, inter, hidden, generator=generator)
+    shard = slice(first, last + 1)
+    got = cpu_moe.run_experts(x, weights, ids, gate_up[shard], down[shard], first)
+    expected = run_experts_reference(x, weights, ids, gate_up[shard], down[shard], first, num_experts)
+    assert got.shape == x.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-4)
+
+
+def test_views_are_made_contiguous_and_ids_may_be_int32() -> None:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 6, generator=generator).t()  # [6, 16], not contiguous
+    weights, ids = torch.rand(6, 4, generator=generator).topk(2)
+    gate_up, down = torch.randn(4, 16, 10, generator=generator), torch.randn(4, 5, 16, generator=generator)
+    expected = run_experts_reference(x.contiguous(), weights, ids, gate_up, down, 0, 4)
+    torch.testing.assert_close(cpu_moe.run_experts(x, weights, ids.to(torch.int32), gate_up, down, 0), expected)
+
+
+def test_the_dispatcher_takes_the_kernel_for_fp32_decode_steps_only() -> None:
+    gate_up = torch.zeros(2, 8, 4)
+    assert cpu_moe.is_usable(torch.zeros(cpu_moe.MAX_TOKENS, 8), gate_up)
+    assert not cpu_moe.is_usable(torch.zeros(cpu_moe.MAX_TOKENS + 1, 8), gate_up)  # a prefill chunk: torch
+    assert not cpu_moe.is_usable(torch.zeros(1, 8, dtype=torch.bfloat16), gate_up.bfloat16())
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(cpu_moe.MAX_THREADS + 1)
+        assert not cpu_moe.is_usable(torch.zeros(1, 8), gate_up)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_build_without_a_compiler_names_what_to_install(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(cpu_moe, "BUILD_DIR", tmp_path)
+    monkeypatch.setattr(cpu_moe.shutil, "which", lambda name: None)
+    with pytest.raises(RuntimeError, match="C compiler.*install gcc"):
+        cpu_moe.build()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_compile_leaves_no_library(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    broken = tmp_path / "cpu_moe.c"
+    broken.write_text("int moe_experts_f32( {\n")
+    monkeypatch.setattr(cpu_moe, "SOURCE", broken)
+    monkeypatch.setattr(cpu_moe, "BUILD_DIR", tmp_path / "build")
+    with pytest.raises(RuntimeError, match="building cpu_moe.c failed"):
+        cpu_moe.build()
+    assert list((tmp_path / "build").iterdir()) == []
