@@ -1,8 +1,10 @@
-/* Routed experts of a few tokens on one CPU thread, fp32 (kernels/cpu_moe.py builds and calls it).
+/* Routed experts of a few tokens on one CPU thread, weights fp32 or bfloat16 (kernels/cpu_moe.py builds and
+ * calls it).
  *
  * out[t] += sum over t's chosen experts e held here of weight[t, j] * down[e]^T (silu(gate) * up), where
  * [gate | up] = x[t] @ gate_up[e]. Shapes: x [T, H]; expert_ids int64 [T, K] (global ids); weights [T, K];
- * gate_up [E_local, H, 2I]; down [E_local, I, H]; out [T, H], accumulated into (the caller zeroes it).
+ * gate_up [E_local, H, 2I]; down [E_local, I, H]; out [T, H], accumulated into (the caller zeroes it); x, the
+ * routing weights, the intermediate and out are fp32, so a bfloat16 model's experts round only at the end.
  *
  * Why not torch: a decode step gives each expert 1-4 rows, and MKL's sgemm at that row count streams a cold
  * [512, 384] weight at 7-9 GB/s where one core reads memory at 20+ GB/s. Here every weight row is read once,
@@ -22,36 +24,55 @@
 #define MULTIVERSION
 #endif
 
-/* acc[0..n) += a * w[0..n) */
-static inline void axpy(float *restrict acc, const float *restrict w, float a, int64_t n) {
-    for (int64_t i = 0; i < n; i++) acc[i] += a * w[i];
+/* A weight value as fp32: fp32 as is; bfloat16's 16 bits are fp32's upper half, so widening is exact. */
+static inline float from_f32(float v) { return v; }
+
+static inline float from_bf16(uint16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
 }
 
-/* One expert over its m rows: h [m, 2I] scratch, rows [m] token ids, scales [m] routing weights. */
-MULTIVERSION
-static void run_expert(const float *restrict x, int64_t hidden, const float *restrict gate_up,
-                       const float *restrict down, int64_t inter, const int64_t *rows, const float *scales,
-                       int64_t m, float *restrict h, float *restrict out) {
-    const int64_t width = 2 * inter;
-    memset(h, 0, sizeof(float) * (size_t)(m * width));
-    for (int64_t k = 0; k < hidden; k++) {  /* gate_up row k: read once, applied to every row */
-        const float *w = gate_up + k * width;
-        for (int64_t r = 0; r < m; r++) axpy(h + r * width, w, x[rows[r] * hidden + k], width);
+/* run_expert_<suffix>: one expert over its m rows, weights of type W; h [m, 2I] fp32 scratch, rows [m] token ids,
+ * scales [m] routing weights. One function per weight type (no branch inside the loops gcc vectorizes). */
+#define DEFINE_RUN_EXPERT(suffix, W, widen)                                                                      \
+    MULTIVERSION                                                                                                  \
+    static void run_expert_##suffix(const float *restrict x, int64_t hidden, const W *restrict gate_up,          \
+                                    const W *restrict down, int64_t inter, const int64_t *rows,                  \
+                                    const float *scales, int64_t m, float *restrict h, float *restrict out) {    \
+        const int64_t width = 2 * inter;                                                                          \
+        memset(h, 0, sizeof(float) * (size_t)(m * width));                                                        \
+        for (int64_t k = 0; k < hidden; k++) { /* gate_up row k: read once, applied to every row */              \
+            const W *w = gate_up + k * width;                                                                     \
+            for (int64_t r = 0; r < m; r++) {                                                                     \
+                float *restrict acc = h + r * width;                                                              \
+                const float a = x[rows[r] * hidden + k];                                                          \
+                for (int64_t n = 0; n < width; n++) acc[n] += a * widen(w[n]);                                    \
+            }                                                                                                     \
+        }                                                                                                         \
+        for (int64_t r = 0; r < m; r++) { /* h[r, :I] <- scale * silu(gate) * up */                             \
+            float *g = h + r * width;                                                                             \
+            for (int64_t i = 0; i < inter; i++) g[i] = scales[r] * g[i] / (1.0f + expf(-g[i])) * g[inter + i];   \
+        }                                                                                                         \
+        for (int64_t i = 0; i < inter; i++) { /* down row i: read once */                                        \
+            const W *w = down + i * hidden;                                                                       \
+            for (int64_t r = 0; r < m; r++) {                                                                     \
+                float *restrict acc = out + rows[r] * hidden;                                                     \
+                const float a = h[r * width + i];                                                                 \
+                for (int64_t n = 0; n < hidden; n++) acc[n] += a * widen(w[n]);                                   \
+            }                                                                                                     \
+        }                                                                                                         \
     }
-    for (int64_t r = 0; r < m; r++) {  /* h[r, :I] <- scale * silu(gate) * up */
-        float *g = h + r * width;
-        for (int64_t i = 0; i < inter; i++) g[i] = scales[r] * g[i] / (1.0f + expf(-g[i])) * g[inter + i];
-    }
-    for (int64_t i = 0; i < inter; i++) {  /* down row i: read once */
-        const float *w = down + i * hidden;
-        for (int64_t r = 0; r < m; r++) axpy(out + rows[r] * hidden, w, h[r * width + i], hidden);
-    }
-}
 
-/* Returns 0, or -1 when scratch could not be allocated (out untouched then). */
-int moe_experts_f32(const float *x, int64_t num_tokens, int64_t hidden, const int64_t *expert_ids,
-                    const float *weights, int64_t top_k, const float *gate_up, const float *down,
-                    int64_t num_local, int64_t inter, int64_t expert_offset, float *out) {
+DEFINE_RUN_EXPERT(f32, float, from_f32)
+DEFINE_RUN_EXPERT(bf16, uint16_t, from_bf16)
+
+/* Returns 0, or -1 when scratch could not be allocated (out untouched then). is_bf16: gate_up and down hold
+ * bfloat16 (as uint16), else fp32. */
+int moe_experts(const float *x, int64_t num_tokens, int64_t hidden, const int64_t *expert_ids, const float *weights,
+                int64_t top_k, const void *gate_up, const void *down, int is_bf16, int64_t num_local, int64_t inter,
+                int64_t expert_offset, float *out) {
     const int64_t num_pairs = num_tokens * top_k;
     int64_t *rows = malloc(sizeof(int64_t) * (size_t)(num_pairs > 0 ? num_pairs : 1));
     float *scales = malloc(sizeof(float) * (size_t)(num_pairs > 0 ? num_pairs : 1));
@@ -69,9 +90,13 @@ int moe_experts_f32(const float *x, int64_t num_tokens, int64_t hidden, const in
                 m++;
             }
         }
-        if (m > 0)
-            run_expert(x, hidden, gate_up + e * hidden * 2 * inter, down + e * inter * hidden, inter, rows, scales,
-                       m, h, out);
+        if (m == 0) continue;
+        if (is_bf16)
+            run_expert_bf16(x, hidden, (const uint16_t *)gate_up + e * hidden * 2 * inter,
+                            (const uint16_t *)down + e * inter * hidden, inter, rows, scales, m, h, out);
+        else
+            run_expert_f32(x, hidden, (const float *)gate_up + e * hidden * 2 * inter,
+                           (const float *)down + e * inter * hidden, inter, rows, scales, m, h, out);
     }
     free(rows); free(scales); free(h);
     return 0;

@@ -8,7 +8,7 @@
 2. `weight_targets(prefix)` maps the Hugging Face tensors (`mlp.gate.weight`, `mlp.experts.{e}.gate_proj.weight`,
    ..., `mlp.shared_experts.*`) into those parameters; another shard's experts have no target.
 3. `forward(x)` routes every token (model.moe_routing), sorts the (token, expert) pairs by expert and runs each
-   expert once on its block of rows (`run_experts`): a decode step on CPU in fp32 (up to kernels.cpu_moe's
+   expert once on its block of rows (`run_experts`): a decode step on CPU in fp32 or bf16 (up to kernels.cpu_moe's
    MAX_TOKENS tokens, one torch thread) through the C kernel, which reads each chosen expert's weights once at
    memory speed; else two grouped GEMMs (torch._grouped_mm: on CPU in fp32/bf16, an expert without rows is never
    read; on CUDA in bf16, with no host synchronisation), else a loop over the experts that got rows; without
@@ -44,6 +44,8 @@ class SparseMoE(nn.Module):
                                                         device=device), requires_grad=False)
         self.experts_down = nn.Parameter(torch.empty(shape.num_experts, inter, hidden, dtype=dtype, device=device),
                                          requires_grad=False)
+        if torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+            cpu_moe.load()  # built (once per host and source) at model load, not in the first decode step
         self.shared_gate_up: Linear | None = None
         self.shared_down: Linear | None = None
         if shape.shared_intermediate_size:
@@ -93,7 +95,7 @@ def run_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
     x [T, H]; weights fp32 [T, K]; expert_ids int64 [T, K] in [0, num_experts); gate_up [E_local, H, 2I];
     down [E_local, I, H] -> [T, H] in x's dtype.
     """
-    if cpu_moe.is_usable(x, gate_up):  # a decode step on CPU in fp32: the C kernel streams each expert once
+    if cpu_moe.is_usable(x, gate_up):  # a decode step on CPU (fp32, bf16): the C kernel streams each expert once
         return cpu_moe.run_experts(x, weights, expert_ids, gate_up, down, expert_offset)
     if x.shape[0] == 1 and not x.is_cuda:
         return run_experts_one_token(x, weights, expert_ids, gate_up, down, expert_offset)
