@@ -73,7 +73,7 @@ def test_the_dispatcher_takes_the_kernel_for_fp32_and_bf16_decode_steps_only() -
 
 def test_a_build_without_a_compiler_names_what_to_install(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(cpu_moe, "BUILD_DIR", tmp_path)
-    monkeypatch.setattr(cpu_moe.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cpu_moe, "COMPILER", "no-such-compiler-here")
     with pytest.raises(RuntimeError, match="C compiler.*install gcc"):
         cpu_moe.build()
     assert list(tmp_path.iterdir()) == []
