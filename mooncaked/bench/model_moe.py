@@ -109,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
     ours_dense = OursGenerator(dense, num_pages, args.block_size)
     results: dict[str, Any] = {"model": MOE_MODEL, "dense_model": DENSE_MODEL, "threads": args.threads,
                                "new_tokens": args.new_tokens, "dtype": "float32", "packing": args.packing,
-                               "cpu_moe_kernel": cpu_moe.load() is not None}
+                               "cpu_moe_kernel": cpu_moe.load() is not None
+                               and torch.get_num_threads() <= cpu_moe.MAX_THREADS}
     for batch_size in args.batch_sizes:
         print(f"decode batch {batch_size} ...", flush=True)
         results.update(measure_decode(moe, ours_moe, hf, batch_size, args.new_tokens, args.repeats))

@@ -150,7 +150,7 @@ def _in_rotated_space(attend: AttendFn, matrix: torch.Tensor | None) -> AttendFn
     (attention commutes with an orthogonal rotation: q.k = (qR).(kR)). No matrix: `attend` itself."""
     if matrix is None:
         return attend
-    back = matrix.T.contiguous()
+    back = matrix.T  # R^-1 (a view: matmul reads it transposed)
 
     def rotated(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_rotated = rotate(k, matrix)

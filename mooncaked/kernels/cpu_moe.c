@@ -76,7 +76,8 @@ int moe_experts(const float *x, int64_t num_tokens, int64_t hidden, const int64_
     const int64_t num_pairs = num_tokens * top_k;
     int64_t *rows = malloc(sizeof(int64_t) * (size_t)(num_pairs > 0 ? num_pairs : 1));
     float *scales = malloc(sizeof(float) * (size_t)(num_pairs > 0 ? num_pairs : 1));
-    float *h = malloc(sizeof(float) * (size_t)((num_tokens > 0 ? num_tokens : 1) * 2 * inter));
+    /* an expert's rows are at most every pair (a token naming one expert twice gets a row per naming) */
+    float *h = malloc(sizeof(float) * (size_t)((num_pairs > 0 ? num_pairs : 1) * 2 * inter));
     if (!rows || !scales || !h) {
         free(rows); free(scales); free(h);
         return -1;

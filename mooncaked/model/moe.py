@@ -9,7 +9,7 @@
    ..., `mlp.shared_experts.*`) into those parameters; another shard's experts have no target.
 3. `forward(x)` routes every token (model.moe_routing), sorts the (token, expert) pairs by expert and runs each
    expert once on its block of rows (`run_experts`): a decode step on CPU in fp32 or bf16 (up to kernels.cpu_moe's
-   MAX_TOKENS tokens, one torch thread) through the C kernel, which reads each chosen expert's weights once at
+   MAX_TOKENS tokens and MAX_THREADS torch threads) through the C kernel, which reads each chosen expert's weights once at
    memory speed; else two grouped GEMMs (torch._grouped_mm: on CPU in fp32/bf16, an expert without rows is never
    read; on CUDA in bf16, with no host synchronisation), else a loop over the experts that got rows; without
    the kernel a single token on CPU runs its K experts directly. Cost follows the active parameters: no

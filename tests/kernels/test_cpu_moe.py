@@ -56,6 +56,17 @@ def test_views_are_made_contiguous_and_ids_may_be_int32() -> None:
     torch.testing.assert_close(cpu_moe.run_experts(x, weights, ids.to(torch.int32), gate_up, down, 0), expected)
 
 
+def test_a_token_naming_one_expert_twice_gets_it_twice() -> None:
+    """Routers never repeat an expert in a token's top-k, but the kernel's scratch holds a row per (token, expert)
+    pair, so repeated ids (every pair on expert 1) still sum like the torch loop instead of overrunning it."""
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 8, generator=generator)
+    ids, weights = torch.ones(3, 4, dtype=torch.int64), torch.full((3, 4), 0.25)
+    gate_up, down = torch.randn(2, 8, 6, generator=generator), torch.randn(2, 3, 8, generator=generator)
+    expected = run_experts_reference(x, weights, ids, gate_up, down, 0, 2)
+    torch.testing.assert_close(cpu_moe.run_experts(x, weights, ids, gate_up, down, 0), expected)
+
+
 def test_the_dispatcher_takes_the_kernel_for_fp32_and_bf16_decode_steps_only() -> None:
     gate_up = torch.zeros(2, 8, 4)
     assert cpu_moe.is_usable(torch.zeros(cpu_moe.MAX_TOKENS, 8), gate_up)
